@@ -1,0 +1,644 @@
+//! bitsandbytes' safetensors layout for 4-bit weights, and quantizing safetensors files and model folders into it.
+//!
+//! A quantized weight `P.weight` is stored as (bitsandbytes `QuantState.as_dict(packed=True)`):
+//!
+//! | key | content |
+//! |---|---|
+//! | `P.weight` | packed codes, U8 `[(n+1)/2, 1]` (other storage dtypes are read as raw bytes) |
+//! | `P.weight.absmax` | U8 codes (double quant) or F32 absmax, one per block |
+//! | `P.weight.quant_map` | F32 `[16]`, the 4-bit codebook |
+//! | `P.weight.nested_absmax` | F32, one per 256 absmax codes (double quant only) |
+//! | `P.weight.nested_quant_map` | F32 `[256]`, the signed dynamic map (double quant only) |
+//! | `P.weight.quant_state.bitsandbytes__nf4` (or `__fp4`) | U8 bytes of a JSON object: `quant_type`, `blocksize`, `dtype`, `shape` (+ `nested_blocksize`, `nested_dtype`, `nested_offset`) |
+//!
+//! Loading always uses the maps stored in the file, so checkpoints quantized on any host load exactly.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::DType;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::Deserialize;
+
+use super::safetensors::{
+    candle_float_dtype, partial_path, view_to_f32, write_safetensors, MappedSafetensors, RawTensor,
+};
+use crate::error::{Error, Result};
+use crate::quant::{
+    check_nested_blocksize, BlockScales, NestedAbsmax, Nf4Tensor, QuantConfig, QuantType,
+};
+
+const QUANT_STATE_KEY: &str = ".quant_state.bitsandbytes__";
+
+/// The JSON blob of `P.weight.quant_state.bitsandbytes__<type>`.
+#[derive(Debug, Deserialize)]
+struct QuantStateJson {
+    quant_type: String,
+    blocksize: usize,
+    dtype: String,
+    shape: Vec<usize>,
+    nested_blocksize: Option<usize>,
+    nested_dtype: Option<String>,
+    nested_offset: Option<f64>,
+}
+
+/// torch's dtype names as bitsandbytes writes them (`str(dtype).strip("torch.")`).
+fn torch_dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+fn dtype_from_torch_name(name: &str) -> Option<DType> {
+    match name {
+        "float32" => Some(DType::F32),
+        "float16" => Some(DType::F16),
+        "bfloat16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// Formats a float like Python's `repr` (shortest round-trip digits; exponent form below 1e-4 or from 1e16).
+fn python_float_repr(x: f64) -> String {
+    if x == 0.0 {
+        return if x.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
+    }
+    let sci = format!("{x:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = format!("{x}");
+        if s.contains('.') {
+            s
+        } else {
+            format!("{s}.0")
+        }
+    } else {
+        format!(
+            "{mantissa}e{}{:02}",
+            if exp < 0 { '-' } else { '+' },
+            exp.abs()
+        )
+    }
+}
+
+/// The quant-state JSON exactly as bitsandbytes serializes it (`json.dumps` key order and separators).
+fn quant_state_json(t: &Nf4Tensor) -> String {
+    let shape: Vec<String> = t.shape().iter().map(|d| d.to_string()).collect();
+    let mut json = format!(
+        "{{\"quant_type\": \"{}\", \"blocksize\": {}, \"dtype\": \"{}\", \"shape\": [{}]",
+        t.quant_type(),
+        t.blocksize(),
+        torch_dtype_name(t.dtype()),
+        shape.join(", ")
+    );
+    if let BlockScales::Nested(n) = t.scales() {
+        json.push_str(&format!(
+            ", \"nested_blocksize\": {}, \"nested_dtype\": \"float32\", \"nested_offset\": {}",
+            n.blocksize,
+            python_float_repr(n.offset as f64)
+        ));
+    }
+    json.push('}');
+    json
+}
+
+/// The tensors that store quantized weight `name` in bitsandbytes' layout.
+pub fn bnb_entries(name: &str, t: &Nf4Tensor) -> Vec<(String, RawTensor<'static>)> {
+    let mut out = vec![
+        (
+            name.to_string(),
+            RawTensor::u8(vec![t.packed().len(), 1], t.packed().to_vec()),
+        ),
+        (
+            format!("{name}.quant_map"),
+            RawTensor::f32(vec![16], t.code()),
+        ),
+        (
+            format!("{name}{QUANT_STATE_KEY}{}", t.quant_type()),
+            RawTensor::u8(
+                vec![quant_state_json(t).len()],
+                quant_state_json(t).into_bytes(),
+            ),
+        ),
+    ];
+    match t.scales() {
+        BlockScales::Plain(absmax) => out.push((
+            format!("{name}.absmax"),
+            RawTensor::f32(vec![absmax.len()], absmax),
+        )),
+        BlockScales::Nested(n) => {
+            out.push((
+                format!("{name}.absmax"),
+                RawTensor::u8(vec![n.codes.len()], n.codes.clone()),
+            ));
+            out.push((
+                format!("{name}.nested_absmax"),
+                RawTensor::f32(vec![n.absmax.len()], &n.absmax),
+            ));
+            out.push((
+                format!("{name}.nested_quant_map"),
+                RawTensor::f32(vec![n.code.len()], &n.code),
+            ));
+        }
+    }
+    out
+}
+
+/// Names of the bitsandbytes-quantized weights in a file (those with a `quant_state` entry).
+pub fn quantized_weight_names(st: &SafeTensors<'_>) -> Vec<String> {
+    let mut names: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter_map(|k| k.find(QUANT_STATE_KEY).map(|i| k[..i].to_string()))
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Reads quantized weight `name` from a parsed file; `path` is for error messages.
+pub fn read_bnb_weight(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<Nf4Tensor> {
+    let bad = |reason: String| Error::InvalidQuantState {
+        name: name.to_string(),
+        reason: format!("{reason} (in `{}`)", path.display()),
+    };
+    let get = |key: &str| -> Result<TensorView<'_>> {
+        st.tensor(key)
+            .map_err(|_| bad(format!("tensor `{key}` is missing")))
+    };
+    let state_keys: Vec<String> = st
+        .names()
+        .into_iter()
+        .filter(|k| {
+            k.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(QUANT_STATE_KEY))
+        })
+        .map(str::to_string)
+        .collect();
+    let state_key = match state_keys.as_slice() {
+        [one] => one.clone(),
+        [] => return Err(bad(format!("no `{name}{QUANT_STATE_KEY}nf4|fp4` entry"))),
+        many => return Err(bad(format!("several quant-state entries: {many:?}"))),
+    };
+    let suffix = &state_key[name.len() + QUANT_STATE_KEY.len()..];
+    let key_type: QuantType = suffix.parse().map_err(|_| {
+        bad(format!(
+            "`{state_key}` names quant type `{suffix}`; only nf4 and fp4 are supported"
+        ))
+    })?;
+    let json_bytes = get(&state_key)?.data().to_vec();
+    let state: QuantStateJson = serde_json::from_slice(&json_bytes).map_err(|e| {
+        bad(format!(
+            "`{state_key}` is not the expected JSON ({e}); the file may be corrupt"
+        ))
+    })?;
+    let quant_type: QuantType = state.quant_type.parse().map_err(|_| {
+        bad(format!(
+            "`{state_key}` has quant_type `{}`; only nf4 and fp4 are supported",
+            state.quant_type
+        ))
+    })?;
+    if quant_type != key_type {
+        return Err(bad(format!(
+            "`{state_key}` says quant_type `{}`",
+            state.quant_type
+        )));
+    }
+    let dtype = dtype_from_torch_name(&state.dtype).ok_or_else(|| {
+        bad(format!(
+            "`{state_key}` has dtype `{}`; expected float32, float16 or bfloat16",
+            state.dtype
+        ))
+    })?;
+
+    let packed = get(name)?.data().to_vec();
+    let code_view = get(&format!("{name}.quant_map"))?;
+    let code_vec =
+        f32_values(&code_view).ok_or_else(|| bad("`quant_map` is not float32".into()))?;
+    let code: [f32; 16] = code_vec
+        .try_into()
+        .map_err(|v: Vec<f32>| bad(format!("`quant_map` has {} entries, expected 16", v.len())))?;
+    let absmax_view = get(&format!("{name}.absmax"))?;
+    let scales =
+        match (state.nested_offset, state.nested_blocksize) {
+            (Some(offset), Some(nested_blocksize)) => {
+                check_nested_blocksize(nested_blocksize).map_err(bad)?;
+                if let Some(d) = state.nested_dtype.as_deref().filter(|d| *d != "float32") {
+                    return Err(bad(format!(
+                        "nested_dtype `{d}` is not supported (bitsandbytes writes float32)"
+                    )));
+                }
+                if absmax_view.dtype() != Dtype::U8 {
+                    return Err(bad(format!(
+                        "`absmax` is {:?}; double-quantized absmax must be U8 codes",
+                        absmax_view.dtype()
+                    )));
+                }
+                let nested_absmax = f32_values(&get(&format!("{name}.nested_absmax"))?)
+                    .ok_or_else(|| bad("`nested_absmax` is not float32".into()))?;
+                let nested_code = f32_values(&get(&format!("{name}.nested_quant_map"))?)
+                    .ok_or_else(|| bad("`nested_quant_map` is not float32".into()))?;
+                BlockScales::Nested(NestedAbsmax {
+                    codes: absmax_view.data().to_vec(),
+                    absmax: nested_absmax,
+                    code: nested_code,
+                    offset: offset as f32,
+                    blocksize: nested_blocksize,
+                })
+            }
+            (None, None) => BlockScales::Plain(f32_values(&absmax_view).ok_or_else(|| {
+                bad("`absmax` is not float32 and there is no nested state".into())
+            })?),
+            _ => {
+                return Err(bad(
+                    "the JSON has only part of the nested state (nested_offset / nested_blocksize)"
+                        .into(),
+                ))
+            }
+        };
+    Nf4Tensor::from_parts(
+        packed,
+        scales,
+        code,
+        state.shape,
+        dtype,
+        quant_type,
+        state.blocksize,
+    )
+    .map_err(|e| bad(e.to_string()))
+}
+
+fn f32_values(view: &TensorView<'_>) -> Option<Vec<f32>> {
+    (view.dtype() == Dtype::F32)
+        .then(|| view_to_f32(view))
+        .flatten()
+}
+
+/// Every quantized weight of a bitsandbytes safetensors file, by name.
+pub fn read_bnb_file(path: impl AsRef<Path>) -> Result<BTreeMap<String, Nf4Tensor>> {
+    let file = MappedSafetensors::open(path.as_ref())?;
+    let st = file.tensors()?;
+    quantized_weight_names(&st)
+        .into_iter()
+        .map(|name| read_bnb_weight(&st, &name, file.path()).map(|t| (name, t)))
+        .collect()
+}
+
+/// Writes quantized weights (and nothing else) to a safetensors file in bitsandbytes' layout, atomically.
+pub fn write_bnb_file<'a>(
+    path: impl AsRef<Path>,
+    weights: impl IntoIterator<Item = (&'a str, &'a Nf4Tensor)>,
+) -> Result<()> {
+    let entries = weights
+        .into_iter()
+        .flat_map(|(name, t)| bnb_entries(name, t));
+    write_safetensors(
+        path.as_ref(),
+        entries,
+        Some(HashMap::from([("format".to_string(), "pt".to_string())])),
+    )
+}
+
+/// Modules transformers never turns into 4-bit layers: embeddings and the output head.
+const NOT_QUANTIZED_MODULES: [&str; 6] = [
+    "lm_head",
+    "embed_tokens",
+    "embed_out",
+    "wte",
+    "wpe",
+    "word_embeddings",
+];
+
+/// True for the weights transformers' bitsandbytes integration quantizes: 2-D `*.weight` tensors of linear layers,
+/// not embeddings, norms or `lm_head`.
+pub fn is_quantizable_linear(name: &str, shape: &[usize]) -> bool {
+    let Some(module) = name.strip_suffix(".weight") else {
+        return false;
+    };
+    let last = module.rsplit('.').next().unwrap_or(module);
+    shape.len() == 2 && !NOT_QUANTIZED_MODULES.contains(&last) && !last.contains("norm")
+}
+
+/// Options for [`quantize_path`].
+#[derive(Clone, Debug)]
+pub struct QuantizeOptions {
+    /// How to quantize each linear weight.
+    pub config: QuantConfig,
+    /// `bnb_4bit_compute_dtype` written to a model folder's `config.json` (`bfloat16`, `float16`, `float32`).
+    pub compute_dtype: String,
+    /// Replace an existing output (it is only removed once the new output is complete).
+    pub overwrite: bool,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        QuantizeOptions {
+            config: QuantConfig::nf4(),
+            compute_dtype: "bfloat16".into(),
+            overwrite: false,
+        }
+    }
+}
+
+/// What [`quantize_path`] did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QuantizeReport {
+    /// Linear weights quantized.
+    pub quantized_tensors: usize,
+    /// Parameters in those weights.
+    pub quantized_params: usize,
+    /// Bytes those weights take after quantization (codes and statistics).
+    pub quantized_bytes: usize,
+    /// Tensors copied unchanged (embeddings, norms, `lm_head`, biases).
+    pub kept_tensors: usize,
+    /// Safetensors files written.
+    pub files: Vec<PathBuf>,
+}
+
+impl QuantizeReport {
+    /// Bits per quantized parameter.
+    pub fn bits_per_parameter(&self) -> f64 {
+        self.quantized_bytes as f64 * 8.0 / self.quantized_params.max(1) as f64
+    }
+}
+
+/// Quantizes a `.safetensors` file or a model folder (see [`quantize_file`] and [`quantize_model_dir`]).
+pub fn quantize_path(
+    input: &Path,
+    output: &Path,
+    options: &QuantizeOptions,
+) -> Result<QuantizeReport> {
+    if input.is_dir() {
+        quantize_model_dir(input, output, options)
+    } else {
+        quantize_file(input, output, options)
+    }
+}
+
+fn refuse_existing(output: &Path, options: &QuantizeOptions) -> Result<()> {
+    if output.exists() && !options.overwrite {
+        return Err(Error::WouldOverwrite(format!(
+            "`{}` already exists; choose another output or pass --overwrite to replace it",
+            output.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Quantizes every linear weight of one safetensors file into bitsandbytes' layout and copies the other tensors.
+pub fn quantize_file(
+    input: &Path,
+    output: &Path,
+    options: &QuantizeOptions,
+) -> Result<QuantizeReport> {
+    options.config.validate()?;
+    refuse_existing(output, options)?;
+    let mut report = QuantizeReport::default();
+    quantize_one_file(input, output, options, &mut report)?;
+    Ok(report)
+}
+
+/// Quantizes `input` into `output` (which must not exist or may be replaced), adding to `report`.
+fn quantize_one_file(
+    input: &Path,
+    output: &Path,
+    options: &QuantizeOptions,
+    report: &mut QuantizeReport,
+) -> Result<BTreeMap<String, usize>> {
+    let file = MappedSafetensors::open(input)?;
+    let st = file.tensors()?;
+    if let Some(already) = quantized_weight_names(&st).first() {
+        return Err(Error::invalid_file(
+            input,
+            format!("`{already}` is already bitsandbytes-quantized; quantize the original (unquantized) weights"),
+        ));
+    }
+    let mut entries: Vec<(String, RawTensor<'_>)> = Vec::new();
+    let mut names: Vec<&str> = st.names();
+    names.sort();
+    for name in names {
+        let view = st
+            .tensor(name)
+            .map_err(|e| Error::invalid_file(input, format!("tensor `{name}`: {e}")))?;
+        let dtype = candle_float_dtype(view.dtype());
+        match dtype {
+            Some(dtype) if is_quantizable_linear(name, view.shape()) => {
+                let values = view_to_f32(&view).unwrap_or_default();
+                let q = Nf4Tensor::quantize_values(
+                    &values,
+                    view.shape(),
+                    dtype,
+                    &options.config,
+                    name,
+                )?;
+                report.quantized_tensors += 1;
+                report.quantized_params += q.elem_count();
+                report.quantized_bytes += q.size_in_bytes();
+                entries.extend(bnb_entries(name, &q));
+            }
+            _ => {
+                report.kept_tensors += 1;
+                entries.push((name.to_string(), RawTensor::from_view(&view)));
+            }
+        }
+    }
+    let sizes = entries
+        .iter()
+        .map(|(k, t)| (k.clone(), t.data.len()))
+        .collect();
+    let metadata = file
+        .metadata()?
+        .or_else(|| Some(HashMap::from([("format".to_string(), "pt".to_string())])));
+    write_safetensors(output, entries, metadata)?;
+    report.files.push(output.to_path_buf());
+    Ok(sizes)
+}
+
+/// Quantizes a Hugging Face model folder: every safetensors shard (same file names), the shard index, and
+/// `config.json` with the `quantization_config` transformers expects, so `AutoModelForCausalLM.from_pretrained`
+/// loads the result with bitsandbytes. Tokenizer and other files are copied. The folder is built next to `output`
+/// and renamed into place when complete.
+pub fn quantize_model_dir(
+    input: &Path,
+    output: &Path,
+    options: &QuantizeOptions,
+) -> Result<QuantizeReport> {
+    options.config.validate()?;
+    refuse_existing(output, options)?;
+    let config_path = input.join("config.json");
+    let config_text = std::fs::read_to_string(&config_path)
+        .map_err(|e| Error::io("cannot read", &config_path, e))?;
+    let mut config: serde_json::Value = serde_json::from_str(&config_text)
+        .map_err(|e| Error::invalid_file(&config_path, format!("not valid JSON: {e}")))?;
+    let Some(config_obj) = config.as_object_mut() else {
+        return Err(Error::invalid_file(&config_path, "expected a JSON object"));
+    };
+    if config_obj.contains_key("quantization_config") {
+        return Err(Error::invalid_file(
+            &config_path,
+            "the model is already quantized (`quantization_config` is set)",
+        ));
+    }
+    config_obj.insert(
+        "quantization_config".into(),
+        quantization_config_json(options),
+    );
+
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(input)
+        .map_err(|e| Error::io("cannot list", input, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file())
+        .collect();
+    entries.sort();
+    let shards: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    if shards.is_empty() {
+        return Err(Error::invalid_file(
+            input,
+            "no *.safetensors weights in this folder (pytorch_model.bin is not supported: save the model with safetensors)",
+        ));
+    }
+
+    let staging = partial_path(output);
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
+    let result = (|| -> Result<QuantizeReport> {
+        let mut report = QuantizeReport::default();
+        let mut weight_map = BTreeMap::new();
+        let mut total_size = 0usize;
+        for shard in &shards {
+            let file_name = shard
+                .file_name()
+                .map(|n| n.to_os_string())
+                .unwrap_or_default();
+            let sizes = quantize_one_file(shard, &staging.join(&file_name), options, &mut report)?;
+            for (key, size) in sizes {
+                total_size += size;
+                weight_map.insert(
+                    key,
+                    serde_json::Value::String(file_name.to_string_lossy().into_owned()),
+                );
+            }
+        }
+        report.files = report
+            .files
+            .iter()
+            .map(|f| output.join(f.file_name().unwrap_or_default()))
+            .collect();
+        if input.join("model.safetensors.index.json").exists() {
+            let index = serde_json::json!({ "metadata": { "total_size": total_size }, "weight_map": weight_map });
+            write_json(&staging.join("model.safetensors.index.json"), &index)?;
+        }
+        write_json(&staging.join("config.json"), &config)?;
+        for path in &entries {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let is_weights = name.ends_with(".safetensors")
+                || name == "model.safetensors.index.json"
+                || name == "config.json"
+                || [".bin", ".pt", ".pth", ".gguf"]
+                    .iter()
+                    .any(|ext| name.ends_with(ext));
+            if !is_weights {
+                std::fs::copy(path, staging.join(&name))
+                    .map_err(|e| Error::io("cannot copy", path, e))?;
+            }
+        }
+        Ok(report)
+    })();
+    let report = match result {
+        Ok(report) => report,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    if output.exists() {
+        // --overwrite: the old output goes only now that the new one is complete.
+        std::fs::remove_dir_all(output)
+            .or_else(|_| std::fs::remove_file(output))
+            .map_err(|e| Error::io("cannot replace", output, e))?;
+    }
+    std::fs::rename(&staging, output)
+        .map_err(|e| Error::io("cannot move into place", output, e))?;
+    Ok(report)
+}
+
+/// transformers' `BitsAndBytesConfig.to_dict()` for a 4-bit config.
+fn quantization_config_json(options: &QuantizeOptions) -> serde_json::Value {
+    serde_json::json!({
+        "_load_in_4bit": true,
+        "_load_in_8bit": false,
+        "bnb_4bit_compute_dtype": options.compute_dtype,
+        "bnb_4bit_quant_storage": "uint8",
+        "bnb_4bit_quant_type": options.config.quant_type.as_str(),
+        "bnb_4bit_use_double_quant": options.config.double_quant,
+        "llm_int8_enable_fp32_cpu_offload": false,
+        "llm_int8_has_fp16_weight": false,
+        "llm_int8_skip_modules": null,
+        "llm_int8_threshold": 6.0,
+        "load_in_4bit": true,
+        "load_in_8bit": false,
+        "quant_method": "bitsandbytes",
+    })
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Error::invalid_file(path, e.to_string()))?
+        + "\n";
+    std::fs::write(path, text).map_err(|e| Error::io("cannot write", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn python_repr_of_floats() {
+        assert_eq!(
+            python_float_repr(0.051685333251953125),
+            "0.051685333251953125"
+        );
+        assert_eq!(python_float_repr(1.0), "1.0");
+        assert_eq!(python_float_repr(1e-5), "1e-05");
+        assert_eq!(python_float_repr(1.5e-7), "1.5e-07");
+        assert_eq!(python_float_repr(0.0001), "0.0001");
+        assert_eq!(python_float_repr(-0.00012345), "-0.00012345");
+        assert_eq!(python_float_repr(1e16), "1e+16");
+        assert_eq!(python_float_repr(123.0), "123.0");
+    }
+
+    #[test]
+    fn linear_weights_are_recognized() {
+        assert!(is_quantizable_linear(
+            "model.layers.0.self_attn.q_proj.weight",
+            &[64, 64]
+        ));
+        assert!(is_quantizable_linear(
+            "model.layers.3.mlp.down_proj.weight",
+            &[64, 128]
+        ));
+        assert!(!is_quantizable_linear(
+            "model.embed_tokens.weight",
+            &[100, 64]
+        ));
+        assert!(!is_quantizable_linear("lm_head.weight", &[100, 64]));
+        assert!(!is_quantizable_linear("model.norm.weight", &[64]));
+        assert!(!is_quantizable_linear(
+            "model.layers.0.self_attn.q_proj.bias",
+            &[64]
+        ));
+    }
+}

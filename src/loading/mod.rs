@@ -1,0 +1,7 @@
+//! Reading and writing model files.
+//!
+//! - [`safetensors`]: memory-mapped safetensors files, raw tensors for writing, atomic file output.
+//! - [`bnb`]: bitsandbytes' 4-bit checkpoint layout (`*-bnb-4bit` models) and quantizing files and model folders.
+
+pub mod bnb;
+pub mod safetensors;

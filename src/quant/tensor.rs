@@ -1,0 +1,496 @@
+//! [`Nf4Tensor`]: a weight quantized to 4 bits exactly as bitsandbytes does (NF4 or FP4, optional double
+//! quantization), with its statistics, and the way back to a dense tensor.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::config::{QuantConfig, QuantType, ALLOWED_BLOCKSIZES, NESTED_BLOCKSIZE};
+use super::cpu::{self, NestedAbsmax};
+use crate::error::{Error, Result};
+
+/// The per-block scales of a 4-bit tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BlockScales {
+    /// One float32 absmax per block.
+    Plain(Vec<f32>),
+    /// Double quantization: 8-bit codes per block with their own scales and offset.
+    Nested(NestedAbsmax),
+}
+
+impl BlockScales {
+    /// Number of 4-bit blocks these scales cover.
+    pub fn len(&self) -> usize {
+        match self {
+            BlockScales::Plain(a) => a.len(),
+            BlockScales::Nested(n) => n.codes.len(),
+        }
+    }
+
+    /// True when there are no blocks (never for a valid tensor).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The float32 absmax of every block (dequantizing the nested codes if double-quantized).
+    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            BlockScales::Plain(a) => std::borrow::Cow::Borrowed(a),
+            BlockScales::Nested(n) => std::borrow::Cow::Owned(n.dequantize()),
+        }
+    }
+
+    /// Bytes these statistics take in a checkpoint (codes, scales, map and offset).
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            BlockScales::Plain(a) => a.len() * 4,
+            BlockScales::Nested(n) => n.codes.len() + n.absmax.len() * 4 + n.code.len() * 4 + 4,
+        }
+    }
+}
+
+/// A weight stored in 4 bits, bit-compatible with bitsandbytes' `Params4bit` + `QuantState`.
+///
+/// The elements of the row-major weight are split into blocks of `blocksize`; each element is the code of
+/// `w / absmax(block)` in a 16-value codebook, two codes per byte (even element in the high nibble).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Nf4Tensor {
+    packed: Vec<u8>,
+    scales: BlockScales,
+    code: [f32; 16],
+    shape: Vec<usize>,
+    dtype: DType,
+    quant_type: QuantType,
+    blocksize: usize,
+}
+
+impl Nf4Tensor {
+    /// Quantizes a float tensor (f32, f16 or bf16, any device) with `config`.
+    ///
+    /// Non-finite values are an error: bitsandbytes would silently turn their whole block into garbage codes.
+    pub fn quantize(tensor: &Tensor, config: &QuantConfig) -> Result<Self> {
+        Self::quantize_named(tensor, config, "<tensor>")
+    }
+
+    /// [`Nf4Tensor::quantize`] with the tensor's name for error messages.
+    pub fn quantize_named(tensor: &Tensor, config: &QuantConfig, name: &str) -> Result<Self> {
+        config.validate()?;
+        let dtype = tensor.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(Error::Quantize {
+                name: name.into(),
+                reason: format!(
+                    "dtype {dtype:?} is not supported: 4-bit quantization takes f32, f16 or bf16"
+                ),
+            });
+        }
+        if tensor.elem_count() == 0 {
+            return Err(Error::Quantize {
+                name: name.into(),
+                reason: "the tensor has no elements".into(),
+            });
+        }
+        let values = tensor
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        Self::quantize_values(&values, tensor.dims(), dtype, config, name)
+    }
+
+    /// Quantizes already-flattened float32 `values` of a tensor whose shape is `shape` and original dtype `dtype`
+    /// (the dtype dequantization returns by default and the checkpoint records).
+    pub fn quantize_values(
+        values: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        config: &QuantConfig,
+        name: &str,
+    ) -> Result<Self> {
+        config.validate()?;
+        if shape.iter().product::<usize>() != values.len() {
+            return Err(Error::Quantize {
+                name: name.into(),
+                reason: format!("shape {shape:?} does not hold {} values", values.len()),
+            });
+        }
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Quantize {
+                name: name.into(),
+                reason: format!(
+                    "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
+                    values[i]
+                ),
+            });
+        }
+        let (packed, absmax) =
+            cpu::quantize_4bit(values, config.blocksize, config.quant_type, config.kernels);
+        let scales = if config.double_quant {
+            BlockScales::Nested(cpu::quantize_nested(&absmax, config.kernels))
+        } else {
+            BlockScales::Plain(absmax)
+        };
+        Ok(Nf4Tensor {
+            packed,
+            scales,
+            code: *config.quant_type.code(),
+            shape: shape.to_vec(),
+            dtype,
+            quant_type: config.quant_type,
+            blocksize: config.blocksize,
+        })
+    }
+
+    /// Builds a tensor from stored parts (a checkpoint), checking that they fit together.
+    pub fn from_parts(
+        packed: Vec<u8>,
+        scales: BlockScales,
+        code: [f32; 16],
+        shape: Vec<usize>,
+        dtype: DType,
+        quant_type: QuantType,
+        blocksize: usize,
+    ) -> Result<Self> {
+        let bad = |reason: String| Err(Error::InvalidQuantConfig(reason));
+        if !ALLOWED_BLOCKSIZES.contains(&blocksize) {
+            return bad(format!(
+                "blocksize {blocksize} is not one of {ALLOWED_BLOCKSIZES:?}"
+            ));
+        }
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return bad(format!(
+                "dtype {dtype:?} is not a float dtype bitsandbytes quantizes"
+            ));
+        }
+        let n: usize = shape.iter().product();
+        if n == 0 {
+            return bad(format!("shape {shape:?} has no elements"));
+        }
+        if packed.len() != n.div_ceil(2) {
+            return bad(format!(
+                "{} packed bytes for shape {shape:?}: expected {} (two 4-bit codes per byte)",
+                packed.len(),
+                n.div_ceil(2)
+            ));
+        }
+        let n_blocks = n.div_ceil(blocksize);
+        if scales.len() != n_blocks {
+            return bad(format!(
+                "{} absmax values for {n} elements at blocksize {blocksize}: expected {n_blocks}",
+                scales.len()
+            ));
+        }
+        if let BlockScales::Nested(nested) = &scales {
+            if nested.blocksize == 0
+                || nested.absmax.len() != nested.codes.len().div_ceil(nested.blocksize)
+            {
+                return bad(format!(
+                    "{} nested absmax values for {} codes at nested blocksize {}",
+                    nested.absmax.len(),
+                    nested.codes.len(),
+                    nested.blocksize
+                ));
+            }
+            if nested.code.len() != 256 {
+                return bad(format!(
+                    "nested quant map has {} entries, expected 256",
+                    nested.code.len()
+                ));
+            }
+        }
+        Ok(Nf4Tensor {
+            packed,
+            scales,
+            code,
+            shape,
+            dtype,
+            quant_type,
+            blocksize,
+        })
+    }
+
+    /// Dequantizes to a dense CPU tensor of `dtype` (f32, f16 or bf16): `code[c] * absmax` in float32, then
+    /// rounded to `dtype` (round to nearest even), bit-identical to bitsandbytes' `dequantize_4bit`.
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        let n = self.elem_count();
+        let absmax = self.scales.to_f32();
+        let tensor = match dtype {
+            DType::F32 => {
+                let mut out = vec![0.0f32; n];
+                cpu::dequantize_4bit(
+                    &self.packed,
+                    &absmax,
+                    &self.code,
+                    self.blocksize,
+                    &mut out,
+                    |x| x,
+                );
+                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
+            }
+            DType::BF16 => {
+                let mut out = vec![half::bf16::ZERO; n];
+                cpu::dequantize_4bit(
+                    &self.packed,
+                    &absmax,
+                    &self.code,
+                    self.blocksize,
+                    &mut out,
+                    half::bf16::from_f32,
+                );
+                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
+            }
+            DType::F16 => {
+                let mut out = vec![half::f16::ZERO; n];
+                cpu::dequantize_4bit(
+                    &self.packed,
+                    &absmax,
+                    &self.code,
+                    self.blocksize,
+                    &mut out,
+                    half::f16::from_f32,
+                );
+                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
+            }
+            other => {
+                return Err(Error::InvalidQuantConfig(format!(
+                    "cannot dequantize to {other:?}: use f32, f16 or bf16"
+                )))
+            }
+        };
+        Ok(tensor)
+    }
+
+    /// Dequantizes into a float32 buffer of [`Nf4Tensor::elem_count`] elements (no allocation for the output).
+    pub fn dequantize_into(&self, out: &mut [f32]) -> Result<()> {
+        if out.len() != self.elem_count() {
+            return Err(Error::InvalidQuantConfig(format!(
+                "output buffer holds {} values, the tensor has {}",
+                out.len(),
+                self.elem_count()
+            )));
+        }
+        let absmax = self.scales.to_f32();
+        cpu::dequantize_4bit(
+            &self.packed,
+            &absmax,
+            &self.code,
+            self.blocksize,
+            out,
+            |x| x,
+        );
+        Ok(())
+    }
+
+    /// The packed codes, `(n + 1) / 2` bytes.
+    pub fn packed(&self) -> &[u8] {
+        &self.packed
+    }
+
+    /// The block scales.
+    pub fn scales(&self) -> &BlockScales {
+        &self.scales
+    }
+
+    /// The 16-entry codebook the codes index (`quant_map`).
+    pub fn code(&self) -> &[f32; 16] {
+        &self.code
+    }
+
+    /// The original shape, e.g. `[out_features, in_features]`.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The original dtype (what [`Nf4Tensor::dequantize`] is usually asked for).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// NF4 or FP4.
+    pub fn quant_type(&self) -> QuantType {
+        self.quant_type
+    }
+
+    /// Elements per block.
+    pub fn blocksize(&self) -> usize {
+        self.blocksize
+    }
+
+    /// True when the absmax values are double-quantized.
+    pub fn is_double_quantized(&self) -> bool {
+        matches!(self.scales, BlockScales::Nested(_))
+    }
+
+    /// Exact bytes of the quantized form as stored: packed codes, block statistics, the nested map and offset,
+    /// and the 16-entry codebook.
+    pub fn size_in_bytes(&self) -> usize {
+        self.packed.len() + self.scales.size_in_bytes() + self.code.len() * 4
+    }
+
+    /// Storage cost in bits per parameter (≈4.127 for NF4 with double quantization at blocksize 64).
+    pub fn bits_per_parameter(&self) -> f64 {
+        self.size_in_bytes() as f64 * 8.0 / self.elem_count() as f64
+    }
+}
+
+/// The nested blocksize bitsandbytes supports for double quantization.
+pub(crate) fn check_nested_blocksize(blocksize: usize) -> std::result::Result<(), String> {
+    if blocksize == NESTED_BLOCKSIZE {
+        Ok(())
+    } else {
+        Err(format!("nested_blocksize {blocksize} is not supported: bitsandbytes always uses {NESTED_BLOCKSIZE}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::config::BnbKernels;
+
+    fn sample(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 * 0.7318).sin() * 0.05) + if i % 97 == 0 { 0.3 } else { 0.0 })
+            .collect()
+    }
+
+    #[test]
+    fn nf4_double_quant_costs_4_127_bits_per_parameter() {
+        let n = 4096 * 4096;
+        let values = sample(n);
+        let t = Nf4Tensor::quantize_values(
+            &values,
+            &[4096, 4096],
+            DType::BF16,
+            &QuantConfig::nf4(),
+            "w",
+        )
+        .unwrap();
+        // Codes, one u8 per 64-block, one f32 per 256 of those, the 256-entry nested map, offset, 16-entry codebook.
+        assert_eq!(
+            t.size_in_bytes(),
+            n / 2 + n / 64 + 4 * n / 64 / 256 + 256 * 4 + 4 + 16 * 4
+        );
+        let bits = t.bits_per_parameter();
+        assert!((4.127..4.128).contains(&bits), "{bits}");
+        let plain = QuantConfig {
+            double_quant: false,
+            ..QuantConfig::nf4()
+        };
+        let t =
+            Nf4Tensor::quantize_values(&values[..4096 * 64], &[64, 4096], DType::BF16, &plain, "w")
+                .unwrap();
+        assert_eq!(
+            t.size_in_bytes(),
+            4096 * 64 / 2 + 4096 * 64 / 64 * 4 + 16 * 4
+        );
+    }
+
+    #[test]
+    fn dequantized_error_is_bounded_by_half_the_widest_code_gap() {
+        let values = sample(1000);
+        for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+            for kernels in [BnbKernels::Cuda, BnbKernels::Cpu] {
+                let cfg = QuantConfig {
+                    quant_type,
+                    blocksize: 64,
+                    double_quant: false,
+                    kernels,
+                };
+                let t =
+                    Nf4Tensor::quantize_values(&values, &[10, 100], DType::F32, &cfg, "w").unwrap();
+                let back = t
+                    .dequantize(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let absmax = t.scales().to_f32();
+                for (i, (a, b)) in values.iter().zip(&back).enumerate() {
+                    // Widest gap: NF4 0.28 (0.72..1.0), FP4 0.333 (0.667..1.0).
+                    assert!(
+                        (a - b).abs() <= 0.17 * absmax[i / 64] + 1e-7,
+                        "{quant_type} {i}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_input_with_clear_errors() {
+        let cfg = QuantConfig {
+            blocksize: 48,
+            ..QuantConfig::nf4()
+        };
+        let err = Nf4Tensor::quantize_values(&[1.0; 4], &[4], DType::F32, &cfg, "w").unwrap_err();
+        assert!(
+            err.to_string().contains("blocksize 48 is not allowed"),
+            "{err}"
+        );
+        let err = Nf4Tensor::quantize_values(
+            &[1.0, f32::NAN],
+            &[2],
+            DType::F32,
+            &QuantConfig::nf4(),
+            "layer.weight",
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("layer.weight") && err.to_string().contains("NaN"),
+            "{err}"
+        );
+        let err = Nf4Tensor::quantize_values(
+            &[1.0, f32::INFINITY],
+            &[2],
+            DType::F32,
+            &QuantConfig::nf4(),
+            "w",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("inf"), "{err}");
+        let err =
+            Nf4Tensor::quantize_values(&[1.0; 3], &[2, 2], DType::F32, &QuantConfig::nf4(), "w")
+                .unwrap_err();
+        assert!(err.to_string().contains("does not hold"), "{err}");
+        let int = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
+        assert!(Nf4Tensor::quantize(&int, &QuantConfig::nf4()).is_err());
+    }
+
+    #[test]
+    fn from_parts_checks_consistency() {
+        let t = Nf4Tensor::quantize_values(
+            &sample(128),
+            &[2, 64],
+            DType::F32,
+            &QuantConfig::nf4(),
+            "w",
+        )
+        .unwrap();
+        let err = Nf4Tensor::from_parts(
+            t.packed()[1..].to_vec(),
+            t.scales().clone(),
+            *t.code(),
+            vec![2, 64],
+            DType::F32,
+            QuantType::Nf4,
+            64,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("packed bytes"), "{err}");
+        let rebuilt = Nf4Tensor::from_parts(
+            t.packed().to_vec(),
+            t.scales().clone(),
+            *t.code(),
+            vec![2, 64],
+            DType::F32,
+            QuantType::Nf4,
+            64,
+        )
+        .unwrap();
+        assert_eq!(rebuilt, t);
+    }
+}

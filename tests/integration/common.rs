@@ -1,0 +1,71 @@
+//! Helpers shared by the integration tests.
+
+use std::path::PathBuf;
+
+use candle_core::DType;
+use candle_qlora::loading::safetensors::MappedSafetensors;
+use safetensors::tensor::TensorView;
+
+/// `tests/data/<rel>`.
+pub fn data_path(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("data")
+        .join(rel)
+}
+
+/// A tensor's raw bytes by name, panicking with the file name when missing.
+pub fn bytes<'a>(
+    file: &'a MappedSafetensors,
+    st: &safetensors::SafeTensors<'a>,
+    name: &str,
+) -> Vec<u8> {
+    let view: TensorView<'_> = st
+        .tensor(name)
+        .unwrap_or_else(|_| panic!("`{name}` missing in {}", file.path().display()));
+    view.data().to_vec()
+}
+
+/// The raw little-endian bytes of a CPU tensor.
+pub fn tensor_bytes(t: &candle_core::Tensor) -> Vec<u8> {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()
+            .unwrap()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::U8 => t.to_vec1::<u8>().unwrap(),
+        other => panic!("unexpected dtype {other:?}"),
+    }
+}
+
+/// Little-endian f32 values.
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Index of the first difference and the number of differing elements, for readable failures.
+pub fn diff_summary<T: PartialEq>(a: &[T], b: &[T]) -> Option<(usize, usize)> {
+    if a.len() != b.len() {
+        return Some((a.len().min(b.len()), a.len().abs_diff(b.len())));
+    }
+    let first = a.iter().zip(b).position(|(x, y)| x != y)?;
+    Some((first, a.iter().zip(b).filter(|(x, y)| x != y).count()))
+}
