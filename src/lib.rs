@@ -9,11 +9,11 @@
 //! use candle_core::{Device, DType, Tensor};
 //! use candle_qlora::quant::{Nf4Tensor, QuantConfig};
 //!
-//! let w = Tensor::randn(0f32, 0.02, (128, 256), &Device::Cpu)?;
+//! let w = Tensor::randn(0f32, 0.02, (2048, 2048), &Device::Cpu)?;
 //! let q = Nf4Tensor::quantize(&w, &QuantConfig::nf4())?;      // NF4, double quant, blocksize 64
 //! assert!((q.bits_per_parameter() - 4.127).abs() < 0.01);
 //! let back = q.dequantize(DType::F32)?;                        // same values bitsandbytes' dequantize_4bit gives
-//! assert_eq!(back.dims(), &[128, 256]);
+//! assert_eq!(back.dims(), &[2048, 2048]);
 //! # Ok::<(), candle_qlora::Error>(())
 //! ```
 //!

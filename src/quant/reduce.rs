@@ -23,46 +23,51 @@ fn ceil_log2(x: usize) -> u32 {
     }
 }
 
-/// `multi_row_sum<Vectorized<float>, 4>`: `rows` rows of 4 vectors each, summed with a 4-level cascade.
-fn multi_row_sum(vectors: &[Lane], rows: usize) -> [Lane; 4] {
+/// Four vectors: one "row" of `multi_row_sum`.
+type Row = [Lane; 4];
+
+fn add_row(acc: &mut Row, row: &Row) {
+    for (a, v) in acc.iter_mut().zip(row) {
+        add(a, v);
+    }
+}
+
+/// `multi_row_sum<Vectorized<float>, 4>`: rows of 4 vectors summed with a 4-level cascade.
+fn multi_row_sum(rows: &[Row]) -> Row {
     const LEVELS: usize = 4;
-    let level_power = (ceil_log2(rows) / LEVELS as u32).max(4);
+    let level_power = (ceil_log2(rows.len()) / LEVELS as u32).max(4);
     let level_step = 1usize << level_power;
     let level_mask = level_step - 1;
     let mut acc = [[[0.0f32; LANES]; 4]; LEVELS];
     let mut i = 0usize;
-    while i + level_step <= rows {
-        for _ in 0..level_step {
-            for k in 0..4 {
-                add(&mut acc[0][k], &vectors[i * 4 + k]);
-            }
-            i += 1;
+    while i + level_step <= rows.len() {
+        for row in &rows[i..i + level_step] {
+            add_row(&mut acc[0], row);
         }
+        i += level_step;
         for j in 1..LEVELS {
-            for k in 0..4 {
-                let lower = acc[j - 1][k];
-                add(&mut acc[j][k], &lower);
-                acc[j - 1][k] = [0.0; LANES];
-            }
+            let lower = std::mem::replace(&mut acc[j - 1], [[0.0; LANES]; 4]);
+            add_row(&mut acc[j], &lower);
             let mask = level_mask << (j as u32 * level_power);
             if i & mask != 0 {
                 break;
             }
         }
     }
-    while i < rows {
-        for k in 0..4 {
-            add(&mut acc[0][k], &vectors[i * 4 + k]);
-        }
-        i += 1;
+    for row in &rows[i..] {
+        add_row(&mut acc[0], row);
     }
     for j in 1..LEVELS {
-        for k in 0..4 {
-            let upper = acc[j][k];
-            add(&mut acc[0][k], &upper);
-        }
+        let upper = acc[j];
+        add_row(&mut acc[0], &upper);
     }
     acc[0]
+}
+
+fn lane(chunk: &[f32]) -> Lane {
+    let mut l = [0.0; LANES];
+    l.copy_from_slice(chunk);
+    l
 }
 
 /// Sum of `values` in PyTorch's CPU (AVX2, one thread) order.
@@ -70,27 +75,27 @@ pub fn torch_sum_f32(values: &[f32]) -> f32 {
     let n_vec = values.len() / LANES;
     let vectors: Vec<Lane> = values[..n_vec * LANES]
         .chunks_exact(LANES)
-        .map(|c| {
-            let mut l = [0.0; LANES];
-            l.copy_from_slice(c);
-            l
-        })
+        .map(lane)
         .collect();
-    let rows = n_vec / 4;
-    let mut partial = multi_row_sum(&vectors, rows);
-    for v in &vectors[rows * 4..] {
+    let n_rows = n_vec / 4;
+    let rows: Vec<Row> = vectors[..n_rows * 4]
+        .chunks_exact(4)
+        .map(|c| [c[0], c[1], c[2], c[3]])
+        .collect();
+    let mut partial = multi_row_sum(&rows);
+    for v in &vectors[n_rows * 4..] {
         add(&mut partial[0], v);
     }
-    for k in 1..4 {
-        let p = partial[k];
-        add(&mut partial[0], &p);
+    let [mut first, second, third, fourth] = partial;
+    for p in [second, third, fourth] {
+        add(&mut first, &p);
     }
     let mut total = 0.0f32;
     for x in &values[n_vec * LANES..] {
         total += *x;
     }
-    for lane in partial[0] {
-        total += lane;
+    for x in first {
+        total += x;
     }
     total
 }
