@@ -22,6 +22,7 @@
 
 pub mod error;
 pub mod loading;
+pub mod ops;
 pub mod quant;
 
 pub use error::{Error, Result};

@@ -1,0 +1,154 @@
+//! Attaching a hand-written backward to a value computed without a graph.
+//!
+//! `attach1(x, value, backward)` returns a tensor equal to `value` whose gradient with respect to `x` is
+//! `backward(x, grad_of_output)`. The forward runs once, on detached inputs; the attached op only copies the value
+//! into the graph (one memcpy of the output). When no input needs a gradient, `value` is returned as is: no graph.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+/// Backward of a one-input op: `(input, grad_output) -> grad_input`. Tensors arrive detached.
+pub type Backward1 = Box<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+/// Backward of a two-input op: `(a, b, grad_output, [a needs a gradient, b needs a gradient])`. Tensors arrive
+/// detached; return `None` for an input that needs no gradient.
+pub type Backward2 =
+    Box<dyn Fn(&Tensor, &Tensor, &Tensor, [bool; 2]) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync>;
+/// Backward of a three-input op (see [`Backward2`]).
+pub type Backward3 = Box<
+    dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, [bool; 3]) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>
+        + Send
+        + Sync,
+>;
+
+/// Holds the precomputed output until the graph node is created.
+struct Value {
+    name: &'static str,
+    value: Mutex<Option<Tensor>>,
+}
+
+impl Value {
+    fn new(name: &'static str, value: Tensor) -> Self {
+        Value { name, value: Mutex::new(Some(value)) }
+    }
+
+    fn take_cpu(&self) -> Result<(CpuStorage, Shape)> {
+        let value = self
+            .value
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned value", self.name)))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?;
+        let (storage, layout) = value.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(cpu) => Ok((contiguous_copy(cpu, layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("{}: value is not on the CPU", self.name),
+        }
+    }
+}
+
+/// A contiguous copy of the elements `layout` addresses.
+fn contiguous_copy(storage: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        // Strided values are rare (callers pass contiguous results); copy through Candle in that case.
+        return storage.try_clone(layout);
+    };
+    Ok(match storage {
+        CpuStorage::F32(v) => CpuStorage::F32(v[start..end].to_vec()),
+        CpuStorage::F64(v) => CpuStorage::F64(v[start..end].to_vec()),
+        CpuStorage::BF16(v) => CpuStorage::BF16(v[start..end].to_vec()),
+        CpuStorage::F16(v) => CpuStorage::F16(v[start..end].to_vec()),
+        other => other.try_clone(layout)?,
+    })
+}
+
+struct Attach1 {
+    value: Value,
+    backward: Backward1,
+}
+
+impl CustomOp1 for Attach1 {
+    fn name(&self) -> &'static str {
+        self.value.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.value.take_cpu()
+    }
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        (self.backward)(&arg.detach(), &grad.detach())
+    }
+}
+
+struct Attach2 {
+    value: Value,
+    backward: Backward2,
+}
+
+impl CustomOp2 for Attach2 {
+    fn name(&self) -> &'static str {
+        self.value.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.value.take_cpu()
+    }
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        (self.backward)(&a.detach(), &b.detach(), &grad.detach(), [a.track_op(), b.track_op()])
+    }
+}
+
+struct Attach3 {
+    value: Value,
+    backward: Backward3,
+}
+
+impl CustomOp3 for Attach3 {
+    fn name(&self) -> &'static str {
+        self.value.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.value.take_cpu()
+    }
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let needs = [a.track_op(), b.track_op(), c.track_op()];
+        (self.backward)(&a.detach(), &b.detach(), &c.detach(), &grad.detach(), needs)
+    }
+}
+
+/// `value` (computed from `x` without a graph) with `backward` as its gradient rule.
+pub fn attach1(name: &'static str, x: &Tensor, value: Tensor, backward: Backward1) -> Result<Tensor> {
+    if !x.track_op() {
+        return Ok(value);
+    }
+    x.apply_op1_arc(Arc::new(Box::new(Attach1 { value: Value::new(name, value), backward })))
+}
+
+/// [`attach1`] for two inputs.
+pub fn attach2(name: &'static str, a: &Tensor, b: &Tensor, value: Tensor, backward: Backward2) -> Result<Tensor> {
+    if !a.track_op() && !b.track_op() {
+        return Ok(value);
+    }
+    a.apply_op2_arc(b, Arc::new(Box::new(Attach2 { value: Value::new(name, value), backward })))
+}
+
+/// [`attach1`] for three inputs.
+pub fn attach3(name: &'static str, a: &Tensor, b: &Tensor, c: &Tensor, value: Tensor, backward: Backward3) -> Result<Tensor> {
+    if !a.track_op() && !b.track_op() && !c.track_op() {
+        return Ok(value);
+    }
+    a.apply_op3_arc(b, c, Arc::new(Box::new(Attach3 { value: Value::new(name, value), backward })))
+}

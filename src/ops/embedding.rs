@@ -1,0 +1,41 @@
+//! Embedding lookup. A frozen table (a plain tensor) builds no graph; a trainable table (a `Var`, e.g.
+//! `modules_to_save = ["embed_tokens"]`) gets its gradient by scatter-add (Candle's `index_select` backward).
+
+use candle_core::{Result, Tensor};
+
+/// Rows of `table` (`[vocab, hidden]`) for `ids` (`[batch, seq]`, u32): `[batch, seq, hidden]`.
+pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+    let (b, t) = ids.dims2()?;
+    let hidden = table.dim(1)?;
+    let vocab = table.dim(0)?;
+    let flat = ids.flatten_all()?;
+    if let Some(bad) = flat.to_vec1::<u32>()?.into_iter().find(|i| *i as usize >= vocab) {
+        candle_core::bail!("token id {bad} is out of range for a vocabulary of {vocab}");
+    }
+    table.index_select(&flat, 0)?.reshape((b, t, hidden))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::gradcheck::{check, rand_f64};
+
+    #[test]
+    fn trainable_table_gradient_is_a_scatter_add() {
+        let ids = Tensor::new(&[[1u32, 3, 1], [0, 2, 3]], &candle_core::Device::Cpu).unwrap();
+        let ids2 = ids.clone();
+        let f = move |xs: &[Tensor]| embedding(&ids, &xs[0]);
+        let r = move |xs: &[Tensor]| {
+            let oh = candle_nn::encoding::one_hot(ids2.clone(), 4, 1f64, 0f64)?;
+            oh.broadcast_matmul(&xs[0])
+        };
+        check(&f, &r, &[rand_f64(&[4, 5], 1)], &[true], 20, 1e-6, 1e-12);
+    }
+
+    #[test]
+    fn out_of_range_ids_are_an_error() {
+        let ids = Tensor::new(&[[7u32]], &candle_core::Device::Cpu).unwrap();
+        let err = embedding(&ids, &rand_f64(&[4, 2], 2)).unwrap_err().to_string();
+        assert!(err.contains("token id 7 is out of range"), "{err}");
+    }
+}

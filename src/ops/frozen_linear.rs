@@ -1,0 +1,154 @@
+//! Frozen linear layer `y = x·Wᵀ (+ b)` with `W` dense or 4-bit: the gradient flows to `x` only.
+//!
+//! `W` never enters the autograd graph. A 4-bit `W` is dequantized inside the op for the forward and again in the
+//! backward, so only one layer's dequantized weight exists at a time.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor};
+
+use super::autograd::attach1;
+use crate::quant::Nf4Tensor;
+
+/// A frozen weight `[out_features, in_features]`.
+#[derive(Clone, Debug)]
+pub enum FrozenWeight {
+    /// Stored as is (f32, f16 or bf16).
+    Dense(Tensor),
+    /// Stored in 4 bits.
+    Nf4(Arc<Nf4Tensor>),
+}
+
+impl FrozenWeight {
+    /// `(out_features, in_features)`.
+    pub fn dims2(&self) -> Result<(usize, usize)> {
+        match self {
+            FrozenWeight::Dense(t) => t.dims2(),
+            FrozenWeight::Nf4(q) => match q.shape() {
+                [o, i] => Ok((*o, *i)),
+                s => candle_core::bail!("4-bit linear weight must be 2-D, got {s:?}"),
+            },
+        }
+    }
+
+    /// The weight as a dense tensor of `dtype` (dequantized for 4-bit weights).
+    pub fn to_dense(&self, dtype: DType) -> Result<Tensor> {
+        match self {
+            FrozenWeight::Dense(t) => t.to_dtype(dtype),
+            FrozenWeight::Nf4(q) => {
+                let direct = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+                let t = q.dequantize(if direct { dtype } else { DType::F32 }).map_err(candle_core::Error::wrap)?;
+                t.to_dtype(dtype)
+            }
+        }
+    }
+
+    /// Bytes the stored weight takes.
+    pub fn size_in_bytes(&self) -> usize {
+        match self {
+            FrozenWeight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            FrozenWeight::Nf4(q) => q.size_in_bytes(),
+        }
+    }
+}
+
+/// A linear layer whose weight (and bias) are frozen.
+#[derive(Clone, Debug)]
+pub struct FrozenLinear {
+    /// `[out_features, in_features]`.
+    pub weight: FrozenWeight,
+    /// `[out_features]`, frozen too.
+    pub bias: Option<Tensor>,
+}
+
+impl FrozenLinear {
+    /// A layer from a weight and an optional bias.
+    pub fn new(weight: FrozenWeight, bias: Option<Tensor>) -> Self {
+        FrozenLinear { weight, bias }
+    }
+
+    /// `x·Wᵀ (+ b)` for `x` of shape `[..., in_features]`, differentiable with respect to `x` only.
+    pub fn forward(self: &Arc<Self>, x: &Tensor) -> Result<Tensor> {
+        frozen_linear(x, self)
+    }
+}
+
+/// `x·Wᵀ` with `W` as a dense tensor: flattens the leading dimensions into one matmul.
+fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let k = *dims.last().unwrap_or(&0);
+    let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+    let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    if let Some(last) = out.last_mut() {
+        *last = w.dim(0)?;
+    }
+    y.reshape(out)
+}
+
+/// `x·Wᵀ (+ b)` with a frozen layer (see [`FrozenLinear`]).
+pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let value = {
+        let w = layer.weight.to_dense(dtype)?;
+        let y = matmul_t(&x.detach().contiguous()?, &w)?;
+        match &layer.bias {
+            Some(b) => y.broadcast_add(&b.to_dtype(dtype)?)?,
+            None => y,
+        }
+    };
+    let layer = layer.clone();
+    attach1(
+        "frozen-linear",
+        x,
+        value,
+        Box::new(move |_x, grad| {
+            let w = layer.weight.to_dense(grad.dtype())?;
+            let dims = grad.dims().to_vec();
+            let rows: usize = dims[..dims.len() - 1].iter().product();
+            let gx = grad.contiguous()?.reshape((rows, dims[dims.len() - 1]))?.matmul(&w)?;
+            let mut out = dims;
+            if let Some(last) = out.last_mut() {
+                *last = w.dim(1)?;
+            }
+            Ok(Some(gx.reshape(out)?))
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::quant::QuantConfig;
+
+    #[test]
+    fn dense_gradient_matches_finite_differences_and_composite() {
+        let w = rand_f64(&[7, 5], 1);
+        let b = rand_f64(&[7], 2);
+        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w.clone()), Some(b.clone())));
+        let f = move |xs: &[Tensor]| frozen_linear(&xs[0], &layer);
+        let reference = move |xs: &[Tensor]| xs[0].broadcast_matmul(&w.t()?)?.broadcast_add(&b);
+        check(&f, &reference, &[rand_f64(&[2, 3, 5], 3)], &[true], 30, 1e-6, 1e-12);
+    }
+
+    #[test]
+    fn nf4_weight_is_dequantized_inside_the_op() {
+        let w32 = rand_f64(&[64, 32], 4).to_dtype(DType::F32).unwrap();
+        let q = Arc::new(Nf4Tensor::quantize(&w32, &QuantConfig::nf4()).unwrap());
+        let deq = q.dequantize(DType::F32).unwrap().to_dtype(DType::F64).unwrap();
+        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Nf4(q), None));
+        let f = move |xs: &[Tensor]| frozen_linear(&xs[0], &layer);
+        let reference = move |xs: &[Tensor]| xs[0].broadcast_matmul(&deq.t()?);
+        check(&f, &reference, &[rand_f64(&[3, 32], 5)], &[true], 20, 1e-6, 1e-12);
+    }
+
+    #[test]
+    fn frozen_weight_gets_no_gradient_entry() {
+        let w = rand_f64(&[4, 3], 6);
+        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w), None));
+        let x = candle_core::Var::from_tensor(&rand_f64(&[2, 3], 7)).unwrap();
+        let grads = frozen_linear(&x, &layer).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(grads.get_ids().count(), 1, "only the input has a gradient");
+    }
+}

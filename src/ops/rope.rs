@@ -1,0 +1,198 @@
+//! Rotary position embeddings in Hugging Face's half-split layout (`rotate_half`), with `rope_theta` and Llama-3
+//! `rope_scaling`. The backward rotates by `-sin`; cos/sin are constants and get no gradient.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+use super::autograd::attach1;
+
+/// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+pub struct Llama3RopeScaling {
+    /// Context extension factor.
+    pub factor: f64,
+    /// Wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`.
+    pub low_freq_factor: f64,
+    /// Wavelengths shorter than `original_max_position_embeddings / high_freq_factor` are kept.
+    pub high_freq_factor: f64,
+    /// The context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+}
+
+/// Precomputed cos/sin for every position, `[max_positions, head_dim]` in float32.
+#[derive(Clone, Debug)]
+pub struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// transformers' `inv_freq`, optionally Llama-3 scaled.
+pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<&Llama3RopeScaling>) -> Vec<f64> {
+    (0..head_dim / 2)
+        .map(|i| {
+            let inv = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            // transformers computes inv_freq in float32.
+            let inv = inv as f32 as f64;
+            match scaling {
+                None => inv,
+                Some(s) => {
+                    let old = s.original_max_position_embeddings as f64;
+                    let low_wavelen = old / s.low_freq_factor;
+                    let high_wavelen = old / s.high_freq_factor;
+                    let wavelen = 2.0 * std::f64::consts::PI / inv;
+                    let scaled = if wavelen > low_wavelen { inv / s.factor } else { inv };
+                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    if medium {
+                        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                        (1.0 - smooth) * scaled / s.factor + smooth * scaled
+                    } else {
+                        scaled
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+impl RopeTables {
+    /// Tables for positions `0..max_positions`.
+    pub fn new(
+        head_dim: usize,
+        max_positions: usize,
+        theta: f64,
+        scaling: Option<&Llama3RopeScaling>,
+        device: &Device,
+    ) -> Result<Self> {
+        let inv = inverse_frequencies(head_dim, theta, scaling);
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(max_positions * head_dim);
+        let mut sin = Vec::with_capacity(max_positions * head_dim);
+        for p in 0..max_positions {
+            // Angles as transformers forms them: float32 position times float32 frequency.
+            let angles: Vec<f64> = inv.iter().map(|f| ((p as f32) * (*f as f32)) as f64).collect();
+            for _ in 0..2 {
+                cos.extend(angles.iter().map(|a| a.cos() as f32));
+                sin.extend(angles.iter().map(|a| a.sin() as f32));
+            }
+            debug_assert_eq!(cos.len(), (p + 1) * 2 * half);
+        }
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, (max_positions, head_dim), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, head_dim), device)?,
+        })
+    }
+
+    /// Number of positions covered.
+    pub fn max_positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// cos/sin for positions `offset..offset+len`, shaped `[1, 1, len, head_dim]`.
+    pub fn range(&self, offset: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        if offset + len > self.max_positions() {
+            candle_core::bail!(
+                "position {} is beyond the {} positions RoPE tables were built for (max_position_embeddings)",
+                offset + len - 1,
+                self.max_positions()
+            );
+        }
+        let c = self.cos.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
+        let s = self.sin.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
+        Ok((c, s))
+    }
+
+    /// cos/sin for explicit positions `[batch, len]` (u32), shaped `[batch, 1, len, head_dim]`.
+    pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t) = positions.dims2()?;
+        let flat = positions.flatten_all()?;
+        let d = self.cos.dim(1)?;
+        let c = self.cos.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
+        let s = self.sin.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
+        Ok((c, s))
+    }
+}
+
+/// `cat(-x2, x1)` over the last dimension.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+/// The transpose of [`rotate_half`]: `cat(g2, -g1)`.
+fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
+    let half = g.dim(D::Minus1)? / 2;
+    let g1 = g.narrow(D::Minus1, 0, half)?;
+    let g2 = g.narrow(D::Minus1, half, half)?;
+    Tensor::cat(&[&g2, &g1.neg()?], D::Minus1)
+}
+
+/// Applies RoPE to `x` (`[batch, heads, seq, head_dim]`) with `cos`/`sin` broadcastable to it (from
+/// [`RopeTables::range`] or [`RopeTables::gather`]), computing in float32 (f64 stays f64).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let work = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let (cos, sin) = (cos.to_dtype(work)?, sin.to_dtype(work)?);
+    let value = {
+        let x = x.detach().to_dtype(work)?;
+        (x.broadcast_mul(&cos)? + rotate_half(&x)?.broadcast_mul(&sin)?)?.to_dtype(dtype)?
+    };
+    attach1(
+        "rope",
+        x,
+        value,
+        Box::new(move |x, grad| {
+            let g = grad.to_dtype(work)?;
+            let gx = (g.broadcast_mul(&cos)? + rotate_half_t(&g.broadcast_mul(&sin)?)?)?;
+            Ok(Some(gx.to_dtype(x.dtype())?))
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::gradcheck::{check, rand_f64};
+
+    #[test]
+    fn gradient_matches_finite_differences_and_rope_slow() {
+        let tables = RopeTables::new(8, 16, 10000.0, None, &Device::Cpu).unwrap();
+        let (c, s) = tables.range(3, 5).unwrap();
+        let (c2, s2) = (c.squeeze(0).unwrap().squeeze(0).unwrap(), s.squeeze(0).unwrap().squeeze(0).unwrap());
+        let f = |xs: &[Tensor]| rope(&xs[0], &c, &s);
+        let r = |xs: &[Tensor]| {
+            candle_nn::rotary_emb::rope_slow(
+                &xs[0],
+                &c2.narrow(1, 0, 4)?.to_dtype(DType::F64)?,
+                &s2.narrow(1, 0, 4)?.to_dtype(DType::F64)?,
+            )
+        };
+        check(&f, &r, &[rand_f64(&[2, 3, 5, 8], 1)], &[true], 40, 1e-6, 1e-6);
+    }
+
+    #[test]
+    fn llama3_scaling_matches_transformers_formula() {
+        let s = Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let plain = inverse_frequencies(128, 500000.0, None);
+        let scaled = inverse_frequencies(128, 500000.0, Some(&s));
+        // High frequencies unchanged, the lowest divided by the factor.
+        assert_eq!(plain[0], scaled[0]);
+        assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);
+        assert!(scaled.iter().zip(&plain).all(|(a, b)| a <= b));
+    }
+
+    #[test]
+    fn gathered_positions_equal_the_range() {
+        let tables = RopeTables::new(4, 10, 10000.0, None, &Device::Cpu).unwrap();
+        let pos = Tensor::new(&[[2u32, 3, 4]], &Device::Cpu).unwrap();
+        let (c1, _) = tables.gather(&pos).unwrap();
+        let (c2, _) = tables.range(2, 3).unwrap();
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(c1), flat(c2));
+    }
+}
