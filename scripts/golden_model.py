@@ -38,6 +38,7 @@ implementation (`backends.default.ops._dequantize_4bit_compute`, the same math a
 the metadata how far the native kernel's logits are from it. Quantization itself (Params4bit on CPU) is untouched.
 SmolLM2's dimensions (576, 192, 1536) are all multiples of 64, so both kernels agree there (also recorded).
 """
+import importlib.metadata
 import inspect
 import json
 import os
@@ -57,8 +58,8 @@ torch.set_num_threads(1)
 import bitsandbytes as bnb  # noqa: E402
 import gguf  # noqa: E402
 import safetensors  # noqa: E402
-import transformers  # noqa: E402
 import safetensors.torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -80,7 +81,7 @@ VERSIONS = {
     "torch": torch.__version__,
     "transformers": transformers.__version__,
     "bitsandbytes": bnb.__version__,
-    "gguf": gguf.__version__ if hasattr(gguf, "__version__") else "0.19.0",
+    "gguf": importlib.metadata.version("gguf"),
     "safetensors": safetensors.__version__,
     "numpy": np.__version__,
 }
@@ -160,12 +161,8 @@ def init_weights(model, seed):
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(0.1 * noise)
+            # norms 1 + 0.1 * randn; linear / embedding weights and q/k/v biases 0.1 * randn
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
@@ -193,10 +190,9 @@ def generate_tiny(name, config_cls, model_cls, extra, seed):
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     model.save_pretrained(folder, safe_serialization=True)
-    for extra_file in ("generation_config.json",):  # not needed by the Rust side
-        path = os.path.join(folder, extra_file)
-        if os.path.exists(path):
-            os.remove(path)
+    generation_config = os.path.join(folder, "generation_config.json")  # not needed by the Rust side
+    if os.path.exists(generation_config):
+        os.remove(generation_config)
 
     g = torch.Generator().manual_seed(seed + 100)
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=g, dtype=torch.int64)

@@ -52,6 +52,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// Bad user input (data files, flags), with the place and what to do.
+    #[error("{0}")]
+    InvalidInput(String),
+
+    /// Tokenizing, detokenizing or rendering a chat template failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+
+    /// A model's weights do not match its configuration, or a model cannot be found.
+    #[error("model: {0}")]
+    Model(String),
+
     /// The user asked for something that would overwrite or lose data.
     #[error("{0}")]
     WouldOverwrite(String),

@@ -20,8 +20,10 @@
 //! Checkpoints in bitsandbytes' safetensors layout (`*-bnb-4bit` models on the Hub) are read and written by
 //! [`loading::bnb`]; `qlora quantize` turns a model folder into one that transformers loads with bitsandbytes.
 
+pub mod data;
 pub mod error;
 pub mod loading;
+pub mod models;
 pub mod ops;
 pub mod quant;
 

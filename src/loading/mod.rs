@@ -5,5 +5,6 @@
 //! - [`bnb`]: bitsandbytes' 4-bit checkpoint layout (`*-bnb-4bit` models) and quantizing files and model folders.
 
 pub mod bnb;
+pub mod gguf;
 pub mod safetensors;
 pub mod source;

@@ -10,7 +10,14 @@ use super::autograd::attach3;
 pub const QUERY_BLOCK: usize = 128;
 
 /// Additive causal mask `[rows, keys]`: query `i` (at absolute position `offset + i`) sees keys `0..=offset+i`.
-fn causal_mask(rows: usize, first_pos: usize, keys: usize, groups: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+fn causal_mask(
+    rows: usize,
+    first_pos: usize,
+    keys: usize,
+    groups: usize,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
     let mut m = Vec::with_capacity(groups * rows * keys);
     for _ in 0..groups {
         for i in 0..rows {
@@ -37,9 +44,20 @@ impl Dims {
         let (b, hq, t, d) = q.dims4()?;
         let (bk, hkv, s, dk) = k.dims4()?;
         if bk != b || dk != d || hkv == 0 || hq % hkv != 0 || s < t {
-            candle_core::bail!("attention shapes do not fit: q {:?}, k {:?}", q.dims(), k.dims());
+            candle_core::bail!(
+                "attention shapes do not fit: q {:?}, k {:?}",
+                q.dims(),
+                k.dims()
+            );
         }
-        Ok(Dims { b, hkv, g: hq / hkv, t, s, d })
+        Ok(Dims {
+            b,
+            hkv,
+            g: hq / hkv,
+            t,
+            s,
+            d,
+        })
     }
 
     /// Query rows `i0..i0+c` of `q` as `[b, hkv, g*c, d]` (grouped under their kv head).
@@ -57,7 +75,14 @@ impl Dims {
 }
 
 /// Softmax probabilities of one query block: `[b, hkv, g*c, keys]` in the working dtype.
-fn block_probs(qb: &Tensor, k: &Tensor, dims: Dims, i0: usize, c: usize, scale: f64) -> Result<(Tensor, usize)> {
+fn block_probs(
+    qb: &Tensor,
+    k: &Tensor,
+    dims: Dims,
+    i0: usize,
+    c: usize,
+    scale: f64,
+) -> Result<(Tensor, usize)> {
     let first_pos = dims.s - dims.t + i0;
     let keys = first_pos + c;
     let kb = k.narrow(2, 0, keys)?;
@@ -86,7 +111,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     let dtype = q.dtype();
     let work = work_dtype(dtype);
     let value = {
-        let (q, k, v) = (q.detach().to_dtype(work)?, k.detach().to_dtype(work)?, v.detach().to_dtype(work)?);
+        let (q, k, v) = (
+            q.detach().to_dtype(work)?,
+            k.detach().to_dtype(work)?,
+            v.detach().to_dtype(work)?,
+        );
         let mut blocks = Vec::new();
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
@@ -95,7 +124,9 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
             let out = p.matmul(&v.narrow(2, 0, keys)?)?;
             blocks.push(dims.ungroup(&out, c)?);
         }
-        Tensor::cat(&blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?.to_dtype(dtype)?
+        Tensor::cat(&blocks, 3)?
+            .reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?
+            .to_dtype(dtype)?
     };
     attach3(
         "causal-attention",
@@ -104,7 +135,12 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         v,
         value,
         Box::new(move |q, k, v, grad, needs| {
-            let (q, k, v, grad) = (q.to_dtype(work)?, k.to_dtype(work)?, v.to_dtype(work)?, grad.to_dtype(work)?);
+            let (q, k, v, grad) = (
+                q.to_dtype(work)?,
+                k.to_dtype(work)?,
+                v.to_dtype(work)?,
+                grad.to_dtype(work)?,
+            );
             let mut dq_blocks = Vec::new();
             let mut dk = Tensor::zeros((dims.b, dims.hkv, dims.s, dims.d), work, q.device())?;
             let mut dv = dk.clone();
@@ -123,7 +159,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
                 dq_blocks.push(dims.ungroup(&(ds.matmul(&kb)? * scale)?, c)?);
                 dk = (dk + pad((ds.t()?.matmul(&qb)? * scale)?)?)?;
             }
-            let dq = Tensor::cat(&dq_blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?;
+            let dq =
+                Tensor::cat(&dq_blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?;
             let out = |x: Tensor, need: bool, like: &Tensor| -> Result<Option<Tensor>> {
                 if need {
                     Ok(Some(x.to_dtype(like.dtype())?))
@@ -131,7 +168,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
                     Ok(None)
                 }
             };
-            Ok((out(dq, needs[0], &q)?, out(dk, needs[1], &k)?, out(dv, needs[2], &v)?))
+            Ok((
+                out(dq, needs[0], &q)?,
+                out(dk, needs[1], &k)?,
+                out(dv, needs[2], &v)?,
+            ))
         }),
     )
 }
@@ -149,8 +190,17 @@ mod tests {
         let k = candle_transformers_free_repeat_kv(k, g)?;
         let v = candle_transformers_free_repeat_kv(v, g)?;
         let scores = (q.matmul(&k.t()?)? * scale)?;
-        let mask: Vec<f64> =
-            (0..t).flat_map(|i| (0..s).map(move |j| if j <= s - t + i { 0.0 } else { f64::NEG_INFINITY })).collect();
+        let mask: Vec<f64> = (0..t)
+            .flat_map(|i| {
+                (0..s).map(move |j| {
+                    if j <= s - t + i {
+                        0.0
+                    } else {
+                        f64::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
         let mask = Tensor::from_vec(mask, (t, s), q.device())?.to_dtype(q.dtype())?;
         candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?.matmul(&v)
     }
@@ -164,7 +214,11 @@ mod tests {
     fn gqa_gradients_match_finite_differences_and_composite() {
         let f = |xs: &[Tensor]| causal_attention(&xs[0], &xs[1], &xs[2], 0.4);
         let r = |xs: &[Tensor]| reference(&xs[0], &xs[1], &xs[2], 0.4);
-        let inputs = [rand_f64(&[2, 4, 5, 3], 1), rand_f64(&[2, 2, 5, 3], 2), rand_f64(&[2, 2, 5, 3], 3)];
+        let inputs = [
+            rand_f64(&[2, 4, 5, 3], 1),
+            rand_f64(&[2, 2, 5, 3], 2),
+            rand_f64(&[2, 2, 5, 3], 3),
+        ];
         check(&f, &r, &inputs, &[true, true, true], 30, 1e-6, 1e-12);
     }
 
@@ -173,17 +227,37 @@ mod tests {
         // 130 queries span two query blocks; v frozen.
         let f = |xs: &[Tensor]| causal_attention(&xs[0], &xs[1], &xs[2], 0.3);
         let r = |xs: &[Tensor]| reference(&xs[0], &xs[1], &xs[2], 0.3);
-        let inputs = [rand_f64(&[1, 3, 130, 2], 4), rand_f64(&[1, 1, 130, 2], 5), rand_f64(&[1, 1, 130, 2], 6)];
+        let inputs = [
+            rand_f64(&[1, 3, 130, 2], 4),
+            rand_f64(&[1, 1, 130, 2], 5),
+            rand_f64(&[1, 1, 130, 2], 6),
+        ];
         check(&f, &r, &inputs, &[true, true, false], 12, 1e-6, 1e-12);
     }
 
     #[test]
     fn cached_keys_offset_the_queries() {
         // 2 new queries over 6 keys equal the last 2 rows of the full computation.
-        let (q, k, v) = (rand_f64(&[1, 2, 6, 4], 7), rand_f64(&[1, 1, 6, 4], 8), rand_f64(&[1, 1, 6, 4], 9));
-        let full = causal_attention(&q, &k, &v, 0.5).unwrap().narrow(2, 4, 2).unwrap();
+        let (q, k, v) = (
+            rand_f64(&[1, 2, 6, 4], 7),
+            rand_f64(&[1, 1, 6, 4], 8),
+            rand_f64(&[1, 1, 6, 4], 9),
+        );
+        let full = causal_attention(&q, &k, &v, 0.5)
+            .unwrap()
+            .narrow(2, 4, 2)
+            .unwrap();
         let tail = causal_attention(&q.narrow(2, 4, 2).unwrap(), &k, &v, 0.5).unwrap();
-        let d = (full - tail).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap();
+        let d = (full - tail)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(d < 1e-14, "{d}");
     }
 }

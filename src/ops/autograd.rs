@@ -6,17 +6,29 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape,
+    Storage, Tensor,
+};
 
 /// Backward of a one-input op: `(input, grad_output) -> grad_input`. Tensors arrive detached.
 pub type Backward1 = Box<dyn Fn(&Tensor, &Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 /// Backward of a two-input op: `(a, b, grad_output, [a needs a gradient, b needs a gradient])`. Tensors arrive
 /// detached; return `None` for an input that needs no gradient.
-pub type Backward2 =
-    Box<dyn Fn(&Tensor, &Tensor, &Tensor, [bool; 2]) -> Result<(Option<Tensor>, Option<Tensor>)> + Send + Sync>;
+pub type Backward2 = Box<
+    dyn Fn(&Tensor, &Tensor, &Tensor, [bool; 2]) -> Result<(Option<Tensor>, Option<Tensor>)>
+        + Send
+        + Sync,
+>;
 /// Backward of a three-input op (see [`Backward2`]).
 pub type Backward3 = Box<
-    dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor, [bool; 3]) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>
+    dyn Fn(
+            &Tensor,
+            &Tensor,
+            &Tensor,
+            &Tensor,
+            [bool; 3],
+        ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)>
         + Send
         + Sync,
 >;
@@ -29,7 +41,10 @@ struct Value {
 
 impl Value {
     fn new(name: &'static str, value: Tensor) -> Self {
-        Value { name, value: Mutex::new(Some(value)) }
+        Value {
+            name,
+            value: Mutex::new(Some(value)),
+        }
     }
 
     fn take_cpu(&self) -> Result<(CpuStorage, Shape)> {
@@ -88,11 +103,28 @@ impl CustomOp2 for Attach2 {
     fn name(&self) -> &'static str {
         self.value.name
     }
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.value.take_cpu()
     }
-    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        (self.backward)(&a.detach(), &b.detach(), &grad.detach(), [a.track_op(), b.track_op()])
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        (self.backward)(
+            &a.detach(),
+            &b.detach(),
+            &grad.detach(),
+            [a.track_op(), b.track_op()],
+        )
     }
 }
 
@@ -130,25 +162,59 @@ impl CustomOp3 for Attach3 {
 }
 
 /// `value` (computed from `x` without a graph) with `backward` as its gradient rule.
-pub fn attach1(name: &'static str, x: &Tensor, value: Tensor, backward: Backward1) -> Result<Tensor> {
+pub fn attach1(
+    name: &'static str,
+    x: &Tensor,
+    value: Tensor,
+    backward: Backward1,
+) -> Result<Tensor> {
     if !x.track_op() {
         return Ok(value);
     }
-    x.apply_op1_arc(Arc::new(Box::new(Attach1 { value: Value::new(name, value), backward })))
+    x.apply_op1_arc(Arc::new(Box::new(Attach1 {
+        value: Value::new(name, value),
+        backward,
+    })))
 }
 
 /// [`attach1`] for two inputs.
-pub fn attach2(name: &'static str, a: &Tensor, b: &Tensor, value: Tensor, backward: Backward2) -> Result<Tensor> {
+pub fn attach2(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    value: Tensor,
+    backward: Backward2,
+) -> Result<Tensor> {
     if !a.track_op() && !b.track_op() {
         return Ok(value);
     }
-    a.apply_op2_arc(b, Arc::new(Box::new(Attach2 { value: Value::new(name, value), backward })))
+    a.apply_op2_arc(
+        b,
+        Arc::new(Box::new(Attach2 {
+            value: Value::new(name, value),
+            backward,
+        })),
+    )
 }
 
 /// [`attach1`] for three inputs.
-pub fn attach3(name: &'static str, a: &Tensor, b: &Tensor, c: &Tensor, value: Tensor, backward: Backward3) -> Result<Tensor> {
+pub fn attach3(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    value: Tensor,
+    backward: Backward3,
+) -> Result<Tensor> {
     if !a.track_op() && !b.track_op() && !c.track_op() {
         return Ok(value);
     }
-    a.apply_op3_arc(b, c, Arc::new(Box::new(Attach3 { value: Value::new(name, value), backward })))
+    a.apply_op3_arc(
+        b,
+        c,
+        Arc::new(Box::new(Attach3 {
+            value: Value::new(name, value),
+            backward,
+        })),
+    )
 }

@@ -27,7 +27,10 @@ impl GradSink {
     }
 
     fn add(&self, var: &Var, grad: &Tensor) -> Result<()> {
-        let mut store = self.0.lock().map_err(|_| candle_core::Error::Msg("gradient sink poisoned".into()))?;
+        let mut store = self
+            .0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("gradient sink poisoned".into()))?;
         let sum = match store.get(var) {
             Some(old) => (old + grad)?,
             None => grad.clone(),
@@ -38,8 +41,12 @@ impl GradSink {
 
     /// Moves the collected gradients into `grads` (adding to gradients already there).
     pub fn merge_into(&self, grads: &mut GradStore) -> Result<()> {
-        let collected =
-            std::mem::take(&mut *self.0.lock().map_err(|_| candle_core::Error::Msg("gradient sink poisoned".into()))?);
+        let collected = std::mem::take(
+            &mut *self
+                .0
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("gradient sink poisoned".into()))?,
+        );
         grads.extend(collected)
     }
 }
@@ -62,7 +69,11 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
         &anchor,
         value,
         Box::new(move |x, _anchor, grad, needs| {
-            let input = if needs[0] { Some(Var::from_tensor(x)?) } else { None };
+            let input = if needs[0] {
+                Some(Var::from_tensor(x)?)
+            } else {
+                None
+            };
             let y = block(input.as_ref().map(|v| v.as_tensor()).unwrap_or(x))?;
             let grads = (y * grad)?.sum_all()?.backward()?;
             for p in &params {
@@ -95,7 +106,16 @@ mod tests {
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
     }
 
     #[test]
@@ -106,8 +126,17 @@ mod tests {
         let f = block(a.clone(), b.clone(), norm);
         for x_needs_grad in [true, false] {
             let x = Var::from_tensor(&rand_f64(&[2, 3, 4], 4)).unwrap();
-            let input = if x_needs_grad { x.as_tensor().clone() } else { x.as_detached_tensor() };
-            let plain = f(&f(&input).unwrap()).unwrap().sqr().unwrap().sum_all().unwrap();
+            let input = if x_needs_grad {
+                x.as_tensor().clone()
+            } else {
+                x.as_detached_tensor()
+            };
+            let plain = f(&f(&input).unwrap())
+                .unwrap()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap();
             let g_plain = plain.backward().unwrap();
 
             let sink = GradSink::new();
@@ -115,7 +144,10 @@ mod tests {
             let h1 = checkpoint(&input, f.clone(), &params, &sink).unwrap();
             let h2 = checkpoint(&h1, f.clone(), &params, &sink).unwrap();
             let ck = h2.sqr().unwrap().sum_all().unwrap();
-            assert_eq!(plain.to_scalar::<f64>().unwrap(), ck.to_scalar::<f64>().unwrap());
+            assert_eq!(
+                plain.to_scalar::<f64>().unwrap(),
+                ck.to_scalar::<f64>().unwrap()
+            );
             let mut g_ck = ck.backward().unwrap();
             sink.merge_into(&mut g_ck).unwrap();
             // Same math; only the order in which the two blocks' contributions are summed differs.
@@ -124,7 +156,10 @@ mod tests {
             }
             assert_eq!(g_ck.get(&x).is_some(), x_needs_grad);
             if x_needs_grad {
-                assert_eq!(max_diff(g_plain.get(&x).unwrap(), g_ck.get(&x).unwrap()), 0.0);
+                assert_eq!(
+                    max_diff(g_plain.get(&x).unwrap(), g_ck.get(&x).unwrap()),
+                    0.0
+                );
             }
             // Only the block inputs are in the checkpointed graph: far fewer nodes than the plain one.
             assert!(ck.sorted_nodes().len() < plain.sorted_nodes().len() / 2);

@@ -21,32 +21,59 @@ pub const TOKEN_BLOCK: usize = 256;
 fn block_logits(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     let logits = h.matmul(&w.t()?)?;
     let max = logits.max_keepdim(D::Minus1)?;
-    let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?;
+    let lse = (logits
+        .broadcast_sub(&max)?
+        .exp()?
+        .sum_keepdim(D::Minus1)?
+        .log()?
+        + max)?;
     Ok((logits, lse))
 }
 
 /// Sum over tokens of `−log softmax(h·Wᵀ)[label]` for `hidden: [tokens, h]`, `labels: [tokens]` (i64, −100 to
 /// ignore), with the frozen output projection `lm_head`. Differentiable with respect to `hidden`.
 /// Also returns the number of tokens that counted.
-pub fn linear_cross_entropy(hidden: &Tensor, lm_head: &Arc<FrozenLinear>, labels: &Tensor) -> Result<(Tensor, usize)> {
+pub fn linear_cross_entropy(
+    hidden: &Tensor,
+    lm_head: &Arc<FrozenLinear>,
+    labels: &Tensor,
+) -> Result<(Tensor, usize)> {
     let (n, _) = hidden.dims2()?;
     let labels_vec: Vec<i64> = labels.to_dtype(DType::I64)?.to_vec1()?;
     if labels_vec.len() != n {
         candle_core::bail!("{} labels for {n} hidden states", labels_vec.len());
     }
-    let work = if hidden.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let work = if hidden.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
     let vocab = lm_head.weight.dims2()?.0;
-    if let Some(bad) = labels_vec.iter().find(|l| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab)) {
-        candle_core::bail!("label {bad} is out of range for a vocabulary of {vocab} (use -100 to ignore a token)");
+    if let Some(bad) = labels_vec
+        .iter()
+        .find(|l| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab))
+    {
+        candle_core::bail!(
+            "label {bad} is out of range for a vocabulary of {vocab} (use -100 to ignore a token)"
+        );
     }
     let counted = labels_vec.iter().filter(|l| **l != IGNORE_INDEX).count();
     let device = hidden.device().clone();
     // Label index per token (ignored → 0) and a 0/1 weight, as tensors per block.
     let block_targets = move |start: usize, len: usize| -> Result<(Tensor, Tensor)> {
         let slice = &labels_vec[start..start + len];
-        let idx: Vec<u32> = slice.iter().map(|l| if *l == IGNORE_INDEX { 0 } else { *l as u32 }).collect();
-        let keep: Vec<f32> = slice.iter().map(|l| if *l == IGNORE_INDEX { 0.0 } else { 1.0 }).collect();
-        Ok((Tensor::from_vec(idx, (len, 1), &device)?, Tensor::from_vec(keep, (len, 1), &device)?.to_dtype(work)?))
+        let idx: Vec<u32> = slice
+            .iter()
+            .map(|l| if *l == IGNORE_INDEX { 0 } else { *l as u32 })
+            .collect();
+        let keep: Vec<f32> = slice
+            .iter()
+            .map(|l| if *l == IGNORE_INDEX { 0.0 } else { 1.0 })
+            .collect();
+        Ok((
+            Tensor::from_vec(idx, (len, 1), &device)?,
+            Tensor::from_vec(keep, (len, 1), &device)?.to_dtype(work)?,
+        ))
     };
     let value = {
         let w = lm_head.weight.to_dense(work)?;
@@ -87,7 +114,8 @@ pub fn linear_cross_entropy(hidden: &Tensor, lm_head: &Arc<FrozenLinear>, labels
                 let (idx, keep) = block_targets(start, len)?;
                 // d/dlogits = (softmax − onehot) · keep · grad
                 let probs = logits.broadcast_sub(&lse)?.exp()?;
-                let onehot = candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?.to_dtype(work)?;
+                let onehot = candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?
+                    .to_dtype(work)?;
                 let dlogits = (probs - onehot)?.broadcast_mul(&keep)?.broadcast_mul(&g)?;
                 blocks.push(dlogits.matmul(&w)?);
             }
@@ -122,25 +150,58 @@ mod tests {
 
     #[test]
     fn counts_tokens_and_rejects_bad_labels() {
-        let head = Arc::new(FrozenLinear::new(FrozenWeight::Dense(rand_f64(&[4, 3], 3)), None));
+        let head = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[4, 3], 3)),
+            None,
+        ));
         let h = rand_f64(&[3, 3], 4);
-        let (_, n) = linear_cross_entropy(&h, &head, &Tensor::new(&[1i64, -100, 2], h.device()).unwrap()).unwrap();
+        let (_, n) = linear_cross_entropy(
+            &h,
+            &head,
+            &Tensor::new(&[1i64, -100, 2], h.device()).unwrap(),
+        )
+        .unwrap();
         assert_eq!(n, 2);
-        let err = linear_cross_entropy(&h, &head, &Tensor::new(&[1i64, 9, 2], h.device()).unwrap()).unwrap_err();
+        let err = linear_cross_entropy(&h, &head, &Tensor::new(&[1i64, 9, 2], h.device()).unwrap())
+            .unwrap_err();
         assert!(err.to_string().contains("label 9 is out of range"), "{err}");
     }
 
     #[test]
     fn many_blocks_match_one_block() {
-        let head = Arc::new(FrozenLinear::new(FrozenWeight::Dense(rand_f64(&[7, 4], 5)), None));
+        let head = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[7, 4], 5)),
+            None,
+        ));
         let n = TOKEN_BLOCK * 2 + 3;
         let h = rand_f64(&[n, 4], 6);
-        let labels = Tensor::from_vec((0..n as i64).map(|i| i % 7).collect::<Vec<_>>(), n, h.device()).unwrap();
+        let labels = Tensor::from_vec(
+            (0..n as i64).map(|i| i % 7).collect::<Vec<_>>(),
+            n,
+            h.device(),
+        )
+        .unwrap();
         let (loss, _) = linear_cross_entropy(&h, &head, &labels).unwrap();
-        let logits = h.matmul(&head.weight.to_dense(DType::F64).unwrap().t().unwrap()).unwrap();
+        let logits = h
+            .matmul(&head.weight.to_dense(DType::F64).unwrap().t().unwrap())
+            .unwrap();
         let lsm = candle_nn::ops::log_softmax(&logits, 1).unwrap();
-        let expected = lsm.gather(&labels.to_dtype(DType::U32).unwrap().unsqueeze(1).unwrap(), 1).unwrap().sum_all().unwrap().neg().unwrap();
-        let d = (loss - expected).unwrap().abs().unwrap().to_scalar::<f64>().unwrap();
+        let expected = lsm
+            .gather(
+                &labels.to_dtype(DType::U32).unwrap().unsqueeze(1).unwrap(),
+                1,
+            )
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .neg()
+            .unwrap();
+        let d = (loss - expected)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap();
         assert!(d < 1e-10, "{d}");
     }
 }

@@ -9,7 +9,11 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     let hidden = table.dim(1)?;
     let vocab = table.dim(0)?;
     let flat = ids.flatten_all()?;
-    if let Some(bad) = flat.to_vec1::<u32>()?.into_iter().find(|i| *i as usize >= vocab) {
+    if let Some(bad) = flat
+        .to_vec1::<u32>()?
+        .into_iter()
+        .find(|i| *i as usize >= vocab)
+    {
         candle_core::bail!("token id {bad} is out of range for a vocabulary of {vocab}");
     }
     table.index_select(&flat, 0)?.reshape((b, t, hidden))
@@ -35,7 +39,9 @@ mod tests {
     #[test]
     fn out_of_range_ids_are_an_error() {
         let ids = Tensor::new(&[[7u32]], &candle_core::Device::Cpu).unwrap();
-        let err = embedding(&ids, &rand_f64(&[4, 2], 2)).unwrap_err().to_string();
+        let err = embedding(&ids, &rand_f64(&[4, 2], 2))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("token id 7 is out of range"), "{err}");
     }
 }

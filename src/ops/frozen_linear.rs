@@ -37,7 +37,9 @@ impl FrozenWeight {
             FrozenWeight::Dense(t) => t.to_dtype(dtype),
             FrozenWeight::Nf4(q) => {
                 let direct = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
-                let t = q.dequantize(if direct { dtype } else { DType::F32 }).map_err(candle_core::Error::wrap)?;
+                let t = q
+                    .dequantize(if direct { dtype } else { DType::F32 })
+                    .map_err(candle_core::Error::wrap)?;
                 t.to_dtype(dtype)
             }
         }
@@ -106,7 +108,10 @@ pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
             let w = layer.weight.to_dense(grad.dtype())?;
             let dims = grad.dims().to_vec();
             let rows: usize = dims[..dims.len() - 1].iter().product();
-            let gx = grad.contiguous()?.reshape((rows, dims[dims.len() - 1]))?.matmul(&w)?;
+            let gx = grad
+                .contiguous()?
+                .reshape((rows, dims[dims.len() - 1]))?
+                .matmul(&w)?;
             let mut out = dims;
             if let Some(last) = out.last_mut() {
                 *last = w.dim(1)?;
@@ -126,21 +131,44 @@ mod tests {
     fn dense_gradient_matches_finite_differences_and_composite() {
         let w = rand_f64(&[7, 5], 1);
         let b = rand_f64(&[7], 2);
-        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w.clone()), Some(b.clone())));
+        let layer = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(w.clone()),
+            Some(b.clone()),
+        ));
         let f = move |xs: &[Tensor]| frozen_linear(&xs[0], &layer);
         let reference = move |xs: &[Tensor]| xs[0].broadcast_matmul(&w.t()?)?.broadcast_add(&b);
-        check(&f, &reference, &[rand_f64(&[2, 3, 5], 3)], &[true], 30, 1e-6, 1e-12);
+        check(
+            &f,
+            &reference,
+            &[rand_f64(&[2, 3, 5], 3)],
+            &[true],
+            30,
+            1e-6,
+            1e-12,
+        );
     }
 
     #[test]
     fn nf4_weight_is_dequantized_inside_the_op() {
         let w32 = rand_f64(&[64, 32], 4).to_dtype(DType::F32).unwrap();
         let q = Arc::new(Nf4Tensor::quantize(&w32, &QuantConfig::nf4()).unwrap());
-        let deq = q.dequantize(DType::F32).unwrap().to_dtype(DType::F64).unwrap();
+        let deq = q
+            .dequantize(DType::F32)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
         let layer = Arc::new(FrozenLinear::new(FrozenWeight::Nf4(q), None));
         let f = move |xs: &[Tensor]| frozen_linear(&xs[0], &layer);
         let reference = move |xs: &[Tensor]| xs[0].broadcast_matmul(&deq.t()?);
-        check(&f, &reference, &[rand_f64(&[3, 32], 5)], &[true], 20, 1e-6, 1e-12);
+        check(
+            &f,
+            &reference,
+            &[rand_f64(&[3, 32], 5)],
+            &[true],
+            20,
+            1e-6,
+            1e-12,
+        );
     }
 
     #[test]
@@ -148,7 +176,12 @@ mod tests {
         let w = rand_f64(&[4, 3], 6);
         let layer = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w), None));
         let x = candle_core::Var::from_tensor(&rand_f64(&[2, 3], 7)).unwrap();
-        let grads = frozen_linear(&x, &layer).unwrap().sum_all().unwrap().backward().unwrap();
+        let grads = frozen_linear(&x, &layer)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         assert_eq!(grads.get_ids().count(), 1, "only the input has a gradient");
     }
 }

@@ -5,10 +5,14 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 /// A deterministic pseudo-random f64 tensor in [-1, 1) (no RNG state shared between tests).
 pub fn rand_f64(shape: &[usize], seed: u64) -> Tensor {
     let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let v: Vec<f64> = (0..n)
         .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
         })
         .collect();
@@ -21,7 +25,16 @@ fn weighted_sum(y: &Tensor, r: &Tensor) -> Result<Tensor> {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
 }
 
 /// Checks the gradients of `f` with respect to every input (those listed in `differentiable`):
@@ -37,18 +50,39 @@ pub fn check(
     fd_tol: f64,
     ref_tol: f64,
 ) {
-    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
     let as_tensors = |vs: &[Var]| -> Vec<Tensor> {
-        vs.iter().zip(differentiable).map(|(v, d)| if *d { v.as_tensor().clone() } else { v.as_detached_tensor() }).collect()
+        vs.iter()
+            .zip(differentiable)
+            .map(|(v, d)| {
+                if *d {
+                    v.as_tensor().clone()
+                } else {
+                    v.as_detached_tensor()
+                }
+            })
+            .collect()
     };
     let y = f(&as_tensors(&vars)).unwrap();
     let r = rand_f64(y.dims(), 99);
     let grads = weighted_sum(&y, &r).unwrap().backward().unwrap();
 
-    let ref_vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ref_vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
     let y_ref = reference(&as_tensors(&ref_vars)).unwrap();
-    let forward_diff = max_abs_diff(&y.to_dtype(DType::F64).unwrap(), &y_ref.to_dtype(DType::F64).unwrap());
-    assert!(forward_diff <= ref_tol, "forward differs from the reference by {forward_diff}");
+    let forward_diff = max_abs_diff(
+        &y.to_dtype(DType::F64).unwrap(),
+        &y_ref.to_dtype(DType::F64).unwrap(),
+    );
+    assert!(
+        forward_diff <= ref_tol,
+        "forward differs from the reference by {forward_diff}"
+    );
     let ref_grads = weighted_sum(&y_ref, &r).unwrap().backward().unwrap();
 
     for (i, (var, d)) in vars.iter().zip(differentiable).enumerate() {
@@ -57,10 +91,20 @@ pub fn check(
             assert!(g.is_none(), "input {i} is frozen but got a gradient");
             continue;
         }
-        let g = g.unwrap_or_else(|| panic!("no gradient for input {i}")).to_dtype(DType::F64).unwrap();
-        let g_ref = ref_grads.get(&ref_vars[i]).unwrap().to_dtype(DType::F64).unwrap();
+        let g = g
+            .unwrap_or_else(|| panic!("no gradient for input {i}"))
+            .to_dtype(DType::F64)
+            .unwrap();
+        let g_ref = ref_grads
+            .get(&ref_vars[i])
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
         let diff = max_abs_diff(&g, &g_ref);
-        assert!(diff <= ref_tol, "input {i}: gradient differs from the composite reference by {diff}");
+        assert!(
+            diff <= ref_tol,
+            "input {i}: gradient differs from the composite reference by {diff}"
+        );
 
         let flat: Vec<f64> = inputs[i].flatten_all().unwrap().to_vec1().unwrap();
         let g_flat: Vec<f64> = g.flatten_all().unwrap().to_vec1().unwrap();
@@ -73,11 +117,18 @@ pub fn check(
                 v[j] += delta;
                 let mut xs: Vec<Tensor> = inputs.to_vec();
                 xs[i] = Tensor::from_vec(v, inputs[i].dims(), &Device::Cpu).unwrap();
-                weighted_sum(&f(&xs).unwrap(), &r).unwrap().to_scalar::<f64>().unwrap()
+                weighted_sum(&f(&xs).unwrap(), &r)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
             };
             let numeric = (eval(eps) - eval(-eps)) / (2.0 * eps);
             let err = (g_flat[j] - numeric).abs();
-            assert!(err <= fd_tol * (1.0 + numeric.abs()), "input {i} element {j}: analytic {} vs numeric {numeric}", g_flat[j]);
+            assert!(
+                err <= fd_tol * (1.0 + numeric.abs()),
+                "input {i} element {j}: analytic {} vs numeric {numeric}",
+                g_flat[j]
+            );
         }
     }
 }

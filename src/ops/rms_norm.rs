@@ -27,19 +27,27 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let value = {
         let (xhat, _) = normalize(&x.detach(), eps)?;
-        xhat.broadcast_mul(&w.detach().to_dtype(xhat.dtype())?)?.to_dtype(dtype)?
+        xhat.broadcast_mul(&w.detach().to_dtype(xhat.dtype())?)?
+            .to_dtype(dtype)?
     };
     // dx = r * (g·w - x̂ * mean(g·w · x̂)),  dw = Σ_rows g · x̂
     let grad_x = move |x: &Tensor, w: &Tensor, grad: &Tensor| -> Result<Tensor> {
         let (xhat, r) = normalize(x, eps)?;
-        let gw = grad.to_dtype(xhat.dtype())?.broadcast_mul(&w.to_dtype(xhat.dtype())?)?;
+        let gw = grad
+            .to_dtype(xhat.dtype())?
+            .broadcast_mul(&w.to_dtype(xhat.dtype())?)?;
         let proj = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
-        (gw - xhat.broadcast_mul(&proj)?)?.broadcast_mul(&r)?.to_dtype(x.dtype())
+        (gw - xhat.broadcast_mul(&proj)?)?
+            .broadcast_mul(&r)?
+            .to_dtype(x.dtype())
     };
     let grad_w = move |x: &Tensor, w: &Tensor, grad: &Tensor| -> Result<Tensor> {
         let (xhat, _) = normalize(x, eps)?;
         let h = xhat.dim(D::Minus1)?;
-        (grad.to_dtype(xhat.dtype())? * xhat)?.reshape(((), h))?.sum(0)?.to_dtype(w.dtype())
+        (grad.to_dtype(xhat.dtype())? * xhat)?
+            .reshape(((), h))?
+            .sum(0)?
+            .to_dtype(w.dtype())
     };
     if w.track_op() {
         attach2(
@@ -48,14 +56,27 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
             w,
             value,
             Box::new(move |x, w, grad, needs| {
-                let gx = if needs[0] { Some(grad_x(x, w, grad)?) } else { None };
-                let gw = if needs[1] { Some(grad_w(x, w, grad)?) } else { None };
+                let gx = if needs[0] {
+                    Some(grad_x(x, w, grad)?)
+                } else {
+                    None
+                };
+                let gw = if needs[1] {
+                    Some(grad_w(x, w, grad)?)
+                } else {
+                    None
+                };
                 Ok((gx, gw))
             }),
         )
     } else {
         let w = w.detach();
-        attach1("rms-norm", x, value, Box::new(move |x, grad| Ok(Some(grad_x(x, &w, grad)?))))
+        attach1(
+            "rms-norm",
+            x,
+            value,
+            Box::new(move |x, grad| Ok(Some(grad_x(x, &w, grad)?))),
+        )
     }
 }
 
@@ -74,7 +95,15 @@ mod tests {
         let eps = 1.0 / 131072.0;
         let f = |xs: &[Tensor]| rms_norm(&xs[0], &xs[1], eps);
         let r = |xs: &[Tensor]| reference(&xs[0], &xs[1], eps);
-        check(&f, &r, &[rand_f64(&[2, 3, 6], 1), (rand_f64(&[6], 2) + 1.0).unwrap()], &[true, true], 36, 1e-6, 1e-12);
+        check(
+            &f,
+            &r,
+            &[rand_f64(&[2, 3, 6], 1), (rand_f64(&[6], 2) + 1.0).unwrap()],
+            &[true, true],
+            36,
+            1e-6,
+            1e-12,
+        );
     }
 
     #[test]
@@ -82,7 +111,15 @@ mod tests {
         let eps = 1.0 / 1048576.0;
         let f = |xs: &[Tensor]| rms_norm(&xs[0], &xs[1], eps);
         let r = |xs: &[Tensor]| reference(&xs[0], &xs[1], eps);
-        check(&f, &r, &[rand_f64(&[5, 7], 3), (rand_f64(&[7], 4) + 1.0).unwrap()], &[true, false], 35, 1e-6, 1e-12);
+        check(
+            &f,
+            &r,
+            &[rand_f64(&[5, 7], 3), (rand_f64(&[7], 4) + 1.0).unwrap()],
+            &[true, false],
+            35,
+            1e-6,
+            1e-12,
+        );
     }
 
     #[test]
@@ -91,8 +128,16 @@ mod tests {
         let w = Tensor::ones(8, DType::F32, &candle_core::Device::Cpu).unwrap();
         let y = rms_norm(&x, &w, 1e-5).unwrap();
         assert_eq!(y.dtype(), DType::BF16);
-        let r = reference(&x.to_dtype(DType::F32).unwrap(), &w, 1e-5).unwrap().to_dtype(DType::BF16).unwrap();
-        let d = (y.to_dtype(DType::F32).unwrap() - r.to_dtype(DType::F32).unwrap()).unwrap().abs().unwrap().max_all().unwrap();
+        let r = reference(&x.to_dtype(DType::F32).unwrap(), &w, 1e-5)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let d = (y.to_dtype(DType::F32).unwrap() - r.to_dtype(DType::F32).unwrap())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
         assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
     }
 }

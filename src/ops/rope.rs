@@ -26,7 +26,11 @@ pub struct RopeTables {
 }
 
 /// transformers' `inv_freq`, optionally Llama-3 scaled.
-pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<&Llama3RopeScaling>) -> Vec<f64> {
+pub fn inverse_frequencies(
+    head_dim: usize,
+    theta: f64,
+    scaling: Option<&Llama3RopeScaling>,
+) -> Vec<f64> {
     (0..head_dim / 2)
         .map(|i| {
             let inv = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
@@ -39,10 +43,15 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: Option<&Llama3R
                     let low_wavelen = old / s.low_freq_factor;
                     let high_wavelen = old / s.high_freq_factor;
                     let wavelen = 2.0 * std::f64::consts::PI / inv;
-                    let scaled = if wavelen > low_wavelen { inv / s.factor } else { inv };
+                    let scaled = if wavelen > low_wavelen {
+                        inv / s.factor
+                    } else {
+                        inv
+                    };
                     let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
                     if medium {
-                        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+                        let smooth = (old / wavelen - s.low_freq_factor)
+                            / (s.high_freq_factor - s.low_freq_factor);
                         (1.0 - smooth) * scaled / s.factor + smooth * scaled
                     } else {
                         scaled
@@ -68,7 +77,10 @@ impl RopeTables {
         let mut sin = Vec::with_capacity(max_positions * head_dim);
         for p in 0..max_positions {
             // Angles as transformers forms them: float32 position times float32 frequency.
-            let angles: Vec<f64> = inv.iter().map(|f| ((p as f32) * (*f as f32)) as f64).collect();
+            let angles: Vec<f64> = inv
+                .iter()
+                .map(|f| ((p as f32) * (*f as f32)) as f64)
+                .collect();
             for _ in 0..2 {
                 cos.extend(angles.iter().map(|a| a.cos() as f32));
                 sin.extend(angles.iter().map(|a| a.sin() as f32));
@@ -95,8 +107,16 @@ impl RopeTables {
                 self.max_positions()
             );
         }
-        let c = self.cos.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
-        let s = self.sin.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
+        let c = self
+            .cos
+            .narrow(0, offset, len)?
+            .unsqueeze(0)?
+            .unsqueeze(0)?;
+        let s = self
+            .sin
+            .narrow(0, offset, len)?
+            .unsqueeze(0)?
+            .unsqueeze(0)?;
         Ok((c, s))
     }
 
@@ -131,7 +151,11 @@ fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
 /// [`RopeTables::range`] or [`RopeTables::gather`]), computing in float32 (f64 stays f64).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
-    let work = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let work = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
     let (cos, sin) = (cos.to_dtype(work)?, sin.to_dtype(work)?);
     let value = {
         let x = x.detach().to_dtype(work)?;
@@ -158,7 +182,10 @@ mod tests {
     fn gradient_matches_finite_differences_and_rope_slow() {
         let tables = RopeTables::new(8, 16, 10000.0, None, &Device::Cpu).unwrap();
         let (c, s) = tables.range(3, 5).unwrap();
-        let (c2, s2) = (c.squeeze(0).unwrap().squeeze(0).unwrap(), s.squeeze(0).unwrap().squeeze(0).unwrap());
+        let (c2, s2) = (
+            c.squeeze(0).unwrap().squeeze(0).unwrap(),
+            s.squeeze(0).unwrap().squeeze(0).unwrap(),
+        );
         let f = |xs: &[Tensor]| rope(&xs[0], &c, &s);
         let r = |xs: &[Tensor]| {
             candle_nn::rotary_emb::rope_slow(
@@ -167,7 +194,15 @@ mod tests {
                 &s2.narrow(1, 0, 4)?.to_dtype(DType::F64)?,
             )
         };
-        check(&f, &r, &[rand_f64(&[2, 3, 5, 8], 1)], &[true], 40, 1e-6, 1e-6);
+        check(
+            &f,
+            &r,
+            &[rand_f64(&[2, 3, 5, 8], 1)],
+            &[true],
+            40,
+            1e-6,
+            1e-6,
+        );
     }
 
     #[test]

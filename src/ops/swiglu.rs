@@ -7,15 +7,24 @@ use super::autograd::attach2;
 /// `silu(gate) * up`, element-wise, computed in float32 (f64 stays f64).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let dtype = gate.dtype();
-    let work = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
-    let value = (gate.detach().to_dtype(work)?.silu()? * up.detach().to_dtype(work)?)?.to_dtype(dtype)?;
+    let work = if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let value =
+        (gate.detach().to_dtype(work)?.silu()? * up.detach().to_dtype(work)?)?.to_dtype(dtype)?;
     attach2(
         "swiglu",
         gate,
         up,
         value,
         Box::new(move |gate, up, grad, needs| {
-            let (g, u, dy) = (gate.to_dtype(work)?, up.to_dtype(work)?, grad.to_dtype(work)?);
+            let (g, u, dy) = (
+                gate.to_dtype(work)?,
+                up.to_dtype(work)?,
+                grad.to_dtype(work)?,
+            );
             let sig = candle_nn::ops::sigmoid(&g)?;
             let silu = (&g * &sig)?;
             let d_gate = if needs[0] {
@@ -25,7 +34,11 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             } else {
                 None
             };
-            let d_up = if needs[1] { Some((&dy * &silu)?.to_dtype(up.dtype())?) } else { None };
+            let d_up = if needs[1] {
+                Some((&dy * &silu)?.to_dtype(up.dtype())?)
+            } else {
+                None
+            };
             Ok((d_gate, d_up))
         }),
     )

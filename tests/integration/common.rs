@@ -69,3 +69,42 @@ pub fn diff_summary<T: PartialEq>(a: &[T], b: &[T]) -> Option<(usize, usize)> {
     let first = a.iter().zip(b).position(|(x, y)| x != y)?;
     Some((first, a.iter().zip(b).filter(|(x, y)| x != y).count()))
 }
+
+/// The real test model (SmolLM2-135M GGUF). Fetches it with `scripts/fetch-test-model.sh` when it is not cached;
+/// with `CI` set, a missing model is a failure, otherwise the calling test is skipped with a message.
+pub fn test_model() -> Option<PathBuf> {
+    if let Some(p) = candle_qlora::loading::source::cached_test_model() {
+        return Some(p);
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-test-model.sh");
+    let fetched = std::process::Command::new(&script)
+        .output()
+        .ok()
+        .filter(|o| o.status.success());
+    if let Some(out) = fetched {
+        let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if path.is_file() {
+            return Some(path);
+        }
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "the test model is missing: run scripts/fetch-test-model.sh"
+    );
+    eprintln!("skipped: the SmolLM2 test model is not available (run scripts/fetch-test-model.sh)");
+    None
+}
+
+/// Largest absolute difference between two tensors (as f64).
+pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
+    let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let b = b.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}

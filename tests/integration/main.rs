@@ -3,4 +3,5 @@
 mod bnb_layout;
 mod cli;
 mod common;
+mod model_parity;
 mod quant_golden;

@@ -1,0 +1,180 @@
+//! GGUF files: tensors dequantized one at a time under their Hugging Face names, q/k weights un-permuted back to
+//! the HF layout (llama.cpp permutes them for its interleaved RoPE), and the model config from the metadata.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// A GGUF file opened for reading tensors by Hugging Face name.
+pub struct GgufFile {
+    path: PathBuf,
+    content: gguf_file::Content,
+    file: Mutex<std::fs::File>,
+}
+
+/// The llama.cpp name of a Hugging Face tensor name.
+pub fn gguf_name(hf: &str) -> Option<String> {
+    let fixed = match hf {
+        "model.embed_tokens.weight" => Some("token_embd.weight"),
+        "model.norm.weight" => Some("output_norm.weight"),
+        "lm_head.weight" => Some("output.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    let gguf_module = match module {
+        "input_layernorm" => "attn_norm",
+        "post_attention_layernorm" => "ffn_norm",
+        "self_attn.q_proj" => "attn_q",
+        "self_attn.k_proj" => "attn_k",
+        "self_attn.v_proj" => "attn_v",
+        "self_attn.o_proj" => "attn_output",
+        "mlp.gate_proj" => "ffn_gate",
+        "mlp.up_proj" => "ffn_up",
+        "mlp.down_proj" => "ffn_down",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{gguf_module}.{suffix}"))
+}
+
+impl GgufFile {
+    /// Opens `path` and reads its header and metadata.
+    pub fn open(path: &Path) -> Result<Self> {
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io("cannot open", path, e))?;
+        let content = gguf_file::Content::read(&mut file)
+            .map_err(|e| Error::invalid_file(path, format!("not a readable GGUF file: {e}")))?;
+        Ok(GgufFile {
+            path: path.to_path_buf(),
+            content,
+            file: Mutex::new(file),
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Header and metadata.
+    pub fn content(&self) -> &gguf_file::Content {
+        &self.content
+    }
+
+    /// The metadata as a map.
+    pub fn metadata(&self) -> &HashMap<String, gguf_file::Value> {
+        &self.content.metadata
+    }
+
+    /// True if the file has the tensor with this Hugging Face name.
+    pub fn has(&self, hf_name: &str) -> bool {
+        gguf_name(hf_name).is_some_and(|n| self.content.tensor_infos.contains_key(&n))
+    }
+
+    /// Reads and dequantizes (to f32) the tensor with Hugging Face name `hf_name`; q/k projection weights and
+    /// biases of `llama` files are un-permuted to the HF layout using the given head counts.
+    pub fn tensor(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+        let name = gguf_name(hf_name)
+            .filter(|n| self.content.tensor_infos.contains_key(n))
+            .ok_or_else(|| {
+                Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
+            })?;
+        let q = {
+            let mut file = self
+                .file
+                .lock()
+                .map_err(|_| Error::invalid_file(&self.path, "file handle poisoned"))?;
+            self.content
+                .tensor(&mut *file, &name, &Device::Cpu)
+                .map_err(|e| {
+                    Error::invalid_file(
+                        &self.path,
+                        format!("cannot read tensor `{name}`: {e} (file truncated?)"),
+                    )
+                })?
+        };
+        let t = q.dequantize(&Device::Cpu)?;
+        let arch = self
+            .metadata()
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned();
+        let heads = if hf_name.contains("self_attn.q_proj") {
+            Some(n_head)
+        } else if hf_name.contains("self_attn.k_proj") {
+            Some(n_kv_head)
+        } else {
+            None
+        };
+        match (arch.as_deref(), heads) {
+            (Some("llama"), Some(h)) => Ok(unpermute(&t, h)?),
+            _ => Ok(t),
+        }
+    }
+}
+
+/// Undoes llama.cpp's `permute(w, n_head)`: rows `[n_head, head_dim/2, 2]` back to `[n_head, 2, head_dim/2]`.
+pub fn unpermute(w: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let out = dims[0];
+    let rest: usize = dims[1..].iter().product();
+    w.reshape((n_head, out / n_head / 2, 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_map_to_llama_cpp() {
+        assert_eq!(
+            gguf_name("model.layers.3.self_attn.q_proj.weight").unwrap(),
+            "blk.3.attn_q.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.down_proj.weight").unwrap(),
+            "blk.0.ffn_down.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.1.self_attn.k_proj.bias").unwrap(),
+            "blk.1.attn_k.bias"
+        );
+        assert_eq!(
+            gguf_name("model.embed_tokens.weight").unwrap(),
+            "token_embd.weight"
+        );
+        assert!(gguf_name("model.layers.0.unknown.weight").is_none());
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        let (n_head, hd, inp) = (2usize, 4usize, 3usize);
+        let hf = Tensor::arange(0f32, (n_head * hd * inp) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((n_head * hd, inp))
+            .unwrap();
+        // llama.cpp: reshape(n_head, 2, hd/2, in).swapaxes(1, 2)
+        let permuted = hf
+            .reshape((n_head, 2, hd / 2, inp))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((n_head * hd, inp))
+            .unwrap();
+        let back = unpermute(&permuted, n_head).unwrap();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), hf.to_vec2::<f32>().unwrap());
+    }
+}

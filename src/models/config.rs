@@ -1,0 +1,365 @@
+//! One `ModelConfig` for the Llama family, read from a Hugging Face `config.json` or from GGUF metadata.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::ops::rope::Llama3RopeScaling;
+
+/// The architectures this implementation covers (family differences are configuration).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Architecture {
+    /// Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (`model_type = "llama"`).
+    Llama,
+    /// Mistral (`model_type = "mistral"`).
+    Mistral,
+    /// Qwen2 / Qwen2.5 (`model_type = "qwen2"`): q/k/v projections have biases.
+    Qwen2,
+}
+
+/// The supported `model_type` values, for error messages.
+pub const SUPPORTED_MODEL_TYPES: &str =
+    "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2";
+
+impl Architecture {
+    /// From a `model_type` (HF) or `general.architecture` (GGUF).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "llama" => Some(Architecture::Llama),
+            "mistral" => Some(Architecture::Mistral),
+            "qwen2" => Some(Architecture::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// Everything the model needs to know about its shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Family.
+    pub architecture: Architecture,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Residual stream width.
+    pub hidden_size: usize,
+    /// MLP width.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention when fewer than the query heads).
+    pub num_key_value_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Llama-3 RoPE scaling, if any.
+    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// Longest sequence the position tables cover.
+    pub max_position_embeddings: usize,
+    /// The output head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// q/k/v projections carry biases (Qwen2).
+    pub attention_bias: bool,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence tokens (generation stops at any).
+    pub eos_token_ids: Vec<u32>,
+}
+
+fn bad(path: &Path, reason: String) -> Error {
+    Error::invalid_file(path, reason)
+}
+
+fn get_usize(obj: &Value, key: &str, path: &Path) -> Result<usize> {
+    obj.get(key)
+        .ok_or_else(|| bad(path, format!("required key `{key}` is missing")))?
+        .as_u64()
+        .map(|v| v as usize)
+        .ok_or_else(|| bad(path, format!("`{key}` must be a non-negative integer")))
+}
+
+fn opt_f64(obj: &Value, key: &str, path: &Path) -> Result<Option<f64>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| bad(path, format!("`{key}` must be a number"))),
+    }
+}
+
+fn token_ids(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => vec![],
+    }
+}
+
+/// Reads RoPE settings from `rope_theta`/`rope_scaling` (transformers 4.x) or `rope_parameters` (5.x).
+fn rope_settings(obj: &Value, path: &Path) -> Result<(f64, Option<Llama3RopeScaling>)> {
+    let params = obj.get("rope_parameters").filter(|v| v.is_object());
+    let theta = match opt_f64(obj, "rope_theta", path)? {
+        Some(t) => t,
+        None => params
+            .map(|p| opt_f64(p, "rope_theta", path))
+            .transpose()?
+            .flatten()
+            .unwrap_or(10_000.0),
+    };
+    let scaling = obj.get("rope_scaling").filter(|v| v.is_object()).or(params);
+    let Some(scaling) = scaling else {
+        return Ok((theta, None));
+    };
+    let rope_type = scaling
+        .get("rope_type")
+        .or_else(|| scaling.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match rope_type {
+        "default" => Ok((theta, None)),
+        "llama3" => {
+            let s: Llama3RopeScaling = serde_json::from_value(scaling.clone())
+                .map_err(|e| bad(path, format!("`rope_scaling` of type llama3 is incomplete: {e}")))?;
+            Ok((theta, Some(s)))
+        }
+        other => Err(bad(
+            path,
+            format!("rope scaling type `{other}` is not supported (supported: default, llama3); remove it to use plain RoPE"),
+        )),
+    }
+}
+
+impl ModelConfig {
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_hf_config_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read", path, e))?;
+        let obj: Value =
+            serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+        Self::from_hf_config(&obj, path)
+    }
+
+    /// Parses a `config.json` object; `path` names it in errors.
+    pub fn from_hf_config(obj: &Value, path: &Path) -> Result<Self> {
+        let model_type = obj
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(path, "required key `model_type` is missing".into()))?;
+        let architecture = Architecture::parse(model_type).ok_or_else(|| {
+            bad(path, format!("model_type `{model_type}` is not supported; supported: {SUPPORTED_MODEL_TYPES}"))
+        })?;
+        let hidden_size = get_usize(obj, "hidden_size", path)?;
+        let num_attention_heads = get_usize(obj, "num_attention_heads", path)?;
+        let num_key_value_heads = match obj.get("num_key_value_heads") {
+            None | Some(Value::Null) => num_attention_heads,
+            Some(_) => get_usize(obj, "num_key_value_heads", path)?,
+        };
+        let head_dim = match obj.get("head_dim") {
+            None | Some(Value::Null) => hidden_size / num_attention_heads.max(1),
+            Some(_) => get_usize(obj, "head_dim", path)?,
+        };
+        let (rope_theta, rope_scaling) = rope_settings(obj, path)?;
+        let config = ModelConfig {
+            architecture,
+            vocab_size: get_usize(obj, "vocab_size", path)?,
+            hidden_size,
+            intermediate_size: get_usize(obj, "intermediate_size", path)?,
+            num_hidden_layers: get_usize(obj, "num_hidden_layers", path)?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: opt_f64(obj, "rms_norm_eps", path)?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: get_usize(obj, "max_position_embeddings", path)?,
+            tie_word_embeddings: obj
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            attention_bias: architecture == Architecture::Qwen2
+                || obj
+                    .get("attention_bias")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+            bos_token_id: obj
+                .get("bos_token_id")
+                .and_then(Value::as_u64)
+                .map(|v| v as u32),
+            eos_token_ids: token_ids(obj.get("eos_token_id")),
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Reads the `<arch>.*` metadata of a GGUF file. `has_output` says whether the file has `output.weight`
+    /// (otherwise the head is tied to the embeddings).
+    pub fn from_gguf(content: &gguf_file::Content, path: &Path, has_output: bool) -> Result<Self> {
+        let md = &content.metadata;
+        let arch_name = md
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .ok_or_else(|| {
+                bad(
+                    path,
+                    "GGUF metadata `general.architecture` is missing".into(),
+                )
+            })?
+            .clone();
+        let architecture = Architecture::parse(&arch_name).ok_or_else(|| {
+            bad(path, format!("GGUF architecture `{arch_name}` is not supported; supported: {SUPPORTED_MODEL_TYPES}"))
+        })?;
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let get_u = |k: &str| -> Result<usize> {
+            md.get(&key(k))
+                .ok_or_else(|| bad(path, format!("GGUF metadata `{}` is missing", key(k))))?
+                .to_u64()
+                .map(|v| v as usize)
+                .map_err(|_| {
+                    bad(
+                        path,
+                        format!("GGUF metadata `{}` is not an integer", key(k)),
+                    )
+                })
+        };
+        let get_f = |k: &str| -> Option<f64> {
+            md.get(&key(k))
+                .and_then(|v| v.to_f32().ok())
+                .map(|v| v as f64)
+        };
+        let hidden_size = get_u("embedding_length")?;
+        let num_attention_heads = get_u("attention.head_count")?;
+        let vocab_size = match get_u("vocab_size") {
+            Ok(v) => v,
+            Err(_) => md
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.to_vec().ok())
+                .map(|v| v.len())
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        "neither `vocab_size` nor `tokenizer.ggml.tokens` is in the GGUF metadata"
+                            .into(),
+                    )
+                })?,
+        };
+        let head_dim =
+            get_u("rope.dimension_count").unwrap_or(hidden_size / num_attention_heads.max(1));
+        let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+        let config = ModelConfig {
+            architecture,
+            vocab_size,
+            hidden_size,
+            intermediate_size: get_u("feed_forward_length")?,
+            num_hidden_layers: get_u("block_count")?,
+            num_attention_heads,
+            num_key_value_heads: get_u("attention.head_count_kv").unwrap_or(num_attention_heads),
+            head_dim,
+            rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rope_theta: get_f("rope.freq_base").unwrap_or(10_000.0),
+            rope_scaling: None,
+            max_position_embeddings: get_u("context_length")?,
+            tie_word_embeddings: !has_output,
+            attention_bias: architecture == Architecture::Qwen2,
+            bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
+            eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
+        };
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<()> {
+        if self.num_attention_heads == 0
+            || self.num_key_value_heads == 0
+            || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            return Err(bad(
+                path,
+                format!(
+                    "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
+        }
+        if self.head_dim % 2 != 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return Err(bad(
+                path,
+                format!(
+                    "inconsistent sizes: head_dim {} (must be even), hidden_size {}, vocab_size {}",
+                    self.head_dim, self.hidden_size, self.vocab_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<ModelConfig> {
+        ModelConfig::from_hf_config(&v, Path::new("config.json"))
+    }
+
+    fn llama() -> Value {
+        json!({"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "eos_token_id": [1, 2]})
+    }
+
+    #[test]
+    fn reads_llama_and_defaults() {
+        let c = parse(llama()).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.rope_theta, 10_000.0);
+        assert_eq!(c.eos_token_ids, vec![1, 2]);
+        assert!(!c.attention_bias && !c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn reads_rope_parameters_of_transformers_5() {
+        let mut v = llama();
+        v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let c = parse(v).unwrap();
+        assert_eq!(c.rope_theta, 500000.0);
+        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_list_supported_types() {
+        let mut v = llama();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        let err = parse(v).unwrap_err().to_string();
+        assert!(
+            err.contains("config.json") && err.contains("`hidden_size` is missing"),
+            "{err}"
+        );
+        let mut v = llama();
+        v["model_type"] = json!("gpt2");
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.contains("gpt2") && err.contains("qwen2"), "{err}");
+        let mut v = llama();
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        assert!(parse(v).unwrap_err().to_string().contains("yarn"));
+    }
+}

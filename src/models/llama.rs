@@ -1,0 +1,399 @@
+//! One Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2, SmolLM2, TinyLlama) built from the differentiable
+//! ops in [`crate::ops`]: frozen (dense or 4-bit) linears, RMSNorm, RoPE, grouped-query causal attention, SwiGLU,
+//! optional per-layer gradient checkpointing, and a KV cache for generation.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor, Var};
+
+use super::config::ModelConfig;
+use crate::ops::{
+    self, causal_attention, rms_norm, rope, swiglu, FrozenLinear, GradSink, RopeTables,
+};
+
+/// A linear projection of the model. The base is frozen; adapters attach here.
+#[derive(Clone, Debug)]
+pub struct Linear {
+    /// The frozen base layer.
+    pub base: Arc<FrozenLinear>,
+}
+
+impl Linear {
+    /// `x·Wᵀ (+ b)`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        ops::frozen_linear(x, &self.base)
+    }
+}
+
+/// Self-attention of one layer.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    /// Query projection.
+    pub q_proj: Linear,
+    /// Key projection.
+    pub k_proj: Linear,
+    /// Value projection.
+    pub v_proj: Linear,
+    /// Output projection.
+    pub o_proj: Linear,
+    n_head: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+}
+
+/// The SwiGLU MLP of one layer.
+#[derive(Clone, Debug)]
+pub struct Mlp {
+    /// Gate projection.
+    pub gate_proj: Linear,
+    /// Up projection.
+    pub up_proj: Linear,
+    /// Down projection.
+    pub down_proj: Linear,
+}
+
+/// One decoder layer: pre-norm attention and MLP with residual connections.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer {
+    /// Norm before attention.
+    pub input_layernorm: Tensor,
+    /// Attention.
+    pub self_attn: Attention,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: Tensor,
+    /// MLP.
+    pub mlp: Mlp,
+    eps: f64,
+}
+
+/// Keys and values of the positions seen so far, per layer (`[batch, kv_heads, seq, head_dim]`).
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl KvCache {
+    /// An empty cache for `layers` layers.
+    pub fn new(layers: usize) -> Self {
+        KvCache {
+            layers: vec![None; layers],
+        }
+    }
+
+    /// Positions cached.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map(|(k, _)| k.dims()[2])
+            .unwrap_or(0)
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Attention {
+    fn split_heads(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        x.reshape((b, t, heads, self.head_dim))?
+            .transpose(1, 2)?
+            .contiguous()
+    }
+
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let q = rope(
+            &self.split_heads(&self.q_proj.forward(x)?, self.n_head)?,
+            cos,
+            sin,
+        )?;
+        let k = rope(
+            &self.split_heads(&self.k_proj.forward(x)?, self.n_kv_head)?,
+            cos,
+            sin,
+        )?;
+        let v = self.split_heads(&self.v_proj.forward(x)?, self.n_kv_head)?;
+        let (k, v) = match cache {
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                *slot = Some((k.clone(), v.clone()));
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let y = causal_attention(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        self.o_proj
+            .forward(&y.transpose(1, 2)?.contiguous()?.reshape((
+                b,
+                t,
+                self.n_head * self.head_dim,
+            ))?)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down_proj.forward(&swiglu(
+            &self.gate_proj.forward(x)?,
+            &self.up_proj.forward(x)?,
+        )?)
+    }
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let h = (x + self.self_attn.forward(
+            &rms_norm(x, &self.input_layernorm, self.eps)?,
+            cos,
+            sin,
+            cache,
+        )?)?;
+        &h + self
+            .mlp
+            .forward(&rms_norm(&h, &self.post_attention_layernorm, self.eps)?)?
+    }
+
+    /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...).
+    pub fn linears(&self) -> [(&'static str, &Linear); 7] {
+        [
+            ("self_attn.q_proj", &self.self_attn.q_proj),
+            ("self_attn.k_proj", &self.self_attn.k_proj),
+            ("self_attn.v_proj", &self.self_attn.v_proj),
+            ("self_attn.o_proj", &self.self_attn.o_proj),
+            ("mlp.gate_proj", &self.mlp.gate_proj),
+            ("mlp.up_proj", &self.mlp.up_proj),
+            ("mlp.down_proj", &self.mlp.down_proj),
+        ]
+    }
+}
+
+/// Where the positions of a batch come from.
+#[derive(Clone, Debug)]
+pub enum Positions {
+    /// `offset, offset+1, ...` for every row.
+    Range(usize),
+    /// Explicit positions `[batch, seq]` (u32), e.g. restarting at each packed example.
+    Explicit(Tensor),
+}
+
+/// How to run the layers in a training forward.
+#[derive(Clone, Default)]
+pub struct Checkpointing {
+    /// Recompute each layer in the backward instead of keeping its activations.
+    pub enabled: bool,
+    /// Receives the parameter gradients found during recomputation.
+    pub sink: GradSink,
+    /// The trainable parameters the layers use.
+    pub params: Vec<Var>,
+}
+
+/// The model.
+#[derive(Clone, Debug)]
+pub struct LlamaModel {
+    config: ModelConfig,
+    /// Token embeddings `[vocab, hidden]`.
+    pub embed_tokens: Tensor,
+    /// Decoder layers.
+    pub layers: Vec<Arc<DecoderLayer>>,
+    /// Final norm.
+    pub norm: Tensor,
+    /// Output projection (shares the embedding matrix when tied).
+    pub lm_head: Arc<FrozenLinear>,
+    rope: RopeTables,
+    compute_dtype: DType,
+}
+
+/// The pieces of one layer, for [`LlamaModel::new`].
+pub struct LayerWeights {
+    /// `input_layernorm.weight`.
+    pub input_layernorm: Tensor,
+    /// `post_attention_layernorm.weight`.
+    pub post_attention_layernorm: Tensor,
+    /// q, k, v, o, gate, up, down (in that order).
+    pub linears: [Linear; 7],
+}
+
+impl LlamaModel {
+    /// Assembles a model; `compute_dtype` is the dtype of activations and matmuls (f32 on CPU by default).
+    pub fn new(
+        config: ModelConfig,
+        embed_tokens: Tensor,
+        layers: Vec<LayerWeights>,
+        norm: Tensor,
+        lm_head: Arc<FrozenLinear>,
+        compute_dtype: DType,
+    ) -> Result<Self> {
+        let rope = RopeTables::new(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling.as_ref(),
+            embed_tokens.device(),
+        )?;
+        let layers = layers
+            .into_iter()
+            .map(|w| {
+                let [q, k, v, o, gate, up, down] = w.linears;
+                Arc::new(DecoderLayer {
+                    input_layernorm: w.input_layernorm,
+                    self_attn: Attention {
+                        q_proj: q,
+                        k_proj: k,
+                        v_proj: v,
+                        o_proj: o,
+                        n_head: config.num_attention_heads,
+                        n_kv_head: config.num_key_value_heads,
+                        head_dim: config.head_dim,
+                    },
+                    post_attention_layernorm: w.post_attention_layernorm,
+                    mlp: Mlp {
+                        gate_proj: gate,
+                        up_proj: up,
+                        down_proj: down,
+                    },
+                    eps: config.rms_norm_eps,
+                })
+            })
+            .collect();
+        Ok(LlamaModel {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            compute_dtype,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Activation / matmul dtype.
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+
+    /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        ops::embedding(ids, &self.embed_tokens)?.to_dtype(self.compute_dtype)
+    }
+
+    fn cos_sin(&self, positions: &Positions, seq: usize) -> Result<(Tensor, Tensor)> {
+        match positions {
+            Positions::Range(offset) => self.rope.range(*offset, seq),
+            Positions::Explicit(p) => self.rope.gather(p),
+        }
+    }
+
+    /// Final-normed hidden states `[batch, seq, hidden]` from input embeddings.
+    pub fn forward_embeds(
+        &self,
+        embeds: &Tensor,
+        positions: &Positions,
+        checkpointing: &Checkpointing,
+    ) -> Result<Tensor> {
+        let (_, seq, _) = embeds.dims3()?;
+        let (cos, sin) = self.cos_sin(positions, seq)?;
+        let mut x = embeds.clone();
+        for layer in &self.layers {
+            x = if checkpointing.enabled {
+                let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
+                let block: ops::checkpoint::Block =
+                    Arc::new(move |x: &Tensor| layer.forward(x, &cos, &sin, None));
+                ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
+            } else {
+                layer.forward(&x, &cos, &sin, None)?
+            };
+        }
+        rms_norm(&x, &self.norm, self.config.rms_norm_eps)
+    }
+
+    /// Float32 logits `[batch, seq, vocab]` of every position (for evaluation and parity checks).
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        let h = self.forward_embeds(
+            &self.embed(ids)?,
+            &Positions::Range(0),
+            &Checkpointing::default(),
+        )?;
+        self.lm_head.forward(&h.to_dtype(DType::F32)?)
+    }
+
+    /// Causal-LM loss of `ids` with `labels` aligned to `ids` (transformers' convention: the loss shifts them,
+    /// position `t` predicts label `t+1`; −100 ignores a token). Returns the *sum* over counted tokens and their
+    /// number, so a caller can normalize over a whole accumulation window.
+    pub fn loss_sum(
+        &self,
+        ids: &Tensor,
+        labels: &Tensor,
+        positions: &Positions,
+        checkpointing: &Checkpointing,
+    ) -> Result<(Tensor, usize)> {
+        let h = self.forward_embeds(&self.embed(ids)?, positions, checkpointing)?;
+        self.loss_from_hidden(&h, labels)
+    }
+
+    /// The loss of final hidden states against `labels` (see [`LlamaModel::loss_sum`]).
+    pub fn loss_from_hidden(&self, hidden: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
+        let (b, t, hdim) = hidden.dims3()?;
+        if t < 2 {
+            return Ok((Tensor::zeros((), DType::F32, hidden.device())?, 0));
+        }
+        let h = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), hdim))?;
+        let l = labels.narrow(1, 1, t - 1)?.flatten_all()?;
+        ops::linear_cross_entropy(&h, &self.lm_head, &l)
+    }
+
+    /// Logits `[batch, vocab]` of the last position for new tokens `ids`, extending `cache` (generation).
+    pub fn forward_cached(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        if cache.layers.len() != self.layers.len() {
+            *cache = KvCache::new(self.layers.len());
+        }
+        let (_, seq) = ids.dims2()?;
+        let (cos, sin) = self.rope.range(cache.len(), seq)?;
+        let mut x = self.embed(ids)?;
+        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward(&x, &cos, &sin, Some(slot))?;
+        }
+        let last = x.narrow(1, seq - 1, 1)?;
+        let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;
+        self.lm_head.forward(&h.to_dtype(DType::F32)?)
+    }
+
+    /// Bytes of the frozen weights (4-bit ones at their packed size).
+    pub fn weight_bytes(&self) -> usize {
+        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
+        let mut total = t(&self.embed_tokens) + t(&self.norm);
+        if !self.config.tie_word_embeddings {
+            total += self.lm_head.weight.size_in_bytes();
+        }
+        for l in &self.layers {
+            total += t(&l.input_layernorm) + t(&l.post_attention_layernorm);
+            for (_, lin) in l.linears() {
+                total +=
+                    lin.base.weight.size_in_bytes() + lin.base.bias.as_ref().map(t).unwrap_or(0);
+            }
+        }
+        total
+    }
+}

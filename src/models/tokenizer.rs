@@ -1,0 +1,239 @@
+//! The text side of a model: a `tokenizers` tokenizer (from `tokenizer.json` or GGUF metadata), its special
+//! tokens, and its chat template rendered with minijinja the way transformers' `apply_chat_template` does.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// One chat message (`{"role": ..., "content": ...}`).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// A tokenizer with its special tokens and chat template.
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Beginning-of-sequence token text, if known.
+    pub bos_token: Option<String>,
+    /// End-of-sequence token text, if known.
+    pub eos_token: Option<String>,
+    /// Jinja chat template, if the model has one.
+    pub chat_template: Option<String>,
+}
+
+fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// From a Hugging Face folder: `tokenizer.json` plus `tokenizer_config.json` (special tokens, chat template).
+    pub fn from_folder(folder: &Path) -> Result<Self> {
+        let path = folder.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| Error::invalid_file(&path, format!("cannot load tokenizer: {e}")))?;
+        let cfg_path = folder.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| Error::invalid_file(&cfg_path, format!("not valid JSON: {e}")))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let mut chat_template = cfg
+            .get("chat_template")
+            .and_then(|t| t.as_str())
+            .map(str::to_string);
+        if chat_template.is_none() {
+            chat_template = std::fs::read_to_string(folder.join("chat_template.jinja")).ok();
+        }
+        Ok(TextTokenizer {
+            inner,
+            bos_token: token_text(cfg.get("bos_token")),
+            eos_token: token_text(cfg.get("eos_token")),
+            chat_template,
+        })
+    }
+
+    /// From GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
+    pub fn from_gguf(content: &gguf_file::Content, path: &Path) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_gguf(content).map_err(|e| {
+            Error::invalid_file(
+                path,
+                format!("cannot build the tokenizer from GGUF metadata: {e}"),
+            )
+        })?;
+        let md = &content.metadata;
+        // Candle gives GPT-2-style vocabularies (e.g. `smollm`) a byte-level pre-tokenizer that adds a prefix space;
+        // llama.cpp and transformers add one only when `tokenizer.ggml.add_space_prefix` says so.
+        let pre = md
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+            .unwrap_or("gpt2");
+        if !matches!(pre, "qwen2" | "smaug-bpe" | "lfm2" | "llama3") {
+            let add_prefix_space = md
+                .get("tokenizer.ggml.add_space_prefix")
+                .and_then(|v| v.to_bool().ok())
+                .unwrap_or(false);
+            inner.with_pre_tokenizer(Some(
+                tokenizers::pre_tokenizers::byte_level::ByteLevel::new(
+                    add_prefix_space,
+                    true,
+                    true,
+                ),
+            ));
+        }
+        let tokens = md
+            .get("tokenizer.ggml.tokens")
+            .and_then(|v| v.to_vec().ok());
+        let token_at = |key: &str| -> Option<String> {
+            let id = md.get(key)?.to_u32().ok()? as usize;
+            tokens?.get(id)?.to_string().ok().cloned()
+        };
+        Ok(TextTokenizer {
+            inner,
+            bos_token: token_at("tokenizer.ggml.bos_token_id"),
+            eos_token: token_at("tokenizer.ggml.eos_token_id"),
+            chat_template: md
+                .get("tokenizer.chat_template")
+                .and_then(|v| v.to_string().ok())
+                .cloned(),
+        })
+    }
+
+    /// Token ids of `text`, with the special tokens the tokenizer's post-processor adds when `add_special_tokens`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Tokenizer(format!("tokenization failed: {e}")))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` with the byte range each token covers.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+        let enc = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| Error::Tokenizer(format!("tokenization failed: {e}")))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
+    /// Text of `ids` (special tokens skipped when `skip_special_tokens`).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Tokenizer(format!("detokenization failed: {e}")))
+    }
+
+    /// The id of a token's text.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Renders `messages` with the chat template, as transformers' `apply_chat_template(tokenize=False)`.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            Error::Tokenizer("the model has no chat template; use plain text (drop --chat)".into())
+        })?;
+        render_chat_template(
+            template,
+            messages,
+            add_generation_prompt,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )
+    }
+}
+
+/// Renders a Hugging Face chat template with minijinja (Python string methods, `raise_exception`,
+/// `strftime_now`, and `trim_blocks`/`lstrip_blocks` as transformers sets them).
+pub fn render_chat_template(
+    template: &str,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+    env.add_template("chat", template)
+        .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {e}")))?;
+    let tmpl = env
+        .get_template("chat")
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    tmpl.render(minijinja::context! {
+        messages => messages,
+        add_generation_prompt => add_generation_prompt,
+        bos_token => bos_token.unwrap_or(""),
+        eos_token => eos_token.unwrap_or(""),
+    })
+    .map_err(|e| Error::Tokenizer(format!("the chat template failed to render: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_a_chatml_template() {
+        let t = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }];
+        let out = render_chat_template(t, &msgs, true, None, None).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let t = "{{ raise_exception('only user and assistant roles') }}";
+        let err = render_chat_template(t, &[], false, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only user and assistant roles"), "{err}");
+    }
+}

@@ -1,0 +1,323 @@
+//! The Llama-family model against transformers (golden files from `scripts/golden_model.py`) and against a
+//! composite-ops reference for whole-model gradients.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::models::{generate, Checkpointing, GenerationConfig, LlamaModel, Positions};
+use candle_qlora::ops::FrozenWeight;
+use candle_qlora::quant::{BnbKernels, QuantConfig};
+use serde_json::Value;
+
+use crate::common::{data_path, max_abs_diff, test_model};
+
+fn golden(name: &str) -> std::collections::HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        data_path(&format!("models/{name}/golden.safetensors")),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn load_tiny(name: &str, quant: Option<QuantConfig>) -> LlamaModel {
+    let dir = data_path(&format!("models/{name}"));
+    load_model(
+        dir.to_str().unwrap(),
+        None,
+        &LoadOptions {
+            quantization: quant,
+            compute_dtype: DType::F32,
+        },
+    )
+    .unwrap()
+    .model
+}
+
+fn nf4_like_bitsandbytes_cpu() -> QuantConfig {
+    QuantConfig {
+        kernels: BnbKernels::Cpu,
+        ..QuantConfig::nf4()
+    }
+}
+
+#[test]
+fn tiny_llama_and_qwen2_logits_match_transformers() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let g = golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let model = load_tiny(name, None);
+        let logits = model.logits(&ids).unwrap();
+        let d = max_abs_diff(&logits, &g["logits"]);
+        assert!(d <= 1e-5, "{name}: logits differ from transformers by {d}");
+
+        let (sum, n) = model
+            .loss_sum(
+                &ids,
+                &ids.to_dtype(DType::I64).unwrap(),
+                &Positions::Range(0),
+                &Checkpointing::default(),
+            )
+            .unwrap();
+        let loss = sum.to_scalar::<f32>().unwrap() / n as f32;
+        let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
+        assert!(
+            (loss - expected).abs() <= 1e-5,
+            "{name}: loss {loss} vs {expected}"
+        );
+
+        let q = load_tiny(name, Some(nf4_like_bitsandbytes_cpu()));
+        let d = max_abs_diff(&q.logits(&ids).unwrap(), &g["logits_nf4"]);
+        assert!(
+            d <= 1e-5,
+            "{name}: NF4 logits differ from transformers + bitsandbytes by {d}"
+        );
+    }
+}
+
+#[test]
+fn input_gradients_match_transformers() {
+    for name in ["tiny-llama", "tiny-qwen2"] {
+        let g = golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let model = load_tiny(name, None);
+        let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+        for enabled in [false, true] {
+            let ck = Checkpointing {
+                enabled,
+                ..Default::default()
+            };
+            let h = model
+                .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
+                .unwrap();
+            let (sum, n) = model
+                .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
+                .unwrap();
+            let grads = (sum / n as f64).unwrap().backward().unwrap();
+            let d = max_abs_diff(grads.get(&embeds).unwrap(), &g["grad_inputs_embeds"]);
+            assert!(
+                d <= 1e-6,
+                "{name} (checkpointing {enabled}): input gradient differs from transformers by {d}"
+            );
+        }
+    }
+}
+
+/// The same model written with Candle's differentiable primitives only (composite ops, repeated kv heads, full
+/// logits), as the reference for whole-model gradients.
+fn composite_loss(model: &LlamaModel, embeds: &Tensor, labels: &[u32]) -> Tensor {
+    let cfg = model.config().clone();
+    let dense = |w: &FrozenWeight| w.to_dense(DType::F32).unwrap();
+    let (b, t, _) = embeds.dims3().unwrap();
+    let inv: Vec<f32> = candle_qlora::ops::rope::inverse_frequencies(
+        cfg.head_dim,
+        cfg.rope_theta,
+        cfg.rope_scaling.as_ref(),
+    )
+    .iter()
+    .map(|f| *f as f32)
+    .collect();
+    let angles: Vec<f32> = (0..t)
+        .flat_map(|p| inv.iter().map(move |f| p as f32 * f))
+        .collect();
+    let angles = Tensor::from_vec(angles, (t, cfg.head_dim / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+    let lin = |x: &Tensor, l: &candle_qlora::models::llama::Linear| -> Tensor {
+        let y = x
+            .broadcast_matmul(&dense(&l.base.weight).t().unwrap())
+            .unwrap();
+        match &l.base.bias {
+            Some(bias) => y.broadcast_add(bias).unwrap(),
+            None => y,
+        }
+    };
+    let heads = |x: Tensor, n: usize| {
+        x.reshape((b, t, n, cfg.head_dim))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+    };
+    let repeat = |x: Tensor| {
+        let g = cfg.num_attention_heads / cfg.num_key_value_heads;
+        let (b, h, s, d) = x.dims4().unwrap();
+        Tensor::cat(&vec![&x; g], 2)
+            .unwrap()
+            .reshape((b, h * g, s, d))
+            .unwrap()
+    };
+    let eps = cfg.rms_norm_eps as f32;
+    let mut x = embeds.clone();
+    for layer in &model.layers {
+        let h = candle_nn::ops::rms_norm_slow(&x, &layer.input_layernorm, eps).unwrap();
+        let a = &layer.self_attn;
+        let q = candle_nn::rotary_emb::rope_slow(
+            &heads(lin(&h, &a.q_proj), cfg.num_attention_heads),
+            &cos,
+            &sin,
+        )
+        .unwrap();
+        let k = candle_nn::rotary_emb::rope_slow(
+            &heads(lin(&h, &a.k_proj), cfg.num_key_value_heads),
+            &cos,
+            &sin,
+        )
+        .unwrap();
+        let v = heads(lin(&h, &a.v_proj), cfg.num_key_value_heads);
+        let scores =
+            (q.matmul(&repeat(k).t().unwrap()).unwrap() / (cfg.head_dim as f64).sqrt()).unwrap();
+        let p = candle_nn::ops::softmax(&scores.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
+        let o = p
+            .matmul(&repeat(v))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, t, cfg.num_attention_heads * cfg.head_dim))
+            .unwrap();
+        x = (x + lin(&o, &a.o_proj)).unwrap();
+        let h = candle_nn::ops::rms_norm_slow(&x, &layer.post_attention_layernorm, eps).unwrap();
+        let m = &layer.mlp;
+        let act = (lin(&h, &m.gate_proj).silu().unwrap() * lin(&h, &m.up_proj)).unwrap();
+        x = (x + lin(&act, &m.down_proj)).unwrap();
+    }
+    let h = candle_nn::ops::rms_norm_slow(&x, &model.norm, eps).unwrap();
+    let logits = h
+        .broadcast_matmul(&dense(&model.lm_head.weight).t().unwrap())
+        .unwrap();
+    let logits = logits
+        .narrow(1, 0, t - 1)
+        .unwrap()
+        .reshape((b * (t - 1), cfg.vocab_size))
+        .unwrap();
+    let targets = Tensor::from_vec(labels.to_vec(), b * (t - 1), &Device::Cpu).unwrap();
+    candle_nn::loss::cross_entropy(&logits, &targets).unwrap()
+}
+
+#[test]
+fn whole_model_gradients_match_a_composite_reference_with_and_without_checkpointing() {
+    let g = golden("tiny-llama");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    for quant in [None, Some(QuantConfig::nf4())] {
+        let model = load_tiny("tiny-llama", quant);
+        let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+        let shifted: Vec<u32> = ids
+            .narrow(1, 1, 18)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let reference = composite_loss(&model, embeds.as_tensor(), &shifted);
+        let g_ref = reference.backward().unwrap();
+        for enabled in [false, true] {
+            let ck = Checkpointing {
+                enabled,
+                ..Default::default()
+            };
+            let h = model
+                .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
+                .unwrap();
+            let (sum, n) = model
+                .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
+                .unwrap();
+            let loss = (sum / n as f64).unwrap();
+            let dl =
+                (loss.to_scalar::<f32>().unwrap() - reference.to_scalar::<f32>().unwrap()).abs();
+            assert!(dl <= 1e-5, "loss {dl}");
+            let grads = loss.backward().unwrap();
+            let d = max_abs_diff(grads.get(&embeds).unwrap(), g_ref.get(&embeds).unwrap());
+            assert!(d <= 1e-6, "quant {quant:?}, checkpointing {enabled}: gradients differ from the composite reference by {d}");
+        }
+    }
+}
+
+fn smollm2_golden() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(data_path("models/smollm2_golden.json")).unwrap())
+        .unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn smollm2_gguf_matches_transformers() {
+    let Some(path) = test_model() else { return };
+    let g = smollm2_golden();
+    let loaded = load_model(path.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    let tok = loaded.tokenizer.as_ref().unwrap();
+
+    // Tokenizer and chat template from the GGUF metadata, as transformers builds them.
+    let text_ids = ids_of(&g["text_ids"]);
+    assert_eq!(
+        tok.encode(g["text"].as_str().unwrap(), true).unwrap(),
+        text_ids
+    );
+    let msgs = [candle_qlora::models::ChatMessage {
+        role: "user".into(),
+        content: g["prompt"].as_str().unwrap().into(),
+    }];
+    let prompt_text = tok.apply_chat_template(&msgs, true).unwrap();
+    assert_eq!(prompt_text, g["prompt_text"].as_str().unwrap());
+    let prompt_ids = tok.encode(&prompt_text, false).unwrap();
+    assert_eq!(prompt_ids, ids_of(&g["prompt_ids"]));
+
+    // Mean loss over the text, unquantized.
+    let ids = Tensor::new(text_ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    let mean_loss = |m: &LlamaModel| {
+        let (s, n) = m
+            .loss_sum(
+                &ids,
+                &labels,
+                &Positions::Range(0),
+                &Checkpointing::default(),
+            )
+            .unwrap();
+        s.to_scalar::<f32>().unwrap() as f64 / n as f64
+    };
+    let loss = mean_loss(&loaded.model);
+    let expected = g["loss_f32"].as_f64().unwrap();
+    assert!(
+        (loss - expected).abs() <= 1e-3,
+        "f32 loss {loss} vs transformers {expected}"
+    );
+
+    // 20 greedy tokens (ignoring EOS) identical to transformers'.
+    let mut cfg = GenerationConfig::greedy(20);
+    let out = generate(&loaded.model, &prompt_ids, &cfg, |_| Ok(())).unwrap();
+    assert_eq!(out, ids_of(&g["greedy_ids_20_ignoring_eos"]));
+    cfg.eos_token_ids = loaded.model.config().eos_token_ids.clone();
+    let out = generate(&loaded.model, &prompt_ids, &cfg, |_| Ok(())).unwrap();
+    let mut expected = ids_of(&g["greedy_ids"]);
+    expected.pop(); // the EOS itself is not returned
+    assert_eq!(out, expected);
+    assert_eq!(
+        tok.decode(&out, true).unwrap(),
+        "The capital of France is Paris."
+    );
+    drop(loaded);
+
+    // Quantized on load to NF4 like bitsandbytes on CPU: within 5e-3 of transformers + bitsandbytes.
+    let opts = LoadOptions {
+        quantization: Some(nf4_like_bitsandbytes_cpu()),
+        compute_dtype: DType::F32,
+    };
+    let q = load_model(path.to_str().unwrap(), None, &opts).unwrap();
+    let loss = mean_loss(&q.model);
+    let expected = g["loss_nf4"].as_f64().unwrap();
+    assert!(
+        (loss - expected).abs() <= 5e-3,
+        "NF4 loss {loss} vs transformers + bitsandbytes {expected}"
+    );
+}
