@@ -144,15 +144,16 @@ fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, Str
                     .get(content_key)
                     .and_then(Value::as_str)
                     .ok_or(format!("{key}[{i}].{content_key} must be a string"))?;
-                let role =
-                    match role {
-                        "human" | "user" => "user",
-                        "gpt" | "assistant" | "model" => "assistant",
-                        "system" => "system",
-                        other => return Err(format!(
+                let role = match role {
+                    "human" | "user" => "user",
+                    "gpt" | "assistant" | "model" => "assistant",
+                    "system" => "system",
+                    other => {
+                        return Err(format!(
                             "{key}[{i}] has unknown role `{other}` (use system, user or assistant)"
-                        )),
-                    };
+                        ))
+                    }
+                };
                 messages.push(ChatMessage {
                     role: role.into(),
                     content: content.into(),
@@ -196,10 +197,12 @@ pub fn read_jsonl(
         match parsed {
             Ok(ex) => examples.push(ex),
             Err(reason) if skip_bad_lines => report.skipped.push((line_no, reason)),
-            Err(reason) => return Err(Error::InvalidInput(format!(
+            Err(reason) => {
+                return Err(Error::InvalidInput(format!(
                 "{}:{line_no}: {reason} (fix the line, or skip bad lines with --skip-bad-lines)",
                 path.display()
-            ))),
+            )))
+            }
         }
     }
     if examples.is_empty() {

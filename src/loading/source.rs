@@ -127,21 +127,21 @@ impl LoadedModel {
 /// Tensors by Hugging Face name from either file kind.
 enum Weights {
     Safetensors(ShardedSafetensors),
-    Gguf(GgufFile, ModelConfig),
+    Gguf(Box<(GgufFile, ModelConfig)>),
 }
 
 impl Weights {
     fn where_(&self) -> String {
         match self {
             Weights::Safetensors(s) => s.folder().display().to_string(),
-            Weights::Gguf(g, _) => g.path().display().to_string(),
+            Weights::Gguf(g) => g.0.path().display().to_string(),
         }
     }
 
     fn has(&self, name: &str) -> bool {
         match self {
             Weights::Safetensors(s) => s.file_of(name).is_some(),
-            Weights::Gguf(g, _) => g.has(name),
+            Weights::Gguf(g) => g.0.has(name),
         }
     }
 
@@ -163,8 +163,8 @@ impl Weights {
                     Error::invalid_file(file.path(), format!("cannot read `{name}`: {e}"))
                 })?
             }
-            Weights::Gguf(g, cfg) => {
-                g.tensor(name, cfg.num_attention_heads, cfg.num_key_value_heads)?
+            Weights::Gguf(g) => {
+                g.0.tensor(name, g.1.num_attention_heads, g.1.num_key_value_heads)?
             }
         };
         if t.dims() != shape {
@@ -304,7 +304,7 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let has_output = file.has("lm_head.weight");
             let cfg = ModelConfig::from_gguf(file.content(), &path, has_output)?;
             let tokenizer = Some(TextTokenizer::from_gguf(file.content(), &path)?);
-            let weights = Weights::Gguf(file, cfg.clone());
+            let weights = Weights::Gguf(Box::new((file, cfg.clone())));
             let model = build_model(&weights, cfg, opts)?;
             Ok(LoadedModel { model, tokenizer, source: path.display().to_string() })
         }

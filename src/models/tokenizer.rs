@@ -9,6 +9,9 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 
+/// A byte range `[start, end)` of a text.
+pub type Span = (usize, usize);
+
 /// One chat message (`{"role": ..., "content": ...}`).
 #[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct ChatMessage {
@@ -129,7 +132,7 @@ impl TextTokenizer {
         &self,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>)> {
+    ) -> Result<(Vec<u32>, Vec<Span>)> {
         let enc = self
             .inner
             .encode(text, add_special_tokens)

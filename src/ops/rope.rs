@@ -48,7 +48,7 @@ pub fn inverse_frequencies(
                     } else {
                         inv
                     };
-                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                     if medium {
                         let smooth = (old / wavelen - s.low_freq_factor)
                             / (s.high_freq_factor - s.low_freq_factor);
