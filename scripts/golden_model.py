@@ -179,6 +179,17 @@ TINY = [
 ]
 
 
+def write_word_tokenizer(path, vocab_size):
+    """A whitespace word-level tokenizer over `t1 .. t{vocab-1}` (id 0 = <unk>), so CLI tests can feed tiny models text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.save(path)
+
+
 def generate_tiny(name, config_cls, model_cls, extra, seed):
     folder = os.path.join(OUT, name)
     os.makedirs(folder, exist_ok=True)
@@ -193,6 +204,7 @@ def generate_tiny(name, config_cls, model_cls, extra, seed):
     generation_config = os.path.join(folder, "generation_config.json")  # not needed by the Rust side
     if os.path.exists(generation_config):
         os.remove(generation_config)
+    write_word_tokenizer(os.path.join(folder, "tokenizer.json"), cfg.vocab_size)
 
     g = torch.Generator().manual_seed(seed + 100)
     ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=g, dtype=torch.int64)

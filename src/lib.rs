@@ -22,9 +22,11 @@
 
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod loading;
 pub mod models;
 pub mod ops;
+pub mod precision;
 pub mod quant;
 
 pub use error::{Error, Result};

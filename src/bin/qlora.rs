@@ -3,8 +3,15 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::io::Write;
+
 use anyhow::Context;
+use candle_core::DType;
+use candle_qlora::data::{read_jsonl, DataFormat};
+use candle_qlora::eval::evaluate;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
+use candle_qlora::loading::source::{load_model, LoadOptions, LoadedModel};
+use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
 use clap::{Parser, Subcommand, ValueEnum};
 
@@ -24,6 +31,222 @@ enum Command {
     /// Quantize the linear weights of a .safetensors file or a model folder to 4 bits in bitsandbytes' layout
     /// (a folder also gets the `quantization_config` transformers needs to load it with bitsandbytes).
     Quantize(QuantizeArgs),
+    /// Evaluate a model on a JSONL file: token-level mean loss, perplexity and token count.
+    Eval(EvalArgs),
+    /// Generate text from a prompt with a KV cache (greedy by default), streaming tokens as they come.
+    Generate(GenerateArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantizeOnLoad {
+    /// NF4 with double quantization, blocksize 64 (QLoRA).
+    Nf4,
+    /// FP4 with double quantization, blocksize 64.
+    Fp4,
+    /// Keep the weights as stored.
+    None,
+}
+
+impl QuantizeOnLoad {
+    fn config(self) -> Option<QuantConfig> {
+        match self {
+            QuantizeOnLoad::Nf4 => Some(QuantConfig::nf4()),
+            QuantizeOnLoad::Fp4 => Some(QuantConfig::fp4()),
+            QuantizeOnLoad::None => None,
+        }
+    }
+}
+
+/// Flags every command that loads a model shares.
+#[derive(clap::Args)]
+struct ModelArgs {
+    /// Model: a Hugging Face folder, a .gguf file, or a Hub id (org/name).
+    #[arg(long)]
+    model: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    revision: Option<String>,
+    /// Quantize the linear weights on load.
+    #[arg(long, value_enum, default_value = "none")]
+    quantize: QuantizeOnLoad,
+}
+
+impl ModelArgs {
+    fn load(&self) -> anyhow::Result<LoadedModel> {
+        let start = std::time::Instant::now();
+        let opts = LoadOptions {
+            quantization: self.quantize.config(),
+            compute_dtype: DType::F32,
+        };
+        let loaded = load_model(&self.model, self.revision.as_deref(), &opts)
+            .with_context(|| format!("loading model `{}`", self.model))?;
+        eprintln!(
+            "loaded {} ({} layers, {:.1} MiB of weights) in {:.1} s",
+            loaded.source,
+            loaded.model.config().num_hidden_layers,
+            loaded.model.weight_bytes() as f64 / (1 << 20) as f64,
+            start.elapsed().as_secs_f64()
+        );
+        Ok(loaded)
+    }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FormatArg {
+    Auto,
+    Text,
+    Alpaca,
+    Messages,
+    Sharegpt,
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// JSONL data file.
+    #[arg(long)]
+    data: PathBuf,
+    /// Data format (auto detects it per line).
+    #[arg(long, value_enum, default_value = "auto")]
+    format: FormatArg,
+    /// Longest example in tokens (longer ones are truncated and counted).
+    #[arg(long, default_value_t = 2048)]
+    max_length: usize,
+    /// Count every token of instruction and chat examples, not only the completions.
+    #[arg(long)]
+    all_tokens: bool,
+    /// Examples per forward pass.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Skip malformed lines (counted) instead of stopping at the first.
+    #[arg(long)]
+    skip_bad_lines: bool,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let format = match args.format {
+        FormatArg::Auto => DataFormat::Auto,
+        FormatArg::Text => DataFormat::Text,
+        FormatArg::Alpaca => DataFormat::Alpaca,
+        FormatArg::Messages => DataFormat::Messages,
+        FormatArg::Sharegpt => DataFormat::ShareGpt,
+    };
+    let (examples, read) = read_jsonl(&args.data, format, args.skip_bad_lines)?;
+    for (line, reason) in &read.skipped {
+        eprintln!(
+            "warning: {}:{line}: skipped ({reason})",
+            args.data.display()
+        );
+    }
+    let loaded = args.model.load()?;
+    let tokenizer = loaded.tokenizer()?;
+    let tokenized = examples
+        .iter()
+        .map(|e| e.tokenize(tokenizer, args.max_length, args.all_tokens))
+        .collect::<candle_qlora::Result<Vec<_>>>()?;
+    let report = evaluate(&loaded.model, &tokenized, args.batch_size)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("loss        {:.6}", report.loss);
+        println!("perplexity  {:.4}", report.perplexity);
+        println!("tokens      {}", report.tokens);
+        println!(
+            "examples    {} ({} truncated to {} tokens, {} lines skipped)",
+            report.examples,
+            report.truncated,
+            args.max_length,
+            read.skipped.len()
+        );
+    }
+    Ok(())
+}
+
+fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
+    let loaded = args.model.load()?;
+    let tokenizer = loaded.tokenizer()?;
+    let prompt_ids = if args.chat {
+        let text = tokenizer.apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: args.prompt.clone(),
+            }],
+            true,
+        )?;
+        tokenizer.encode(&text, false)?
+    } else {
+        tokenizer.encode(&args.prompt, true)?
+    };
+    let mut eos = loaded.model.config().eos_token_ids.clone();
+    if let Some(id) = tokenizer
+        .eos_token
+        .as_deref()
+        .and_then(|t| tokenizer.token_to_id(t))
+    {
+        eos.push(id);
+    }
+    let config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        eos_token_ids: eos,
+    };
+    let start = std::time::Instant::now();
+    let mut tokens = Vec::new();
+    let mut printed = 0usize;
+    let mut stdout = std::io::stdout();
+    let out = generate(&loaded.model, &prompt_ids, &config, |t| {
+        tokens.push(t);
+        // Decode everything so far and print the new part, so multi-byte characters come out whole.
+        let text = tokenizer.decode(&tokens, true)?;
+        if text.len() > printed && text.is_char_boundary(printed) {
+            let _ = write!(stdout, "{}", &text[printed..]);
+            let _ = stdout.flush();
+            printed = text.len();
+        }
+        Ok(())
+    })?;
+    println!();
+    eprintln!(
+        "{} tokens in {:.2} s ({:.1} tokens/s)",
+        out.len(),
+        start.elapsed().as_secs_f64(),
+        out.len() as f64 / start.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -113,6 +336,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Quantize(args) => quantize(args),
+        Command::Eval(args) => eval(args),
+        Command::Generate(args) => generate_text(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

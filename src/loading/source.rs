@@ -1,6 +1,19 @@
 //! Where models come from.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::bnb::read_bnb_weight;
+use super::gguf::GgufFile;
+use super::safetensors::ShardedSafetensors;
+use crate::error::{Error, Result};
+use crate::models::config::ModelConfig;
+use crate::models::llama::{LayerWeights, Linear, LlamaModel};
+use crate::models::tokenizer::TextTokenizer;
+use crate::ops::{FrozenLinear, FrozenWeight};
+use crate::quant::{Nf4Tensor, QuantConfig};
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device, Tensor};
 
 /// File name of the test model `scripts/fetch-test-model.sh` caches (SmolLM2-135M-Instruct, Q4_1 GGUF).
 pub const TEST_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -21,21 +34,6 @@ pub fn cached_test_model() -> Option<PathBuf> {
         })?;
     Some(dir.join(TEST_MODEL_FILE)).filter(|p| p.is_file())
 }
-
-use std::sync::Arc;
-
-use candle_core::safetensors::Load;
-use candle_core::{DType, Device, Tensor};
-
-use super::bnb::read_bnb_weight;
-use super::gguf::GgufFile;
-use super::safetensors::ShardedSafetensors;
-use crate::error::{Error, Result};
-use crate::models::config::ModelConfig;
-use crate::models::llama::{LayerWeights, Linear, LlamaModel};
-use crate::models::tokenizer::TextTokenizer;
-use crate::ops::{FrozenLinear, FrozenWeight};
-use crate::quant::{Nf4Tensor, QuantConfig};
 
 /// Where a model is read from.
 #[derive(Clone, Debug, PartialEq)]
@@ -296,8 +294,16 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let cfg = ModelConfig::from_hf_config_file(&dir.join("config.json"))?;
             let weights = Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?);
             let model = build_model(&weights, cfg, opts)?;
-            let tokenizer = if dir.join("tokenizer.json").exists() { Some(TextTokenizer::from_folder(&dir)?) } else { None };
-            Ok(LoadedModel { model, tokenizer, source: dir.display().to_string() })
+            let tokenizer = if dir.join("tokenizer.json").exists() {
+                Some(TextTokenizer::from_folder(&dir)?)
+            } else {
+                None
+            };
+            Ok(LoadedModel {
+                model,
+                tokenizer,
+                source: dir.display().to_string(),
+            })
         }
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(&path)?;
@@ -306,11 +312,84 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let tokenizer = Some(TextTokenizer::from_gguf(file.content(), &path)?);
             let weights = Weights::Gguf(Box::new((file, cfg.clone())));
             let model = build_model(&weights, cfg, opts)?;
-            Ok(LoadedModel { model, tokenizer, source: path.display().to_string() })
+            Ok(LoadedModel {
+                model,
+                tokenizer,
+                source: path.display().to_string(),
+            })
         }
-        ModelSource::Hub { id, revision } => Err(Error::Model(format!(
-            "`{id}` (revision {revision}) names a Hugging Face Hub model, and this build cannot download: pass a local \
-             model folder or .gguf file instead (e.g. one downloaded with `huggingface-cli download {id}`)"
-        ))),
+        ModelSource::Hub { id, revision } => {
+            let dir = hub_snapshot(&id, &revision)?;
+            let mut loaded = load_model(dir.to_str().unwrap_or_default(), None, opts)?;
+            loaded.source = format!("{id}@{revision}");
+            Ok(loaded)
+        }
     }
+}
+
+/// The files a model folder needs from the Hub (the weight shards are added from the index).
+const HUB_FILES: [&str; 3] = ["config.json", "tokenizer.json", "tokenizer_config.json"];
+
+/// The local snapshot folder of a Hub model: files are downloaded into (or found in) the Hugging Face cache
+/// (`$HF_HOME/hub`). With `HF_HUB_OFFLINE=1` only the cache is used. The token comes from `$HF_TOKEN` or the
+/// token file `huggingface-cli login` writes.
+pub fn hub_snapshot(id: &str, revision: &str) -> Result<PathBuf> {
+    use hf_hub::{Repo, RepoType};
+    let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
+    let fetch: Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>> = if offline {
+        let cache = hf_hub::Cache::from_env().repo(repo);
+        Box::new(move |file: &str| {
+            cache.get(file).ok_or_else(|| {
+                format!("`{file}` is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
+            })
+        })
+    } else {
+        let mut builder = hf_hub::api::sync::ApiBuilder::from_env().with_progress(false);
+        if let Ok(token) = std::env::var("HF_TOKEN") {
+            builder = builder.with_token(Some(token));
+        }
+        let api = builder
+            .build()
+            .map_err(|e| Error::Model(format!("cannot set up the Hub client: {e}")))?;
+        let repo = api.repo(repo);
+        Box::new(move |file: &str| {
+            repo.get(file)
+                .map_err(|e| format!("cannot download `{file}`: {e}"))
+        })
+    };
+    let need = |file: &str| -> Result<PathBuf> {
+        fetch(file).map_err(|reason| {
+            Error::Model(format!(
+                "Hub model `{id}` (revision {revision}): {reason}. If this machine is offline, pass a local model \
+                 folder or .gguf file with --model, or set HF_HUB_OFFLINE=1 to use models already in the cache"
+            ))
+        })
+    };
+    let config = need(HUB_FILES[0])?;
+    for optional in &HUB_FILES[1..] {
+        let _ = fetch(optional);
+    }
+    match fetch("model.safetensors.index.json") {
+        Ok(index) => {
+            let text =
+                std::fs::read_to_string(&index).map_err(|e| Error::io("cannot read", &index, e))?;
+            let value: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::invalid_file(&index, format!("not valid JSON: {e}")))?;
+            let mut shards: Vec<&str> = value
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .map(|m| m.values().filter_map(|v| v.as_str()).collect())
+                .unwrap_or_default();
+            shards.sort();
+            shards.dedup();
+            for shard in shards {
+                need(shard)?;
+            }
+        }
+        Err(_) => {
+            need("model.safetensors")?;
+        }
+    }
+    Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
 }

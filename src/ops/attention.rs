@@ -135,6 +135,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         v,
         value,
         Box::new(move |q, k, v, grad, needs| {
+            let dtypes = [q.dtype(), k.dtype(), v.dtype()];
             let (q, k, v, grad) = (
                 q.to_dtype(work)?,
                 k.to_dtype(work)?,
@@ -161,18 +162,14 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
             }
             let dq =
                 Tensor::cat(&dq_blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?;
-            let out = |x: Tensor, need: bool, like: &Tensor| -> Result<Option<Tensor>> {
-                if need {
-                    Ok(Some(x.to_dtype(like.dtype())?))
+            let out = |x: Tensor, i: usize| -> Result<Option<Tensor>> {
+                if needs[i] {
+                    Ok(Some(x.to_dtype(dtypes[i])?))
                 } else {
                     Ok(None)
                 }
             };
-            Ok((
-                out(dq, needs[0], &q)?,
-                out(dk, needs[1], &k)?,
-                out(dv, needs[2], &v)?,
-            ))
+            Ok((out(dq, 0)?, out(dk, 1)?, out(dv, 2)?))
         }),
     )
 }
@@ -259,5 +256,28 @@ mod tests {
             .to_scalar::<f64>()
             .unwrap();
         assert!(d < 1e-14, "{d}");
+    }
+}
+
+#[cfg(test)]
+mod bf16_tests {
+    use super::*;
+    use crate::ops::gradcheck::rand_f64;
+
+    #[test]
+    fn half_precision_inputs_get_half_precision_gradients() {
+        let mk = |s: u64, h: usize| {
+            candle_core::Var::from_tensor(
+                &rand_f64(&[1, h, 5, 4], s).to_dtype(DType::BF16).unwrap(),
+            )
+            .unwrap()
+        };
+        let (q, k, v) = (mk(1, 2), mk(2, 1), mk(3, 1));
+        let y = causal_attention(&q, &k, &v, 0.5).unwrap();
+        assert_eq!(y.dtype(), DType::BF16);
+        let g = y.sum_all().unwrap().backward().unwrap();
+        for t in [&q, &k, &v] {
+            assert_eq!(g.get(t).unwrap().dtype(), DType::BF16);
+        }
     }
 }

@@ -3,5 +3,6 @@
 mod bnb_layout;
 mod cli;
 mod common;
+mod model_cli;
 mod model_parity;
 mod quant_golden;

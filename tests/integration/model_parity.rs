@@ -321,3 +321,65 @@ fn smollm2_gguf_matches_transformers() {
         "NF4 loss {loss} vs transformers + bitsandbytes {expected}"
     );
 }
+
+/// bf16 autocast: base matmuls in bf16, norms/softmax/loss in f32; close to the f32 model, gradients flow.
+#[test]
+fn bf16_compute_tracks_f32_and_trains() {
+    let g = golden("tiny-llama");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let dir = data_path("models/tiny-llama");
+    for compute_dtype in [DType::BF16, DType::F16] {
+        let opts = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            compute_dtype,
+        };
+        let model = load_model(dir.to_str().unwrap(), None, &opts)
+            .unwrap()
+            .model;
+        let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+        assert_eq!(embeds.dtype(), compute_dtype);
+        let ck = Checkpointing {
+            enabled: true,
+            ..Default::default()
+        };
+        let h = model
+            .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
+            .unwrap();
+        assert_eq!(h.dtype(), compute_dtype);
+        let (sum, n) = model
+            .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
+            .unwrap();
+        assert_eq!(sum.dtype(), DType::F32, "the loss is accumulated in f32");
+        let loss = sum.to_scalar::<f32>().unwrap() / n as f32;
+        let f32_nf4 = {
+            let m = load_tiny("tiny-llama", Some(QuantConfig::nf4()));
+            let (s, n) = m
+                .loss_sum(
+                    &ids,
+                    &ids.to_dtype(DType::I64).unwrap(),
+                    &Positions::Range(0),
+                    &Checkpointing::default(),
+                )
+                .unwrap();
+            s.to_scalar::<f32>().unwrap() / n as f32
+        };
+        assert!(
+            (loss - f32_nf4).abs() < 0.05,
+            "{compute_dtype:?} loss {loss} vs f32 {f32_nf4}"
+        );
+        let grads = (sum / n as f64).unwrap().backward().unwrap();
+        let gx = grads.get(&embeds).unwrap();
+        assert_eq!(gx.dtype(), compute_dtype);
+        assert!(
+            gx.to_dtype(DType::F32)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                > 0.0
+        );
+    }
+}

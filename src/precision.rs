@@ -1,0 +1,88 @@
+//! Autocast policy: which dtype activations and matmuls run in, the way PEFT + transformers' autocast behave.
+//!
+//! - `bf16` / `fp16`: frozen base weights are dequantized to that dtype and matmuls run in it; RMSNorm, softmax
+//!   and the loss are computed in float32 inside their ops; LoRA master weights and optimizer math stay float32.
+//! - neither: everything in float32, the default on CPU, where Candle widens bf16 matmuls to f32 and gains no
+//!   speed. Asking for bf16 on CPU works (and says so once).
+
+use std::sync::Once;
+
+use candle_core::{DType, Device};
+
+use crate::error::{Error, Result};
+
+/// The compute-dtype policy of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Precision {
+    /// Dtype of activations and base matmuls.
+    pub compute_dtype: DType,
+}
+
+/// Dtype of trainable (LoRA) master weights, gradients and optimizer state.
+pub const MASTER_DTYPE: DType = DType::F32;
+
+static CPU_BF16_NOTE: Once = Once::new();
+
+impl Precision {
+    /// Float32 everywhere.
+    pub fn f32() -> Self {
+        Precision {
+            compute_dtype: DType::F32,
+        }
+    }
+
+    /// The policy for `TrainingArguments`-style flags on `device`.
+    pub fn from_flags(bf16: bool, fp16: bool, device: &Device) -> Result<Self> {
+        let compute_dtype = match (bf16, fp16) {
+            (true, true) => {
+                return Err(Error::InvalidInput(
+                    "bf16 and fp16 are both set: choose one (bf16 is the QLoRA default)".into(),
+                ))
+            }
+            (true, false) => DType::BF16,
+            (false, true) => DType::F16,
+            (false, false) => DType::F32,
+        };
+        if device.is_cpu() && compute_dtype != DType::F32 {
+            CPU_BF16_NOTE.call_once(|| {
+                eprintln!(
+                    "note: {compute_dtype:?} compute on CPU is correct but not faster than f32 (Candle widens \
+                     half-precision matmuls to f32 on CPU); set bf16 = false for the fastest CPU run"
+                )
+            });
+        }
+        Ok(Precision { compute_dtype })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_map_to_compute_dtypes() {
+        let cpu = Device::Cpu;
+        assert_eq!(
+            Precision::from_flags(false, false, &cpu)
+                .unwrap()
+                .compute_dtype,
+            DType::F32
+        );
+        assert_eq!(
+            Precision::from_flags(true, false, &cpu)
+                .unwrap()
+                .compute_dtype,
+            DType::BF16
+        );
+        assert_eq!(
+            Precision::from_flags(false, true, &cpu)
+                .unwrap()
+                .compute_dtype,
+            DType::F16
+        );
+        assert!(Precision::from_flags(true, true, &cpu)
+            .unwrap_err()
+            .to_string()
+            .contains("choose one"));
+    }
+}
