@@ -34,13 +34,13 @@ pub fn collate(batch: &[&TokenizedExample], device: &Device) -> Result<(Tensor, 
             e.input_ids
                 .iter()
                 .copied()
-                .chain(std::iter::repeat(0).take(t - e.input_ids.len())),
+                .chain(std::iter::repeat_n(0, t - e.input_ids.len())),
         );
         labels.extend(
             e.labels
                 .iter()
                 .copied()
-                .chain(std::iter::repeat(IGNORE_INDEX).take(t - e.labels.len())),
+                .chain(std::iter::repeat_n(IGNORE_INDEX, t - e.labels.len())),
         );
     }
     Ok((

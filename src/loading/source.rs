@@ -327,6 +327,9 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
     }
 }
 
+/// Fetches one file of a Hub repository: its local path, or why not.
+type FetchFn = dyn Fn(&str) -> std::result::Result<PathBuf, String>;
+
 /// The files a model folder needs from the Hub (the weight shards are added from the index).
 const HUB_FILES: [&str; 3] = ["config.json", "tokenizer.json", "tokenizer_config.json"];
 
@@ -337,7 +340,7 @@ pub fn hub_snapshot(id: &str, revision: &str) -> Result<PathBuf> {
     use hf_hub::{Repo, RepoType};
     let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
     let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
-    let fetch: Box<dyn Fn(&str) -> std::result::Result<PathBuf, String>> = if offline {
+    let fetch: Box<FetchFn> = if offline {
         let cache = hf_hub::Cache::from_env().repo(repo);
         Box::new(move |file: &str| {
             cache.get(file).ok_or_else(|| {
