@@ -7,118 +7,166 @@ use rayon::prelude::*;
 
 use super::config::{BnbKernels, QuantType, NESTED_BLOCKSIZE};
 use super::dynamic_map::{quantize_dynamic, signed_map, CpuLutQuantizer};
-use super::fp4::{quantize_fp4, FP4_CODE, FP4_CPU_ORDER};
-use super::nf4::{quantize_nf4, NF4_CODE};
+use super::fp4::{FP4_CODE, FP4_CPU_ORDER};
+use super::nf4::{NF4_CODE, NF4_PIVOTS};
 use super::reduce::torch_mean_f32;
 
 /// bitsandbytes' CPU backend clamps absmax to this before taking its reciprocal.
 const CPU_MIN_ABSMAX: f32 = 1e-38;
 
-/// bitsandbytes' CPU ("default" backend) 4-bit code choice: `bucketize` on the midpoints of the sorted code
-/// values (computed in float32 arithmetic, which differs from the CUDA tree's pivots by an ulp at one NF4 pivot),
-/// then the code of that bucket.
-struct CpuBuckets {
-    bounds: [f32; 15],
-    order: [u8; 16],
+/// Chooses 4-bit codes for whole blocks of scaled values as "code = remap[number of thresholds below x]", which
+/// the compiler vectorizes across elements. This is the same function as bitsandbytes' comparison trees (a binary
+/// search over the same sorted thresholds with strict `>`; NaN counts 0) and as its CPU backend's `bucketize`.
+struct CodeSelector {
+    /// Sorted thresholds (15, or 7 for the CUDA FP4 magnitude).
+    thresholds: Vec<f32>,
+    /// Code of each bucket.
+    remap: [u8; 16],
+    /// CUDA FP4: the sign bit comes from `x < 0` and the buckets are counted on `|x|`.
+    sign_magnitude: bool,
 }
 
-impl CpuBuckets {
-    fn new(code: &[f32; 16], order: [u8; 16]) -> Self {
-        let bounds =
-            std::array::from_fn(|k| (code[order[k] as usize] + code[order[k + 1] as usize]) / 2.0);
-        CpuBuckets { bounds, order }
-    }
-
-    /// Bucket = number of bounds strictly below `x` (`right=False`).
-    #[inline]
-    fn code(&self, x: f32) -> u8 {
-        self.order[self.bounds.partition_point(|b| *b < x)]
-    }
-}
-
-/// Picks the 4-bit code of a scaled value.
-enum CodeSelector {
-    Nf4Cuda,
-    Fp4Cuda,
-    Cpu(CpuBuckets),
-}
+/// The CUDA `dQuantizeFP4` magnitude pivots in increasing order, and the 3-bit code of each bucket.
+const FP4_CUDA_PIVOTS: [f32; 7] = [
+    0.00260417, 0.0859375, 0.20833333, 0.29166667, 0.4166667, 0.583333, 0.8333333,
+];
+const FP4_CUDA_MAGNITUDE_CODES: [u8; 8] = [0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011];
 
 impl CodeSelector {
     fn new(quant_type: QuantType, kernels: BnbKernels) -> Self {
+        let identity: [u8; 16] = std::array::from_fn(|i| i as u8);
+        // bitsandbytes' CPU backend: midpoints of the sorted codes in float32 arithmetic (one NF4 midpoint is an
+        // ulp away from the CUDA literal), codes by torch's argsort order.
+        let cpu = |code: &[f32; 16], order: [u8; 16]| CodeSelector {
+            thresholds: (0..15)
+                .map(|k| (code[order[k] as usize] + code[order[k + 1] as usize]) / 2.0)
+                .collect(),
+            remap: order,
+            sign_magnitude: false,
+        };
         match (quant_type, kernels) {
-            (QuantType::Nf4, BnbKernels::Cuda) => CodeSelector::Nf4Cuda,
-            (QuantType::Fp4, BnbKernels::Cuda) => CodeSelector::Fp4Cuda,
-            (QuantType::Nf4, BnbKernels::Cpu) => {
-                CodeSelector::Cpu(CpuBuckets::new(&NF4_CODE, std::array::from_fn(|i| i as u8)))
+            (QuantType::Nf4, BnbKernels::Cuda) => CodeSelector {
+                thresholds: NF4_PIVOTS.to_vec(),
+                remap: identity,
+                sign_magnitude: false,
+            },
+            (QuantType::Fp4, BnbKernels::Cuda) => {
+                let mut remap = [0u8; 16];
+                remap[..8].copy_from_slice(&FP4_CUDA_MAGNITUDE_CODES);
+                CodeSelector {
+                    thresholds: FP4_CUDA_PIVOTS.to_vec(),
+                    remap,
+                    sign_magnitude: true,
+                }
             }
-            (QuantType::Fp4, BnbKernels::Cpu) => {
-                CodeSelector::Cpu(CpuBuckets::new(&FP4_CODE, FP4_CPU_ORDER))
-            }
+            (QuantType::Nf4, BnbKernels::Cpu) => cpu(&NF4_CODE, identity),
+            (QuantType::Fp4, BnbKernels::Cpu) => cpu(&FP4_CODE, FP4_CPU_ORDER),
         }
     }
 
-    #[inline]
-    fn code(&self, x: f32) -> u8 {
-        match self {
-            CodeSelector::Nf4Cuda => quantize_nf4(x),
-            CodeSelector::Fp4Cuda => quantize_fp4(x),
-            CodeSelector::Cpu(b) => b.code(x),
+    /// Codes of `scaled` into `codes` (same length).
+    fn codes(&self, scaled: &[f32], codes: &mut [u8]) {
+        let mut counts = [0u8; MAX_BLOCK];
+        let counts = &mut counts[..scaled.len()];
+        if self.sign_magnitude {
+            for t in &self.thresholds {
+                for (c, x) in counts.iter_mut().zip(scaled) {
+                    *c += (x.abs() > *t) as u8;
+                }
+            }
+            for ((out, c), x) in codes.iter_mut().zip(counts.iter()).zip(scaled) {
+                *out = self.remap[*c as usize] | if *x < 0.0 { 0b1000 } else { 0 };
+            }
+        } else {
+            for t in &self.thresholds {
+                for (c, x) in counts.iter_mut().zip(scaled) {
+                    *c += (*x > *t) as u8;
+                }
+            }
+            for (out, c) in codes.iter_mut().zip(counts.iter()) {
+                *out = self.remap[*c as usize];
+            }
         }
     }
 }
+
+/// The largest blocksize (stack buffers are sized for it).
+const MAX_BLOCK: usize = 4096;
 
 /// Max |x| of a block (exact in any order).
 fn block_absmax(block: &[f32]) -> f32 {
     block.iter().fold(0.0f32, |m, x| m.max(x.abs()))
 }
 
-/// Quantizes `values` (flattened, row-major) to packed 4-bit codes (even element in the high nibble, an odd count
-/// padded with the code of 0.0) and one float32 absmax per block.
-pub(crate) fn quantize_4bit(
-    values: &[f32],
+/// Quantizes `values` (flattened, row-major, converted to f32 by `to_f32`) to packed 4-bit codes (even element in
+/// the high nibble, an odd count padded with the code of 0.0) and one float32 absmax per block. Fails with the
+/// index of the first non-finite value.
+pub(crate) fn quantize_4bit<T: Copy + Sync>(
+    values: &[T],
+    to_f32: impl Fn(T) -> f32 + Sync,
     blocksize: usize,
     quant_type: QuantType,
     kernels: BnbKernels,
-) -> (Vec<u8>, Vec<f32>) {
+) -> std::result::Result<(Vec<u8>, Vec<f32>), usize> {
+    assert!(
+        blocksize <= MAX_BLOCK && blocksize % 2 == 0,
+        "blocksize is validated by QuantConfig"
+    );
     let n = values.len();
     let n_blocks = n.div_ceil(blocksize);
     let mut packed = vec![0u8; n.div_ceil(2)];
     let mut absmax = vec![0.0f32; n_blocks];
     let selector = CodeSelector::new(quant_type, kernels);
+    let bad = std::sync::atomic::AtomicUsize::new(usize::MAX);
     packed
         .par_chunks_mut(blocksize / 2)
         .zip(values.par_chunks(blocksize))
         .zip(absmax.par_iter_mut())
-        .for_each(|((bytes, block), amax)| {
-            *amax = block_absmax(block);
-            let partial = block.len() < blocksize;
-            let scale = |x: f32| -> f32 {
-                match kernels {
-                    BnbKernels::Cuda => x * (1.0 / *amax),
-                    // The CPU backend scales full blocks by the reciprocal, the partial last block by division.
-                    BnbKernels::Cpu if partial => x / amax.max(CPU_MIN_ABSMAX),
-                    BnbKernels::Cpu => x * (1.0 / amax.max(CPU_MIN_ABSMAX)),
+        .enumerate()
+        .for_each(|(b, ((bytes, block), amax))| {
+            let mut buf = [0f32; MAX_BLOCK];
+            let len = block.len();
+            let x = &mut buf[..len + len % 2];
+            for (o, v) in x.iter_mut().zip(block) {
+                *o = to_f32(*v);
+            }
+            if let Some(i) = x[..len].iter().position(|v| !v.is_finite()) {
+                bad.fetch_min(b * blocksize + i, std::sync::atomic::Ordering::Relaxed);
+                return;
+            }
+            *amax = block_absmax(&x[..len]);
+            match kernels {
+                // CUDA scales every element (and the zero padding) by the reciprocal; 0 * inf = NaN takes code 0.
+                BnbKernels::Cuda => {
+                    let inv = 1.0 / *amax;
+                    x.iter_mut().for_each(|v| *v *= inv);
                 }
-            };
-            // The padding element: the CUDA kernel loads 0 and scales it, the CPU backend pads after scaling.
-            let pad_code = match kernels {
-                BnbKernels::Cuda => selector.code(scale(0.0)),
-                BnbKernels::Cpu => selector.code(0.0),
-            };
-            for (byte, pair) in bytes.iter_mut().zip(block.chunks(2)) {
-                let hi = selector.code(scale(pair[0]));
-                let lo = match pair.get(1) {
-                    Some(x) => selector.code(scale(*x)),
-                    None => pad_code,
-                };
-                *byte = (hi << 4) | lo;
+                // The CPU backend clamps absmax, divides the partial last block, and pads after scaling.
+                BnbKernels::Cpu => {
+                    let denom = amax.max(CPU_MIN_ABSMAX);
+                    if len < blocksize {
+                        x[..len].iter_mut().for_each(|v| *v /= denom);
+                    } else {
+                        let inv = 1.0 / denom;
+                        x.iter_mut().for_each(|v| *v *= inv);
+                    }
+                }
+            }
+            let mut codes = [0u8; MAX_BLOCK];
+            let codes = &mut codes[..x.len()];
+            selector.codes(x, codes);
+            for (byte, pair) in bytes.iter_mut().zip(codes.chunks_exact(2)) {
+                *byte = (pair[0] << 4) | pair[1];
             }
         });
-    (packed, absmax)
+    match bad.into_inner() {
+        usize::MAX => Ok((packed, absmax)),
+        i => Err(i),
+    }
 }
 
 /// Dequantizes `n` elements of packed 4-bit codes into `out` (`code[c] * absmax` in float32, then `convert`).
-pub(crate) fn dequantize_4bit<T: Send>(
+pub(crate) fn dequantize_4bit<T: Copy + Send>(
     packed: &[u8],
     absmax: &[f32],
     code: &[f32; 16],
@@ -130,13 +178,14 @@ pub(crate) fn dequantize_4bit<T: Send>(
         .zip(packed.par_chunks(blocksize / 2))
         .zip(absmax.par_iter())
         .for_each(|((out_block, bytes), scale)| {
-            let lut: [f32; 16] = std::array::from_fn(|i| code[i] * scale);
+            // The 16 possible outputs of this block, converted once: every element is then a table lookup.
+            let lut: [T; 16] = std::array::from_fn(|i| convert(code[i] * scale));
             let mut pairs = out_block.chunks_mut(2);
             for byte in bytes {
                 let Some(pair) = pairs.next() else { break };
-                pair[0] = convert(lut[(byte >> 4) as usize]);
+                pair[0] = lut[(byte >> 4) as usize];
                 if let Some(second) = pair.get_mut(1) {
-                    *second = convert(lut[(byte & 0x0f) as usize]);
+                    *second = lut[(byte & 0x0f) as usize];
                 }
             }
         });
@@ -221,20 +270,49 @@ mod tests {
     use super::*;
     use crate::quant::nf4::NF4_CODE;
 
+    fn one(s: &CodeSelector, x: f32) -> u8 {
+        let mut c = [0u8; 1];
+        s.codes(&[x], &mut c);
+        c[0]
+    }
+
+    /// The vectorized selectors are exactly bitsandbytes' trees (CUDA), also on and next to every pivot.
+    #[test]
+    fn cuda_selectors_equal_the_trees() {
+        use crate::quant::{fp4::quantize_fp4, nf4::quantize_nf4};
+        let nf4 = CodeSelector::new(QuantType::Nf4, BnbKernels::Cuda);
+        let fp4 = CodeSelector::new(QuantType::Fp4, BnbKernels::Cuda);
+        let mut xs: Vec<f32> = (-3000..=3000).map(|i| i as f32 * 0.000_377).collect();
+        for p in NF4_PIVOTS
+            .iter()
+            .chain(FP4_CUDA_PIVOTS.iter())
+            .flat_map(|p| [*p, -*p])
+        {
+            xs.extend([
+                p,
+                f32::from_bits(p.to_bits() - 1),
+                f32::from_bits(p.to_bits() + 1),
+            ]);
+        }
+        xs.extend([f32::NAN, 0.0, -0.0, 2.0, -2.0]);
+        for x in xs {
+            assert_eq!(one(&nf4, x), quantize_nf4(x), "nf4 x={x}");
+            assert_eq!(one(&fp4, x), quantize_fp4(x), "fp4 x={x}");
+        }
+    }
+
     #[test]
     fn cpu_buckets_agree_with_the_cuda_trees_off_the_pivots() {
-        for (quant_type, tree) in [
-            (QuantType::Nf4, quantize_nf4 as fn(f32) -> u8),
-            (QuantType::Fp4, quantize_fp4),
-        ] {
+        for quant_type in [QuantType::Nf4, QuantType::Fp4] {
             let cpu = CodeSelector::new(quant_type, BnbKernels::Cpu);
+            let cuda = CodeSelector::new(quant_type, BnbKernels::Cuda);
             for i in -1000..=1000 {
                 let x = i as f32 * 0.000_999_7;
                 // FP4 differs on the sign of zero for tiny values (documented in the golden script).
                 if quant_type == QuantType::Fp4 && x.abs() < 0.0027 {
                     continue;
                 }
-                assert_eq!(cpu.code(x), tree(x), "{quant_type} x={x}");
+                assert_eq!(one(&cpu, x), one(&cuda, x), "{quant_type} x={x}");
             }
         }
     }
@@ -242,7 +320,8 @@ mod tests {
     #[test]
     fn packs_even_high_odd_low_and_pads_odd_counts() {
         let values = [1.0f32, -1.0, 0.0];
-        let (packed, absmax) = quantize_4bit(&values, 64, QuantType::Nf4, BnbKernels::Cuda);
+        let (packed, absmax) =
+            quantize_4bit(&values, |x| x, 64, QuantType::Nf4, BnbKernels::Cuda).unwrap();
         assert_eq!(absmax, vec![1.0]);
         assert_eq!(packed, vec![0xf0, 0x77]);
         let mut out = vec![0.0f32; 3];
@@ -253,8 +332,9 @@ mod tests {
     #[test]
     fn all_zero_block_codes_follow_the_chosen_kernels() {
         let zeros = [0.0f32; 64];
-        let (cuda, _) = quantize_4bit(&zeros, 64, QuantType::Nf4, BnbKernels::Cuda);
-        let (cpu, absmax) = quantize_4bit(&zeros, 64, QuantType::Nf4, BnbKernels::Cpu);
+        let (cuda, _) = quantize_4bit(&zeros, |x| x, 64, QuantType::Nf4, BnbKernels::Cuda).unwrap();
+        let (cpu, absmax) =
+            quantize_4bit(&zeros, |x| x, 64, QuantType::Nf4, BnbKernels::Cpu).unwrap();
         assert!(cuda.iter().all(|b| *b == 0x00));
         assert!(cpu.iter().all(|b| *b == 0x77));
         assert_eq!(absmax, vec![0.0]);

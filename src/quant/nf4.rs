@@ -20,6 +20,26 @@ pub const NF4_CODE: [f32; 16] = [
     1.0,
 ];
 
+/// The 15 pivots of [`quantize_nf4`] in increasing order (bitsandbytes' literals, parsed straight to float32).
+#[allow(clippy::excessive_precision)]
+pub const NF4_PIVOTS: [f32; 15] = [
+    -0.8480964004993439,
+    -0.6106329262256622,
+    -0.4599952697753906,
+    -0.33967943489551544,
+    -0.23460740596055984,
+    -0.13791173323988914,
+    -0.045525018125772476,
+    0.03979014977812767,
+    0.1202552504837513,
+    0.2035212516784668,
+    0.2920137718319893,
+    0.3893125355243683,
+    0.5016634166240692,
+    0.6427869200706482,
+    0.8614784181118011,
+];
+
 /// Quantizes one value already scaled into [-1, 1] to its NF4 code.
 ///
 /// This is bitsandbytes' `dQuantizeNF4` tree: strict `>` against the float32 midpoints of adjacent codes,

@@ -1,7 +1,7 @@
 //! [`Nf4Tensor`]: a weight quantized to 4 bits exactly as bitsandbytes does (NF4 or FP4, optional double
 //! quantization), with its statistics, and the way back to a dense tensor.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 use super::config::{QuantConfig, QuantType, ALLOWED_BLOCKSIZES, NESTED_BLOCKSIZE};
 use super::cpu::{self, NestedAbsmax};
@@ -88,12 +88,39 @@ impl Nf4Tensor {
                 reason: "the tensor has no elements".into(),
             });
         }
-        let values = tensor
-            .to_device(&Device::Cpu)?
-            .flatten_all()?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?;
-        Self::quantize_values(&values, tensor.dims(), dtype, config, name)
+        // Read the storage in place (no f32 copy of the whole weight): each block is widened as it is quantized.
+        let t = tensor.to_device(&Device::Cpu)?.contiguous()?;
+        let (storage, layout) = t.storage_and_layout();
+        let (start, end) = layout.contiguous_offsets().ok_or_else(|| Error::Quantize {
+            name: name.into(),
+            reason: "non-contiguous tensor".into(),
+        })?;
+        let shape = tensor.dims();
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(v)) => {
+                Self::quantize_slice(&v[start..end], |x| x, shape, dtype, config, name)
+            }
+            Storage::Cpu(CpuStorage::BF16(v)) => Self::quantize_slice(
+                &v[start..end],
+                half::bf16::to_f32,
+                shape,
+                dtype,
+                config,
+                name,
+            ),
+            Storage::Cpu(CpuStorage::F16(v)) => Self::quantize_slice(
+                &v[start..end],
+                half::f16::to_f32,
+                shape,
+                dtype,
+                config,
+                name,
+            ),
+            _ => Err(Error::Quantize {
+                name: name.into(),
+                reason: format!("unsupported storage for {dtype:?}"),
+            }),
+        }
     }
 
     /// Quantizes already-flattened float32 `values` of a tensor whose shape is `shape` and original dtype `dtype`
@@ -112,17 +139,35 @@ impl Nf4Tensor {
                 reason: format!("shape {shape:?} does not hold {} values", values.len()),
             });
         }
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        Self::quantize_slice(values, |x| x, shape, dtype, config, name)
+    }
+
+    /// Quantizes `values` of any element type that `to_f32` widens exactly.
+    fn quantize_slice<T: Copy + Sync>(
+        values: &[T],
+        to_f32: impl Fn(T) -> f32 + Sync + Copy,
+        shape: &[usize],
+        dtype: DType,
+        config: &QuantConfig,
+        name: &str,
+    ) -> Result<Self> {
+        config.validate()?;
+        if shape.iter().product::<usize>() != values.len() {
             return Err(Error::Quantize {
                 name: name.into(),
-                reason: format!(
-                    "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
-                    values[i]
-                ),
+                reason: format!("shape {shape:?} does not hold {} values", values.len()),
             });
         }
         let (packed, absmax) =
-            cpu::quantize_4bit(values, config.blocksize, config.quant_type, config.kernels);
+            cpu::quantize_4bit(values, to_f32, config.blocksize, config.quant_type, config.kernels).map_err(|i| {
+                Error::Quantize {
+                    name: name.into(),
+                    reason: format!(
+                        "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
+                        to_f32(values[i])
+                    ),
+                }
+            })?;
         let scales = if config.double_quant {
             BlockScales::Nested(cpu::quantize_nested(&absmax, config.kernels))
         } else {
