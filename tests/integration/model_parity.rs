@@ -383,3 +383,73 @@ fn bf16_compute_tracks_f32_and_trains() {
         );
     }
 }
+
+/// A sharded folder (index + two files) loads like the single file; a folder written by `qlora quantize` in
+/// bitsandbytes' layout loads without re-quantizing and gives transformers + bitsandbytes' NF4 logits.
+#[test]
+fn sharded_and_bitsandbytes_folders_load() {
+    use candle_qlora::loading::safetensors::{write_safetensors, MappedSafetensors, RawTensor};
+    let g = golden("tiny-llama");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let src = data_path("models/tiny-llama");
+    let dir = tempfile::tempdir().unwrap();
+    let sharded = dir.path().join("sharded");
+    std::fs::create_dir(&sharded).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), sharded.join(f)).unwrap();
+    }
+    let file = MappedSafetensors::open(src.join("model.safetensors")).unwrap();
+    let st = file.tensors().unwrap();
+    let mut names: Vec<&str> = st.names();
+    names.sort();
+    let mut map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let shard = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let tensors = part
+            .iter()
+            .map(|n| (n.to_string(), RawTensor::from_view(&st.tensor(n).unwrap())));
+        write_safetensors(&sharded.join(&shard), tensors, None).unwrap();
+        for n in part {
+            map.insert(n.to_string(), shard.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let model = load_model(sharded.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    assert!(max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]) <= 1e-5);
+
+    let bnb = dir.path().join("bnb");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args([
+            "quantize",
+            "--input",
+            sharded.to_str().unwrap(),
+            "--output",
+            bnb.to_str().unwrap(),
+            "--kernels",
+            "cpu",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // No quantization requested: the 4-bit weights are used as stored.
+    let model = load_model(bnb.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    assert!(matches!(
+        model.layers[0].mlp.down_proj.base.weight,
+        FrozenWeight::Nf4(_)
+    ));
+    let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_nf4"]);
+    assert!(d <= 1e-5, "bitsandbytes folder logits differ by {d}");
+}
