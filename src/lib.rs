@@ -20,10 +20,12 @@
 //! Checkpoints in bitsandbytes' safetensors layout (`*-bnb-4bit` models on the Hub) are read and written by
 //! [`loading::bnb`]; `qlora quantize` turns a model folder into one that transformers loads with bitsandbytes.
 
+pub mod adapter;
 pub mod data;
 pub mod error;
 pub mod eval;
 pub mod loading;
+pub mod lora;
 pub mod models;
 pub mod ops;
 pub mod precision;

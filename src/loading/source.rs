@@ -231,9 +231,7 @@ impl Weights {
         } else {
             None
         };
-        Ok(Linear {
-            base: Arc::new(FrozenLinear::new(weight, bias)),
-        })
+        Ok(Linear::new(Arc::new(FrozenLinear::new(weight, bias))))
     }
 }
 

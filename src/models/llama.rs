@@ -11,19 +11,8 @@ use crate::ops::{
     self, causal_attention, rms_norm, rope, swiglu, FrozenLinear, GradSink, RopeTables,
 };
 
-/// A linear projection of the model. The base is frozen; adapters attach here.
-#[derive(Clone, Debug)]
-pub struct Linear {
-    /// The frozen base layer.
-    pub base: Arc<FrozenLinear>,
-}
-
-impl Linear {
-    /// `x·Wᵀ (+ b)`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        ops::frozen_linear(x, &self.base)
-    }
-}
+/// A linear projection of the model: a frozen base with optional LoRA adapters.
+pub type Linear = crate::lora::LoraLinear;
 
 /// Self-attention of one layer.
 #[derive(Clone, Debug)]
@@ -219,6 +208,12 @@ pub struct LlamaModel {
     pub lm_head: Arc<FrozenLinear>,
     rope: RopeTables,
     compute_dtype: DType,
+    /// Dropout switch and step seed shared by all LoRA adapters.
+    pub lora_runtime: Arc<crate::lora::LoraRuntime>,
+    /// Configurations of the loaded adapters, by name.
+    pub adapter_configs: std::collections::BTreeMap<String, crate::lora::LoraConfig>,
+    /// The active adapter.
+    pub active_adapter: Option<String>,
 }
 
 /// The pieces of one layer, for [`LlamaModel::new`].
@@ -281,6 +276,9 @@ impl LlamaModel {
             lm_head,
             rope,
             compute_dtype,
+            lora_runtime: Arc::default(),
+            adapter_configs: Default::default(),
+            active_adapter: None,
         })
     }
 
@@ -378,6 +376,36 @@ impl LlamaModel {
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;
         self.lm_head.forward(&h.to_dtype(DType::F32)?)
+    }
+
+    /// Every projection with its full module name (`model.layers.{i}.self_attn.q_proj`, ...), mutable (layers are
+    /// copied on write if shared).
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let l = Arc::make_mut(layer);
+            let p = format!("model.layers.{i}");
+            let DecoderLayer { self_attn: a, mlp: m, .. } = l;
+            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
+            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
+            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
+            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+        }
+        out
+    }
+
+    /// Every projection with its full module name.
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            for (rel, lin) in layer.linears() {
+                out.push((format!("model.layers.{i}.{rel}"), lin));
+            }
+        }
+        out
     }
 
     /// Bytes of the frozen weights (4-bit ones at their packed size).

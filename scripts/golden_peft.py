@@ -1,0 +1,413 @@
+#!/usr/bin/env python3
+"""Golden files for candle-qlora's LoRA / DoRA adapters (PEFT format), produced by Hugging Face PEFT itself.
+
+Versions used for the committed files: torch 2.15.0, transformers 5.23.0, peft 0.21.2, safetensors 0.8.0,
+numpy 2.4.6, Python 3.11, all run on the CPU.
+    pip install torch==2.15.0 transformers==5.23.0 peft==0.21.2 safetensors numpy
+
+Usage:
+    python3 scripts/golden_peft.py generate                # (re)writes everything under tests/data/peft/
+    python3 scripts/golden_peft.py check-ours ADAPTER_DIR  # loads an adapter written by our Rust code with PEFT
+                                                           # (on tests/data/models/tiny-llama) and compares it with
+                                                           # ADAPTER_DIR/expected.safetensors (see below)
+
+No Hugging Face Hub access is needed. The base model is tests/data/models/tiny-llama (LlamaForCausalLM, float32,
+hidden 64, intermediate 160, 2 layers, 4 heads / 2 kv heads, vocab 128, untied lm_head; scripts/golden_model.py),
+loaded with dtype float32, eager attention, eval mode.
+
+Outputs, one folder per case under tests/data/peft/<case>/:
+    adapter_config.json          PEFT's own file (PeftModel.save_pretrained), unmodified. base_model_name_or_path is
+                                 set to "tests/data/models/tiny-llama" (relative to the repository root).
+    adapter_model.safetensors    PEFT's own file, unmodified (metadata {"format": "pt"}).
+    golden.safetensors           tensors:
+        input_ids        int64 [2, 13]        seeded
+        logits           f32 [2, 13, 128]     PeftModel(input_ids).logits, adapter active, eval mode
+        logits_base      f32 [2, 13, 128]     the same inside `with model.disable_adapter():`
+        merged_logits    f32 [2, 13, 128]     deepcopy(model).merge_and_unload()(input_ids).logits
+        merged.<name>    f32                  merge_and_unload() weights (HF names, e.g.
+                                              merged.model.layers.0.self_attn.q_proj.weight) of the linear weights the
+                                              adapter changes; lora_all_linear only layer 0 (all 7 module kinds; the
+                                              1 MB budget), the other cases every touched weight (incl. lm_head for
+                                              modules_to_save)
+      metadata: versions, the case's LoraConfig kwargs (JSON), "modules" = JSON {module name: {r, alpha, scaling}}
+      as PEFT resolved them (rank_pattern / alpha_pattern / rslora applied), keys sorted.
+    PEFT's README.md model card is deleted (not needed, and it would carry machine-specific paths).
+  tests/data/peft/lora_all_linear/expected_config_keys.json: the sorted keys PEFT 0.21.2 writes in adapter_config.json.
+
+Cases:
+    lora_all_linear   r=8, alpha=16, target_modules="all-linear" (PEFT expands it to the 14 full module names; below
+                      20 names it does not condense them to suffixes), task_type CAUSAL_LM
+    lora_patterns     rslora (scaling alpha/sqrt(r)), r=4, alpha=8, target_modules [q_proj, v_proj, down_proj,
+                      gate_proj], exclude_modules regex (layer 1 gate_proj), rank_pattern, alpha_pattern (incl. a
+                      regex key)
+    dora              use_dora, r=4, alpha=8, lora_dropout 0.05 (inactive in eval), q/k/v/o/up_proj
+    modules_to_save   r=4, alpha=4, q/v_proj, modules_to_save ["lm_head"] (the saved copy perturbed)
+  Every lora_A / lora_B weight is overwritten with 0.1 * randn (seeded torch.Generator per case, parameters in sorted
+  name order) so B != 0; DoRA magnitudes are multiplied by (1 + 0.05 * randn); the lm_head copy gets + 0.01 * randn.
+
+How PEFT 0.21.2 matches the patterns (peft/tuners/tuners_utils.py::check_target_module_exists,
+peft/utils/other.py::get_pattern_key), keys being module names relative to the transformers model
+("model.layers.0.self_attn.q_proj", "lm_head"):
+    target_modules  str: re.fullmatch(pattern, key); list: key == t or key.endswith("." + t)
+    exclude_modules str: re.fullmatch; list: key == t or key.endswith("." + t); checked before target_modules
+    modules_to_save excluded from LoRA targets when re.match(rf"(^|.*\\.){m}($|\\..*)", key)
+    rank_pattern / alpha_pattern: the FIRST key (dict order) for which re.match(rf"(.*\\.)?({k})$", key) matches,
+                    i.e. a regex that must match a whole dot-separated suffix of the name (so "down_proj" and
+                    "model.layers.1.self_attn.q_proj" both work; "proj" does not match "q_proj"). The order is
+                    insertion order when the model is built, but the order in adapter_config.json (json sort_keys)
+                    when it is loaded, so overlapping keys can resolve differently after a round trip; the cases
+                    here use non-overlapping keys.
+
+Determinism: torch runs single-threaded with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2). PEFT stores target_modules
+as a Python set and writes it with list(set), so its order depends on string hashing: the script re-executes
+itself with PYTHONHASHSEED=0 so adapter_config.json is byte-identical between runs.
+
+check-ours ADAPTER_DIR: ADAPTER_DIR holds adapter_config.json + adapter_model.safetensors (written by our code) and
+expected.safetensors with `input_ids` (int) and `logits` (f32, our forward with the adapter active) and optionally
+`merged.<hf name>` weights (our merge). Fails unless: PEFT loads the folder without warnings/log records about
+missing / unexpected / mismatched keys (an adapter_config.json key PEFT does not know also counts: PEFT warns
+"Unexpected keyword arguments [...] for class LoraConfig"); the file's tensor names are exactly the names PEFT would
+save for that config (no unexpected, none missing) with the same shapes, and loaded bit-exactly; adapter_config.json
+has every key PEFT writes; max |logits - PEFT logits| <= 1e-5; max |merged.* - PEFT merge_and_unload| <= 1e-6.
+"""
+import copy
+import hashlib
+import json
+import logging
+import os
+import struct
+import sys
+import tempfile
+import warnings
+
+if os.environ.get("PYTHONHASHSEED") != "0":  # see "Determinism"
+    os.environ["PYTHONHASHSEED"] = "0"
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+import peft  # noqa: E402
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+import transformers  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "tests", "data", "peft")
+BASE_REL = "tests/data/models/tiny-llama"
+BASE = os.path.join(ROOT, BASE_REL)
+ATTN = "eager"
+SEQ = (2, 13)
+LOGITS_ATOL = 1e-5
+MERGED_ATOL = 1e-6
+
+VERSIONS = {
+    "torch": torch.__version__,
+    "transformers": transformers.__version__,
+    "peft": peft.__version__,
+    "safetensors": safetensors.__version__,
+    "numpy": np.__version__,
+    "python": sys.version.split()[0],
+}
+
+CASES = [
+    # name, LoraConfig kwargs, seed, layers whose merged weights are stored (None = all)
+    ("lora_all_linear",
+     dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"), 101, [0]),
+    ("lora_patterns",
+     dict(r=4, lora_alpha=8, use_rslora=True, lora_dropout=0.0, task_type="CAUSAL_LM",
+          target_modules=["q_proj", "v_proj", "down_proj", "gate_proj"],
+          # a str is re.fullmatch'ed against the full module name
+          exclude_modules=r"model\.layers\.1\.mlp\.gate_proj",
+          # keys: regexes matched against a whole dot-separated suffix of the module name (see module docstring)
+          rank_pattern={"down_proj": 6, "model.layers.1.self_attn.q_proj": 2},
+          alpha_pattern={"v_proj": 3, r"layers\.1\.mlp\.down_p.*": 12}), 102, None),
+    ("dora",
+     dict(r=4, lora_alpha=8, lora_dropout=0.05, use_dora=True, task_type="CAUSAL_LM",
+          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]), 103, None),
+    ("modules_to_save",
+     dict(r=4, lora_alpha=4, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj"],
+          modules_to_save=["lm_head"]), 104, None),
+]
+
+
+def save_sorted(tensors, path, metadata):
+    """safetensors' save_file with the header's metadata keys sorted (as in scripts/golden_model.py)."""
+    data = safetensors.torch.save(tensors, metadata=metadata)
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+def load_base():
+    model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32, attn_implementation=ATTN)
+    model.eval()
+    assert model.dtype == torch.float32
+    return model
+
+
+def lora_layers(model):
+    """{module name relative to the transformers model: LoRA layer} for the default adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = model.base_model.model
+    return {n: m for n, m in inner.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
+
+
+def randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name in sorted(params):
+            p = params[name]
+            if ".lora_A." in name or ".lora_B." in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float32))
+            elif ".lora_magnitude_vector." in name:
+                p.mul_(1.0 + 0.05 * torch.randn(p.shape, generator=g, dtype=torch.float32))
+            elif ".modules_to_save.default." in name:
+                p.add_(0.01 * torch.randn(p.shape, generator=g, dtype=torch.float32))
+
+
+def forward(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float().contiguous()
+
+
+def config_keys():
+    with tempfile.TemporaryDirectory() as tmp:
+        LoraConfig().save_pretrained(tmp)
+        with open(os.path.join(tmp, "adapter_config.json")) as f:
+            return sorted(json.load(f))
+
+
+def generate_case(name, kwargs, seed, merged_layers):
+    folder = os.path.join(OUT, name)
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(seed)  # PEFT's own init (kaiming A) uses the global generator; all of it is overwritten
+    base = load_base()
+    base_state = {k: v.clone() for k, v in base.state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = get_peft_model(base, LoraConfig(**kwargs))
+    for w in caught:
+        if not issubclass(w.category, (FutureWarning, DeprecationWarning)):
+            print(f"{name}: PEFT warning at build: {w.category.__name__}: {w.message}")
+    model.eval()
+    model.peft_config["default"].base_model_name_or_path = BASE_REL
+    randomize(model, seed)
+
+    layers = lora_layers(model)
+    modules = {n: {"r": m.r["default"], "alpha": m.lora_alpha["default"], "scaling": m.scaling["default"]}
+               for n, m in sorted(layers.items())}
+
+    g = torch.Generator().manual_seed(seed + 1000)
+    ids = torch.randint(0, 128, SEQ, generator=g, dtype=torch.int64)
+    logits = forward(model, ids)
+    with model.disable_adapter():
+        logits_base = forward(model, ids)
+    assert float((logits - logits_base).abs().max()) > 1e-2, "adapter does not change the outputs"
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    merged.eval()
+    merged_logits = forward(merged, ids)
+    merged_state = merged.state_dict()
+    touched = sorted(k for k in merged_state if not torch.equal(merged_state[k], base_state[k]))
+    expected_touched = sorted([f"{n}.weight" for n in layers] + [f"{m}.weight" for m in kwargs.get("modules_to_save")
+                                                                 or []])
+    assert touched == expected_touched, (touched, expected_touched)
+
+    model.save_pretrained(folder)
+    readme = os.path.join(folder, "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+
+    tensors = {"input_ids": ids.contiguous(), "logits": logits, "logits_base": logits_base,
+               "merged_logits": merged_logits}
+    for k in touched:
+        layer = k.split(".")[2] if k.startswith("model.layers.") else None
+        if merged_layers is None or layer is None or int(layer) in merged_layers:
+            tensors[f"merged.{k}"] = merged_state[k].float().contiguous()
+    meta = {**VERSIONS, "attn_implementation": ATTN, "seed": str(seed), "base_model": BASE_REL,
+            "lora_config": json.dumps(kwargs, sort_keys=True), "modules": json.dumps(modules, sort_keys=True)}
+    save_sorted(tensors, os.path.join(folder, "golden.safetensors"), meta)
+
+    # reload everything: the golden file, and PEFT's adapter on a fresh base model
+    back = load_file(os.path.join(folder, "golden.safetensors"))
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+    reloaded, problems = load_peft(folder)
+    assert not problems, problems
+    assert torch.equal(forward(reloaded, ids), logits), "reloaded adapter gives different logits"
+    saved = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    ours = get_peft_model_state_dict(reloaded)
+    assert sorted(saved) == sorted(ours) and all(torch.equal(saved[k], ours[k]) for k in saved)
+
+    d_adapter = float((logits - logits_base).abs().max())
+    d_merge = float((merged_logits - logits).abs().max())
+    print(f"{name}: {len(layers)} LoRA modules, {len(saved)} adapter tensors, |logits - base| max {d_adapter:.4f}, "
+          f"|merged - unmerged| max {d_merge:.3g}, {sum(k.startswith('merged.') for k in tensors)} merged weights")
+    return saved
+
+
+def generate():
+    os.makedirs(OUT, exist_ok=True)
+    for name, kwargs, seed, merged_layers in CASES:
+        saved = generate_case(name, kwargs, seed, merged_layers)
+        if name == "lora_all_linear":
+            with open(os.path.join(OUT, name, "adapter_config.json")) as f:
+                written = sorted(json.load(f))
+            assert written == config_keys(), (written, config_keys())
+            with open(os.path.join(OUT, name, "expected_config_keys.json"), "w") as f:
+                json.dump(written, f, indent=1)
+                f.write("\n")
+        if name == "dora":
+            for k in sorted(saved):
+                print(f"    {k}: {saved[k].dtype} {list(saved[k].shape)}")
+    total = 0
+    for dirpath, _, files in sorted(os.walk(OUT)):
+        for f in sorted(files):
+            path = os.path.join(dirpath, f)
+            size = os.path.getsize(path)
+            total += size
+            with open(path, "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()[:16]
+            print(f"  {os.path.relpath(path, ROOT)}: {size} bytes  sha256 {digest}")
+    print(f"total: {total} bytes ({total / 1e6:.3f} MB)")
+    assert total < 1_000_000
+
+
+# ------------------------------------------------------------------------------------------------- check-ours
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+KEY_WORDS = ("missing", "unexpected", "mismatch", "ignored", "not found", "did not match", "unknown")
+
+
+def load_peft(adapter_dir):
+    """PeftModel.from_pretrained on a fresh tiny-llama; returns (model, [problems with the load])."""
+    base = load_base()
+    handler = _Records()
+    loggers = [logging.getLogger(n) for n in ("peft", "transformers", "")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = PeftModel.from_pretrained(base, adapter_dir)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    model.eval()
+    messages = [f"warning {w.category.__name__}: {w.message}" for w in caught
+                if not issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    messages += [f"log {r.name} {r.levelname}: {r.getMessage()}" for r in handler.records]
+    problems = [m for m in messages if any(k in m.lower() for k in KEY_WORDS)]
+    for m in messages:
+        if m not in problems:
+            print(f"note: {m}")
+
+    # PeftModel.from_pretrained ignores unexpected keys silently: compare the file against what PEFT would save
+    saved = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    wanted = get_peft_model_state_dict(model)
+    unexpected = sorted(set(saved) - set(wanted))
+    missing = sorted(set(wanted) - set(saved))
+    if unexpected:
+        problems.append(f"unexpected tensors in adapter_model.safetensors: {unexpected}")
+    if missing:
+        problems.append(f"missing tensors in adapter_model.safetensors: {missing}")
+    for k in sorted(set(saved) & set(wanted)):
+        if saved[k].shape != wanted[k].shape:
+            problems.append(f"{k}: shape {list(saved[k].shape)}, PEFT expects {list(wanted[k].shape)}")
+        elif not torch.equal(saved[k].to(wanted[k].dtype), wanted[k]):
+            problems.append(f"{k}: PEFT did not load the stored values")
+    return model, problems
+
+
+def check_ours(adapter_dir):
+    ok = True
+    model, problems = load_peft(adapter_dir)
+    for p in problems:
+        print(f"FAIL: {p}")
+        ok = False
+
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg_keys = set(json.load(f))
+    absent = sorted(set(config_keys()) - cfg_keys)
+    if absent:
+        print(f"FAIL: adapter_config.json lacks keys PEFT {peft.__version__} writes: {absent}")
+        ok = False
+    extra = sorted(cfg_keys - set(config_keys()))
+    if extra:
+        print(f"note: adapter_config.json has keys PEFT {peft.__version__} does not write: {extra}")
+
+    layers = lora_layers(model)
+    print(f"PEFT loaded {len(layers)} LoRA modules: " + ", ".join(
+        f"{n} (r {m.r['default']}, scaling {m.scaling['default']:.6g}"
+        f"{', dora' if m.use_dora.get('default') else ''})" for n, m in sorted(layers.items())))
+
+    expected = load_file(os.path.join(adapter_dir, "expected.safetensors"))
+    ids = expected["input_ids"].to(torch.int64)
+    logits = forward(model, ids)
+    ours = expected["logits"].float()
+    if ours.shape != logits.shape:
+        print(f"FAIL: logits shape {list(ours.shape)}, PEFT {list(logits.shape)}")
+        ok = False
+    else:
+        diff = float((ours - logits).abs().max())
+        good = diff <= LOGITS_ATOL
+        ok &= good
+        print(f"{'ok' if good else 'FAIL'}: max |logits - PEFT logits| = {diff:.3g} (tolerance {LOGITS_ATOL:g})")
+
+    merged_keys = sorted(k for k in expected if k.startswith("merged."))
+    if merged_keys:
+        merged = copy.deepcopy(model).merge_and_unload().state_dict()
+        worst = 0.0
+        for k in merged_keys:
+            name = k[len("merged."):]
+            if name not in merged:
+                print(f"FAIL: {k}: no weight {name} in the merged model")
+                ok = False
+                continue
+            if expected[k].shape != merged[name].shape:
+                print(f"FAIL: {k}: shape {list(expected[k].shape)}, PEFT {list(merged[name].shape)}")
+                ok = False
+                continue
+            diff = float((expected[k].float() - merged[name].float()).abs().max())
+            worst = max(worst, diff)
+            if diff > MERGED_ATOL:
+                print(f"FAIL: {k}: max |ours - PEFT merge_and_unload| = {diff:.3g}")
+                ok = False
+        print(f"{'ok' if worst <= MERGED_ATOL else 'FAIL'}: {len(merged_keys)} merged weights, max diff {worst:.3g} "
+              f"(tolerance {MERGED_ATOL:g})")
+    print("check-ours: " + ("PASS" if ok else "FAIL"))
+    return ok
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1] == "generate":
+        generate()
+    elif len(sys.argv) == 3 and sys.argv[1] == "check-ours":
+        sys.exit(0 if check_ours(sys.argv[2]) else 1)
+    else:
+        print(__doc__)
+        sys.exit(2)

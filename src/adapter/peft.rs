@@ -1,0 +1,70 @@
+//! PEFT's adapter files: `adapter_config.json` (every key PEFT writes, sorted, indent 2) and
+//! `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight` `[r, in]`, `.lora_B.weight` `[out, r]`,
+//! DoRA `.lora_magnitude_vector` `[out]`, float32, metadata `{"format": "pt"}`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device};
+
+use crate::error::{Error, Result};
+use crate::loading::safetensors::{partial_path, write_safetensors, MappedSafetensors, RawTensor};
+use crate::lora::LoraConfig;
+use crate::models::LlamaModel;
+
+/// File name of the adapter configuration.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// File name of the adapter weights.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
+/// Writes adapter `name` of `model` to `dir` in PEFT's format. `base_model_name_or_path` is recorded in the
+/// config. Each file is written next to its final name and renamed into place, so a crash leaves no half file.
+pub fn save_adapter(model: &LlamaModel, name: &str, dir: &Path, base_model_name_or_path: &str) -> Result<()> {
+    let mut config = model
+        .adapter_configs
+        .get(name)
+        .ok_or_else(|| Error::InvalidInput(format!("no adapter named `{name}`")))?
+        .clone();
+    config.base_model_name_or_path = Some(base_model_name_or_path.to_string());
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
+    let mut tensors = Vec::new();
+    for (key, var) in model.adapter_parameters(name)? {
+        let t = var.as_tensor().to_dtype(DType::F32)?;
+        let values: Vec<f32> = t.flatten_all()?.to_vec1()?;
+        tensors.push((key, RawTensor::f32(t.dims().to_vec(), &values)));
+    }
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;
+    let text = serde_json::to_string_pretty(&config.to_json()).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    let path = dir.join(ADAPTER_CONFIG);
+    let tmp = partial_path(&path);
+    std::fs::write(&tmp, text).map_err(|e| Error::io("cannot write", &tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io("cannot move into place", &path, e))
+}
+
+/// Loads a PEFT adapter from `dir` into `model` under `name` and makes it active. Nothing changes unless the
+/// whole adapter fits: unknown config keys are ignored, but missing or unexpected tensors and wrong shapes are an
+/// error naming them.
+pub fn load_adapter(model: &mut LlamaModel, dir: &Path, name: &str) -> Result<LoraConfig> {
+    let config = LoraConfig::from_file(&dir.join(ADAPTER_CONFIG))?;
+    if let Some(m) = &config.modules_to_save {
+        return Err(Error::invalid_file(
+            dir.join(ADAPTER_CONFIG),
+            format!("modules_to_save {m:?} is not supported yet; only LoRA/DoRA adapters on linear layers load"),
+        ));
+    }
+    let slots = model.adapter_slots(&config).map_err(|e| Error::invalid_file(dir.join(ADAPTER_CONFIG), e.to_string()))?;
+    let path = dir.join(ADAPTER_WEIGHTS);
+    let file = MappedSafetensors::open(&path)?;
+    let st = file.tensors()?;
+    let mut tensors = BTreeMap::new();
+    for (key, view) in st.iter() {
+        let t = view.load(&Device::Cpu).map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
+        tensors.insert(key.to_string(), t);
+    }
+    model
+        .insert_adapter(name, &config, &slots, tensors, false)
+        .map_err(|e| Error::invalid_file(&path, e.to_string()))?;
+    Ok(config)
+}

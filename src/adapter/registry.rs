@@ -1,0 +1,240 @@
+//! Several named adapters on one base model: add (freshly initialized or from given tensors), activate, disable,
+//! remove, and list their trainable tensors under PEFT's names.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::lora::targets::{is_target, rank_and_alpha};
+use crate::lora::{InitLoraWeights, LoraAdapter, LoraConfig};
+use crate::models::LlamaModel;
+
+/// One module an adapter config selects, with its shapes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterSlot {
+    /// Full module name, e.g. `model.layers.0.self_attn.q_proj`.
+    pub module: String,
+    /// `in_features`.
+    pub in_features: usize,
+    /// `out_features`.
+    pub out_features: usize,
+    /// Rank.
+    pub r: usize,
+    /// Alpha.
+    pub alpha: f64,
+}
+
+/// PEFT's tensor names for a module's adapter.
+pub fn peft_key(module: &str, part: &str) -> String {
+    format!("base_model.model.{module}.{part}")
+}
+
+/// Uniform in [-bound, bound) or normal(0, std) values from a counter-based stream (deterministic per seed).
+fn random(n: usize, seed: u64, gaussian: Option<f64>, bound: f64) -> Vec<f32> {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n)
+        .map(|_| match gaussian {
+            Some(std) => {
+                let (u1, u2) = (next().max(f64::MIN_POSITIVE), next());
+                (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+            }
+            None => ((next() * 2.0 - 1.0) * bound) as f32,
+        })
+        .collect()
+}
+
+impl LlamaModel {
+    /// The modules `config` adapts, with their shapes, rank and alpha. An error if it selects none.
+    pub fn adapter_slots(&self, config: &LoraConfig) -> Result<Vec<AdapterSlot>> {
+        config.validate()?;
+        let mut slots = Vec::new();
+        for (module, lin) in self.linears() {
+            if is_target(config, &module)? {
+                let (out_features, in_features) = lin.base.weight.dims2()?;
+                let (r, alpha) = rank_and_alpha(config, &module)?;
+                slots.push(AdapterSlot { module, in_features, out_features, r, alpha });
+            }
+        }
+        if slots.is_empty() {
+            return Err(Error::InvalidInput(format!(
+                "target_modules {:?} (exclude_modules {:?}) match no module of this model; its linear modules are \
+                 q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (e.g. model.layers.0.self_attn.q_proj)",
+                config.target_modules, config.exclude_modules
+            )));
+        }
+        Ok(slots)
+    }
+
+    /// Adds adapter `name` with freshly initialized weights (PEFT's init for `init_lora_weights`) and makes it
+    /// active. `seed` makes the initialization reproducible.
+    pub fn add_adapter(&mut self, name: &str, config: &LoraConfig, seed: u64) -> Result<()> {
+        let slots = self.adapter_slots(config)?;
+        let mut tensors = BTreeMap::new();
+        for (i, s) in slots.iter().enumerate() {
+            let seed = seed.wrapping_mul(1_000_003).wrapping_add(i as u64);
+            let a_bound = 1.0 / (s.in_features as f64).sqrt();
+            let (a, b) = match config.init_lora_weights {
+                InitLoraWeights::Default => (random(s.r * s.in_features, seed, None, a_bound), vec![0f32; s.out_features * s.r]),
+                InitLoraWeights::Gaussian => {
+                    (random(s.r * s.in_features, seed, Some(1.0 / s.r as f64), 0.0), vec![0f32; s.out_features * s.r])
+                }
+                InitLoraWeights::Random => (
+                    random(s.r * s.in_features, seed, None, a_bound),
+                    random(s.out_features * s.r, seed ^ 0x5555, None, 1.0 / (s.r as f64).sqrt()),
+                ),
+            };
+            tensors.insert(peft_key(&s.module, "lora_A.weight"), Tensor::from_vec(a, (s.r, s.in_features), &Device::Cpu)?);
+            tensors.insert(peft_key(&s.module, "lora_B.weight"), Tensor::from_vec(b, (s.out_features, s.r), &Device::Cpu)?);
+        }
+        self.insert_adapter(name, config, &slots, tensors, true)
+    }
+
+    /// Adds adapter `name` from PEFT-named tensors (all checked before anything changes: missing or unexpected
+    /// keys and wrong shapes are an error naming them). DoRA magnitudes missing from `tensors` are initialized
+    /// to the row norms of the merged weight when `init_missing_magnitude`.
+    pub fn insert_adapter(
+        &mut self,
+        name: &str,
+        config: &LoraConfig,
+        slots: &[AdapterSlot],
+        mut tensors: BTreeMap<String, Tensor>,
+        init_missing_magnitude: bool,
+    ) -> Result<()> {
+        if self.adapter_configs.contains_key(name) {
+            return Err(Error::InvalidInput(format!("an adapter named `{name}` is already loaded; remove it first or pick another name")));
+        }
+        let mut problems = Vec::new();
+        let mut built: BTreeMap<String, LoraAdapter> = BTreeMap::new();
+        let take = |tensors: &mut BTreeMap<String, Tensor>, key: String, shape: &[usize], problems: &mut Vec<String>| -> Option<Tensor> {
+            match tensors.remove(&key) {
+                None => {
+                    problems.push(format!("missing `{key}`"));
+                    None
+                }
+                Some(t) if t.dims() != shape => {
+                    problems.push(format!("`{key}` has shape {:?}, expected {shape:?}", t.dims()));
+                    None
+                }
+                Some(t) => Some(t),
+            }
+        };
+        for (i, s) in slots.iter().enumerate() {
+            let a = take(&mut tensors, peft_key(&s.module, "lora_A.weight"), &[s.r, s.in_features], &mut problems);
+            let b = take(&mut tensors, peft_key(&s.module, "lora_B.weight"), &[s.out_features, s.r], &mut problems);
+            let magnitude_key = peft_key(&s.module, "lora_magnitude_vector");
+            let magnitude = if !config.use_dora {
+                None
+            } else if init_missing_magnitude && !tensors.contains_key(&magnitude_key) {
+                Some(None)
+            } else {
+                take(&mut tensors, magnitude_key, &[s.out_features], &mut problems).map(Some)
+            };
+            let (Some(a), Some(b)) = (a, b) else { continue };
+            let to_var = |t: Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+            let mut adapter = LoraAdapter {
+                a: to_var(a)?,
+                b: to_var(b)?,
+                scaling: config.scaling(s.r, s.alpha),
+                dropout: config.lora_dropout,
+                magnitude: None,
+                module_id: i as u64,
+                runtime: self.lora_runtime.clone(),
+            };
+            adapter.magnitude = match magnitude {
+                None => None,
+                Some(Some(m)) => Some(to_var(m)?),
+                Some(None) => {
+                    let base = &self.linears().into_iter().find(|(n, _)| *n == s.module).expect("slot from linears").1.base;
+                    Some(Var::from_tensor(&adapter.weight_norm(base)?)?)
+                }
+            };
+            built.insert(s.module.clone(), adapter);
+        }
+        if !tensors.is_empty() {
+            let mut keys: Vec<&String> = tensors.keys().collect();
+            keys.truncate(5);
+            problems.push(format!("{} unexpected tensors, e.g. {keys:?} (an adapter for another model or config?)", tensors.len()));
+        }
+        if !problems.is_empty() {
+            return Err(Error::InvalidInput(format!("adapter `{name}` does not fit this model: {}", problems.join("; "))));
+        }
+        for (module, lin) in self.linears_mut() {
+            if let Some(adapter) = built.remove(&module) {
+                lin.adapters.insert(name.to_string(), Arc::new(adapter));
+                lin.active = Some(name.to_string());
+            }
+        }
+        self.adapter_configs.insert(name.to_string(), config.clone());
+        self.set_adapter(name)
+    }
+
+    /// Makes `name` the active adapter on every module (modules without it run the base alone).
+    pub fn set_adapter(&mut self, name: &str) -> Result<()> {
+        if !self.adapter_configs.contains_key(name) {
+            return Err(Error::InvalidInput(format!("no adapter named `{name}`; loaded: {:?}", self.adapter_names())));
+        }
+        for (_, lin) in self.linears_mut() {
+            lin.active = lin.adapters.contains_key(name).then(|| name.to_string());
+        }
+        self.active_adapter = Some(name.to_string());
+        Ok(())
+    }
+
+    /// Runs the base model alone until [`LlamaModel::set_adapter`] is called again.
+    pub fn disable_adapters(&mut self) {
+        for (_, lin) in self.linears_mut() {
+            lin.active = None;
+        }
+        self.active_adapter = None;
+    }
+
+    /// Removes adapter `name` (PEFT's `delete_adapter`; `unload` when it is the only one).
+    pub fn delete_adapter(&mut self, name: &str) -> Result<()> {
+        if self.adapter_configs.remove(name).is_none() {
+            return Err(Error::InvalidInput(format!("no adapter named `{name}`")));
+        }
+        for (_, lin) in self.linears_mut() {
+            lin.adapters.remove(name);
+            if lin.active.as_deref() == Some(name) {
+                lin.active = None;
+            }
+        }
+        if self.active_adapter.as_deref() == Some(name) {
+            self.active_adapter = None;
+        }
+        Ok(())
+    }
+
+    /// Names of the loaded adapters.
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.adapter_configs.keys().cloned().collect()
+    }
+
+    /// The trainable tensors of adapter `name` under PEFT's names, in name order.
+    pub fn adapter_parameters(&self, name: &str) -> Result<Vec<(String, Var)>> {
+        if !self.adapter_configs.contains_key(name) {
+            return Err(Error::InvalidInput(format!("no adapter named `{name}`")));
+        }
+        let mut out = Vec::new();
+        for (module, lin) in self.linears() {
+            if let Some(a) = lin.adapters.get(name) {
+                out.push((peft_key(&module, "lora_A.weight"), a.a.clone()));
+                out.push((peft_key(&module, "lora_B.weight"), a.b.clone()));
+                if let Some(m) = &a.magnitude {
+                    out.push((peft_key(&module, "lora_magnitude_vector"), m.clone()));
+                }
+            }
+        }
+        out.sort_by(|x, y| x.0.cmp(&y.0));
+        Ok(out)
+    }
+}

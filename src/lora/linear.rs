@@ -1,0 +1,159 @@
+//! `LoraLinear`: a frozen base layer (dense or 4-bit) plus named LoRA adapters, one of them active.
+//!
+//! `y = base(x) + scaling · B·A·dropout(x)` with `A: [r, in]`, `B: [out, r]` float32 masters (PEFT's layout). Only
+//! the adapter branch is scaled, and dropout applies only to the adapter's input and only in training. DoRA adds a
+//! trainable magnitude per output row: `y = base(x) + (m/‖W + s·BA‖ − 1)·(x·Wᵀ) + (m/‖W + s·BA‖)·s·B·A·x`, the norm
+//! detached as in PEFT.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor, Var, D};
+
+use crate::ops::{frozen_linear, FrozenLinear};
+
+/// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
+/// (a checkpointed layer recomputed in the backward replays the same dropout masks from it).
+#[derive(Debug, Default)]
+pub struct LoraRuntime {
+    training: AtomicBool,
+    step_seed: AtomicU64,
+}
+
+impl LoraRuntime {
+    /// Turns dropout on or off.
+    pub fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+
+    /// Sets the seed dropout masks derive from (call once per micro-batch).
+    pub fn set_step_seed(&self, seed: u64) {
+        self.step_seed.store(seed, Ordering::Relaxed);
+    }
+
+    fn training(&self) -> bool {
+        self.training.load(Ordering::Relaxed)
+    }
+}
+
+/// One adapter on one module.
+#[derive(Clone, Debug)]
+pub struct LoraAdapter {
+    /// `[r, in_features]`, float32.
+    pub a: Var,
+    /// `[out_features, r]`, float32.
+    pub b: Var,
+    /// `lora_alpha / r` (or `/ sqrt(r)`).
+    pub scaling: f64,
+    /// Dropout probability on the adapter's input.
+    pub dropout: f64,
+    /// DoRA magnitude `[out_features]`, float32.
+    pub magnitude: Option<Var>,
+    /// Distinguishes this module's dropout stream.
+    pub module_id: u64,
+    /// Shared training switch and step seed.
+    pub runtime: Arc<LoraRuntime>,
+}
+
+/// A frozen base layer with its adapters.
+#[derive(Clone, Debug)]
+pub struct LoraLinear {
+    /// The frozen base.
+    pub base: Arc<FrozenLinear>,
+    /// Adapters by name.
+    pub adapters: BTreeMap<String, Arc<LoraAdapter>>,
+    /// The adapter in use, if any.
+    pub active: Option<String>,
+}
+
+/// SplitMix64: a counter-based generator, so masks depend only on (seed, module, element).
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl LoraAdapter {
+    /// Inverted dropout with a mask that is a pure function of (step seed, module, element index).
+    fn dropout(&self, x: &Tensor) -> Result<Tensor> {
+        if self.dropout <= 0.0 || !self.runtime.training() {
+            return Ok(x.clone());
+        }
+        let seed = splitmix(self.runtime.step_seed.load(Ordering::Relaxed) ^ splitmix(self.module_id));
+        let keep = 1.0 - self.dropout;
+        let mask: Vec<f32> = (0..x.elem_count() as u64)
+            .map(|i| {
+                let u = (splitmix(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f64 / (1u64 << 24) as f64;
+                if u < keep {
+                    (1.0 / keep) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, x.dims(), x.device())?.to_dtype(x.dtype())?;
+        x * mask
+    }
+
+    /// `scaling · B·A·x` in float32 (for `x: [..., in]`).
+    fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let inp = *dims.last().unwrap_or(&0);
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let h = x.to_dtype(DType::F32)?.reshape((rows, inp))?.matmul(&self.a.as_tensor().t()?)?;
+        let y = (h.matmul(&self.b.as_tensor().t()?)? * self.scaling)?;
+        let mut out = dims;
+        if let Some(last) = out.last_mut() {
+            *last = self.b.dim(0)?;
+        }
+        y.reshape(out)
+    }
+
+    /// `‖W + s·B·A‖` per output row, detached (float32).
+    pub fn weight_norm(&self, base: &FrozenLinear) -> Result<Tensor> {
+        let w = base.weight.to_dense(DType::F32)?;
+        let ba = self.b.as_tensor().detach().matmul(&self.a.as_tensor().detach())?;
+        (w + (ba * self.scaling)?)?.sqr()?.sum(D::Minus1)?.sqrt()
+    }
+}
+
+impl LoraLinear {
+    /// A layer with no adapters.
+    pub fn new(base: Arc<FrozenLinear>) -> Self {
+        LoraLinear { base, adapters: BTreeMap::new(), active: None }
+    }
+
+    /// The active adapter, if any.
+    pub fn active_adapter(&self) -> Option<&Arc<LoraAdapter>> {
+        self.active.as_ref().and_then(|n| self.adapters.get(n))
+    }
+
+    /// Base output plus the active adapter's update.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let base = frozen_linear(x, &self.base)?;
+        let Some(ad) = self.active_adapter() else { return Ok(base) };
+        let xd = ad.dropout(x)?;
+        let delta = ad.delta(&xd)?;
+        let update = match &ad.magnitude {
+            None => delta,
+            Some(m) => {
+                // PEFT: with dropout active the base term is recomputed from the dropped-out input.
+                let base_f32 = if ad.dropout > 0.0 && ad.runtime.training() {
+                    frozen_linear(&xd, &self.base)?.to_dtype(DType::F32)?
+                } else {
+                    base.to_dtype(DType::F32)?
+                };
+                let base_no_bias = match &self.base.bias {
+                    Some(b) => base_f32.broadcast_sub(&b.to_dtype(DType::F32)?)?,
+                    None => base_f32,
+                };
+                let scale = m.as_tensor().broadcast_div(&ad.weight_norm(&self.base)?)?;
+                (base_no_bias.broadcast_mul(&(&scale - 1.0)?)? + delta.broadcast_mul(&scale)?)?
+            }
+        };
+        let dtype = base.dtype();
+        base + update.to_dtype(dtype)?
+    }
+}
