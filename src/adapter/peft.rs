@@ -20,7 +20,12 @@ pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
 /// Writes adapter `name` of `model` to `dir` in PEFT's format. `base_model_name_or_path` is recorded in the
 /// config. Each file is written next to its final name and renamed into place, so a crash leaves no half file.
-pub fn save_adapter(model: &LlamaModel, name: &str, dir: &Path, base_model_name_or_path: &str) -> Result<()> {
+pub fn save_adapter(
+    model: &LlamaModel,
+    name: &str,
+    dir: &Path,
+    base_model_name_or_path: &str,
+) -> Result<()> {
     let mut config = model
         .adapter_configs
         .get(name)
@@ -36,7 +41,8 @@ pub fn save_adapter(model: &LlamaModel, name: &str, dir: &Path, base_model_name_
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;
-    let text = serde_json::to_string_pretty(&config.to_json()).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&config.to_json())
+        .map_err(|e| Error::InvalidInput(e.to_string()))?;
     let path = dir.join(ADAPTER_CONFIG);
     let tmp = partial_path(&path);
     std::fs::write(&tmp, text).map_err(|e| Error::io("cannot write", &tmp, e))?;
@@ -54,13 +60,17 @@ pub fn load_adapter(model: &mut LlamaModel, dir: &Path, name: &str) -> Result<Lo
             format!("modules_to_save {m:?} is not supported yet; only LoRA/DoRA adapters on linear layers load"),
         ));
     }
-    let slots = model.adapter_slots(&config).map_err(|e| Error::invalid_file(dir.join(ADAPTER_CONFIG), e.to_string()))?;
+    let slots = model
+        .adapter_slots(&config)
+        .map_err(|e| Error::invalid_file(dir.join(ADAPTER_CONFIG), e.to_string()))?;
     let path = dir.join(ADAPTER_WEIGHTS);
     let file = MappedSafetensors::open(&path)?;
     let st = file.tensors()?;
     let mut tensors = BTreeMap::new();
     for (key, view) in st.iter() {
-        let t = view.load(&Device::Cpu).map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
+        let t = view
+            .load(&Device::Cpu)
+            .map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
         tensors.insert(key.to_string(), t);
     }
     model

@@ -61,7 +61,13 @@ impl LlamaModel {
             if is_target(config, &module)? {
                 let (out_features, in_features) = lin.base.weight.dims2()?;
                 let (r, alpha) = rank_and_alpha(config, &module)?;
-                slots.push(AdapterSlot { module, in_features, out_features, r, alpha });
+                slots.push(AdapterSlot {
+                    module,
+                    in_features,
+                    out_features,
+                    r,
+                    alpha,
+                });
             }
         }
         if slots.is_empty() {
@@ -83,17 +89,32 @@ impl LlamaModel {
             let seed = seed.wrapping_mul(1_000_003).wrapping_add(i as u64);
             let a_bound = 1.0 / (s.in_features as f64).sqrt();
             let (a, b) = match config.init_lora_weights {
-                InitLoraWeights::Default => (random(s.r * s.in_features, seed, None, a_bound), vec![0f32; s.out_features * s.r]),
-                InitLoraWeights::Gaussian => {
-                    (random(s.r * s.in_features, seed, Some(1.0 / s.r as f64), 0.0), vec![0f32; s.out_features * s.r])
-                }
+                InitLoraWeights::Default => (
+                    random(s.r * s.in_features, seed, None, a_bound),
+                    vec![0f32; s.out_features * s.r],
+                ),
+                InitLoraWeights::Gaussian => (
+                    random(s.r * s.in_features, seed, Some(1.0 / s.r as f64), 0.0),
+                    vec![0f32; s.out_features * s.r],
+                ),
                 InitLoraWeights::Random => (
                     random(s.r * s.in_features, seed, None, a_bound),
-                    random(s.out_features * s.r, seed ^ 0x5555, None, 1.0 / (s.r as f64).sqrt()),
+                    random(
+                        s.out_features * s.r,
+                        seed ^ 0x5555,
+                        None,
+                        1.0 / (s.r as f64).sqrt(),
+                    ),
                 ),
             };
-            tensors.insert(peft_key(&s.module, "lora_A.weight"), Tensor::from_vec(a, (s.r, s.in_features), &Device::Cpu)?);
-            tensors.insert(peft_key(&s.module, "lora_B.weight"), Tensor::from_vec(b, (s.out_features, s.r), &Device::Cpu)?);
+            tensors.insert(
+                peft_key(&s.module, "lora_A.weight"),
+                Tensor::from_vec(a, (s.r, s.in_features), &Device::Cpu)?,
+            );
+            tensors.insert(
+                peft_key(&s.module, "lora_B.weight"),
+                Tensor::from_vec(b, (s.out_features, s.r), &Device::Cpu)?,
+            );
         }
         self.insert_adapter(name, config, &slots, tensors, true)
     }
@@ -110,36 +131,62 @@ impl LlamaModel {
         init_missing_magnitude: bool,
     ) -> Result<()> {
         if self.adapter_configs.contains_key(name) {
-            return Err(Error::InvalidInput(format!("an adapter named `{name}` is already loaded; remove it first or pick another name")));
+            return Err(Error::InvalidInput(format!(
+                "an adapter named `{name}` is already loaded; remove it first or pick another name"
+            )));
         }
         let mut problems = Vec::new();
         let mut built: BTreeMap<String, LoraAdapter> = BTreeMap::new();
-        let take = |tensors: &mut BTreeMap<String, Tensor>, key: String, shape: &[usize], problems: &mut Vec<String>| -> Option<Tensor> {
+        let take = |tensors: &mut BTreeMap<String, Tensor>,
+                    key: String,
+                    shape: &[usize],
+                    problems: &mut Vec<String>|
+         -> Option<Tensor> {
             match tensors.remove(&key) {
                 None => {
                     problems.push(format!("missing `{key}`"));
                     None
                 }
                 Some(t) if t.dims() != shape => {
-                    problems.push(format!("`{key}` has shape {:?}, expected {shape:?}", t.dims()));
+                    problems.push(format!(
+                        "`{key}` has shape {:?}, expected {shape:?}",
+                        t.dims()
+                    ));
                     None
                 }
                 Some(t) => Some(t),
             }
         };
         for (i, s) in slots.iter().enumerate() {
-            let a = take(&mut tensors, peft_key(&s.module, "lora_A.weight"), &[s.r, s.in_features], &mut problems);
-            let b = take(&mut tensors, peft_key(&s.module, "lora_B.weight"), &[s.out_features, s.r], &mut problems);
+            let a = take(
+                &mut tensors,
+                peft_key(&s.module, "lora_A.weight"),
+                &[s.r, s.in_features],
+                &mut problems,
+            );
+            let b = take(
+                &mut tensors,
+                peft_key(&s.module, "lora_B.weight"),
+                &[s.out_features, s.r],
+                &mut problems,
+            );
             let magnitude_key = peft_key(&s.module, "lora_magnitude_vector");
             let magnitude = if !config.use_dora {
                 None
             } else if init_missing_magnitude && !tensors.contains_key(&magnitude_key) {
                 Some(None)
             } else {
-                take(&mut tensors, magnitude_key, &[s.out_features], &mut problems).map(Some)
+                take(
+                    &mut tensors,
+                    magnitude_key,
+                    &[s.out_features],
+                    &mut problems,
+                )
+                .map(Some)
             };
             let (Some(a), Some(b)) = (a, b) else { continue };
-            let to_var = |t: Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+            let to_var =
+                |t: Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
             let mut adapter = LoraAdapter {
                 a: to_var(a)?,
                 b: to_var(b)?,
@@ -153,7 +200,13 @@ impl LlamaModel {
                 None => None,
                 Some(Some(m)) => Some(to_var(m)?),
                 Some(None) => {
-                    let base = &self.linears().into_iter().find(|(n, _)| *n == s.module).expect("slot from linears").1.base;
+                    let base = &self
+                        .linears()
+                        .into_iter()
+                        .find(|(n, _)| *n == s.module)
+                        .expect("slot from linears")
+                        .1
+                        .base;
                     Some(Var::from_tensor(&adapter.weight_norm(base)?)?)
                 }
             };
@@ -162,10 +215,16 @@ impl LlamaModel {
         if !tensors.is_empty() {
             let mut keys: Vec<&String> = tensors.keys().collect();
             keys.truncate(5);
-            problems.push(format!("{} unexpected tensors, e.g. {keys:?} (an adapter for another model or config?)", tensors.len()));
+            problems.push(format!(
+                "{} unexpected tensors, e.g. {keys:?} (an adapter for another model or config?)",
+                tensors.len()
+            ));
         }
         if !problems.is_empty() {
-            return Err(Error::InvalidInput(format!("adapter `{name}` does not fit this model: {}", problems.join("; "))));
+            return Err(Error::InvalidInput(format!(
+                "adapter `{name}` does not fit this model: {}",
+                problems.join("; ")
+            )));
         }
         for (module, lin) in self.linears_mut() {
             if let Some(adapter) = built.remove(&module) {
@@ -173,14 +232,18 @@ impl LlamaModel {
                 lin.active = Some(name.to_string());
             }
         }
-        self.adapter_configs.insert(name.to_string(), config.clone());
+        self.adapter_configs
+            .insert(name.to_string(), config.clone());
         self.set_adapter(name)
     }
 
     /// Makes `name` the active adapter on every module (modules without it run the base alone).
     pub fn set_adapter(&mut self, name: &str) -> Result<()> {
         if !self.adapter_configs.contains_key(name) {
-            return Err(Error::InvalidInput(format!("no adapter named `{name}`; loaded: {:?}", self.adapter_names())));
+            return Err(Error::InvalidInput(format!(
+                "no adapter named `{name}`; loaded: {:?}",
+                self.adapter_names()
+            )));
         }
         for (_, lin) in self.linears_mut() {
             lin.active = lin.adapters.contains_key(name).then(|| name.to_string());

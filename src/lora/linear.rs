@@ -81,11 +81,13 @@ impl LoraAdapter {
         if self.dropout <= 0.0 || !self.runtime.training() {
             return Ok(x.clone());
         }
-        let seed = splitmix(self.runtime.step_seed.load(Ordering::Relaxed) ^ splitmix(self.module_id));
+        let seed =
+            splitmix(self.runtime.step_seed.load(Ordering::Relaxed) ^ splitmix(self.module_id));
         let keep = 1.0 - self.dropout;
         let mask: Vec<f32> = (0..x.elem_count() as u64)
             .map(|i| {
-                let u = (splitmix(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f64 / (1u64 << 24) as f64;
+                let u = (splitmix(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f64
+                    / (1u64 << 24) as f64;
                 if u < keep {
                     (1.0 / keep) as f32
                 } else {
@@ -102,7 +104,10 @@ impl LoraAdapter {
         let dims = x.dims().to_vec();
         let inp = *dims.last().unwrap_or(&0);
         let rows: usize = dims[..dims.len() - 1].iter().product();
-        let h = x.to_dtype(DType::F32)?.reshape((rows, inp))?.matmul(&self.a.as_tensor().t()?)?;
+        let h = x
+            .to_dtype(DType::F32)?
+            .reshape((rows, inp))?
+            .matmul(&self.a.as_tensor().t()?)?;
         let y = (h.matmul(&self.b.as_tensor().t()?)? * self.scaling)?;
         let mut out = dims;
         if let Some(last) = out.last_mut() {
@@ -114,7 +119,11 @@ impl LoraAdapter {
     /// `‖W + s·B·A‖` per output row, detached (float32).
     pub fn weight_norm(&self, base: &FrozenLinear) -> Result<Tensor> {
         let w = base.weight.to_dense(DType::F32)?;
-        let ba = self.b.as_tensor().detach().matmul(&self.a.as_tensor().detach())?;
+        let ba = self
+            .b
+            .as_tensor()
+            .detach()
+            .matmul(&self.a.as_tensor().detach())?;
         (w + (ba * self.scaling)?)?.sqr()?.sum(D::Minus1)?.sqrt()
     }
 }
@@ -122,7 +131,11 @@ impl LoraAdapter {
 impl LoraLinear {
     /// A layer with no adapters.
     pub fn new(base: Arc<FrozenLinear>) -> Self {
-        LoraLinear { base, adapters: BTreeMap::new(), active: None }
+        LoraLinear {
+            base,
+            adapters: BTreeMap::new(),
+            active: None,
+        }
     }
 
     /// The active adapter, if any.
@@ -133,7 +146,9 @@ impl LoraLinear {
     /// Base output plus the active adapter's update.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let base = frozen_linear(x, &self.base)?;
-        let Some(ad) = self.active_adapter() else { return Ok(base) };
+        let Some(ad) = self.active_adapter() else {
+            return Ok(base);
+        };
         let xd = ad.dropout(x)?;
         let delta = ad.delta(&xd)?;
         let update = match &ad.magnitude {

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod linear;
+pub mod merge;
 pub mod targets;
 
 pub use config::{InitLoraWeights, LoraConfig, TargetModules};

@@ -13,7 +13,9 @@ use crate::error::{Error, Result};
 fn matches(targets: &TargetModules, name: &str) -> Result<bool> {
     Ok(match targets {
         TargetModules::AllLinear => true,
-        TargetModules::List(list) => list.iter().any(|t| name == t || name.ends_with(&format!(".{t}"))),
+        TargetModules::List(list) => list
+            .iter()
+            .any(|t| name == t || name.ends_with(&format!(".{t}"))),
         TargetModules::Regex(r) => Regex::new(&format!("^(?:{r})$"))
             .map_err(|e| Error::InvalidInput(format!("target regex {r:?} is invalid: {e}")))?
             .is_match(name),
@@ -24,7 +26,15 @@ fn matches(targets: &TargetModules, name: &str) -> Result<bool> {
 /// (`lm_head`) is never targeted by `"all-linear"`.
 pub fn is_target(config: &LoraConfig, name: &str) -> Result<bool> {
     let targeted = match &config.target_modules {
-        None => matches(&TargetModules::List(DEFAULT_LLAMA_TARGETS.iter().map(|s| s.to_string()).collect()), name)?,
+        None => matches(
+            &TargetModules::List(
+                DEFAULT_LLAMA_TARGETS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect(),
+            ),
+            name,
+        )?,
         Some(TargetModules::AllLinear) => name != "lm_head",
         Some(t) => matches(t, name)?,
     };
@@ -35,7 +45,10 @@ pub fn is_target(config: &LoraConfig, name: &str) -> Result<bool> {
     Ok(targeted && !excluded)
 }
 
-fn pattern_value<T: Copy>(patterns: &std::collections::BTreeMap<String, T>, name: &str) -> Result<Option<T>> {
+fn pattern_value<T: Copy>(
+    patterns: &std::collections::BTreeMap<String, T>,
+    name: &str,
+) -> Result<Option<T>> {
     for (key, value) in patterns {
         let re = Regex::new(&format!(r"^(?:.*\.)?(?:{key})$"))
             .map_err(|e| Error::InvalidInput(format!("pattern {key:?} is invalid: {e}")))?;
@@ -64,25 +77,38 @@ mod tests {
     #[test]
     fn list_regex_all_linear_and_exclusions() {
         let mut c = LoraConfig::default();
-        assert!(is_target(&c, Q0).unwrap() && !is_target(&c, D1).unwrap(), "default q_proj, v_proj");
+        assert!(
+            is_target(&c, Q0).unwrap() && !is_target(&c, D1).unwrap(),
+            "default q_proj, v_proj"
+        );
         c.target_modules = Some(TargetModules::AllLinear);
         assert!(is_target(&c, D1).unwrap() && !is_target(&c, "lm_head").unwrap());
         c.target_modules = Some(TargetModules::Regex(r".*\.layers\.1\..*_proj".into()));
         assert!(is_target(&c, D1).unwrap() && !is_target(&c, Q0).unwrap());
         c.target_modules = Some(TargetModules::List(vec!["down_proj".into(), Q0.into()]));
-        c.exclude_modules = Some(TargetModules::List(vec!["model.layers.1.mlp.down_proj".into()]));
+        c.exclude_modules = Some(TargetModules::List(vec![
+            "model.layers.1.mlp.down_proj".into()
+        ]));
         assert!(is_target(&c, Q0).unwrap() && !is_target(&c, D1).unwrap());
         assert!(!is_target(&c, "model.layers.0.self_attn.q_proj_extra").unwrap());
     }
 
     #[test]
     fn patterns_match_name_suffixes() {
-        let mut c = LoraConfig { r: 8, lora_alpha: 16.0, ..Default::default() };
+        let mut c = LoraConfig {
+            r: 8,
+            lora_alpha: 16.0,
+            ..Default::default()
+        };
         c.rank_pattern.insert("down_proj".into(), 4);
-        c.rank_pattern.insert(r"layers\.0\.self_attn\.q_proj".into(), 2);
+        c.rank_pattern
+            .insert(r"layers\.0\.self_attn\.q_proj".into(), 2);
         c.alpha_pattern.insert("q_proj".into(), 3.0);
         assert_eq!(rank_and_alpha(&c, D1).unwrap(), (4, 16.0));
         assert_eq!(rank_and_alpha(&c, Q0).unwrap(), (2, 3.0));
-        assert_eq!(rank_and_alpha(&c, "model.layers.1.self_attn.v_proj").unwrap(), (8, 16.0));
+        assert_eq!(
+            rank_and_alpha(&c, "model.layers.1.self_attn.v_proj").unwrap(),
+            (8, 16.0)
+        );
     }
 }

@@ -385,7 +385,11 @@ impl LlamaModel {
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let l = Arc::make_mut(layer);
             let p = format!("model.layers.{i}");
-            let DecoderLayer { self_attn: a, mlp: m, .. } = l;
+            let DecoderLayer {
+                self_attn: a,
+                mlp: m,
+                ..
+            } = l;
             out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
             out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
             out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));

@@ -5,4 +5,5 @@ mod cli;
 mod common;
 mod model_cli;
 mod model_parity;
+mod peft_parity;
 mod quant_golden;

@@ -1,0 +1,263 @@
+//! Adapters against PEFT: golden files from `scripts/golden_peft.py` (PEFT 0.21.2) on the tiny Llama.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use candle_qlora::adapter::{load_adapter, save_adapter};
+use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::lora::merge::merged_weight;
+use candle_qlora::models::LlamaModel;
+
+use crate::common::{data_path, max_abs_diff};
+
+fn base() -> LlamaModel {
+    load_model(
+        data_path("models/tiny-llama").to_str().unwrap(),
+        None,
+        &LoadOptions::default(),
+    )
+    .unwrap()
+    .model
+}
+
+fn golden(case: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        data_path(&format!("peft/{case}/golden.safetensors")),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+#[test]
+fn peft_adapters_give_peft_logits_and_merged_weights() {
+    for case in ["lora_all_linear", "lora_patterns", "dora"] {
+        let g = golden(case);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let mut model = base();
+        load_adapter(&mut model, &data_path(&format!("peft/{case}")), "default").unwrap();
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
+        assert!(d <= 1e-5, "{case}: logits differ from PEFT by {d}");
+
+        let mut compared = 0;
+        for (name, lin) in model.linears() {
+            if let Some(expected) = g.get(&format!("merged.{name}.weight")) {
+                let ours =
+                    merged_weight(lin, lin.active_adapter().expect("PEFT adapted this module"))
+                        .unwrap();
+                let d = max_abs_diff(&ours, expected);
+                assert!(
+                    d <= 1e-6,
+                    "{case}: merged {name} differs from merge_and_unload() by {d}"
+                );
+                compared += 1;
+            }
+        }
+        assert!(
+            compared >= 5,
+            "{case}: only {compared} merged weights compared"
+        );
+
+        model.disable_adapters();
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_base"]);
+        assert!(
+            d <= 1e-5,
+            "{case}: disabled adapter differs from the base by {d}"
+        );
+        model.set_adapter("default").unwrap();
+        assert!(max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]) <= 1e-5);
+    }
+}
+
+/// Also writes, with `QLORA_PEFT_CHECK_DIR=DIR`, our saved adapters plus `expected.safetensors` (our logits and
+/// merged weights) there, for `scripts/golden_peft.py check-ours DIR/<case>` to load in PEFT.
+#[test]
+fn saved_adapters_round_trip_bit_identically_with_all_peft_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::env::var_os("QLORA_PEFT_CHECK_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or(tmp.path().to_path_buf());
+    for case in ["lora_all_linear", "lora_patterns", "dora"] {
+        let mut model = base();
+        let src = data_path(&format!("peft/{case}"));
+        let config = load_adapter(&mut model, &src, "default").unwrap();
+        let out = root.join(case);
+        save_adapter(&model, "default", &out, "tests/data/models/tiny-llama").unwrap();
+        if std::env::var_os("QLORA_PEFT_CHECK_DIR").is_some() {
+            let g = golden(case);
+            let mut expected = HashMap::new();
+            expected.insert("input_ids".to_string(), g["input_ids"].clone());
+            expected.insert(
+                "logits".to_string(),
+                model
+                    .logits(&g["input_ids"].to_dtype(DType::U32).unwrap())
+                    .unwrap(),
+            );
+            for (name, lin) in model.linears() {
+                if let Some(a) = lin.active_adapter() {
+                    expected.insert(
+                        format!("merged.{name}.weight"),
+                        merged_weight(lin, a).unwrap(),
+                    );
+                }
+            }
+            candle_core::safetensors::save(&expected, out.join("expected.safetensors")).unwrap();
+        }
+
+        // Same tensors, bit for bit.
+        let theirs =
+            candle_core::safetensors::load(src.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap();
+        let ours =
+            candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{case}");
+        for (k, t) in &theirs {
+            assert_eq!(max_abs_diff(&ours[k], t), 0.0, "{case}: {k}");
+            assert_eq!(ours[k].dtype(), DType::F32);
+        }
+        // Every key PEFT writes, sorted, indent 2; same values as PEFT's own file.
+        let ours_json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let theirs_json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(src.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        let keys =
+            |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(keys(&ours_json), keys(&theirs_json), "{case}: config keys");
+        for k in [
+            "r",
+            "lora_alpha",
+            "use_rslora",
+            "use_dora",
+            "rank_pattern",
+            "alpha_pattern",
+            "bias",
+            "peft_type",
+            "base_model_name_or_path",
+        ] {
+            assert_eq!(ours_json[k], theirs_json[k], "{case}: {k}");
+        }
+        let text = std::fs::read_to_string(out.join("adapter_config.json")).unwrap();
+        assert!(
+            text.starts_with("{\n  \"alora_invocation_tokens\": null,"),
+            "{text}"
+        );
+
+        // Reloading ours gives the same model output.
+        let g = golden(case);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let mut again = base();
+        let reloaded = load_adapter(&mut again, &out, "x").unwrap();
+        assert_eq!(
+            reloaded.target_modules.is_some(),
+            config.target_modules.is_some()
+        );
+        assert!(max_abs_diff(&again.logits(&ids).unwrap(), &g["logits"]) <= 1e-5);
+    }
+}
+
+#[test]
+fn several_adapters_switch_and_unload() {
+    let g1 = golden("lora_all_linear");
+    let g2 = golden("dora");
+    let ids = g1["input_ids"].to_dtype(DType::U32).unwrap();
+    let ids2 = g2["input_ids"].to_dtype(DType::U32).unwrap();
+    let mut model = base();
+    load_adapter(&mut model, &data_path("peft/lora_all_linear"), "a").unwrap();
+    load_adapter(&mut model, &data_path("peft/dora"), "b").unwrap();
+    assert_eq!(model.adapter_names(), vec!["a", "b"]);
+    assert!(
+        max_abs_diff(&model.logits(&ids2).unwrap(), &g2["logits"]) <= 1e-5,
+        "the last loaded is active"
+    );
+    model.set_adapter("a").unwrap();
+    assert!(max_abs_diff(&model.logits(&ids).unwrap(), &g1["logits"]) <= 1e-5);
+    model.delete_adapter("a").unwrap();
+    assert!(
+        max_abs_diff(&model.logits(&ids).unwrap(), &g1["logits_base"]) <= 1e-5,
+        "nothing active after unloading"
+    );
+    assert!(model.set_adapter("a").is_err());
+    let err = load_adapter(&mut model, &data_path("peft/dora"), "b")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already loaded"), "{err}");
+}
+
+#[test]
+fn mismatched_or_broken_adapters_are_clear_errors_and_load_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = |name: &str| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["adapter_config.json", "adapter_model.safetensors"] {
+            std::fs::copy(data_path(&format!("peft/lora_all_linear/{f}")), d.join(f)).unwrap();
+        }
+        d
+    };
+    let edit_config = |d: &std::path::Path, f: &dyn Fn(&mut serde_json::Value)| {
+        let p = d.join("adapter_config.json");
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&p, v.to_string()).unwrap();
+    };
+    let try_load = |d: &std::path::Path| {
+        let mut model = base();
+        let err = load_adapter(&mut model, d, "default")
+            .unwrap_err()
+            .to_string();
+        assert!(model.adapter_names().is_empty(), "nothing loads half-way");
+        assert!(model.linears().iter().all(|(_, l)| l.adapters.is_empty()));
+        err
+    };
+
+    let d = copy("other-rank");
+    edit_config(&d, &|v| v["r"] = 16.into());
+    let err = try_load(&d);
+    assert!(
+        err.contains("lora_A.weight") && err.contains("[8, 64]") && err.contains("[16, 64]"),
+        "{err}"
+    );
+
+    let d = copy("no-such-module");
+    edit_config(&d, &|v| {
+        v["target_modules"] = serde_json::json!(["query_key_value"])
+    });
+    let err = try_load(&d);
+    assert!(
+        err.contains("query_key_value") && err.contains("match no module"),
+        "{err}"
+    );
+
+    let d = copy("fewer-modules");
+    edit_config(&d, &|v| v["target_modules"] = serde_json::json!(["q_proj"]));
+    let err = try_load(&d);
+    assert!(
+        err.contains("unexpected tensors") && err.contains("down_proj.lora_A.weight"),
+        "{err}"
+    );
+
+    let d = copy("truncated");
+    let p = d.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&p).unwrap();
+    std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    let err = try_load(&d);
+    assert!(
+        err.contains("adapter_model.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+
+    let d = copy("unknown-keys");
+    edit_config(&d, &|v| v["some_future_option"] = 3.into());
+    let mut model = base();
+    load_adapter(&mut model, &d, "default").expect("unknown config keys are tolerated");
+
+    let d = copy("bias");
+    edit_config(&d, &|v| v["bias"] = "all".into());
+    let err = try_load(&d);
+    assert!(err.contains("bias") && err.contains("none"), "{err}");
+}
