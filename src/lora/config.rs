@@ -208,18 +208,19 @@ impl LoraConfig {
                 format!("`r` must be a positive integer, got {r}"),
             ));
         }
-        let init_lora_weights =
-            match obj.get("init_lora_weights") {
-                None | Some(Value::Null) | Some(Value::Bool(true)) => InitLoraWeights::Default,
-                Some(Value::Bool(false)) => InitLoraWeights::Random,
-                Some(Value::String(s)) if s == "gaussian" => InitLoraWeights::Gaussian,
-                Some(other) => return Err(bad(
+        let init_lora_weights = match obj.get("init_lora_weights") {
+            None | Some(Value::Null) | Some(Value::Bool(true)) => InitLoraWeights::Default,
+            Some(Value::Bool(false)) => InitLoraWeights::Random,
+            Some(Value::String(s)) if s == "gaussian" => InitLoraWeights::Gaussian,
+            Some(other) => {
+                return Err(bad(
                     path,
                     format!(
                         "init_lora_weights {other} is not supported (true, false, \"gaussian\")"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let rank_pattern = match obj.get("rank_pattern") {
             Some(Value::Object(m)) => m
                 .iter()

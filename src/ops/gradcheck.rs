@@ -38,7 +38,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// Checks the gradients of `f` with respect to every input (those listed in `differentiable`):
-/// - against central finite differences on up to `samples` elements per input, relative tolerance `fd_tol`;
+/// - against central finite differences on up to `samples` elements per input (0 skips), relative tolerance `fd_tol`;
 /// - against `reference` (a composite of Candle primitives) on every element, absolute tolerance `ref_tol`,
 ///   and the forward values too.
 pub fn check(
