@@ -7,10 +7,12 @@ use std::io::Write;
 
 use anyhow::Context;
 use candle_core::DType;
+use candle_qlora::adapter::load_adapter;
 use candle_qlora::data::{read_jsonl, DataFormat};
 use candle_qlora::eval::evaluate;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::source::{load_model, LoadOptions, LoadedModel};
+use candle_qlora::lora::merge::{merge_to_folder, MergeOptions};
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -35,6 +37,78 @@ enum Command {
     Eval(EvalArgs),
     /// Generate text from a prompt with a KV cache (greedy by default), streaming tokens as they come.
     Generate(GenerateArgs),
+    /// Merge a LoRA adapter into its (dequantized) base and write a standard Hugging Face model folder.
+    Merge(MergeArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DtypeArg {
+    Bf16,
+    F16,
+    F32,
+}
+
+#[derive(clap::Args)]
+struct MergeArgs {
+    /// Base model: a Hugging Face folder, a .gguf file, or a Hub id.
+    #[arg(long)]
+    model: String,
+    /// Hub revision of the base.
+    #[arg(long)]
+    revision: Option<String>,
+    /// The PEFT adapter folder to merge.
+    #[arg(long)]
+    adapter: PathBuf,
+    /// Output folder.
+    #[arg(long)]
+    output: PathBuf,
+    /// Dtype of the written weights.
+    #[arg(long, value_enum, default_value = "bf16")]
+    dtype: DtypeArg,
+    /// Re-quantize the merged linear weights to 4 bits (bitsandbytes layout).
+    #[arg(long, value_enum, default_value = "none")]
+    requantize: QuantizeOnLoad,
+    /// Replace an existing output folder.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+fn merge(args: MergeArgs) -> anyhow::Result<()> {
+    let margs = ModelArgs {
+        model: args.model.clone(),
+        revision: args.revision.clone(),
+        quantize: QuantizeOnLoad::None,
+        adapter: Some(args.adapter.clone()),
+    };
+    let loaded = margs.load()?;
+    let dtype = match args.dtype {
+        DtypeArg::Bf16 => DType::BF16,
+        DtypeArg::F16 => DType::F16,
+        DtypeArg::F32 => DType::F32,
+    };
+    let source = std::path::Path::new(&loaded.source);
+    let options = MergeOptions {
+        dtype,
+        requantize: args.requantize.config(),
+        overwrite: args.overwrite,
+    };
+    let report = merge_to_folder(
+        &loaded.model,
+        loaded.tokenizer.as_ref(),
+        source.is_dir().then_some(source),
+        &args.output,
+        &options,
+    )?;
+    println!(
+        "merged the adapter into {} modules; largest absolute weight change {:.6e}; wrote {} tensors ({:?}{}) to {}",
+        report.merged_modules,
+        report.max_abs_change,
+        report.tensors,
+        dtype,
+        if options.requantize.is_some() { ", linears re-quantized to 4 bits" } else { "" },
+        args.output.display()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -69,6 +143,9 @@ struct ModelArgs {
     /// Quantize the linear weights on load.
     #[arg(long, value_enum, default_value = "none")]
     quantize: QuantizeOnLoad,
+    /// A PEFT LoRA adapter folder to apply (unmerged).
+    #[arg(long)]
+    adapter: Option<PathBuf>,
 }
 
 impl ModelArgs {
@@ -78,8 +155,13 @@ impl ModelArgs {
             quantization: self.quantize.config(),
             compute_dtype: DType::F32,
         };
-        let loaded = load_model(&self.model, self.revision.as_deref(), &opts)
+        let mut loaded = load_model(&self.model, self.revision.as_deref(), &opts)
             .with_context(|| format!("loading model `{}`", self.model))?;
+        if let Some(dir) = &self.adapter {
+            load_adapter(&mut loaded.model, dir, "default")
+                .with_context(|| format!("loading adapter `{}`", dir.display()))?;
+            eprintln!("adapter {} applied", dir.display());
+        }
         eprintln!(
             "loaded {} ({} layers, {:.1} MiB of weights) in {:.1} s",
             loaded.source,
@@ -338,6 +420,7 @@ fn main() -> ExitCode {
         Command::Quantize(args) => quantize(args),
         Command::Eval(args) => eval(args),
         Command::Generate(args) => generate_text(args),
+        Command::Merge(args) => merge(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -488,7 +488,7 @@ pub fn quantize_model_dir(
     }
     config_obj.insert(
         "quantization_config".into(),
-        quantization_config_json(options),
+        quantization_config_json(&options.config, &options.compute_dtype),
     );
 
     let mut entries: Vec<PathBuf> = std::fs::read_dir(input)
@@ -575,15 +575,15 @@ pub fn quantize_model_dir(
     Ok(report)
 }
 
-/// transformers' `BitsAndBytesConfig.to_dict()` for a 4-bit config.
-fn quantization_config_json(options: &QuantizeOptions) -> serde_json::Value {
+/// transformers' `BitsAndBytesConfig.to_dict()` for a 4-bit config with the given compute dtype name.
+pub fn quantization_config_json(config: &QuantConfig, compute_dtype: &str) -> serde_json::Value {
     serde_json::json!({
         "_load_in_4bit": true,
         "_load_in_8bit": false,
-        "bnb_4bit_compute_dtype": options.compute_dtype,
+        "bnb_4bit_compute_dtype": compute_dtype,
         "bnb_4bit_quant_storage": "uint8",
-        "bnb_4bit_quant_type": options.config.quant_type.as_str(),
-        "bnb_4bit_use_double_quant": options.config.double_quant,
+        "bnb_4bit_quant_type": config.quant_type.as_str(),
+        "bnb_4bit_use_double_quant": config.double_quant,
         "llm_int8_enable_fp32_cpu_offload": false,
         "llm_int8_has_fp16_weight": false,
         "llm_int8_skip_modules": null,

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor, Var, D};
+use candle_core::{Result, Tensor, Var, D};
 
 use crate::ops::{frozen_linear, FrozenLinear};
 
@@ -179,6 +179,7 @@ mod tests {
     use super::*;
     use crate::ops::gradcheck::{check, rand_f64};
     use crate::ops::FrozenWeight;
+    use candle_core::DType;
 
     fn layer(
         w: &Tensor,

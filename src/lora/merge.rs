@@ -32,3 +32,245 @@ pub fn effective_weight(layer: &LoraLinear) -> Result<Tensor> {
         None => layer.base.weight.to_dense(DType::F32),
     }
 }
+
+/// Output options of [`merge_to_folder`].
+#[derive(Clone, Debug)]
+pub struct MergeOptions {
+    /// Dtype of the written weights (bf16, f16 or f32).
+    pub dtype: DType,
+    /// Re-quantize the merged linear weights to 4 bits (bitsandbytes layout) instead of writing them dense.
+    pub requantize: Option<crate::quant::QuantConfig>,
+    /// Replace an existing output folder (only once the new one is complete).
+    pub overwrite: bool,
+}
+
+/// What [`merge_to_folder`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MergeReport {
+    /// Linear weights that an adapter changed.
+    pub merged_modules: usize,
+    /// Largest `|W' − W|` over all merged weights (float32, before the output dtype).
+    pub max_abs_change: f64,
+    /// Tensors written.
+    pub tensors: usize,
+}
+
+fn torch_dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+/// A Hugging Face `config.json` for `config` (used when the source has none, e.g. a GGUF file).
+fn hf_config_json(config: &crate::models::ModelConfig, dtype: DType) -> serde_json::Value {
+    let arch = match config.architecture {
+        crate::models::Architecture::Llama => "LlamaForCausalLM",
+        crate::models::Architecture::Mistral => "MistralForCausalLM",
+        crate::models::Architecture::Qwen2 => "Qwen2ForCausalLM",
+    };
+    let mut v = serde_json::json!({
+        "architectures": [arch],
+        "model_type": config.architecture.model_type(),
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": torch_dtype_name(dtype),
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_ids.first(),
+    });
+    if let Some(s) = &config.rope_scaling {
+        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings});
+    }
+    v
+}
+
+/// Writes `model` with its active adapter merged into a standard Hugging Face folder at `output`: `config.json`,
+/// tokenizer files, and `model.safetensors` (dense weights in `options.dtype`, or bitsandbytes 4-bit linears with
+/// `requantize`). 4-bit bases are dequantized before merging, so the merge itself adds no rounding but the final
+/// dtype's. `source_folder` supplies `config.json` and tokenizer files when the model came from a folder.
+pub fn merge_to_folder(
+    model: &crate::models::LlamaModel,
+    tokenizer: Option<&crate::models::TextTokenizer>,
+    source_folder: Option<&std::path::Path>,
+    output: &std::path::Path,
+    options: &MergeOptions,
+) -> crate::Result<MergeReport> {
+    use crate::error::Error;
+    use crate::loading::safetensors::{partial_path, write_safetensors, RawTensor};
+
+    if output.exists() && !options.overwrite {
+        return Err(Error::WouldOverwrite(format!(
+            "`{}` already exists; choose another output or pass --overwrite to replace it",
+            output.display()
+        )));
+    }
+    let raw = |t: &Tensor| -> crate::Result<RawTensor<'static>> {
+        let t = t.to_dtype(options.dtype)?.contiguous()?;
+        let (dtype, bytes) = match options.dtype {
+            DType::BF16 => (
+                safetensors::Dtype::BF16,
+                t.flatten_all()?
+                    .to_vec1::<half::bf16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            DType::F16 => (
+                safetensors::Dtype::F16,
+                t.flatten_all()?
+                    .to_vec1::<half::f16>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+            _ => (
+                safetensors::Dtype::F32,
+                t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect(),
+            ),
+        };
+        Ok(RawTensor {
+            dtype,
+            shape: t.dims().to_vec(),
+            data: std::borrow::Cow::Owned(bytes),
+        })
+    };
+    let mut tensors: Vec<(String, RawTensor<'static>)> = Vec::new();
+    let mut report = MergeReport {
+        merged_modules: 0,
+        max_abs_change: 0.0,
+        tensors: 0,
+    };
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        raw(&model.embed_tokens)?,
+    ));
+    tensors.push(("model.norm.weight".into(), raw(&model.norm)?));
+    if !model.config().tie_word_embeddings {
+        tensors.push((
+            "lm_head.weight".into(),
+            raw(&model.lm_head.weight.to_dense(DType::F32)?)?,
+        ));
+    }
+    for (i, layer) in model.layers.iter().enumerate() {
+        tensors.push((
+            format!("model.layers.{i}.input_layernorm.weight"),
+            raw(&layer.input_layernorm)?,
+        ));
+        tensors.push((
+            format!("model.layers.{i}.post_attention_layernorm.weight"),
+            raw(&layer.post_attention_layernorm)?,
+        ));
+    }
+    for (name, lin) in model.linears() {
+        let w = effective_weight(lin)?;
+        if lin.active_adapter().is_some() {
+            let base = lin.base.weight.to_dense(DType::F32)?;
+            let change = (&w - base)?
+                .abs()?
+                .flatten_all()?
+                .max(0)?
+                .to_scalar::<f32>()? as f64;
+            report.max_abs_change = report.max_abs_change.max(change);
+            report.merged_modules += 1;
+        }
+        let key = format!("{name}.weight");
+        match &options.requantize {
+            Some(cfg) => {
+                let q = crate::quant::Nf4Tensor::quantize_named(
+                    &w.to_dtype(options.dtype)?,
+                    cfg,
+                    &key,
+                )?;
+                tensors.extend(crate::loading::bnb::bnb_entries(&key, &q));
+            }
+            None => tensors.push((key, raw(&w)?)),
+        }
+        if let Some(b) = &lin.base.bias {
+            tensors.push((format!("{name}.bias"), raw(b)?));
+        }
+    }
+    report.tensors = tensors.len();
+
+    let staging = partial_path(output);
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
+    let written = (|| -> crate::Result<()> {
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        write_safetensors(&staging.join("model.safetensors"), tensors, Some(meta))?;
+        let mut config = match source_folder
+            .map(|d| d.join("config.json"))
+            .filter(|p| p.exists())
+        {
+            Some(p) => serde_json::from_str(
+                &std::fs::read_to_string(&p).map_err(|e| Error::io("cannot read", &p, e))?,
+            )
+            .map_err(|e| Error::invalid_file(&p, e.to_string()))?,
+            None => hf_config_json(model.config(), options.dtype),
+        };
+        if let Some(obj) = config.as_object_mut() {
+            obj.remove("quantization_config");
+            obj.insert("torch_dtype".into(), torch_dtype_name(options.dtype).into());
+            if let Some(cfg) = &options.requantize {
+                obj.insert(
+                    "quantization_config".into(),
+                    crate::loading::bnb::quantization_config_json(
+                        cfg,
+                        torch_dtype_name(options.dtype),
+                    ),
+                );
+            }
+        }
+        let text = serde_json::to_string_pretty(&config)
+            .map_err(|e| Error::InvalidInput(e.to_string()))?
+            + "\n";
+        std::fs::write(staging.join("config.json"), text)
+            .map_err(|e| Error::io("cannot write", staging.join("config.json"), e))?;
+        let copied = [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ];
+        let mut have_tokenizer = false;
+        if let Some(dir) = source_folder {
+            for f in copied {
+                if dir.join(f).exists() {
+                    std::fs::copy(dir.join(f), staging.join(f))
+                        .map_err(|e| Error::io("cannot copy", dir.join(f), e))?;
+                    have_tokenizer |= f == "tokenizer.json";
+                }
+            }
+        }
+        if let (false, Some(tok)) = (have_tokenizer, tokenizer) {
+            tok.save_folder(&staging)?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(e);
+    }
+    if output.exists() {
+        std::fs::remove_dir_all(output).map_err(|e| Error::io("cannot replace", output, e))?;
+    }
+    std::fs::rename(&staging, output)
+        .map_err(|e| Error::io("cannot move into place", output, e))?;
+    Ok(report)
+}

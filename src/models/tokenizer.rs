@@ -152,6 +152,26 @@ impl TextTokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// Writes `tokenizer.json` and a `tokenizer_config.json` (special tokens, chat template) into `dir`.
+    pub fn save_folder(&self, dir: &Path) -> Result<()> {
+        let path = dir.join("tokenizer.json");
+        self.inner
+            .save(&path, false)
+            .map_err(|e| Error::Tokenizer(format!("cannot write {}: {e}", path.display())))?;
+        let cfg = serde_json::json!({
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "chat_template": self.chat_template,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        });
+        let path = dir.join("tokenizer_config.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&cfg).unwrap_or_default(),
+        )
+        .map_err(|e| Error::io("cannot write", &path, e))
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

@@ -261,3 +261,143 @@ fn mismatched_or_broken_adapters_are_clear_errors_and_load_nothing() {
     let err = try_load(&d);
     assert!(err.contains("bias") && err.contains("none"), "{err}");
 }
+
+fn qlora(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qlora {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `qlora merge` writes a folder that loads (in our loader, and in transformers: see the closing note) with the
+/// merged model's logits; `--requantize nf4` writes a bitsandbytes folder; `eval --adapter` sees the adapter.
+#[test]
+fn merge_command_writes_a_loadable_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = golden("lora_all_linear");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let base = data_path("models/tiny-llama");
+    let adapter = data_path("peft/lora_all_linear");
+    let out = dir.path().join("merged");
+    let (b, a, o) = (
+        base.to_str().unwrap(),
+        adapter.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let text = qlora(&[
+        "merge",
+        "--model",
+        b,
+        "--adapter",
+        a,
+        "--output",
+        o,
+        "--dtype",
+        "f32",
+    ]);
+    assert!(
+        text.contains("merged the adapter into 14 modules"),
+        "{text}"
+    );
+    let change: f64 = text
+        .split("change ")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(change > 1e-3, "{text}");
+    let merged = load_model(o, None, &LoadOptions::default()).unwrap().model;
+    let d = max_abs_diff(&merged.logits(&ids).unwrap(), &g["merged_logits"]);
+    assert!(
+        d <= 1e-5,
+        "merged folder logits differ from PEFT merge_and_unload by {d}"
+    );
+    assert!(out.join("tokenizer.json").exists());
+
+    let q = dir.path().join("merged-nf4");
+    qlora(&[
+        "merge",
+        "--model",
+        b,
+        "--adapter",
+        a,
+        "--output",
+        q.to_str().unwrap(),
+        "--requantize",
+        "nf4",
+    ]);
+    let qm = load_model(q.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    assert!(matches!(
+        qm.layers[0].self_attn.q_proj.base.weight,
+        candle_qlora::ops::FrozenWeight::Nf4(_)
+    ));
+    // The same as quantizing the dense bf16 merge on load.
+    let bf16 = dir.path().join("merged-bf16");
+    qlora(&[
+        "merge",
+        "--model",
+        b,
+        "--adapter",
+        a,
+        "--output",
+        bf16.to_str().unwrap(),
+    ]);
+    let opts = LoadOptions {
+        quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
+        compute_dtype: DType::F32,
+    };
+    let on_load = load_model(bf16.to_str().unwrap(), None, &opts)
+        .unwrap()
+        .model;
+    assert_eq!(
+        max_abs_diff(&qm.logits(&ids).unwrap(), &on_load.logits(&ids).unwrap()),
+        0.0
+    );
+
+    let data = dir.path().join("d.jsonl");
+    std::fs::write(&data, "{\"text\": \"t1 t5 t9 t13 t20 t40\"}\n").unwrap();
+    let with = qlora(&[
+        "eval",
+        "--model",
+        b,
+        "--adapter",
+        a,
+        "--data",
+        data.to_str().unwrap(),
+        "--json",
+    ]);
+    let merged_eval = qlora(&[
+        "eval",
+        "--model",
+        o,
+        "--data",
+        data.to_str().unwrap(),
+        "--json",
+    ]);
+    let without = qlora(&[
+        "eval",
+        "--model",
+        b,
+        "--data",
+        data.to_str().unwrap(),
+        "--json",
+    ]);
+    let loss = |s: &str| {
+        serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!((loss(&with) - loss(&merged_eval)).abs() < 1e-5);
+    assert!((loss(&with) - loss(&without)).abs() > 1e-3);
+}
