@@ -228,9 +228,9 @@ mod tests {
                 let merged = (&w3 + (xs[2].matmul(&xs[1])? * 1.5)?)?;
                 let norm = merged.sqr()?.sum(1)?.sqrt()?.detach();
                 let scale = xs[3].broadcast_div(&norm)?;
-                (base.broadcast_add(&b3)?
-                    + base.broadcast_mul(&(&scale - 1.0)?)?
-                    + delta.broadcast_mul(&scale)?)
+                let with_bias =
+                    (base.broadcast_add(&b3)? + base.broadcast_mul(&(&scale - 1.0)?)?)?;
+                with_bias + delta.broadcast_mul(&scale)?
             };
             let m = (rand_f64(&[5], 4) + 2.0).unwrap();
             let mut inputs = vec![
