@@ -401,3 +401,144 @@ fn merge_command_writes_a_loadable_folder() {
     assert!((loss(&with) - loss(&merged_eval)).abs() < 1e-5);
     assert!((loss(&with) - loss(&without)).abs() > 1e-3);
 }
+
+/// On the real model: an adapter saved and reloaded has bit-identical tensors and the identical loss, and
+/// generation with the adapter unmerged (NF4 base + LoRA) equals generation with the merged f32 folder.
+#[test]
+fn smollm2_adapter_round_trip_and_merged_generation() {
+    use candle_qlora::lora::{InitLoraWeights, LoraConfig, TargetModules};
+    use candle_qlora::models::{generate, Checkpointing, GenerationConfig, Positions};
+    let Some(path) = crate::common::test_model() else {
+        return;
+    };
+    let path = path.to_str().unwrap();
+    let nf4 = LoadOptions {
+        quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
+        compute_dtype: DType::F32,
+    };
+    let loaded = load_model(path, None, &nf4).unwrap();
+    let tok = loaded.tokenizer.clone().unwrap();
+    let mut model = loaded.model;
+    let config = LoraConfig {
+        r: 4,
+        lora_alpha: 1.0,
+        target_modules: Some(TargetModules::AllLinear),
+        init_lora_weights: InitLoraWeights::Random,
+        ..Default::default()
+    };
+    model.add_adapter("default", &config, 7).unwrap();
+    let ids = tok
+        .encode(
+            "Rivers shape the land they cross, carving valleys over many years.",
+            true,
+        )
+        .unwrap();
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let loss = |m: &LlamaModel| {
+        let (s, n) = m
+            .loss_sum(
+                &ids,
+                &ids.to_dtype(DType::I64).unwrap(),
+                &Positions::Range(0),
+                &Checkpointing::default(),
+            )
+            .unwrap();
+        s.to_scalar::<f32>().unwrap() / n as f32
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("adapter");
+    save_adapter(&model, "default", &saved, path).unwrap();
+
+    let mut again = load_model(path, None, &nf4).unwrap().model;
+    load_adapter(&mut again, &saved, "default").unwrap();
+    let (p1, p2) = (
+        model.adapter_parameters("default").unwrap(),
+        again.adapter_parameters("default").unwrap(),
+    );
+    assert_eq!(p1.len(), 30 * 7 * 2);
+    for ((k1, v1), (k2, v2)) in p1.iter().zip(&p2) {
+        assert_eq!(k1, k2);
+        assert_eq!(max_abs_diff(v1.as_tensor(), v2.as_tensor()), 0.0, "{k1}");
+    }
+    assert_eq!(
+        loss(&model),
+        loss(&again),
+        "identical eval loss after the round trip"
+    );
+
+    let msgs = [candle_qlora::models::ChatMessage {
+        role: "user".into(),
+        content: "What is the capital of France?".into(),
+    }];
+    let prompt = tok
+        .encode(&tok.apply_chat_template(&msgs, true).unwrap(), false)
+        .unwrap();
+    let unmerged = generate(&again, &prompt, &GenerationConfig::greedy(12), |_| Ok(())).unwrap();
+    let out = dir.path().join("merged");
+    let opts = candle_qlora::lora::merge::MergeOptions {
+        dtype: DType::F32,
+        requantize: None,
+        overwrite: false,
+    };
+    candle_qlora::lora::merge::merge_to_folder(&again, Some(&tok), None, &out, &opts).unwrap();
+    let merged = load_model(out.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    assert_eq!(
+        merged
+            .tokenizer
+            .as_ref()
+            .unwrap()
+            .encode("Hello there", true)
+            .unwrap(),
+        tok.encode("Hello there", true).unwrap()
+    );
+    let merged_tokens = generate(
+        &merged.model,
+        &prompt,
+        &GenerationConfig::greedy(12),
+        |_| Ok(()),
+    )
+    .unwrap();
+    assert_eq!(unmerged, merged_tokens, "greedy output unmerged vs merged");
+}
+
+#[test]
+fn default_init_is_peft_kaiming_uniform_and_zero_b() {
+    use candle_qlora::lora::{InitLoraWeights, LoraConfig};
+    for init in [InitLoraWeights::Default, InitLoraWeights::Gaussian] {
+        let mut model = base();
+        let g = golden("lora_all_linear");
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let before = model.logits(&ids).unwrap();
+        let cfg = LoraConfig {
+            r: 8,
+            init_lora_weights: init,
+            ..Default::default()
+        };
+        model.add_adapter("default", &cfg, 1).unwrap();
+        // B = 0: the fresh adapter leaves the model unchanged.
+        assert_eq!(max_abs_diff(&model.logits(&ids).unwrap(), &before), 0.0);
+        for (name, v) in model.adapter_parameters("default").unwrap() {
+            let t = v
+                .as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            if name.ends_with("lora_B.weight") {
+                assert!(t.iter().all(|x| *x == 0.0));
+            } else if init == InitLoraWeights::Default {
+                let bound = 1.0 / (v.dim(1).unwrap() as f32).sqrt();
+                assert!(
+                    t.iter().all(|x| x.abs() <= bound) && t.iter().any(|x| x.abs() > bound * 0.9),
+                    "{name}"
+                );
+            } else {
+                let std = (t.iter().map(|x| x * x).sum::<f32>() / t.len() as f32).sqrt();
+                assert!((std - 1.0 / 8.0).abs() < 0.03, "{name}: std {std}");
+            }
+        }
+    }
+}
