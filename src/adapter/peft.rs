@@ -54,12 +54,6 @@ pub fn save_adapter(
 /// error naming them.
 pub fn load_adapter(model: &mut LlamaModel, dir: &Path, name: &str) -> Result<LoraConfig> {
     let config = LoraConfig::from_file(&dir.join(ADAPTER_CONFIG))?;
-    if let Some(m) = &config.modules_to_save {
-        return Err(Error::invalid_file(
-            dir.join(ADAPTER_CONFIG),
-            format!("modules_to_save {m:?} is not supported yet; only LoRA/DoRA adapters on linear layers load"),
-        ));
-    }
     let slots = model
         .adapter_slots(&config)
         .map_err(|e| Error::invalid_file(dir.join(ADAPTER_CONFIG), e.to_string()))?;

@@ -116,7 +116,27 @@ impl LlamaModel {
                 Tensor::from_vec(b, (s.out_features, s.r), &Device::Cpu)?,
             );
         }
+        for (key, base) in self.saved_module_bases(config)? {
+            tensors.insert(key, base.to_dtype(DType::F32)?);
+        }
         self.insert_adapter(name, config, &slots, tensors, true)
+    }
+
+    /// PEFT keys and base tensors of the modules `config` trains in full (`lm_head`, `embed_tokens`).
+    pub fn saved_module_bases(&self, config: &LoraConfig) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for m in config.modules_to_save.iter().flatten() {
+            match m.rsplit('.').next().unwrap_or(m) {
+                "lm_head" => out.push((peft_key("lm_head", "weight"), self.lm_head.weight.to_dense(DType::F32)?)),
+                "embed_tokens" => out.push((peft_key("model.embed_tokens", "weight"), self.embed_tokens.clone())),
+                other => {
+                    return Err(Error::InvalidInput(format!(
+                        "modules_to_save entry `{other}` is not supported: use lm_head and/or embed_tokens"
+                    )))
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Adds adapter `name` from PEFT-named tensors (all checked before anything changes: missing or unexpected
@@ -212,6 +232,17 @@ impl LlamaModel {
             };
             built.insert(s.module.clone(), adapter);
         }
+        let mut saved = crate::models::SavedModules::default();
+        for (key, base) in self.saved_module_bases(config)? {
+            if let Some(t) = take(&mut tensors, key.clone(), base.dims(), &mut problems) {
+                let var = Var::from_tensor(&t.to_dtype(DType::F32)?)?;
+                if key.ends_with("lm_head.weight") {
+                    saved.lm_head = Some(var);
+                } else {
+                    saved.embed_tokens = Some(var);
+                }
+            }
+        }
         if !tensors.is_empty() {
             let mut keys: Vec<&String> = tensors.keys().collect();
             keys.truncate(5);
@@ -234,6 +265,9 @@ impl LlamaModel {
         }
         self.adapter_configs
             .insert(name.to_string(), config.clone());
+        if saved.lm_head.is_some() || saved.embed_tokens.is_some() {
+            self.saved_modules.insert(name.to_string(), saved);
+        }
         self.set_adapter(name)
     }
 
@@ -265,6 +299,7 @@ impl LlamaModel {
         if self.adapter_configs.remove(name).is_none() {
             return Err(Error::InvalidInput(format!("no adapter named `{name}`")));
         }
+        self.saved_modules.remove(name);
         for (_, lin) in self.linears_mut() {
             lin.adapters.remove(name);
             if lin.active.as_deref() == Some(name) {
@@ -295,6 +330,14 @@ impl LlamaModel {
                 if let Some(m) = &a.magnitude {
                     out.push((peft_key(&module, "lora_magnitude_vector"), m.clone()));
                 }
+            }
+        }
+        if let Some(saved) = self.saved_modules.get(name) {
+            if let Some(v) = &saved.lm_head {
+                out.push((peft_key("lm_head", "weight"), v.clone()));
+            }
+            if let Some(v) = &saved.embed_tokens {
+                out.push((peft_key("model.embed_tokens", "weight"), v.clone()));
             }
         }
         out.sort_by(|x, y| x.0.cmp(&y.0));

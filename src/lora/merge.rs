@@ -156,16 +156,27 @@ pub fn merge_to_folder(
         max_abs_change: 0.0,
         tensors: 0,
     };
-    tensors.push((
-        "model.embed_tokens.weight".into(),
-        raw(&model.embed_tokens)?,
-    ));
+    let ids = Tensor::arange(
+        0u32,
+        model.config().vocab_size as u32,
+        model.embed_tokens.device(),
+    )?;
+    let hidden = model.config().hidden_size;
+    // The active adapter's trained embedding table, if any (looked up through the model so saved modules apply).
+    let embed = model
+        .embed(&ids.unsqueeze(0)?)?
+        .reshape((model.config().vocab_size, hidden))?;
+    tensors.push(("model.embed_tokens.weight".into(), raw(&embed)?));
     tensors.push(("model.norm.weight".into(), raw(&model.norm)?));
-    if !model.config().tie_word_embeddings {
-        tensors.push((
-            "lm_head.weight".into(),
-            raw(&model.lm_head.weight.to_dense(DType::F32)?)?,
-        ));
+    let head = model.head_weight()?;
+    let head_differs = !model.config().tie_word_embeddings
+        || (&head.to_dtype(DType::F32)? - model.embed_tokens.to_dtype(DType::F32)?)?
+            .abs()?
+            .sum_all()?
+            .to_scalar::<f32>()?
+            != 0.0;
+    if head_differs {
+        tensors.push(("lm_head.weight".into(), raw(&head)?));
     }
     for (i, layer) in model.layers.iter().enumerate() {
         tensors.push((
@@ -225,6 +236,9 @@ pub fn merge_to_folder(
         };
         if let Some(obj) = config.as_object_mut() {
             obj.remove("quantization_config");
+            if head_differs {
+                obj.insert("tie_word_embeddings".into(), false.into());
+            }
             obj.insert("torch_dtype".into(), torch_dtype_name(options.dtype).into());
             if let Some(cfg) = &options.requantize {
                 obj.insert(

@@ -214,6 +214,17 @@ pub struct LlamaModel {
     pub adapter_configs: std::collections::BTreeMap<String, crate::lora::LoraConfig>,
     /// The active adapter.
     pub active_adapter: Option<String>,
+    /// Modules an adapter trains in full (`modules_to_save`), by adapter name.
+    pub saved_modules: std::collections::BTreeMap<String, SavedModules>,
+}
+
+/// Tensors an adapter trains in full (PEFT's `modules_to_save`), replacing the base's while it is active.
+#[derive(Clone, Debug, Default)]
+pub struct SavedModules {
+    /// A trainable copy of `lm_head.weight`.
+    pub lm_head: Option<Var>,
+    /// A trainable copy of `model.embed_tokens.weight`.
+    pub embed_tokens: Option<Var>,
 }
 
 /// The pieces of one layer, for [`LlamaModel::new`].
@@ -279,6 +290,7 @@ impl LlamaModel {
             lora_runtime: Arc::default(),
             adapter_configs: Default::default(),
             active_adapter: None,
+            saved_modules: Default::default(),
         })
     }
 
@@ -292,9 +304,37 @@ impl LlamaModel {
         self.compute_dtype
     }
 
-    /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype.
+    fn active_saved(&self) -> Option<&SavedModules> {
+        self.active_adapter
+            .as_ref()
+            .and_then(|a| self.saved_modules.get(a))
+    }
+
+    /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype (the active adapter's trained table
+    /// when it saves `embed_tokens`).
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        ops::embedding(ids, &self.embed_tokens)?.to_dtype(self.compute_dtype)
+        let table = match self.active_saved().and_then(|s| s.embed_tokens.as_ref()) {
+            Some(v) => v.as_tensor(),
+            None => &self.embed_tokens,
+        };
+        ops::embedding(ids, table)?.to_dtype(self.compute_dtype)
+    }
+
+    /// The output head `[vocab, hidden]`: the active adapter's trained copy, or the frozen base head.
+    pub fn head_weight(&self) -> Result<Tensor> {
+        match self.active_saved().and_then(|s| s.lm_head.as_ref()) {
+            Some(v) => Ok(v.as_tensor().clone()),
+            None => match &self.lm_head.weight {
+                ops::FrozenWeight::Dense(t) => Ok(t.clone()),
+                w => w.to_dense(DType::F32),
+            },
+        }
+    }
+
+    /// Float32 logits of final hidden states `[..., hidden]`.
+    fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
+        let w = self.head_weight()?.to_dtype(DType::F32)?;
+        h.to_dtype(DType::F32)?.broadcast_matmul(&w.t()?)
     }
 
     fn cos_sin(&self, positions: &Positions, seq: usize) -> Result<(Tensor, Tensor)> {
@@ -334,7 +374,7 @@ impl LlamaModel {
             &Positions::Range(0),
             &Checkpointing::default(),
         )?;
-        self.lm_head.forward(&h.to_dtype(DType::F32)?)
+        self.head_logits(&h)
     }
 
     /// Causal-LM loss of `ids` with `labels` aligned to `ids` (transformers' convention: the loss shifts them,
@@ -359,7 +399,7 @@ impl LlamaModel {
         }
         let h = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), hdim))?;
         let l = labels.narrow(1, 1, t - 1)?.flatten_all()?;
-        ops::linear_cross_entropy(&h, &self.lm_head, &l)
+        ops::linear_cross_entropy(&h, &self.head_weight()?, &l)
     }
 
     /// Logits `[batch, vocab]` of the last position for new tokens `ids`, extending `cache` (generation).
@@ -375,7 +415,7 @@ impl LlamaModel {
         }
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;
-        self.lm_head.forward(&h.to_dtype(DType::F32)?)
+        self.head_logits(&h)
     }
 
     /// Every projection with its full module name (`model.layers.{i}.self_attn.q_proj`, ...), mutable (layers are

@@ -30,7 +30,12 @@ fn golden(case: &str) -> HashMap<String, Tensor> {
 
 #[test]
 fn peft_adapters_give_peft_logits_and_merged_weights() {
-    for case in ["lora_all_linear", "lora_patterns", "dora"] {
+    for case in [
+        "lora_all_linear",
+        "lora_patterns",
+        "dora",
+        "modules_to_save",
+    ] {
         let g = golden(case);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let mut model = base();
@@ -51,6 +56,14 @@ fn peft_adapters_give_peft_logits_and_merged_weights() {
                 );
                 compared += 1;
             }
+        }
+        if let Some(head) = g.get("merged.lm_head.weight") {
+            assert_eq!(
+                max_abs_diff(&model.head_weight().unwrap(), head),
+                0.0,
+                "{case}: trained lm_head"
+            );
+            compared += 1;
         }
         assert!(
             compared >= 5,
@@ -76,7 +89,12 @@ fn saved_adapters_round_trip_bit_identically_with_all_peft_keys() {
     let root = std::env::var_os("QLORA_PEFT_CHECK_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or(tmp.path().to_path_buf());
-    for case in ["lora_all_linear", "lora_patterns", "dora"] {
+    for case in [
+        "lora_all_linear",
+        "lora_patterns",
+        "dora",
+        "modules_to_save",
+    ] {
         let mut model = base();
         let src = data_path(&format!("peft/{case}"));
         let config = load_adapter(&mut model, &src, "default").unwrap();
@@ -541,4 +559,58 @@ fn default_init_is_peft_kaiming_uniform_and_zero_b() {
             }
         }
     }
+}
+
+/// `modules_to_save = ["embed_tokens", "lm_head"]`: trainable full copies that save, reload and get gradients.
+#[test]
+fn modules_to_save_train_save_and_reload() {
+    use candle_qlora::lora::LoraConfig;
+    use candle_qlora::models::{Checkpointing, Positions};
+    let mut model = base();
+    let cfg = LoraConfig {
+        modules_to_save: Some(vec!["embed_tokens".into(), "lm_head".into()]),
+        ..Default::default()
+    };
+    model.add_adapter("default", &cfg, 3).unwrap();
+    let params = model.adapter_parameters("default").unwrap();
+    let keys: Vec<&str> = params.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(
+        keys.contains(&"base_model.model.lm_head.weight")
+            && keys.contains(&"base_model.model.model.embed_tokens.weight")
+    );
+    let ids = Tensor::new(&[[1u32, 5, 9, 13, 2]], &Device::Cpu).unwrap();
+    let (loss, _) = model
+        .loss_sum(
+            &ids,
+            &ids.to_dtype(DType::I64).unwrap(),
+            &Positions::Range(0),
+            &Checkpointing::default(),
+        )
+        .unwrap();
+    let grads = loss.backward().unwrap();
+    for (k, v) in &params {
+        if k.contains("lm_head") || k.contains("embed_tokens") {
+            let g = grads
+                .get(v)
+                .unwrap_or_else(|| panic!("no gradient for {k}"));
+            assert!(
+                g.abs()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+                    > 0.0,
+                "{k}"
+            );
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    save_adapter(&model, "default", dir.path(), "tiny").unwrap();
+    let mut again = base();
+    load_adapter(&mut again, dir.path(), "default").unwrap();
+    assert_eq!(
+        again.adapter_parameters("default").unwrap().len(),
+        params.len()
+    );
 }
