@@ -28,6 +28,7 @@ pub mod loading;
 pub mod lora;
 pub mod models;
 pub mod ops;
+pub mod optim;
 pub mod precision;
 pub mod quant;
 

@@ -1,0 +1,141 @@
+//! bitsandbytes' blockwise 8-bit AdamW (`kOptimizerStatic8bit2StateBlockwise`, bnb ≥ 0.44): both moments stored as
+//! 8-bit codes of the dynamic maps (signed for m, unsigned for v) with one float32 absmax per 256 elements.
+//!
+//! Per element with a finite gradient: dequantize, update the moments, step the parameter, decay it (decoupled,
+//! *after* the step); a NaN/Inf gradient zeroes that element's moments and leaves the parameter. Then the new block
+//! absmax (padding included, as the kernel's block reduction sees it) and the re-quantization by the 8-bit search
+//! with the sign fix for m. Float32 IEEE arithmetic in the kernel's operation order (the CUDA build's fast-math
+//! approximations of pow and division are not reproduced; see the golden script).
+
+use crate::quant::dynamic_map::quantize_dynamic;
+
+/// Elements per absmax block.
+pub const BLOCK: usize = 256;
+
+/// `(correction2, step_size)` as the kernels compute them, with `beta^step` formed in float64 by repeated
+/// multiplication (so it is the same on every platform) and rounded to float32.
+pub fn bias_corrections(step: u64, lr: f32, b1: f32, b2: f32) -> (f32, f32) {
+    let pow = |b: f32| {
+        let mut acc = 1f64;
+        for _ in 0..step {
+            acc *= b as f64;
+        }
+        acc as f32
+    };
+    let correction1 = 1.0f32 - pow(b1);
+    let correction2 = (1.0f32 - pow(b2)).sqrt();
+    let step_size = (-lr * correction2) / correction1;
+    (correction2, step_size)
+}
+
+/// The 8-bit state of one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Adam8bitState {
+    /// First-moment codes (signed map).
+    pub state1: Vec<u8>,
+    /// Second-moment codes (unsigned map).
+    pub state2: Vec<u8>,
+    /// First-moment absmax per 256 elements.
+    pub absmax1: Vec<f32>,
+    /// Second-moment absmax per 256 elements.
+    pub absmax2: Vec<f32>,
+}
+
+impl Adam8bitState {
+    /// Zero state for `n` elements, as bitsandbytes initializes it.
+    pub fn zeros(n: usize) -> Self {
+        let blocks = n.div_ceil(BLOCK);
+        Adam8bitState {
+            state1: vec![0; n],
+            state2: vec![0; n],
+            absmax1: vec![0.0; blocks],
+            absmax2: vec![0.0; blocks],
+        }
+    }
+
+    /// Bytes of state per element (≈ 2 + 8/256).
+    pub fn size_in_bytes(&self) -> usize {
+        self.state1.len() + self.state2.len() + 4 * (self.absmax1.len() + self.absmax2.len())
+    }
+}
+
+/// Hyper-parameters of one 8-bit step.
+#[derive(Clone, Copy, Debug)]
+pub struct Adam8bitStep<'a> {
+    /// Step count (from 1).
+    pub step: u64,
+    /// Learning rate.
+    pub lr: f32,
+    /// (beta1, beta2).
+    pub betas: (f32, f32),
+    /// Epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// Signed dynamic map (m).
+    pub qmap1: &'a [f32; 256],
+    /// Unsigned dynamic map (v).
+    pub qmap2: &'a [f32; 256],
+}
+
+/// One 8-bit AdamW update of `p` with gradient `g`, in one pass per 256-block.
+pub fn adamw8bit_update(p: &mut [f32], g: &[f32], state: &mut Adam8bitState, h: &Adam8bitStep<'_>) {
+    let (b1, b2) = h.betas;
+    let (correction2, step_size) = bias_corrections(h.step, h.lr, b1, b2);
+    let denom_eps = correction2 * h.eps;
+    let decay = 1.0 - h.lr * h.weight_decay;
+    let (q1, q2) = (h.qmap1, h.qmap2);
+    let mut s1 = [0f32; BLOCK];
+    let mut s2 = [0f32; BLOCK];
+    for (blk, start) in (0..p.len()).step_by(BLOCK).enumerate() {
+        let len = BLOCK.min(p.len() - start);
+        let (a1, a2) = (state.absmax1[blk], state.absmax2[blk]);
+        let mut max1 = f32::MIN;
+        let mut max2 = f32::MIN;
+        for j in 0..BLOCK {
+            // Padding beyond the tensor: g = 0, codes 128 / 0 (the kernel's load defaults).
+            let (gj, c1, c2) = if j < len {
+                (
+                    g[start + j],
+                    state.state1[start + j],
+                    state.state2[start + j],
+                )
+            } else {
+                (0.0, 128, 0)
+            };
+            if gj.is_finite() {
+                let v = q2[c2 as usize] * a2;
+                s2[j] = v * b2 + (1.0 - b2) * gj * gj;
+                let m = q1[c1 as usize] * a1;
+                s1[j] = m * b1 + (1.0 - b1) * gj;
+            } else {
+                s1[j] = 0.0;
+                s2[j] = 0.0;
+            }
+            max1 = max1.max(s1[j].abs());
+            max2 = max2.max(s2[j].abs());
+        }
+        state.absmax1[blk] = max1;
+        state.absmax2[blk] = max2;
+        for j in 0..len {
+            let i = start + j;
+            if g[i].is_finite() {
+                p[i] += step_size * (s1[j] / (s2[j].sqrt() + denom_eps));
+                if h.weight_decay > 0.0 {
+                    p[i] *= decay;
+                }
+            }
+            let mut c1 = quantize_dynamic(q1, s1[j] / max1);
+            // Keep the sign of m through quantization.
+            if q1[c1 as usize].is_sign_negative() != s1[j].is_sign_negative() {
+                c1 = if s1[j] > 0.0 {
+                    c1.wrapping_add(1)
+                } else {
+                    c1.wrapping_sub(1)
+                };
+            }
+            state.state1[i] = c1;
+            state.state2[i] = quantize_dynamic(q2, s2[j] / max2);
+        }
+    }
+}

@@ -1,0 +1,470 @@
+//! Optimizers exact to PyTorch and bitsandbytes, learning-rate schedules exact to transformers, and clipping.
+//!
+//! | `optim` | state | semantics |
+//! |---|---|---|
+//! | `adamw_torch` (`adamw_torch_fused`) | f32 m, v | `torch.optim.AdamW`: decay before the update |
+//! | `adamw_8bit` (`adamw_bnb_8bit`), `paged_adamw_8bit` | 8-bit m, v + absmax per 256 | bitsandbytes CUDA kernel: decay after the update, NaN/Inf gradient resets the element; tensors < `min_8bit_size` (4096) keep f32 state (the 32-bit kernel) |
+//! | `paged_adamw_32bit` | f32 m, v | bitsandbytes' 32-bit kernel |
+//! | `sgd` | f32 momentum | `torch.optim.SGD` |
+//!
+//! Parameter groups follow the HF Trainer: no weight decay for biases and norm weights.
+
+pub mod adamw;
+pub mod adamw8bit;
+pub mod clip;
+pub mod paged;
+pub mod schedule;
+pub mod sgd;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::error::{Error, Result};
+use crate::quant::dynamic_map::{signed_map, unsigned_map};
+use adamw8bit::{Adam8bitState, Adam8bitStep};
+
+pub use clip::clip_grad_norm;
+pub use schedule::{Schedule, SchedulerType};
+
+/// The `optim` names of `TrainingArguments` this crate implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OptimizerName {
+    /// `adamw_torch` (also `adamw_torch_fused`, transformers 5's default).
+    AdamWTorch,
+    /// `adamw_8bit` / `adamw_bnb_8bit`.
+    AdamW8bit,
+    /// `paged_adamw_8bit`.
+    PagedAdamW8bit,
+    /// `paged_adamw_32bit`.
+    PagedAdamW32bit,
+    /// `sgd`.
+    Sgd,
+}
+
+impl std::str::FromStr for OptimizerName {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "adamw_torch" | "adamw_torch_fused" => OptimizerName::AdamWTorch,
+            "adamw_8bit" | "adamw_bnb_8bit" => OptimizerName::AdamW8bit,
+            "paged_adamw_8bit" => OptimizerName::PagedAdamW8bit,
+            "paged_adamw_32bit" => OptimizerName::PagedAdamW32bit,
+            "sgd" => OptimizerName::Sgd,
+            other => {
+                return Err(Error::InvalidInput(format!(
+                    "optim `{other}` is not supported; use adamw_torch, adamw_8bit (adamw_bnb_8bit), paged_adamw_8bit, \
+                     paged_adamw_32bit or sgd"
+                )))
+            }
+        })
+    }
+}
+
+impl OptimizerName {
+    /// The canonical name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerName::AdamWTorch => "adamw_torch",
+            OptimizerName::AdamW8bit => "adamw_8bit",
+            OptimizerName::PagedAdamW8bit => "paged_adamw_8bit",
+            OptimizerName::PagedAdamW32bit => "paged_adamw_32bit",
+            OptimizerName::Sgd => "sgd",
+        }
+    }
+}
+
+/// Optimizer hyper-parameters (`TrainingArguments` names).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    /// Which optimizer.
+    pub name: OptimizerName,
+    /// `adam_beta1`.
+    pub beta1: f64,
+    /// `adam_beta2`.
+    pub beta2: f64,
+    /// `adam_epsilon`.
+    pub eps: f64,
+    /// `weight_decay` (not applied to biases and norm weights).
+    pub weight_decay: f64,
+    /// SGD momentum.
+    pub momentum: f64,
+    /// 8-bit optimizers keep f32 state for tensors with fewer elements (bitsandbytes' `min_8bit_size`).
+    pub min_8bit_size: usize,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            name: OptimizerName::AdamWTorch,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            momentum: 0.0,
+            min_8bit_size: 4096,
+        }
+    }
+}
+
+/// The HF Trainer's rule (`get_decay_parameter_names`): no weight decay for biases and norm weights.
+pub fn decays(name: &str) -> bool {
+    static NO_DECAY: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let re = NO_DECAY.get_or_init(|| {
+        regex::Regex::new(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+            .expect("valid regex")
+    });
+    !re.is_match(&name.to_lowercase())
+}
+
+/// Per-parameter optimizer state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ParamState {
+    /// Float32 moments (AdamW torch and bitsandbytes 32-bit).
+    Adam32 {
+        /// First moment.
+        m: Vec<f32>,
+        /// Second moment.
+        v: Vec<f32>,
+    },
+    /// bitsandbytes 8-bit moments.
+    Adam8(Adam8bitState),
+    /// SGD momentum buffer.
+    Sgd(Option<Vec<f32>>),
+}
+
+struct Slot {
+    name: String,
+    var: Var,
+    weight_decay: f64,
+    state: ParamState,
+}
+
+/// An optimizer over named trainable variables.
+pub struct Optimizer {
+    config: OptimizerConfig,
+    slots: Vec<Slot>,
+    step: u64,
+}
+
+impl Optimizer {
+    /// An optimizer for `params` (name, variable); biases and norm weights get no weight decay.
+    pub fn new(params: Vec<(String, Var)>, config: OptimizerConfig) -> Result<Self> {
+        let slots = params
+            .into_iter()
+            .map(|(name, var)| {
+                let n = var.elem_count();
+                let state = match config.name {
+                    OptimizerName::Sgd => ParamState::Sgd(None),
+                    OptimizerName::AdamW8bit | OptimizerName::PagedAdamW8bit
+                        if n >= config.min_8bit_size =>
+                    {
+                        ParamState::Adam8(Adam8bitState::zeros(n))
+                    }
+                    _ => ParamState::Adam32 {
+                        m: vec![0.0; n],
+                        v: vec![0.0; n],
+                    },
+                };
+                let weight_decay = if decays(&name) {
+                    config.weight_decay
+                } else {
+                    0.0
+                };
+                Slot {
+                    name,
+                    var,
+                    weight_decay,
+                    state,
+                }
+            })
+            .collect();
+        Ok(Optimizer {
+            config,
+            slots,
+            step: 0,
+        })
+    }
+
+    /// Updates every parameter that has a gradient in `grads` with learning rate `lr`.
+    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<()> {
+        self.step += 1;
+        let (q1, q2) = (signed_map(), unsigned_map());
+        let c = &self.config;
+        for slot in &mut self.slots {
+            let Some(g) = grads.get(&slot.var) else {
+                continue;
+            };
+            let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+            let mut p: Vec<f32> = slot
+                .var
+                .as_tensor()
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            let wd = slot.weight_decay;
+            match (&mut slot.state, c.name) {
+                (ParamState::Adam32 { m, v }, OptimizerName::AdamWTorch) => {
+                    adamw::adamw_torch_update(
+                        &mut p,
+                        &g,
+                        m,
+                        v,
+                        self.step,
+                        lr,
+                        (c.beta1, c.beta2),
+                        c.eps,
+                        wd,
+                    )
+                }
+                (ParamState::Adam32 { m, v }, _) => adamw::adamw_bnb32_update(
+                    &mut p,
+                    &g,
+                    m,
+                    v,
+                    self.step,
+                    lr as f32,
+                    (c.beta1 as f32, c.beta2 as f32),
+                    c.eps as f32,
+                    wd as f32,
+                ),
+                (ParamState::Adam8(state), _) => adamw8bit::adamw8bit_update(
+                    &mut p,
+                    &g,
+                    state,
+                    &Adam8bitStep {
+                        step: self.step,
+                        lr: lr as f32,
+                        betas: (c.beta1 as f32, c.beta2 as f32),
+                        eps: c.eps as f32,
+                        weight_decay: wd as f32,
+                        qmap1: &q1,
+                        qmap2: &q2,
+                    },
+                ),
+                (ParamState::Sgd(buf), _) => sgd::sgd_update(&mut p, &g, buf, lr, c.momentum, wd),
+            }
+            let t = Tensor::from_vec(p, slot.var.dims(), slot.var.device())?
+                .to_dtype(slot.var.dtype())?;
+            slot.var.set(&t)?;
+        }
+        Ok(())
+    }
+
+    /// Updates taken so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// The state of parameter `name`.
+    pub fn state(&self, name: &str) -> Option<&ParamState> {
+        self.slots.iter().find(|s| s.name == name).map(|s| &s.state)
+    }
+
+    /// Bytes of optimizer state.
+    pub fn state_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| match &s.state {
+                ParamState::Adam32 { m, v } => 4 * (m.len() + v.len()),
+                ParamState::Adam8(st) => st.size_in_bytes(),
+                ParamState::Sgd(b) => b.as_ref().map(|b| 4 * b.len()).unwrap_or(0),
+            })
+            .sum()
+    }
+
+    /// Writes the state to `dir/optimizer.safetensors` and `dir/optimizer.json` (step, hyper-parameters), so a
+    /// resumed run continues bit-identically.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let mut tensors = HashMap::new();
+        let dev = Device::Cpu;
+        for s in &self.slots {
+            let f = |v: &[f32]| Tensor::from_slice(v, v.len(), &dev);
+            let u = |v: &[u8]| Tensor::from_slice(v, v.len(), &dev);
+            match &s.state {
+                ParamState::Adam32 { m, v } => {
+                    tensors.insert(format!("{}.exp_avg", s.name), f(m)?);
+                    tensors.insert(format!("{}.exp_avg_sq", s.name), f(v)?);
+                }
+                ParamState::Adam8(st) => {
+                    tensors.insert(format!("{}.state1", s.name), u(&st.state1)?);
+                    tensors.insert(format!("{}.state2", s.name), u(&st.state2)?);
+                    tensors.insert(format!("{}.absmax1", s.name), f(&st.absmax1)?);
+                    tensors.insert(format!("{}.absmax2", s.name), f(&st.absmax2)?);
+                }
+                ParamState::Sgd(Some(b)) => {
+                    tensors.insert(format!("{}.momentum_buffer", s.name), f(b)?);
+                }
+                ParamState::Sgd(None) => {}
+            }
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
+        let path = dir.join("optimizer.safetensors");
+        let tmp = crate::loading::safetensors::partial_path(&path);
+        candle_core::safetensors::save(&tensors, &tmp)?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io("cannot move into place", &path, e))?;
+        let meta = serde_json::json!({
+            "optim": self.config.name.as_str(),
+            "step": self.step,
+            "params": self.slots.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
+            "qmap": "bitsandbytes dynamic maps (FMA build)",
+        });
+        let path = dir.join("optimizer.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&meta).unwrap_or_default(),
+        )
+        .map_err(|e| Error::io("cannot write", &path, e))
+    }
+
+    /// Restores state written by [`Optimizer::save`] for the same parameters and optimizer.
+    pub fn load(&mut self, dir: &Path) -> Result<()> {
+        let json_path = dir.join("optimizer.json");
+        let text = std::fs::read_to_string(&json_path)
+            .map_err(|e| Error::io("cannot read", &json_path, e))?;
+        let meta: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid_file(&json_path, e.to_string()))?;
+        if meta["optim"].as_str() != Some(self.config.name.as_str()) {
+            return Err(Error::invalid_file(
+                &json_path,
+                format!(
+                    "saved for optim `{}`, but this run uses `{}`",
+                    meta["optim"],
+                    self.config.name.as_str()
+                ),
+            ));
+        }
+        let path = dir.join("optimizer.safetensors");
+        let tensors: BTreeMap<String, Tensor> = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| Error::invalid_file(&path, format!("{e} (truncated?)")))?
+            .into_iter()
+            .collect();
+        let get_f = |k: String, n: usize| -> Result<Vec<f32>> {
+            let t = tensors
+                .get(&k)
+                .ok_or_else(|| Error::invalid_file(&path, format!("`{k}` is missing")))?;
+            let v: Vec<f32> = t.to_vec1()?;
+            if v.len() != n {
+                return Err(Error::invalid_file(
+                    &path,
+                    format!("`{k}` has {} values, expected {n}", v.len()),
+                ));
+            }
+            Ok(v)
+        };
+        let get_u = |k: String, n: usize| -> Result<Vec<u8>> {
+            let t = tensors
+                .get(&k)
+                .ok_or_else(|| Error::invalid_file(&path, format!("`{k}` is missing")))?;
+            let v: Vec<u8> = t.to_vec1()?;
+            if v.len() != n {
+                return Err(Error::invalid_file(
+                    &path,
+                    format!("`{k}` has {} values, expected {n}", v.len()),
+                ));
+            }
+            Ok(v)
+        };
+        let mut restored = Vec::with_capacity(self.slots.len());
+        for s in &self.slots {
+            let n = s.var.elem_count();
+            restored.push(match &s.state {
+                ParamState::Adam32 { .. } => ParamState::Adam32 {
+                    m: get_f(format!("{}.exp_avg", s.name), n)?,
+                    v: get_f(format!("{}.exp_avg_sq", s.name), n)?,
+                },
+                ParamState::Adam8(_) => ParamState::Adam8(Adam8bitState {
+                    state1: get_u(format!("{}.state1", s.name), n)?,
+                    state2: get_u(format!("{}.state2", s.name), n)?,
+                    absmax1: get_f(format!("{}.absmax1", s.name), n.div_ceil(adamw8bit::BLOCK))?,
+                    absmax2: get_f(format!("{}.absmax2", s.name), n.div_ceil(adamw8bit::BLOCK))?,
+                }),
+                ParamState::Sgd(_) => {
+                    let k = format!("{}.momentum_buffer", s.name);
+                    ParamState::Sgd(if tensors.contains_key(&k) {
+                        Some(get_f(k, n)?)
+                    } else {
+                        None
+                    })
+                }
+            });
+        }
+        for (s, st) in self.slots.iter_mut().zip(restored) {
+            s.state = st;
+        }
+        self.step = meta["step"].as_u64().unwrap_or(0);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_decay_for_biases_and_norms() {
+        assert!(decays(
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        ));
+        assert!(!decays("model.layers.0.input_layernorm.weight"));
+        assert!(!decays("model.norm.weight"));
+        assert!(!decays("model.layers.0.self_attn.q_proj.bias"));
+    }
+
+    fn run(name: OptimizerName, steps: u64, resume_at: Option<u64>) -> (Vec<f32>, usize) {
+        let dir = tempfile::tempdir().unwrap();
+        let init: Vec<f32> = (0..5000).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let var = Var::from_vec(init, 5000, &Device::Cpu).unwrap();
+        let cfg = OptimizerConfig {
+            name,
+            weight_decay: 0.01,
+            momentum: 0.9,
+            ..Default::default()
+        };
+        let mut opt = Optimizer::new(vec![("w".into(), var.clone())], cfg.clone()).unwrap();
+        for k in 1..=steps {
+            if Some(k) == resume_at {
+                opt.save(dir.path()).unwrap();
+                opt = Optimizer::new(vec![("w".into(), var.clone())], cfg.clone()).unwrap();
+                opt.load(dir.path()).unwrap();
+            }
+            let g: Vec<f32> = (0..5000)
+                .map(|i| ((i as f32 + k as f32) * 1.3).cos() * 0.1)
+                .collect();
+            let mut grads = GradStore::default();
+            grads.insert(&var, Tensor::from_vec(g, 5000, &Device::Cpu).unwrap());
+            opt.step(&grads, 1e-3).unwrap();
+        }
+        (var.as_tensor().to_vec1().unwrap(), opt.state_bytes())
+    }
+
+    #[test]
+    fn saved_state_resumes_bit_identically() {
+        for name in [
+            OptimizerName::AdamWTorch,
+            OptimizerName::AdamW8bit,
+            OptimizerName::PagedAdamW32bit,
+            OptimizerName::Sgd,
+        ] {
+            let (straight, _) = run(name, 8, None);
+            let (resumed, _) = run(name, 8, Some(5));
+            assert_eq!(straight, resumed, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn eight_bit_state_is_about_two_bytes_per_parameter() {
+        let (_, bytes) = run(OptimizerName::AdamW8bit, 1, None);
+        let per_param = bytes as f64 / 5000.0;
+        assert!((2.0..2.04).contains(&per_param), "{per_param}");
+        let (_, bytes) = run(OptimizerName::AdamWTorch, 1, None);
+        assert_eq!(bytes, 8 * 5000);
+    }
+}
