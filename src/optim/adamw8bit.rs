@@ -7,6 +7,8 @@
 //! with the sign fix for m. Float32 IEEE arithmetic in the kernel's operation order (the CUDA build's fast-math
 //! approximations of pow and division are not reproduced; see the golden script).
 
+use rayon::prelude::*;
+
 use crate::quant::dynamic_map::quantize_dynamic;
 
 /// Elements per absmax block.
@@ -85,57 +87,62 @@ pub fn adamw8bit_update(p: &mut [f32], g: &[f32], state: &mut Adam8bitState, h: 
     let denom_eps = correction2 * h.eps;
     let decay = 1.0 - h.lr * h.weight_decay;
     let (q1, q2) = (h.qmap1, h.qmap2);
-    let mut s1 = [0f32; BLOCK];
-    let mut s2 = [0f32; BLOCK];
-    for (blk, start) in (0..p.len()).step_by(BLOCK).enumerate() {
-        let len = BLOCK.min(p.len() - start);
-        let (a1, a2) = (state.absmax1[blk], state.absmax2[blk]);
-        let mut max1 = f32::MIN;
-        let mut max2 = f32::MIN;
-        for j in 0..BLOCK {
-            // Padding beyond the tensor: g = 0, codes 128 / 0 (the kernel's load defaults).
-            let (gj, c1, c2) = if j < len {
-                (
-                    g[start + j],
-                    state.state1[start + j],
-                    state.state2[start + j],
-                )
-            } else {
-                (0.0, 128, 0)
-            };
-            if gj.is_finite() {
-                let v = q2[c2 as usize] * a2;
-                s2[j] = v * b2 + (1.0 - b2) * gj * gj;
-                let m = q1[c1 as usize] * a1;
-                s1[j] = m * b1 + (1.0 - b1) * gj;
-            } else {
-                s1[j] = 0.0;
-                s2[j] = 0.0;
-            }
-            max1 = max1.max(s1[j].abs());
-            max2 = max2.max(s2[j].abs());
-        }
-        state.absmax1[blk] = max1;
-        state.absmax2[blk] = max2;
-        for j in 0..len {
-            let i = start + j;
-            if g[i].is_finite() {
-                p[i] += step_size * (s1[j] / (s2[j].sqrt() + denom_eps));
-                if h.weight_decay > 0.0 {
-                    p[i] *= decay;
-                }
-            }
-            let mut c1 = quantize_dynamic(q1, s1[j] / max1);
-            // Keep the sign of m through quantization.
-            if q1[c1 as usize].is_sign_negative() != s1[j].is_sign_negative() {
-                c1 = if s1[j] > 0.0 {
-                    c1.wrapping_add(1)
+    // Blocks are independent: update them in parallel (the result does not depend on the thread count).
+    p.par_chunks_mut(BLOCK)
+        .zip(g.par_chunks(BLOCK))
+        .zip(state.state1.par_chunks_mut(BLOCK))
+        .zip(state.state2.par_chunks_mut(BLOCK))
+        .zip(
+            state
+                .absmax1
+                .par_iter_mut()
+                .zip(state.absmax2.par_iter_mut()),
+        )
+        .for_each(|((((p, g), c1s), c2s), (a1, a2))| {
+            let len = p.len();
+            let mut s1 = [0f32; BLOCK];
+            let mut s2 = [0f32; BLOCK];
+            let mut max1 = f32::MIN;
+            let mut max2 = f32::MIN;
+            for j in 0..BLOCK {
+                // Padding beyond the tensor: g = 0, codes 128 / 0 (the kernel's load defaults).
+                let (gj, c1, c2) = if j < len {
+                    (g[j], c1s[j], c2s[j])
                 } else {
-                    c1.wrapping_sub(1)
+                    (0.0, 128, 0)
                 };
+                if gj.is_finite() {
+                    let v = q2[c2 as usize] * *a2;
+                    s2[j] = v * b2 + (1.0 - b2) * gj * gj;
+                    let m = q1[c1 as usize] * *a1;
+                    s1[j] = m * b1 + (1.0 - b1) * gj;
+                } else {
+                    s1[j] = 0.0;
+                    s2[j] = 0.0;
+                }
+                max1 = max1.max(s1[j].abs());
+                max2 = max2.max(s2[j].abs());
             }
-            state.state1[i] = c1;
-            state.state2[i] = quantize_dynamic(q2, s2[j] / max2);
-        }
-    }
+            *a1 = max1;
+            *a2 = max2;
+            for j in 0..len {
+                if g[j].is_finite() {
+                    p[j] += step_size * (s1[j] / (s2[j].sqrt() + denom_eps));
+                    if h.weight_decay > 0.0 {
+                        p[j] *= decay;
+                    }
+                }
+                let mut c1 = quantize_dynamic(q1, s1[j] / max1);
+                // Keep the sign of m through quantization.
+                if q1[c1 as usize].is_sign_negative() != s1[j].is_sign_negative() {
+                    c1 = if s1[j] > 0.0 {
+                        c1.wrapping_add(1)
+                    } else {
+                        c1.wrapping_sub(1)
+                    };
+                }
+                c1s[j] = c1;
+                c2s[j] = quantize_dynamic(q2, s2[j] / max2);
+            }
+        });
 }
