@@ -27,7 +27,8 @@ pub enum SchedulerType {
     InverseSqrt,
     /// Cosine to a floor (`min_lr` or `min_lr_rate`).
     CosineWithMinLr,
-    /// Warmup, stable, decay (`num_decay_steps`, `num_stable_steps`, `warmup_type`, `decay_type`, `min_lr_ratio`).
+    /// Warmup, stable, decay (`num_decay_steps`, `num_stable_steps`, `warmup_type` (linear), `decay_type` (cosine),
+    /// `min_lr_ratio`).
     WarmupStableDecay,
 }
 
@@ -258,7 +259,7 @@ impl Schedule {
                 }
                 if s < w + stable + decay {
                     let p = (s - w - stable) as f64 / decay.max(1) as f64;
-                    let f = shape(&self.text("decay_type", "linear"), p, false);
+                    let f = shape(&self.text("decay_type", "cosine"), p, false);
                     return (f * (1.0 - min_ratio) + min_ratio).max(0.0);
                 }
                 min_ratio

@@ -5,5 +5,6 @@ mod cli;
 mod common;
 mod model_cli;
 mod model_parity;
+mod optim_golden;
 mod peft_parity;
 mod quant_golden;
