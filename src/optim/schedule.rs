@@ -123,12 +123,10 @@ impl Schedule {
             total,
             kwargs,
         };
-        if kind == SchedulerType::CosineWithMinLr
-            && s.num("min_lr").is_none()
-            && s.num("min_lr_rate").is_none()
-        {
+        let has = |k: &str| s.num(k).is_some();
+        if kind == SchedulerType::CosineWithMinLr && has("min_lr") == has("min_lr_rate") {
             return Err(Error::InvalidInput(
-                "cosine_with_min_lr needs lr_scheduler_kwargs.min_lr or min_lr_rate".into(),
+                "cosine_with_min_lr needs exactly one of lr_scheduler_kwargs.min_lr and min_lr_rate".into(),
             ));
         }
         if kind == SchedulerType::WarmupStableDecay && s.num("num_decay_steps").is_none() {
@@ -275,5 +273,43 @@ impl Schedule {
     /// Total optimizer steps.
     pub fn total(&self) -> usize {
         self.total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_kwargs_are_clear_errors() {
+        let kw = serde_json::json!({"num_cycles": 2});
+        let err = Schedule::new(SchedulerType::Linear, 1e-4, 0, 10, Some(&kw))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("num_cycles") && err.contains("Linear"),
+            "{err}"
+        );
+        let kw = serde_json::json!({"min_lr": 1e-6, "min_lr_rate": 0.1});
+        assert!(Schedule::new(SchedulerType::CosineWithMinLr, 1e-4, 0, 10, Some(&kw)).is_err());
+        assert!(Schedule::new(SchedulerType::WarmupStableDecay, 1e-4, 0, 10, None).is_err());
+        assert!("cosine_annealing"
+            .parse::<SchedulerType>()
+            .unwrap_err()
+            .to_string()
+            .contains("warmup_stable_decay"));
+    }
+
+    #[test]
+    fn warmup_ratio_rounds_up_like_transformers() {
+        assert_eq!(warmup_steps(0.07, 100), 8);
+        assert_eq!(warmup_steps(0.3, 10), 3);
+        assert_eq!(warmup_steps(5.0, 100), 5);
+        let s = Schedule::new(SchedulerType::Linear, 2e-4, 2, 10, None).unwrap();
+        assert_eq!(
+            s.lr_for_update(1),
+            0.0,
+            "the first update runs at lr 0 with warmup"
+        );
     }
 }
