@@ -177,7 +177,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::gradcheck::{check, max_abs_diff, rand_f64};
 
     /// Composite attention from Candle primitives: repeat kv heads, full scores, masked softmax.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
@@ -245,16 +245,7 @@ mod tests {
             .narrow(2, 4, 2)
             .unwrap();
         let tail = causal_attention(&q.narrow(2, 4, 2).unwrap(), &k, &v, 0.5).unwrap();
-        let d = (full - tail)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let d = max_abs_diff(&full, &tail);
         assert!(d < 1e-14, "{d}");
     }
 }

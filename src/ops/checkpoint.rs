@@ -93,7 +93,7 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::rand_f64;
+    use crate::ops::gradcheck::{max_abs_diff, rand_f64};
     use crate::ops::{rms_norm, swiglu};
 
     fn block(a: Var, b: Var, norm: Tensor) -> Block {
@@ -103,19 +103,6 @@ mod tests {
             let gate = h.broadcast_matmul(&b.as_tensor().t()?)?;
             x + swiglu(&gate, &up)?.broadcast_matmul(a.as_tensor())?
         })
-    }
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
     }
 
     #[test]
@@ -152,12 +139,12 @@ mod tests {
             sink.merge_into(&mut g_ck).unwrap();
             // Same math; only the order in which the two blocks' contributions are summed differs.
             for v in [&a, &b] {
-                assert!(max_diff(g_plain.get(v).unwrap(), g_ck.get(v).unwrap()) < 1e-12);
+                assert!(max_abs_diff(g_plain.get(v).unwrap(), g_ck.get(v).unwrap()) < 1e-12);
             }
             assert_eq!(g_ck.get(&x).is_some(), x_needs_grad);
             if x_needs_grad {
                 assert_eq!(
-                    max_diff(g_plain.get(&x).unwrap(), g_ck.get(&x).unwrap()),
+                    max_abs_diff(g_plain.get(&x).unwrap(), g_ck.get(&x).unwrap()),
                     0.0
                 );
             }

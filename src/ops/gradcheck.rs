@@ -24,7 +24,8 @@ fn weighted_sum(y: &Tensor, r: &Tensor) -> Result<Tensor> {
     (y.to_dtype(DType::F64)? * r)?.sum_all()
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+/// Largest absolute difference (as f64).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b)
         .unwrap()
         .abs()

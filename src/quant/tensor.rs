@@ -255,52 +255,32 @@ impl Nf4Tensor {
     /// Dequantizes to a dense CPU tensor of `dtype` (f32, f16 or bf16): `code[c] * absmax` in float32, then
     /// rounded to `dtype` (round to nearest even), bit-identical to bitsandbytes' `dequantize_4bit`.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
-        let n = self.elem_count();
+        match dtype {
+            DType::F32 => self.dequantize_as(|x| x),
+            DType::BF16 => self.dequantize_as(half::bf16::from_f32),
+            DType::F16 => self.dequantize_as(half::f16::from_f32),
+            other => Err(Error::InvalidQuantConfig(format!(
+                "cannot dequantize to {other:?}: use f32, f16 or bf16"
+            ))),
+        }
+    }
+
+    /// Dequantizes to a CPU tensor of element type `T`, converting each block's 16 values with `convert`.
+    fn dequantize_as<T: candle_core::WithDType>(
+        &self,
+        convert: impl Fn(f32) -> T + Sync,
+    ) -> Result<Tensor> {
+        let mut out = vec![T::zero(); self.elem_count()];
         let absmax = self.scales.to_f32();
-        let tensor = match dtype {
-            DType::F32 => {
-                let mut out = vec![0.0f32; n];
-                cpu::dequantize_4bit(
-                    &self.packed,
-                    &absmax,
-                    &self.code,
-                    self.blocksize,
-                    &mut out,
-                    |x| x,
-                );
-                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
-            }
-            DType::BF16 => {
-                let mut out = vec![half::bf16::ZERO; n];
-                cpu::dequantize_4bit(
-                    &self.packed,
-                    &absmax,
-                    &self.code,
-                    self.blocksize,
-                    &mut out,
-                    half::bf16::from_f32,
-                );
-                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
-            }
-            DType::F16 => {
-                let mut out = vec![half::f16::ZERO; n];
-                cpu::dequantize_4bit(
-                    &self.packed,
-                    &absmax,
-                    &self.code,
-                    self.blocksize,
-                    &mut out,
-                    half::f16::from_f32,
-                );
-                Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?
-            }
-            other => {
-                return Err(Error::InvalidQuantConfig(format!(
-                    "cannot dequantize to {other:?}: use f32, f16 or bf16"
-                )))
-            }
-        };
-        Ok(tensor)
+        cpu::dequantize_4bit(
+            &self.packed,
+            &absmax,
+            &self.code,
+            self.blocksize,
+            &mut out,
+            convert,
+        );
+        Ok(Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?)
     }
 
     /// Dequantizes into a float32 buffer of [`Nf4Tensor::elem_count`] elements (no allocation for the output).
