@@ -62,6 +62,7 @@ pub mod ops;
 pub mod optim;
 pub mod precision;
 pub mod quant;
+pub mod trainer;
 
 pub use error::{Error, Result};
 

@@ -1,0 +1,373 @@
+//! `TrainingArguments` with transformers' field names and defaults (v5, where they differ from 4.x the choice is
+//! noted), read from the `[training]` table of a TOML config. An unknown key is an error that names the closest
+//! valid one.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::optim::schedule::warmup_steps;
+use crate::optim::{OptimizerName, SchedulerType};
+
+/// When to evaluate / save / log (`IntervalStrategy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IntervalStrategy {
+    /// Never.
+    No,
+    /// Every `*_steps` optimizer steps.
+    Steps,
+    /// At the end of each epoch.
+    Epoch,
+}
+
+/// transformers' `TrainingArguments`, the fields a QLoRA run sets.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainingArguments {
+    /// Where checkpoints, logs and the final adapter go (transformers' doc default `trainer_output`).
+    pub output_dir: String,
+    /// Replace the contents of an existing `output_dir` (otherwise an earlier run's output is never overwritten).
+    pub overwrite_output_dir: bool,
+    /// Micro-batch size.
+    pub per_device_train_batch_size: usize,
+    /// Evaluation batch size.
+    pub per_device_eval_batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Epochs (fractional allowed); ignored when `max_steps > 0`.
+    pub num_train_epochs: f64,
+    /// Total optimizer steps; overrides epochs when > 0.
+    pub max_steps: i64,
+    /// Warmup as a step count (≥ 1) or a ratio of the total (< 1), as in transformers 5.
+    pub warmup_steps: f64,
+    /// Warmup ratio (transformers 4.x); used when `warmup_steps` is 0.
+    pub warmup_ratio: f64,
+    /// Schedule name.
+    pub lr_scheduler_type: String,
+    /// Schedule keyword arguments (e.g. `min_lr`, `num_cycles`, `power`).
+    pub lr_scheduler_kwargs: Option<serde_json::Value>,
+    /// Decoupled weight decay (not applied to biases and norms).
+    pub weight_decay: f64,
+    /// Global gradient-norm clipping (0 disables).
+    pub max_grad_norm: f64,
+    /// Adam β1.
+    pub adam_beta1: f64,
+    /// Adam β2.
+    pub adam_beta2: f64,
+    /// Adam ε.
+    pub adam_epsilon: f64,
+    /// Optimizer name (`adamw_torch`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, `sgd`; transformers 5's
+    /// default `adamw_torch_fused` means `adamw_torch` here).
+    pub optim: String,
+    /// Log every N steps (a value < 1 is a ratio of the total).
+    pub logging_steps: f64,
+    /// Also log the first step.
+    pub logging_first_step: bool,
+    /// When to evaluate.
+    pub eval_strategy: IntervalStrategy,
+    /// Evaluate every N steps (defaults to `logging_steps`).
+    pub eval_steps: Option<f64>,
+    /// When to save checkpoints.
+    pub save_strategy: IntervalStrategy,
+    /// Save every N steps.
+    pub save_steps: f64,
+    /// Keep at most this many checkpoints.
+    pub save_total_limit: Option<usize>,
+    /// bf16 autocast.
+    pub bf16: bool,
+    /// fp16 autocast.
+    pub fp16: bool,
+    /// Recompute each layer in the backward (transformers 5: `None` = off; TRL's `SFTConfig` defaults it on).
+    pub gradient_checkpointing: bool,
+    /// Accepted for compatibility; checkpointing here is always non-reentrant (`use_reentrant = false`).
+    pub gradient_checkpointing_kwargs: Option<serde_json::Value>,
+    /// Seed of initialization, dropout and shuffling.
+    pub seed: u64,
+    /// Seed of the data order (defaults to `seed`).
+    pub data_seed: Option<u64>,
+    /// Resume from this checkpoint (or the latest with `true`).
+    pub resume_from_checkpoint: Option<String>,
+    /// Integrations to report to (only `none` is supported; logs go to `output_dir`).
+    pub report_to: String,
+    /// NEFTune noise on the input embeddings during training.
+    pub neftune_noise_alpha: Option<f64>,
+    /// Batch examples of similar length (transformers 4.x name).
+    pub group_by_length: bool,
+    /// `random`, `sequential` or `group_by_length` (transformers 5 name).
+    pub train_sampling_strategy: String,
+    /// Drop the last incomplete batch.
+    pub dataloader_drop_last: bool,
+}
+
+impl Default for TrainingArguments {
+    fn default() -> Self {
+        TrainingArguments {
+            output_dir: "trainer_output".into(),
+            overwrite_output_dir: false,
+            per_device_train_batch_size: 8,
+            per_device_eval_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            learning_rate: 5e-5,
+            num_train_epochs: 3.0,
+            max_steps: -1,
+            warmup_steps: 0.0,
+            warmup_ratio: 0.0,
+            lr_scheduler_type: "linear".into(),
+            lr_scheduler_kwargs: None,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            optim: "adamw_torch".into(),
+            logging_steps: 500.0,
+            logging_first_step: false,
+            eval_strategy: IntervalStrategy::No,
+            eval_steps: None,
+            save_strategy: IntervalStrategy::Steps,
+            save_steps: 500.0,
+            save_total_limit: None,
+            bf16: false,
+            fp16: false,
+            gradient_checkpointing: false,
+            gradient_checkpointing_kwargs: None,
+            seed: 42,
+            data_seed: None,
+            resume_from_checkpoint: None,
+            report_to: "none".into(),
+            neftune_noise_alpha: None,
+            group_by_length: false,
+            train_sampling_strategy: "random".into(),
+            dataloader_drop_last: false,
+        }
+    }
+}
+
+/// Field names of [`TrainingArguments`], for suggestions.
+pub const FIELDS: &[&str] = &[
+    "output_dir",
+    "overwrite_output_dir",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "warmup_steps",
+    "warmup_ratio",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "weight_decay",
+    "max_grad_norm",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "optim",
+    "logging_steps",
+    "logging_first_step",
+    "eval_strategy",
+    "eval_steps",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "bf16",
+    "fp16",
+    "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
+    "seed",
+    "data_seed",
+    "resume_from_checkpoint",
+    "report_to",
+    "neftune_noise_alpha",
+    "group_by_length",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+];
+
+/// The valid name closest to `key`, if any is reasonably close.
+pub fn closest(key: &str, candidates: &[&str]) -> Option<String> {
+    candidates
+        .iter()
+        .map(|c| (strsim::jaro_winkler(key, c), *c))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, c)| c.to_string())
+}
+
+/// An error for unknown `key` in `section` of `path`, suggesting the closest of `candidates`.
+pub fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Error {
+    let hint = match closest(key, candidates) {
+        Some(c) => format!("did you mean `{c}`?"),
+        None => format!("valid keys: {}", candidates.join(", ")),
+    };
+    Error::InvalidInput(format!(
+        "{path}: unknown key `{key}` in [{section}]; {hint}"
+    ))
+}
+
+impl TrainingArguments {
+    /// Reads the `[training]` table; `path` names the file in errors.
+    pub fn from_toml(table: &toml::Table, path: &str) -> Result<Self> {
+        if let Some(key) = table.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+            return Err(unknown_key(path, "training", key, FIELDS));
+        }
+        let args: TrainingArguments =
+            toml::Value::Table(table.clone())
+                .try_into()
+                .map_err(|e: toml::de::Error| {
+                    Error::InvalidInput(format!("{path}: [training]: {}", e.message()))
+                })?;
+        args.validate(path)?;
+        Ok(args)
+    }
+
+    /// Checks names and ranges.
+    pub fn validate(&self, path: &str) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidInput(format!("{path}: [training]: {m}")));
+        self.optim_name()
+            .map_err(|e| Error::InvalidInput(format!("{path}: [training]: {e}")))?;
+        self.scheduler_type()
+            .map_err(|e| Error::InvalidInput(format!("{path}: [training]: {e}")))?;
+        if self.per_device_train_batch_size == 0 || self.gradient_accumulation_steps == 0 {
+            return bad(
+                "per_device_train_batch_size and gradient_accumulation_steps must be at least 1"
+                    .into(),
+            );
+        }
+        if self.learning_rate < 0.0 || self.warmup_steps < 0.0 || self.warmup_ratio < 0.0 {
+            return bad("learning_rate and warmup must not be negative".into());
+        }
+        if self.bf16 && self.fp16 {
+            return bad("bf16 and fp16 are both true: choose one".into());
+        }
+        if self.report_to != "none" {
+            return bad(format!("report_to = \"{}\" is not supported: use \"none\" (logs are written to output_dir)", self.report_to));
+        }
+        if !["random", "sequential", "group_by_length"]
+            .contains(&self.train_sampling_strategy.as_str())
+        {
+            return bad(format!(
+                "train_sampling_strategy `{}`: use random, sequential or group_by_length",
+                self.train_sampling_strategy
+            ));
+        }
+        Ok(())
+    }
+
+    /// The optimizer.
+    pub fn optim_name(&self) -> Result<OptimizerName> {
+        self.optim.parse()
+    }
+
+    /// The schedule type.
+    pub fn scheduler_type(&self) -> Result<SchedulerType> {
+        self.lr_scheduler_type.parse()
+    }
+
+    /// Warmup steps for `total` optimizer steps (`warmup_steps`, else `warmup_ratio`).
+    pub fn warmup_for(&self, total: usize) -> usize {
+        if self.warmup_steps > 0.0 {
+            warmup_steps(self.warmup_steps, total)
+        } else {
+            (total as f64 * self.warmup_ratio).ceil() as usize
+        }
+    }
+
+    /// Total optimizer steps for `batches_per_epoch` micro-batches per epoch (transformers' formula: the partial
+    /// last accumulation window counts as a step).
+    pub fn total_steps(&self, batches_per_epoch: usize) -> usize {
+        if self.max_steps > 0 {
+            return self.max_steps as usize;
+        }
+        let per_epoch = batches_per_epoch
+            .div_ceil(self.gradient_accumulation_steps)
+            .max(1);
+        (self.num_train_epochs * per_epoch as f64).ceil() as usize
+    }
+
+    /// A step interval that may be given as a ratio (< 1) of `total`.
+    pub fn interval(value: f64, total: usize) -> usize {
+        if value < 1.0 {
+            ((total as f64 * value).ceil() as usize).max(1)
+        } else {
+            value as usize
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<TrainingArguments> {
+        let table: toml::Table = text.parse().unwrap();
+        TrainingArguments::from_toml(&table, "run.toml")
+    }
+
+    #[test]
+    fn defaults_are_transformers() {
+        let a = parse("").unwrap();
+        assert_eq!(a, TrainingArguments::default());
+        assert_eq!(
+            (
+                a.learning_rate,
+                a.per_device_train_batch_size,
+                a.num_train_epochs
+            ),
+            (5e-5, 8, 3.0)
+        );
+        assert_eq!(
+            (a.lr_scheduler_type.as_str(), a.max_grad_norm, a.seed),
+            ("linear", 1.0, 42)
+        );
+    }
+
+    #[test]
+    fn reads_a_qlora_recipe() {
+        let a = parse(
+            "output_dir = \"runs/x\"\nlearning_rate = 2e-4\noptim = \"paged_adamw_8bit\"\nwarmup_steps = 0.03\n\
+             lr_scheduler_type = \"cosine\"\nbf16 = true\ngradient_checkpointing = true\neval_strategy = \"steps\"\n",
+        )
+        .unwrap();
+        assert_eq!(a.optim_name().unwrap(), OptimizerName::PagedAdamW8bit);
+        assert_eq!(a.warmup_for(100), 3);
+        assert_eq!(a.eval_strategy, IntervalStrategy::Steps);
+    }
+
+    #[test]
+    fn unknown_keys_suggest_the_closest_name_and_types_are_checked() {
+        let err = parse("learning_rat = 1e-4").unwrap_err().to_string();
+        assert!(
+            err.contains("run.toml")
+                && err.contains("`learning_rat`")
+                && err.contains("did you mean `learning_rate`"),
+            "{err}"
+        );
+        let err = parse("per_device_train_batch_size = \"four\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("run.toml") && err.contains("invalid type"),
+            "{err}"
+        );
+        let err = parse("optim = \"adafactor\"").unwrap_err().to_string();
+        assert!(err.contains("adafactor"), "{err}");
+    }
+
+    #[test]
+    fn total_steps_follow_transformers() {
+        let a = TrainingArguments {
+            gradient_accumulation_steps: 4,
+            num_train_epochs: 1.5,
+            ..Default::default()
+        };
+        assert_eq!(a.total_steps(10), 5); // ceil(10/4) = 3 per epoch, ceil(1.5 * 3) = 5
+        let a = TrainingArguments {
+            max_steps: 7,
+            ..Default::default()
+        };
+        assert_eq!(a.total_steps(1000), 7);
+    }
+}
