@@ -14,7 +14,9 @@ use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::source::{load_model, LoadOptions, LoadedModel};
 use candle_qlora::lora::merge::{merge_to_folder, MergeOptions};
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
+use candle_qlora::precision::Precision;
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
+use candle_qlora::trainer::{latest_checkpoint, RunConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -39,6 +41,112 @@ enum Command {
     Generate(GenerateArgs),
     /// Merge a LoRA adapter into its (dequantized) base and write a standard Hugging Face model folder.
     Merge(MergeArgs),
+    /// Train a LoRA/QLoRA adapter from a TOML config ([model], [lora], [data], [training]).
+    Train(TrainArgs),
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// The run config (see configs/).
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config field: section.key=value (repeatable), e.g. --set training.learning_rate=1e-4.
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Resume from a checkpoint folder, or from the latest checkpoint in output_dir when given without a value.
+    #[arg(long, num_args = 0..=1, default_missing_value = "latest")]
+    resume: Option<String>,
+}
+
+fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let cfg = RunConfig::load(&args.config, &args.set)?;
+    if cfg.data.packing {
+        anyhow::bail!(
+            "{}: [data] packing = true is not supported yet; set it to false",
+            args.config.display()
+        );
+    }
+    // bf16/fp16 as the training arguments ask (on CPU f32 is as fast and more precise, so it is the default).
+    let compute_dtype = Precision::from_flags(
+        cfg.training.bf16,
+        cfg.training.fp16,
+        &candle_core::Device::Cpu,
+    )?
+    .compute_dtype;
+    let opts = LoadOptions {
+        quantization: cfg.model.quantization,
+        compute_dtype,
+    };
+    let loaded = load_model(
+        &cfg.model.name_or_path,
+        cfg.model.revision.as_deref(),
+        &opts,
+    )
+    .with_context(|| format!("loading model `{}`", cfg.model.name_or_path))?;
+    let tokenizer = loaded.tokenizer()?.clone();
+    let format: DataFormat = cfg.data.format.parse()?;
+    let all_tokens = !cfg.data.completion_only_loss;
+    let tokenize =
+        |path: &std::path::Path| -> anyhow::Result<Vec<candle_qlora::data::TokenizedExample>> {
+            let (examples, read) = read_jsonl(path, format, cfg.data.skip_bad_lines)?;
+            for (line, reason) in &read.skipped {
+                eprintln!("warning: {}:{line}: skipped ({reason})", path.display());
+            }
+            let t = examples
+                .iter()
+                .map(|e| e.tokenize(&tokenizer, cfg.data.max_length, all_tokens))
+                .collect::<candle_qlora::Result<Vec<_>>>()?;
+            let truncated = t.iter().filter(|e| e.truncated).count();
+            if truncated > 0 {
+                eprintln!(
+                    "{}: {truncated} examples truncated to {} tokens",
+                    path.display(),
+                    cfg.data.max_length
+                );
+            }
+            Ok(t)
+        };
+    let mut train_set = tokenize(&cfg.data.train_file)?;
+    let eval_set = match (&cfg.data.eval_file, cfg.data.eval_split) {
+        (Some(f), _) => tokenize(f)?,
+        (None, Some(split)) if split > 0.0 => {
+            let n = ((train_set.len() as f64) * split).ceil() as usize;
+            train_set.split_off(train_set.len() - n.min(train_set.len() - 1))
+        }
+        _ => vec![],
+    };
+    eprintln!(
+        "{} training examples, {} evaluation examples",
+        train_set.len(),
+        eval_set.len()
+    );
+    let output_dir = PathBuf::from(&cfg.training.output_dir);
+    let resume = match args.resume.as_deref() {
+        None => None,
+        Some("latest") => Some(latest_checkpoint(&output_dir).with_context(|| {
+            format!(
+                "--resume: no checkpoint-N folder with trainer_state.json in {}",
+                output_dir.display()
+            )
+        })?),
+        Some(p) => Some(PathBuf::from(p)),
+    };
+    let mut trainer = Trainer::new(
+        loaded.model,
+        cfg.training.clone(),
+        &cfg.lora,
+        train_set,
+        eval_set,
+        &cfg.model.name_or_path,
+    )?;
+    let log = trainer.train(resume.as_deref())?;
+    let last = log.iter().rev().find_map(|e| e.loss).unwrap_or(f64::NAN);
+    println!(
+        "trained {} steps; last loss {last:.4}; adapter saved in {}",
+        log.iter().filter(|e| e.loss.is_some()).count(),
+        output_dir.display()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -421,6 +529,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval(args),
         Command::Generate(args) => generate_text(args),
         Command::Merge(args) => merge(args),
+        Command::Train(args) => train(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

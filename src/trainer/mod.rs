@@ -5,6 +5,8 @@
 
 pub mod args;
 pub mod config;
+pub mod trainer;
 
 pub use args::{IntervalStrategy, TrainingArguments};
 pub use config::RunConfig;
+pub use trainer::{latest_checkpoint, LogEntry, Trainer};

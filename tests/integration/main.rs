@@ -8,3 +8,4 @@ mod model_parity;
 mod optim_golden;
 mod peft_parity;
 mod quant_golden;
+mod trainer;
