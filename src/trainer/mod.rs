@@ -1,12 +1,11 @@
 //! Training: `TrainingArguments` (transformers' names and defaults) and TOML configs.
 //!
-//! The training loop, checkpoints and resume are not written yet; this module provides the arguments and the
-//! config file format they are read from.
+//! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`run`]: the loop, checkpoints and resume.
 
 pub mod args;
 pub mod config;
-pub mod trainer;
+pub mod run;
 
 pub use args::{IntervalStrategy, TrainingArguments};
 pub use config::RunConfig;
-pub use trainer::{latest_checkpoint, LogEntry, Trainer};
+pub use run::{latest_checkpoint, LogEntry, Trainer};
