@@ -112,3 +112,79 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     let err = trainer(&a).train(None).unwrap_err().to_string();
     assert!(err.contains("overwrite_output_dir"), "{err}");
 }
+
+/// `qlora train --config` end to end on the tiny Llama, `--resume` from the latest checkpoint, and config errors.
+#[test]
+fn train_command_runs_a_config_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("train.jsonl");
+    let lines: Vec<String> = (0..16)
+        .map(|i| {
+            format!(
+                "{{\"text\": \"t{} t{} t{} t{} t{}\"}}",
+                i + 1,
+                i + 3,
+                i + 5,
+                i + 7,
+                i + 9
+            )
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let config = dir.path().join("run.toml");
+    let model = data_path("models/tiny-llama");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\nbnb_4bit_quant_type = \"nf4\"\n\
+             [lora]\nr = 4\nlora_alpha = 8\ntarget_modules = \"all-linear\"\n[data]\ntrain_file = \"train.jsonl\"\neval_split = 0.25\n\
+             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 2\nmax_steps = 4\nsave_steps = 2\nlogging_steps = 1\n\
+             learning_rate = 1e-2\noptim = \"adamw_8bit\"\neval_strategy = \"steps\"\neval_steps = 2\n",
+            model.to_str().unwrap(),
+            dir.path().join("out").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(["train", "--config", config.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, text) = run(&[]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("12 training examples, 4 evaluation examples") && text.contains("eval_loss"),
+        "{text}"
+    );
+    let adapter = std::fs::read(dir.path().join("out/adapter_model.safetensors")).unwrap();
+    assert!(dir
+        .path()
+        .join("out/checkpoint-2/optimizer.safetensors")
+        .exists());
+
+    let (ok, text) = run(&["--resume"]);
+    assert!(ok, "{text}");
+    assert_eq!(
+        std::fs::read(dir.path().join("out/adapter_model.safetensors")).unwrap(),
+        adapter,
+        "resumed from checkpoint-2"
+    );
+
+    let (ok, text) = run(&["--set", "training.learning_rat=1e-3"]);
+    assert!(
+        !ok && text.contains("did you mean `learning_rate`"),
+        "{text}"
+    );
+    let (ok, text) = run(&["--set", "training.per_device_train_batch_size=\"two\""]);
+    assert!(
+        !ok && text.contains("run.toml") && text.contains("[training]"),
+        "{text}"
+    );
+}
