@@ -188,3 +188,21 @@ fn train_command_runs_a_config_and_resumes() {
         "{text}"
     );
 }
+
+/// Every bundled recipe parses and validates.
+#[test]
+fn bundled_configs_are_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let c = candle_qlora::trainer::RunConfig::load(&p, &[])
+                .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            assert!(c.data.train_file.exists(), "{}", p.display());
+            assert_eq!(c.model.quantization, Some(QuantConfig::nf4()));
+            n += 1;
+        }
+    }
+    assert_eq!(n, 6);
+}
