@@ -120,7 +120,7 @@ fn answer(
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = None;
-    let mut steps = 30i64;
+    let mut steps = 20i64;
     let mut output = PathBuf::from("runs/qlora_llama");
     let mut it = args.iter();
     while let Some(a) = it.next() {

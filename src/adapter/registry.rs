@@ -220,14 +220,18 @@ impl LlamaModel {
                 None => None,
                 Some(Some(m)) => Some(to_var(m)?),
                 Some(None) => {
-                    let base = &self
-                        .linears()
-                        .into_iter()
-                        .find(|(n, _)| *n == s.module)
-                        .expect("slot from linears")
-                        .1
-                        .base;
-                    Some(Var::from_tensor(&adapter.weight_norm(base)?)?)
+                    let linears = self.linears();
+                    let (_, layer) =
+                        linears
+                            .iter()
+                            .find(|(n, _)| *n == s.module)
+                            .ok_or_else(|| {
+                                Error::InvalidInput(format!(
+                                    "no module `{}` in this model",
+                                    s.module
+                                ))
+                            })?;
+                    Some(Var::from_tensor(&adapter.weight_norm(&layer.base)?)?)
                 }
             };
             built.insert(s.module.clone(), adapter);
