@@ -108,3 +108,43 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
         .to_scalar::<f64>()
         .unwrap()
 }
+
+/// `(sum of token losses, counted tokens)` of `ids` (`[batch, seq]`, u32) with `labels = ids`, no checkpointing.
+pub fn text_loss(
+    model: &candle_qlora::models::LlamaModel,
+    ids: &candle_core::Tensor,
+) -> (f32, usize) {
+    use candle_qlora::models::{Checkpointing, Positions};
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    let (sum, n) = model
+        .loss_sum(
+            ids,
+            &labels,
+            &Positions::Range(0),
+            &Checkpointing::default(),
+        )
+        .unwrap();
+    (sum.to_scalar::<f32>().unwrap(), n)
+}
+
+/// The mean causal-LM loss (a differentiable scalar) of input embeddings `embeds` with labels `ids`, with or
+/// without checkpointed layers.
+pub fn embeds_loss(
+    model: &candle_qlora::models::LlamaModel,
+    embeds: &candle_core::Tensor,
+    ids: &candle_core::Tensor,
+    checkpointing: bool,
+) -> candle_core::Tensor {
+    use candle_qlora::models::{Checkpointing, Positions};
+    let ck = Checkpointing {
+        enabled: checkpointing,
+        ..Default::default()
+    };
+    let h = model
+        .forward_embeds(embeds, &Positions::Range(0), &ck)
+        .unwrap();
+    let (sum, n) = model
+        .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
+        .unwrap();
+    (sum / n as f64).unwrap()
+}

@@ -3,7 +3,6 @@
 use std::path::Path;
 use std::process::Command;
 
-use candle_core::DType;
 use candle_qlora::loading::source::{load_model, LoadOptions};
 
 use crate::common::{data_path, test_model};
@@ -65,15 +64,8 @@ fn eval_reports_the_token_level_mean_over_the_file() {
             .unwrap()
             .unsqueeze(0)
             .unwrap();
-        let (s, _) = model
-            .loss_sum(
-                &t,
-                &t.to_dtype(DType::I64).unwrap(),
-                &candle_qlora::models::Positions::Range(0),
-                &Default::default(),
-            )
-            .unwrap();
-        total += s.to_scalar::<f32>().unwrap() as f64;
+        let (s, _) = crate::common::text_loss(&model, &t);
+        total += s as f64;
     }
     let loss = report["loss"].as_f64().unwrap();
     assert!(

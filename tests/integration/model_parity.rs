@@ -8,7 +8,7 @@ use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::{BnbKernels, QuantConfig};
 use serde_json::Value;
 
-use crate::common::{data_path, max_abs_diff, test_model};
+use crate::common::{data_path, embeds_loss, max_abs_diff, test_model, text_loss};
 
 fn golden(name: &str) -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(
@@ -49,15 +49,8 @@ fn tiny_llama_and_qwen2_logits_match_transformers() {
         let d = max_abs_diff(&logits, &g["logits"]);
         assert!(d <= 1e-5, "{name}: logits differ from transformers by {d}");
 
-        let (sum, n) = model
-            .loss_sum(
-                &ids,
-                &ids.to_dtype(DType::I64).unwrap(),
-                &Positions::Range(0),
-                &Checkpointing::default(),
-            )
-            .unwrap();
-        let loss = sum.to_scalar::<f32>().unwrap() / n as f32;
+        let (sum, n) = text_loss(&model, &ids);
+        let loss = sum / n as f32;
         let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
         assert!(
             (loss - expected).abs() <= 1e-5,
@@ -81,17 +74,9 @@ fn input_gradients_match_transformers() {
         let model = load_tiny(name, None);
         let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
         for enabled in [false, true] {
-            let ck = Checkpointing {
-                enabled,
-                ..Default::default()
-            };
-            let h = model
-                .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
+            let grads = embeds_loss(&model, embeds.as_tensor(), &ids, enabled)
+                .backward()
                 .unwrap();
-            let (sum, n) = model
-                .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
-                .unwrap();
-            let grads = (sum / n as f64).unwrap().backward().unwrap();
             let d = max_abs_diff(grads.get(&embeds).unwrap(), &g["grad_inputs_embeds"]);
             assert!(
                 d <= 1e-6,
@@ -213,17 +198,7 @@ fn whole_model_gradients_match_a_composite_reference_with_and_without_checkpoint
         let reference = composite_loss(&model, embeds.as_tensor(), &shifted);
         let g_ref = reference.backward().unwrap();
         for enabled in [false, true] {
-            let ck = Checkpointing {
-                enabled,
-                ..Default::default()
-            };
-            let h = model
-                .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
-                .unwrap();
-            let (sum, n) = model
-                .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
-                .unwrap();
-            let loss = (sum / n as f64).unwrap();
+            let loss = embeds_loss(&model, embeds.as_tensor(), &ids, enabled);
             let dl =
                 (loss.to_scalar::<f32>().unwrap() - reference.to_scalar::<f32>().unwrap()).abs();
             assert!(dl <= 1e-5, "loss {dl}");
@@ -274,17 +249,9 @@ fn smollm2_gguf_matches_transformers() {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let labels = ids.to_dtype(DType::I64).unwrap();
     let mean_loss = |m: &LlamaModel| {
-        let (s, n) = m
-            .loss_sum(
-                &ids,
-                &labels,
-                &Positions::Range(0),
-                &Checkpointing::default(),
-            )
-            .unwrap();
-        s.to_scalar::<f32>().unwrap() as f64 / n as f64
+        let (s, n) = text_loss(m, &ids);
+        s as f64 / n as f64
     };
     let loss = mean_loss(&loaded.model);
     let expected = g["loss_f32"].as_f64().unwrap();
@@ -353,15 +320,8 @@ fn bf16_compute_tracks_f32_and_trains() {
         let loss = sum.to_scalar::<f32>().unwrap() / n as f32;
         let f32_nf4 = {
             let m = load_tiny("tiny-llama", Some(QuantConfig::nf4()));
-            let (s, n) = m
-                .loss_sum(
-                    &ids,
-                    &ids.to_dtype(DType::I64).unwrap(),
-                    &Positions::Range(0),
-                    &Checkpointing::default(),
-                )
-                .unwrap();
-            s.to_scalar::<f32>().unwrap() / n as f32
+            let (s, n) = text_loss(&m, &ids);
+            s / n as f32
         };
         assert!(
             (loss - f32_nf4).abs() < 0.05,

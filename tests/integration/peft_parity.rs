@@ -425,7 +425,7 @@ fn merge_command_writes_a_loadable_folder() {
 #[test]
 fn smollm2_adapter_round_trip_and_merged_generation() {
     use candle_qlora::lora::{InitLoraWeights, LoraConfig, TargetModules};
-    use candle_qlora::models::{generate, Checkpointing, GenerationConfig, Positions};
+    use candle_qlora::models::{generate, GenerationConfig};
     let Some(path) = crate::common::test_model() else {
         return;
     };
@@ -456,15 +456,8 @@ fn smollm2_adapter_round_trip_and_merged_generation() {
         .unsqueeze(0)
         .unwrap();
     let loss = |m: &LlamaModel| {
-        let (s, n) = m
-            .loss_sum(
-                &ids,
-                &ids.to_dtype(DType::I64).unwrap(),
-                &Positions::Range(0),
-                &Checkpointing::default(),
-            )
-            .unwrap();
-        s.to_scalar::<f32>().unwrap() / n as f32
+        let (s, n) = crate::common::text_loss(m, &ids);
+        s / n as f32
     };
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("adapter");
