@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::data::TokenizedExample;
+use crate::data::{row_positions, TokenizedExample};
 use crate::error::Result;
 use crate::models::{Checkpointing, LlamaModel, Positions};
 use crate::ops::IGNORE_INDEX;
@@ -23,9 +23,19 @@ pub struct EvalReport {
     pub truncated: usize,
 }
 
-/// Right-pads a batch into `(input_ids [b, t] u32, labels [b, t] i64)`; padding is labelled −100 and, being after
-/// every real token, never influences them under causal attention.
-pub fn collate(batch: &[&TokenizedExample], device: &Device) -> Result<(Tensor, Tensor)> {
+/// A batch ready for the model.
+pub struct Batch {
+    /// Token ids `[b, t]` (u32).
+    pub ids: Tensor,
+    /// Labels `[b, t]` (i64, −100 = no loss).
+    pub labels: Tensor,
+    /// `Range(0)`, or `Packed` when a row holds several examples.
+    pub positions: Positions,
+}
+
+/// Right-pads a batch; padding is labelled −100 and, being after every real token, never influences them under
+/// causal attention. Packed rows get positions that restart at each example.
+pub fn collate(batch: &[&TokenizedExample], device: &Device) -> Result<Batch> {
     let t = batch.iter().map(|e| e.input_ids.len()).max().unwrap_or(0);
     let mut ids = Vec::with_capacity(batch.len() * t);
     let mut labels = Vec::with_capacity(batch.len() * t);
@@ -43,10 +53,17 @@ pub fn collate(batch: &[&TokenizedExample], device: &Device) -> Result<(Tensor, 
                 .chain(std::iter::repeat_n(IGNORE_INDEX, t - e.labels.len())),
         );
     }
-    Ok((
-        Tensor::from_vec(ids, (batch.len(), t), device)?,
-        Tensor::from_vec(labels, (batch.len(), t), device)?,
-    ))
+    let positions = if batch.iter().any(|e| e.segments.len() > 1) {
+        let p: Vec<u32> = batch.iter().flat_map(|e| row_positions(e, t)).collect();
+        Positions::Packed(Tensor::from_vec(p, (batch.len(), t), device)?)
+    } else {
+        Positions::Range(0)
+    };
+    Ok(Batch {
+        ids: Tensor::from_vec(ids, (batch.len(), t), device)?,
+        labels: Tensor::from_vec(labels, (batch.len(), t), device)?,
+        positions,
+    })
 }
 
 /// Evaluates `examples` in batches of `batch_size` (no gradients are built: the model's weights are frozen).
@@ -62,13 +79,9 @@ pub fn evaluate(
     let mut order: Vec<&TokenizedExample> = examples.iter().collect();
     order.sort_by_key(|e| e.input_ids.len());
     for batch in order.chunks(batch_size.max(1)) {
-        let (ids, labels) = collate(batch, &device)?;
-        let (sum, n) = model.loss_sum(
-            &ids,
-            &labels,
-            &Positions::Range(0),
-            &Checkpointing::default(),
-        )?;
+        let b = collate(batch, &device)?;
+        let (sum, n) =
+            model.loss_sum(&b.ids, &b.labels, &b.positions, &Checkpointing::default())?;
         total += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         tokens += n;
     }

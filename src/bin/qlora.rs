@@ -8,7 +8,7 @@ use std::io::Write;
 use anyhow::Context;
 use candle_core::DType;
 use candle_qlora::adapter::load_adapter;
-use candle_qlora::data::{read_jsonl, DataFormat};
+use candle_qlora::data::{pack, read_jsonl, DataFormat};
 use candle_qlora::eval::evaluate;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::source::{load_model, LoadOptions, LoadedModel};
@@ -60,12 +60,6 @@ struct TrainArgs {
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     let cfg = RunConfig::load(&args.config, &args.set)?;
-    if cfg.data.packing {
-        anyhow::bail!(
-            "{}: [data] packing = true is not supported yet; set it to false",
-            args.config.display()
-        );
-    }
     // bf16/fp16 as the training arguments ask (on CPU f32 is as fast and more precise, so it is the default).
     let compute_dtype = Precision::from_flags(
         cfg.training.bf16,
@@ -120,6 +114,17 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         train_set.len(),
         eval_set.len()
     );
+    if cfg.data.packing {
+        let examples = train_set.len();
+        train_set = pack(&train_set, cfg.data.max_length);
+        let tokens: usize = train_set.iter().map(|r| r.input_ids.len()).sum();
+        eprintln!(
+            "packed {examples} examples into {} rows of up to {} tokens ({:.1}% full)",
+            train_set.len(),
+            cfg.data.max_length,
+            100.0 * tokens as f64 / (train_set.len() * cfg.data.max_length).max(1) as f64
+        );
+    }
     let output_dir = PathBuf::from(&cfg.training.output_dir);
     let resume = match args.resume.as_deref() {
         None => None,

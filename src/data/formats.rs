@@ -75,6 +75,9 @@ pub struct TokenizedExample {
     pub labels: Vec<i64>,
     /// True if the example was longer than the maximum length and cut.
     pub truncated: bool,
+    /// For a packed row, the lengths of the examples it holds, in order (see [`crate::data::pack`]); empty for a
+    /// single example.
+    pub segments: Vec<usize>,
 }
 
 fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, String> {
@@ -302,6 +305,7 @@ impl Example {
             input_ids: ids[..n].to_vec(),
             labels,
             truncated,
+            segments: vec![],
         })
     }
 }

@@ -1,5 +1,7 @@
-//! Training and evaluation data: JSONL formats, chat rendering and label masking.
+//! Training and evaluation data: JSONL formats, chat rendering, label masking and packing.
 
 pub mod formats;
+pub mod packing;
 
 pub use formats::{read_jsonl, DataFormat, Example, TokenizedExample};
+pub use packing::{pack, row_positions};

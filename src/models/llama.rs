@@ -8,7 +8,8 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use super::config::ModelConfig;
 use crate::ops::{
-    self, causal_attention, rms_norm, rope, swiglu, FrozenLinear, GradSink, RopeTables,
+    self, causal_attention, packed_causal_attention, rms_norm, rope, swiglu, FrozenLinear,
+    GradSink, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -98,6 +99,7 @@ impl Attention {
         cos: &Tensor,
         sin: &Tensor,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
+        segments: Option<&Segments>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let q = rope(
@@ -122,7 +124,11 @@ impl Attention {
             }
             None => (k, v),
         };
-        let y = causal_attention(&q, &k, &v, 1.0 / (self.head_dim as f64).sqrt())?;
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let y = match segments {
+            Some(segments) => packed_causal_attention(&q, &k, &v, scale, segments)?,
+            None => causal_attention(&q, &k, &v, scale)?,
+        };
         self.o_proj
             .forward(&y.transpose(1, 2)?.contiguous()?.reshape((
                 b,
@@ -148,12 +154,14 @@ impl DecoderLayer {
         cos: &Tensor,
         sin: &Tensor,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
+        segments: Option<&Segments>,
     ) -> Result<Tensor> {
         let h = (x + self.self_attn.forward(
             &rms_norm(x, &self.input_layernorm, self.eps)?,
             cos,
             sin,
             cache,
+            segments,
         )?)?;
         &h + self
             .mlp
@@ -179,8 +187,11 @@ impl DecoderLayer {
 pub enum Positions {
     /// `offset, offset+1, ...` for every row.
     Range(usize),
-    /// Explicit positions `[batch, seq]` (u32), e.g. restarting at each packed example.
+    /// Explicit positions `[batch, seq]` (u32).
     Explicit(Tensor),
+    /// Packed rows: positions `[batch, seq]` (u32) that restart at 0 at every example; attention stays inside each
+    /// example, so a packed row computes what its examples would compute alone.
+    Packed(Tensor),
 }
 
 /// How to run the layers in a training forward.
@@ -340,7 +351,7 @@ impl LlamaModel {
     fn cos_sin(&self, positions: &Positions, seq: usize) -> Result<(Tensor, Tensor)> {
         match positions {
             Positions::Range(offset) => self.rope.range(*offset, seq),
-            Positions::Explicit(p) => self.rope.gather(p),
+            Positions::Explicit(p) | Positions::Packed(p) => self.rope.gather(p),
         }
     }
 
@@ -353,15 +364,21 @@ impl LlamaModel {
     ) -> Result<Tensor> {
         let (_, seq, _) = embeds.dims3()?;
         let (cos, sin) = self.cos_sin(positions, seq)?;
+        let segments = match positions {
+            Positions::Packed(p) => Some(Segments::from_positions(p)?),
+            _ => None,
+        };
         let mut x = embeds.clone();
         for layer in &self.layers {
             x = if checkpointing.enabled {
-                let (layer, cos, sin) = (layer.clone(), cos.clone(), sin.clone());
-                let block: ops::checkpoint::Block =
-                    Arc::new(move |x: &Tensor| layer.forward(x, &cos, &sin, None));
+                let (layer, cos, sin, segments) =
+                    (layer.clone(), cos.clone(), sin.clone(), segments.clone());
+                let block: ops::checkpoint::Block = Arc::new(move |x: &Tensor| {
+                    layer.forward(x, &cos, &sin, None, segments.as_ref())
+                });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {
-                layer.forward(&x, &cos, &sin, None)?
+                layer.forward(&x, &cos, &sin, None, segments.as_ref())?
             };
         }
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
@@ -411,7 +428,7 @@ impl LlamaModel {
         let (cos, sin) = self.rope.range(cache.len(), seq)?;
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&x, &cos, &sin, Some(slot))?;
+            x = layer.forward(&x, &cos, &sin, Some(slot), None)?;
         }
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;

@@ -2,6 +2,8 @@
 //! in the forward and in the backward (which recomputes them, FlashAttention-2 style), and the causal mask is a
 //! constant that gets no gradient.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Result, Tensor, D};
 
 use super::autograd::attach3;
@@ -9,23 +11,73 @@ use super::autograd::attach3;
 /// Query rows per block: the score tensor is `[batch, heads, QUERY_BLOCK, keys]`.
 pub const QUERY_BLOCK: usize = 128;
 
-/// Additive causal mask `[rows, keys]`: query `i` (at absolute position `offset + i`) sees keys `0..=offset+i`.
-fn causal_mask(
+/// Where each example of packed rows begins: queries attend only to keys of their own example.
+///
+/// Built from positions that restart at 0 at every example (`start = index − position`), so the same tensor that
+/// drives RoPE defines the mask and the two cannot disagree.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Segments {
+    /// `[batch * len]`: the index of the first token of each token's example.
+    starts: Arc<Vec<u32>>,
+    batch: usize,
+    len: usize,
+}
+
+impl Segments {
+    /// Segments of `positions` (`[batch, len]`): each row must count up by one from 0 and may restart at 0.
+    pub fn from_positions(positions: &Tensor) -> Result<Self> {
+        let rows = positions.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        let (batch, len) = (rows.len(), rows.first().map_or(0, |r| r.len()));
+        let mut starts = Vec::with_capacity(batch * len);
+        for (r, row) in rows.iter().enumerate() {
+            for (i, &p) in row.iter().enumerate() {
+                let restarts = p == 0;
+                let continues = i > 0 && p == row[i - 1] + 1;
+                if !(restarts || continues) {
+                    candle_core::bail!(
+                        "packed positions must restart at 0 or count up by one: row {r}, index {i} has {p}"
+                    );
+                }
+                starts.push((i as u32) - p);
+            }
+        }
+        Ok(Segments {
+            starts: Arc::new(starts),
+            batch,
+            len,
+        })
+    }
+}
+
+/// Additive mask `[1 or batch, 1, groups*rows, keys]`: query `i` (at absolute position `first_pos + i`) sees keys
+/// `start..=first_pos+i`, where `start` is 0, or the beginning of its example in packed rows.
+fn attention_mask(
     rows: usize,
     first_pos: usize,
     keys: usize,
     groups: usize,
+    segments: Option<&Segments>,
     dtype: DType,
     device: &candle_core::Device,
 ) -> Result<Tensor> {
-    let mut m = Vec::with_capacity(groups * rows * keys);
-    for _ in 0..groups {
-        for i in 0..rows {
-            let last = first_pos + i;
-            m.extend((0..keys).map(|j| if j <= last { 0f32 } else { f32::NEG_INFINITY }));
+    let batch = segments.map_or(1, |s| s.batch);
+    let mut m = Vec::with_capacity(batch * groups * rows * keys);
+    for b in 0..batch {
+        for _ in 0..groups {
+            for i in 0..rows {
+                let last = first_pos + i;
+                let first = segments.map_or(0, |s| s.starts[b * s.len + last] as usize);
+                m.extend((0..keys).map(|j| {
+                    if (first..=last).contains(&j) {
+                        0f32
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }));
+            }
         }
     }
-    Tensor::from_vec(m, (1, 1, groups * rows, keys), device)?.to_dtype(dtype)
+    Tensor::from_vec(m, (batch, 1, groups * rows, keys), device)?.to_dtype(dtype)
 }
 
 /// Shapes of one call: batch, kv heads, query heads per kv head, query length, key length, head dim.
@@ -82,12 +134,21 @@ fn block_probs(
     i0: usize,
     c: usize,
     scale: f64,
+    segments: Option<&Segments>,
 ) -> Result<(Tensor, usize)> {
     let first_pos = dims.s - dims.t + i0;
     let keys = first_pos + c;
     let kb = k.narrow(2, 0, keys)?;
     let scores = (qb.matmul(&kb.t()?)? * scale)?;
-    let mask = causal_mask(c, first_pos, keys, dims.g, scores.dtype(), scores.device())?;
+    let mask = attention_mask(
+        c,
+        first_pos,
+        keys,
+        dims.g,
+        segments,
+        scores.dtype(),
+        scores.device(),
+    )?;
     let scores = scores.broadcast_add(&mask)?;
     let max = scores.max_keepdim(D::Minus1)?;
     let e = scores.broadcast_sub(&max)?.exp()?;
@@ -107,6 +168,38 @@ fn work_dtype(dtype: DType) -> DType {
 /// `hq` a multiple of `hkv` (grouped-query attention) and `s ≥ t` (the queries are the last `t` positions, so a KV
 /// cache works too). Softmax runs in float32 (f64 stays f64); the output has `q`'s dtype.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    attention(q, k, v, scale, None)
+}
+
+/// [`causal_attention`] over packed rows: each query also stays inside its own example (`q`, `k`, `v` cover the
+/// same `[batch, len]` positions as `segments`).
+pub fn packed_causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    segments: &Segments,
+) -> Result<Tensor> {
+    let dims = Dims::of(q, k)?;
+    if (dims.b, dims.t, dims.s) != (segments.batch, segments.len, segments.len) {
+        candle_core::bail!(
+            "packed attention: q {:?} / k {:?} do not cover the segments' [{}, {}]",
+            q.dims(),
+            k.dims(),
+            segments.batch,
+            segments.len
+        );
+    }
+    attention(q, k, v, scale, Some(segments.clone()))
+}
+
+fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    segments: Option<Segments>,
+) -> Result<Tensor> {
     let dims = Dims::of(q, k)?;
     let dtype = q.dtype();
     let work = work_dtype(dtype);
@@ -120,7 +213,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
             let qb = dims.query_block(&q, i0, c)?;
-            let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale)?;
+            let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, segments.as_ref())?;
             let out = p.matmul(&v.narrow(2, 0, keys)?)?;
             blocks.push(dims.ungroup(&out, c)?);
         }
@@ -149,7 +242,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
                 let c = QUERY_BLOCK.min(dims.t - i0);
                 let qb = dims.query_block(&q, i0, c)?;
                 let gb = dims.query_block(&grad, i0, c)?;
-                let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale)?;
+                let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, segments.as_ref())?;
                 let kb = k.narrow(2, 0, keys)?;
                 let vb = v.narrow(2, 0, keys)?;
                 let pad = |x: Tensor| x.pad_with_zeros(2, 0, dims.s - keys);
@@ -230,6 +323,43 @@ mod tests {
             rand_f64(&[1, 1, 130, 2], 6),
         ];
         check(&f, &r, &inputs, &[true, true, false], 12, 1e-6, 1e-12);
+    }
+
+    #[test]
+    fn packed_rows_equal_separate_examples() {
+        // Row 0 packs examples of 3 and 4 tokens; row 1 holds one of 7. The reference runs each example alone.
+        let positions = Tensor::from_vec(
+            vec![0u32, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6],
+            (2, 7),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+        let segments = Segments::from_positions(&positions).unwrap();
+        let f = |xs: &[Tensor]| packed_causal_attention(&xs[0], &xs[1], &xs[2], 0.4, &segments);
+        let r = |xs: &[Tensor]| {
+            let piece = |row: usize, start: usize, len: usize| -> Result<Tensor> {
+                let cut = |x: &Tensor| x.narrow(0, row, 1)?.narrow(2, start, len);
+                reference(&cut(&xs[0])?, &cut(&xs[1])?, &cut(&xs[2])?, 0.4)
+            };
+            let row0 = Tensor::cat(&[piece(0, 0, 3)?, piece(0, 3, 4)?], 2)?;
+            Tensor::cat(&[row0, piece(1, 0, 7)?], 0)
+        };
+        let inputs = [
+            rand_f64(&[2, 4, 7, 3], 11),
+            rand_f64(&[2, 2, 7, 3], 12),
+            rand_f64(&[2, 2, 7, 3], 13),
+        ];
+        check(&f, &r, &inputs, &[true, true, true], 30, 1e-6, 1e-12);
+    }
+
+    #[test]
+    fn packed_positions_must_restart_or_count_up() {
+        let dev = candle_core::Device::Cpu;
+        let bad = Tensor::from_vec(vec![0u32, 1, 3], (1, 3), &dev).unwrap();
+        let err = Segments::from_positions(&bad).unwrap_err().to_string();
+        assert!(err.contains("row 0, index 2"), "{err}");
+        let starts_late = Tensor::from_vec(vec![1u32, 2], (1, 2), &dev).unwrap();
+        assert!(Segments::from_positions(&starts_late).is_err());
     }
 
     #[test]

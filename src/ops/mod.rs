@@ -20,7 +20,7 @@ pub mod swiglu;
 #[cfg(test)]
 pub(crate) mod gradcheck;
 
-pub use attention::causal_attention;
+pub use attention::{causal_attention, packed_causal_attention, Segments};
 pub use checkpoint::{checkpoint, GradSink};
 pub use cross_entropy::{linear_cross_entropy, IGNORE_INDEX};
 pub use embedding::embedding;

@@ -17,7 +17,7 @@ use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
 use crate::eval::{collate, evaluate};
 use crate::lora::LoraConfig;
-use crate::models::{Checkpointing, LlamaModel, Positions};
+use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
 
@@ -261,15 +261,15 @@ impl Trainer {
                             ^ ((micro - window.len() + k) as u64)
                                 .wrapping_mul(0x2545_F491_4F6C_DD1D),
                     );
-                    let (ids, labels) = collate(ex, &Device::Cpu)?;
+                    let batch = collate(ex, &Device::Cpu)?;
                     let ck = Checkpointing {
                         enabled: args.gradient_checkpointing,
                         params: vars.clone(),
                         ..Default::default()
                     };
-                    let (sum, _) = self
-                        .model
-                        .loss_sum(&ids, &labels, &Positions::Range(0), &ck)?;
+                    let (sum, _) =
+                        self.model
+                            .loss_sum(&batch.ids, &batch.labels, &batch.positions, &ck)?;
                     loss_sum += sum.to_scalar::<f32>()? as f64;
                     let mut g = (sum / window_tokens.max(1) as f64)?.backward()?;
                     ck.sink.merge_into(&mut g)?;

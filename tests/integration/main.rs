@@ -6,6 +6,7 @@ mod common;
 mod model_cli;
 mod model_parity;
 mod optim_golden;
+mod packing;
 mod peft_parity;
 mod quant_golden;
 mod trainer;
