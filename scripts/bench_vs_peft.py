@@ -113,10 +113,10 @@ class ChildRun:
     wall_seconds: float
 
 
-def run_child(cmd: list[str], env: dict[str, str] | None = None) -> ChildRun:
+def run_child(cmd: list[str]) -> ChildRun:
     """Runs `cmd` (output inherited) and reaps it with os.wait4 to get its own rusage (ru_maxrss is KiB on Linux)."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return ChildRun(proc.returncode, usage.ru_maxrss * 1024, time.perf_counter() - start)
@@ -141,8 +141,10 @@ def run_worker(kind: str, work: Path) -> tuple[ChildRun, dict | None]:
 def worker_main(kind: str, work: Path) -> None:
     settings = json.loads((work / "settings.json").read_text())
     import torch
+    import transformers
 
     torch.set_num_threads(os.cpu_count() or 1)
+    transformers.utils.logging.disable_progress_bar()
     if kind == "gemm":
         result = gemm_worker(settings)
     elif kind == "prepare":
@@ -216,6 +218,11 @@ def prepare_worker(settings: dict, work: Path) -> dict:
     model = load_f32_model(model_spec)
     torch_model_dir = model_spec["dir"]
     if model_spec["gguf_file"]:
+        # The weights are plain f32 tensors once dequantized; transformers only refuses to save because the model
+        # still carries its GGUF "quantizer", so drop it and save a regular float32 safetensors folder.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         torch_model_dir = str(work / "hf-f32")
         model.save_pretrained(torch_model_dir)
     n_head = n_blocks = 0
@@ -592,7 +599,7 @@ def report(results: list[SystemResult], gemm: dict | None, flops: dict | None, i
         "flops": flops,
         "roofline_tokens_per_s": roofline,
         "systems": [
-            {k: v for k, v in vars(r).items()} | {"fraction_of_roofline": ratio(r.tokens_per_s, roofline)}
+            vars(r) | {"fraction_of_roofline": ratio(r.tokens_per_s, roofline)}
             for r in results
         ],
     }
@@ -603,20 +610,15 @@ def report(results: list[SystemResult], gemm: dict | None, flops: dict | None, i
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def check_python_packages(selected: list[str]) -> dict[str, str]:
-    """The selected torch systems that cannot run, with the reason; exits if torch/transformers are missing."""
-    missing = [m for m in ("torch", "transformers", "peft", "gguf") if importlib.util.find_spec(m) is None]
-    if {"torch", "transformers"} & set(missing):
+def check_python_packages(selected: list[str], model: dict) -> dict[str, str]:
+    """Exits if a required package is missing; returns {"torch-nf4": reason} when bitsandbytes is missing."""
+    required = ["torch", "transformers", "peft"] + (["gguf"] if model["gguf_file"] else [])
+    missing = [m for m in required if importlib.util.find_spec(m) is None]
+    if missing:
         sys.exit(f"bench_vs_peft: missing Python packages {missing}: pip install torch transformers peft bitsandbytes gguf")
-    skipped = {}
-    if "gguf" in missing:
-        sys.exit("bench_vs_peft: transformers needs the `gguf` package to read GGUF files: pip install gguf")
-    for name in ("torch-f32", "torch-nf4"):
-        if name in selected and "peft" in missing:
-            skipped[name] = "skipped: peft not installed (pip install peft)"
-    if "torch-nf4" in selected and "torch-nf4" not in skipped and importlib.util.find_spec("bitsandbytes") is None:
-        skipped["torch-nf4"] = "skipped: bitsandbytes not installed (pip install bitsandbytes)"
-    return skipped
+    if "torch-nf4" in selected and importlib.util.find_spec("bitsandbytes") is None:
+        return {"torch-nf4": "skipped: bitsandbytes not installed (pip install bitsandbytes)"}
+    return {}
 
 
 def run_benchmark(args: argparse.Namespace) -> None:
@@ -625,18 +627,20 @@ def run_benchmark(args: argparse.Namespace) -> None:
     if unknown:
         sys.exit(f"bench_vs_peft: unknown systems {unknown} in --only (choose from {', '.join(SYSTEMS)})")
     model = resolve_model(args.model)
-    skipped = check_python_packages(selected)
-    if "peft" not in {m for m in ("peft",) if importlib.util.find_spec(m)}:
-        sys.exit("bench_vs_peft: the prepare step needs peft to count LoRA parameters: pip install peft")
+    skipped = check_python_packages(selected, model)
     qlora = Path(args.qlora).expanduser().resolve()
     if "ours" in selected and not (qlora.is_file() and os.access(qlora, os.X_OK)):
         reason = f"skipped: no qlora binary at {qlora} (build it: cargo build --release, or pass --qlora PATH)"
-        print(f"bench_vs_peft: {reason}", file=sys.stderr)
         skipped["ours"] = reason
         if args.ours_f32:
             skipped["ours-f32"] = reason
     for name, reason in skipped.items():
         print(f"bench_vs_peft: {name} {reason}", file=sys.stderr)
+    order = [s for s in SYSTEMS if s in selected]
+    if "ours" in order and args.ours_f32:
+        order.insert(order.index("ours") + 1, "ours-f32")
+    if all(name in skipped for name in order):
+        sys.exit("bench_vs_peft: nothing to run")
 
     info = machine_info()
     command = shlex.join([sys.executable, *sys.argv])
@@ -648,9 +652,6 @@ def run_benchmark(args: argparse.Namespace) -> None:
         "total_steps": total_steps,
         "gemm_seconds": args.gemm_seconds,
     }
-    order = [s for s in SYSTEMS if s in selected]
-    if "ours" in order and args.ours_f32:
-        order.insert(order.index("ours") + 1, "ours-f32")
 
     with tempfile.TemporaryDirectory(prefix="bench_vs_peft.") as tmp:
         work = Path(tmp)

@@ -64,6 +64,10 @@ pub enum Error {
     #[error("model: {0}")]
     Model(String),
 
+    /// Training cannot go on (e.g. the loss stayed non-finite), with what to change.
+    #[error("training stopped: {0}")]
+    Diverged(String),
+
     /// The user asked for something that would overwrite or lose data.
     #[error("{0}")]
     WouldOverwrite(String),

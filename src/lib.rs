@@ -57,11 +57,13 @@ pub mod error;
 pub mod eval;
 pub mod loading;
 pub mod lora;
+pub mod memory;
 pub mod models;
 pub mod ops;
 pub mod optim;
 pub mod precision;
 pub mod quant;
+mod rng;
 pub mod trainer;
 
 pub use error::{Error, Result};

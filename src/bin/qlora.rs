@@ -16,7 +16,9 @@ use candle_qlora::lora::merge::{merge_to_folder, MergeOptions};
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::precision::Precision;
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
-use candle_qlora::trainer::{latest_checkpoint, RunConfig, Trainer};
+use candle_qlora::trainer::{
+    latest_checkpoint, EarlyStoppingCallback, MemoryMonitorCallback, RunConfig, Trainer,
+};
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
@@ -144,13 +146,19 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         eval_set,
         &cfg.model.name_or_path,
     )?;
-    let log = trainer.train(resume.as_deref())?;
-    let last = log.iter().rev().find_map(|e| e.loss).unwrap_or(f64::NAN);
-    println!(
-        "trained {} steps; last loss {last:.4}; adapter saved in {}",
-        log.iter().filter(|e| e.loss.is_some()).count(),
-        output_dir.display()
-    );
+    trainer.set_run_config(cfg.resolved.clone());
+    if let Some(patience) = cfg.callbacks.early_stopping_patience {
+        trainer.add_callback(Box::new(EarlyStoppingCallback::new(
+            patience,
+            cfg.callbacks.early_stopping_threshold,
+        )));
+    }
+    if cfg.callbacks.memory_monitor {
+        trainer.add_callback(Box::new(MemoryMonitorCallback::new(
+            cfg.callbacks.memory_warn_fraction,
+        )));
+    }
+    trainer.train(resume.as_deref())?;
     Ok(())
 }
 

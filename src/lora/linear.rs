@@ -12,6 +12,7 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor, Var, D};
 
 use crate::ops::{frozen_linear, FrozenLinear};
+use crate::rng::{splitmix, uniform};
 
 /// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
 /// (a checkpointed layer recomputed in the backward replays the same dropout masks from it).
@@ -67,14 +68,6 @@ pub struct LoraLinear {
     pub active: Option<String>,
 }
 
-/// SplitMix64: a counter-based generator, so masks depend only on (seed, module, element).
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 impl LoraAdapter {
     /// Inverted dropout with a mask that is a pure function of (step seed, module, element index).
     fn dropout(&self, x: &Tensor) -> Result<Tensor> {
@@ -86,9 +79,7 @@ impl LoraAdapter {
         let keep = 1.0 - self.dropout;
         let mask: Vec<f32> = (0..x.elem_count() as u64)
             .map(|i| {
-                let u = (splitmix(seed ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 40) as f64
-                    / (1u64 << 24) as f64;
-                if u < keep {
+                if uniform(seed, i) < keep {
                     (1.0 / keep) as f32
                 } else {
                     0.0

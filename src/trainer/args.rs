@@ -99,6 +99,13 @@ pub struct TrainingArguments {
     pub train_sampling_strategy: String,
     /// Drop the last incomplete batch.
     pub dataloader_drop_last: bool,
+    /// No progress bar (log lines instead), as in transformers.
+    pub disable_tqdm: bool,
+    /// Evaluation metric the early-stopping callback and `best_metric` follow (`eval_loss`).
+    pub metric_for_best_model: Option<String>,
+    /// candle-qlora: stop with an error after this many consecutive steps with a non-finite loss (each such step
+    /// is skipped and logged; 0 never stops).
+    pub max_consecutive_nonfinite_losses: usize,
 }
 
 impl Default for TrainingArguments {
@@ -141,6 +148,9 @@ impl Default for TrainingArguments {
             group_by_length: false,
             train_sampling_strategy: "random".into(),
             dataloader_drop_last: false,
+            disable_tqdm: false,
+            metric_for_best_model: None,
+            max_consecutive_nonfinite_losses: 5,
         }
     }
 }
@@ -184,6 +194,9 @@ pub const FIELDS: &[&str] = &[
     "group_by_length",
     "train_sampling_strategy",
     "dataloader_drop_last",
+    "disable_tqdm",
+    "metric_for_best_model",
+    "max_consecutive_nonfinite_losses",
 ];
 
 /// The valid name closest to `key`, if any is reasonably close.
@@ -244,6 +257,16 @@ impl TrainingArguments {
         }
         if self.report_to != "none" {
             return bad(format!("report_to = \"{}\" is not supported: use \"none\" (logs are written to output_dir)", self.report_to));
+        }
+        if let Some(m) = &self.metric_for_best_model {
+            if m != "eval_loss" && m != "loss" {
+                return bad(format!(
+                    "metric_for_best_model `{m}`: only eval_loss (alias loss) is computed"
+                ));
+            }
+        }
+        if self.neftune_noise_alpha.is_some_and(|a| !(a >= 0.0)) {
+            return bad("neftune_noise_alpha must be a non-negative number".into());
         }
         if !["random", "sequential", "group_by_length"]
             .contains(&self.train_sampling_strategy.as_str())

@@ -60,9 +60,44 @@ pub struct RunConfig {
     pub data: DataSection,
     /// `[training]`.
     pub training: TrainingArguments,
+    /// `[callbacks]`.
+    pub callbacks: CallbackSection,
+    /// The config after `--set` overrides, as TOML (copied into checkpoints).
+    pub resolved: String,
 }
 
-const SECTIONS: &[&str] = &["model", "lora", "data", "training"];
+/// `[callbacks]`: the built-in callbacks a run uses.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CallbackSection {
+    /// Stop after this many evaluations without improvement (transformers' `early_stopping_patience`); off if
+    /// absent.
+    pub early_stopping_patience: Option<usize>,
+    /// Minimum improvement of eval_loss (`early_stopping_threshold`).
+    pub early_stopping_threshold: f64,
+    /// Record memory per step in `output_dir/memory.jsonl` and warn near the machine's limit.
+    pub memory_monitor: bool,
+    /// Fraction of physical memory that triggers the warning.
+    pub memory_warn_fraction: f64,
+}
+
+impl Default for CallbackSection {
+    fn default() -> Self {
+        CallbackSection {
+            early_stopping_patience: None,
+            early_stopping_threshold: 0.0,
+            memory_monitor: true,
+            memory_warn_fraction: 0.9,
+        }
+    }
+}
+
+const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks"];
+const CALLBACK_KEYS: &[&str] = &[
+    "early_stopping_patience",
+    "early_stopping_threshold",
+    "memory_monitor",
+    "memory_warn_fraction",
+];
 const MODEL_KEYS: &[&str] = &["name_or_path", "revision", "quantization"];
 const QUANT_KEYS: &[&str] = &[
     "load_in_4bit",
@@ -118,6 +153,38 @@ fn section<'a>(root: &'a toml::Table, name: &str, path: &str) -> Result<&'a toml
     }
 }
 
+/// The value of `key` in `[section]` converted by `convert`; an error naming both when it has another type.
+fn typed<'a, T>(
+    table: &'a toml::Table,
+    key: &str,
+    (path, section): (&str, &str),
+    want: &str,
+    convert: impl Fn(&'a toml::Value) -> Option<T>,
+) -> Result<Option<T>> {
+    match table.get(key) {
+        None => Ok(None),
+        Some(v) => convert(v).map(Some).ok_or_else(|| {
+            Error::InvalidInput(format!("{path}: [{section}] {key} = {v}: expected {want}"))
+        }),
+    }
+}
+
+fn as_bool(v: &toml::Value) -> Option<bool> {
+    v.as_bool()
+}
+
+fn as_str(v: &toml::Value) -> Option<&str> {
+    v.as_str()
+}
+
+fn as_count(v: &toml::Value) -> Option<usize> {
+    v.as_integer().and_then(|i| usize::try_from(i).ok())
+}
+
+fn as_number(v: &toml::Value) -> Option<f64> {
+    v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
+}
+
 /// Parses `value` of a `--set` as TOML (numbers, booleans, arrays), falling back to a string.
 fn parse_value(text: &str) -> toml::Value {
     format!("v = {text}")
@@ -157,7 +224,9 @@ impl RunConfig {
             }
             table.insert(last.to_string(), parse_value(value.trim()));
         }
-        Self::from_table(&root, path)
+        let mut config = Self::from_table(&root, path)?;
+        config.resolved = root.to_string();
+        Ok(config)
     }
 
     /// Builds a config from a parsed TOML document.
@@ -181,15 +250,15 @@ impl RunConfig {
             None => (None, "float32".to_string()),
             Some(toml::Value::Table(q)) => {
                 check_keys(q, &p, "model.quantization", QUANT_KEYS)?;
-                let get_bool = |k: &str, d: bool| q.get(k).and_then(|v| v.as_bool()).unwrap_or(d);
-                let quant_type: QuantType = q
-                    .get("bnb_4bit_quant_type")
-                    .and_then(|v| v.as_str())
-                    .unwrap_or("fp4")
-                    .parse()?;
-                let compute = q
-                    .get("bnb_4bit_compute_dtype")
-                    .and_then(|v| v.as_str())
+                let at = (p.as_str(), "model.quantization");
+                let get_bool = |k: &str, d: bool| -> Result<bool> {
+                    Ok(typed(q, k, at, "true or false", as_bool)?.unwrap_or(d))
+                };
+                let quant_type: QuantType =
+                    typed(q, "bnb_4bit_quant_type", at, "a string", as_str)?
+                        .unwrap_or("fp4")
+                        .parse()?;
+                let compute = typed(q, "bnb_4bit_compute_dtype", at, "a string", as_str)?
                     .unwrap_or("float32")
                     .to_string();
                 if !["bfloat16", "float16", "float32"].contains(&compute.as_str()) {
@@ -199,15 +268,13 @@ impl RunConfig {
                 }
                 let cfg = QuantConfig {
                     quant_type,
-                    blocksize: q
-                        .get("bnb_4bit_blocksize")
-                        .and_then(|v| v.as_integer())
-                        .unwrap_or(64) as usize,
-                    double_quant: get_bool("bnb_4bit_use_double_quant", false),
+                    blocksize: typed(q, "bnb_4bit_blocksize", at, "an integer", as_count)?
+                        .unwrap_or(64),
+                    double_quant: get_bool("bnb_4bit_use_double_quant", false)?,
                     ..QuantConfig::nf4()
                 };
                 cfg.validate()?;
-                (get_bool("load_in_4bit", false).then_some(cfg), compute)
+                (get_bool("load_in_4bit", false)?.then_some(cfg), compute)
             }
             Some(_) => {
                 return Err(Error::InvalidInput(format!(
@@ -217,10 +284,7 @@ impl RunConfig {
         };
         let model = ModelSection {
             name_or_path,
-            revision: m
-                .get("revision")
-                .and_then(|v| v.as_str())
-                .map(str::to_string),
+            revision: typed(m, "revision", (&p, "model"), "a string", as_str)?.map(str::to_string),
             quantization,
             compute_dtype,
         };
@@ -233,27 +297,32 @@ impl RunConfig {
 
         let d = section(root, "data", &p)?;
         check_keys(d, &p, "data", DATA_KEYS)?;
-        let file = |k: &str| d.get(k).and_then(|v| v.as_str()).map(|f| base.join(f));
-        let flag = |k: &str, default: bool| d.get(k).and_then(|v| v.as_bool()).unwrap_or(default);
+        let at = (p.as_str(), "data");
+        let file = |k: &str| -> Result<Option<PathBuf>> {
+            Ok(typed(d, k, at, "a file path", as_str)?.map(|f| base.join(f)))
+        };
+        let flag = |k: &str, default: bool| -> Result<bool> {
+            Ok(typed(d, k, at, "true or false", as_bool)?.unwrap_or(default))
+        };
         let data = DataSection {
-            train_file: file("train_file")
+            train_file: file("train_file")?
                 .ok_or_else(|| Error::InvalidInput(format!("{p}: [data] needs train_file")))?,
-            eval_file: file("eval_file"),
-            eval_split: d.get("eval_split").and_then(|v| v.as_float()),
-            format: d
-                .get("format")
-                .and_then(|v| v.as_str())
+            eval_file: file("eval_file")?,
+            eval_split: typed(d, "eval_split", at, "a number", as_number)?,
+            format: typed(d, "format", at, "a string", as_str)?
                 .unwrap_or("auto")
                 .to_string(),
-            max_length: d
-                .get("max_length")
-                .and_then(|v| v.as_integer())
-                .unwrap_or(1024) as usize,
-            packing: flag("packing", false),
-            completion_only_loss: flag("completion_only_loss", true),
-            assistant_only_loss: flag("assistant_only_loss", false),
-            skip_bad_lines: flag("skip_bad_lines", false),
+            max_length: typed(d, "max_length", at, "a positive integer", as_count)?.unwrap_or(1024),
+            packing: flag("packing", false)?,
+            completion_only_loss: flag("completion_only_loss", true)?,
+            assistant_only_loss: flag("assistant_only_loss", false)?,
+            skip_bad_lines: flag("skip_bad_lines", false)?,
         };
+        if data.max_length == 0 {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [data] max_length must be at least 1"
+            )));
+        }
         data.format.parse::<crate::data::DataFormat>()?;
 
         let training = match root.get("training") {
@@ -265,12 +334,54 @@ impl RunConfig {
             }
             None => TrainingArguments::default(),
         };
+        let callbacks = match root.get("callbacks") {
+            None => CallbackSection::default(),
+            Some(toml::Value::Table(c)) => {
+                check_keys(c, &p, "callbacks", CALLBACK_KEYS)?;
+                let at = (p.as_str(), "callbacks");
+                let defaults = CallbackSection::default();
+                CallbackSection {
+                    early_stopping_patience: typed(
+                        c,
+                        "early_stopping_patience",
+                        at,
+                        "a positive integer",
+                        as_count,
+                    )?,
+                    early_stopping_threshold: typed(
+                        c,
+                        "early_stopping_threshold",
+                        at,
+                        "a number",
+                        as_number,
+                    )?
+                    .unwrap_or(defaults.early_stopping_threshold),
+                    memory_monitor: typed(c, "memory_monitor", at, "true or false", as_bool)?
+                        .unwrap_or(defaults.memory_monitor),
+                    memory_warn_fraction: typed(
+                        c,
+                        "memory_warn_fraction",
+                        at,
+                        "a number",
+                        as_number,
+                    )?
+                    .unwrap_or(defaults.memory_warn_fraction),
+                }
+            }
+            Some(_) => {
+                return Err(Error::InvalidInput(format!(
+                    "{p}: [callbacks] must be a table"
+                )))
+            }
+        };
         Ok(RunConfig {
             path: path.to_path_buf(),
             model,
             lora,
             data,
             training,
+            callbacks,
+            resolved: root.to_string(),
         })
     }
 }

@@ -1,8 +1,8 @@
 //! The training loop: gradient accumulation with token-level loss normalization over the whole window, the
-//! schedule, clipping, the optimizer, evaluation and logging on schedule, and checkpoints that resume exactly.
+//! schedule, clipping, the optimizer, evaluation, logging and checkpoints on schedule, callbacks, and resume.
 //!
-//! Data order depends only on (`data_seed`, epoch) and dropout masks only on (`seed`, micro-batch index), so a
-//! resumed run replays the same batches and masks as an uninterrupted one.
+//! Data order depends only on (`data_seed`, epoch), and dropout masks and NEFTune noise only on (`seed`,
+//! micro-batch index), so a resumed run replays the same batches, masks and noise as an uninterrupted one.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -12,11 +12,21 @@ use candle_core::backprop::GradStore;
 use candle_core::{Device, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
+use super::callbacks::{TrainerCallback, TrainerControl};
+use super::checkpoint::{
+    read_json, remove_partial_checkpoints, rotate_checkpoints, write_checkpoint, CheckpointFiles,
+    DataPosition, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
+};
+use super::neftune::neftune_noise;
+use super::plot::loss_svg;
+use super::progress::{summary, Progress, StepFigures};
+use super::state::{LogEntry, TrainOutput, TrainerState};
 use crate::adapter::{load_adapter, save_adapter};
 use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
-use crate::eval::{collate, evaluate};
+use crate::eval::{collate, evaluate, EvalReport};
 use crate::lora::LoraConfig;
+use crate::memory::process_memory;
 use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
@@ -24,26 +34,10 @@ use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
 /// The adapter the trainer trains.
 pub const ADAPTER: &str = "default";
 
-/// One line of the training log (`log_history` in `trainer_state.json`, and `log.jsonl`).
-#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LogEntry {
-    /// Optimizer step.
-    pub step: usize,
-    /// Fractional epoch.
-    pub epoch: f64,
-    /// Token-level mean training loss of the step's window (train entries).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub loss: Option<f64>,
-    /// Pre-clip gradient norm.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub grad_norm: Option<f64>,
-    /// Learning rate used by the step.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub learning_rate: Option<f64>,
-    /// Evaluation loss (eval entries).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub eval_loss: Option<f64>,
-}
+/// Files of a finished run in `output_dir` besides the adapter.
+const LOG_FILE: &str = "log.jsonl";
+const PLOT_FILE: &str = "loss.svg";
+const RESULTS_FILE: &str = "train_results.json";
 
 /// A trainer for one LoRA adapter on a model.
 pub struct Trainer {
@@ -53,8 +47,9 @@ pub struct Trainer {
     train: Vec<TokenizedExample>,
     eval: Vec<TokenizedExample>,
     base_model_name: String,
-    /// Log entries so far.
-    pub log_history: Vec<LogEntry>,
+    state: TrainerState,
+    callbacks: Vec<Box<dyn TrainerCallback>>,
+    run_config: Option<String>,
 }
 
 /// Micro-batches of example indices for `epoch` (seeded shuffle, or length-grouped).
@@ -106,21 +101,70 @@ fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
         .sum()
 }
 
-/// The newest `checkpoint-N` folder in `dir`.
-pub fn latest_checkpoint(dir: &Path) -> Option<PathBuf> {
-    std::fs::read_dir(dir)
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let n: usize = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            e.path()
-                .join("trainer_state.json")
-                .exists()
-                .then_some((n, e.path()))
-        })
-        .max_by_key(|(n, _)| *n)
-        .map(|(_, p)| p)
+/// The seed of micro-batch `index` (dropout masks, NEFTune noise).
+fn micro_batch_seed(seed: u64, index: usize) -> u64 {
+    seed ^ (index as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// How the data is walked: fixed once per run.
+struct DataPlan {
+    lengths: Vec<usize>,
+    strategy: String,
+    data_seed: u64,
+    batches_per_epoch: usize,
+}
+
+impl DataPlan {
+    fn new(train: &[TokenizedExample], args: &TrainingArguments) -> Self {
+        let lengths: Vec<usize> = train.iter().map(|e| e.input_ids.len()).collect();
+        let strategy = if args.group_by_length {
+            "group_by_length".to_string()
+        } else {
+            args.train_sampling_strategy.clone()
+        };
+        let data_seed = args.data_seed.unwrap_or(args.seed);
+        let mut plan = DataPlan {
+            lengths,
+            strategy,
+            data_seed,
+            batches_per_epoch: 0,
+        };
+        plan.batches_per_epoch = plan.batches(0, args).len();
+        plan
+    }
+
+    fn batches(&self, epoch: usize, args: &TrainingArguments) -> Vec<Vec<usize>> {
+        epoch_batches(
+            self.lengths.len(),
+            args.per_device_train_batch_size,
+            self.data_seed,
+            epoch,
+            &self.lengths,
+            &self.strategy,
+            args.dataloader_drop_last,
+        )
+    }
+
+    fn position(&self, args: &TrainingArguments, micro_batches_done: usize) -> DataPosition {
+        DataPosition {
+            seed: args.seed,
+            data_seed: self.data_seed,
+            sampling: self.strategy.clone(),
+            per_device_train_batch_size: args.per_device_train_batch_size,
+            gradient_accumulation_steps: args.gradient_accumulation_steps,
+            train_rows: self.lengths.len(),
+            micro_batches_done,
+            epoch: micro_batches_done / self.batches_per_epoch.max(1),
+        }
+    }
+}
+
+/// The outcome of one accumulation window.
+struct WindowResult {
+    loss_sum: f64,
+    counted: usize,
+    input_tokens: usize,
+    grads: GradStore,
 }
 
 impl Trainer {
@@ -147,7 +191,9 @@ impl Trainer {
             train,
             eval,
             base_model_name: base_model_name.to_string(),
-            log_history: vec![],
+            state: TrainerState::default(),
+            callbacks: vec![],
+            run_config: None,
         })
     }
 
@@ -156,48 +202,140 @@ impl Trainer {
         &self.args
     }
 
+    /// The run's state (steps, log, best metric).
+    pub fn state(&self) -> &TrainerState {
+        &self.state
+    }
+
+    /// Adds a callback; callbacks run in the order added.
+    pub fn add_callback(&mut self, callback: Box<dyn TrainerCallback>) {
+        self.callbacks.push(callback);
+    }
+
+    /// The resolved run config (TOML), copied into every checkpoint as `run_config.toml`.
+    pub fn set_run_config(&mut self, toml: String) {
+        self.run_config = Some(toml);
+    }
+
     fn vars(&self) -> Result<Vec<(String, Var)>> {
         self.model.adapter_parameters(ADAPTER)
     }
 
-    /// Trains to the end (resuming from `resume` if given: a `checkpoint-N` folder) and saves the final adapter in
-    /// `output_dir`. Returns the log.
-    pub fn train(&mut self, resume: Option<&Path>) -> Result<Vec<LogEntry>> {
+    /// Refuses to reuse the output of an earlier run (an adapter or checkpoints) unless resuming or
+    /// `overwrite_output_dir`; with it, removes that run's adapter and checkpoints (the user asked for it). A log
+    /// without any checkpoint (a run killed early) holds nothing to keep and is replaced.
+    fn prepare_output_dir(&self, out: &Path, resuming: bool) -> Result<()> {
+        let earlier: Vec<PathBuf> = std::fs::read_dir(out)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                let name = p.file_name().unwrap_or_default().to_string_lossy();
+                name.starts_with("checkpoint-")
+                    || ["adapter_config.json", "adapter_model.safetensors"].contains(&name.as_ref())
+            })
+            .collect();
+        if !resuming && !earlier.is_empty() {
+            if !self.args.overwrite_output_dir {
+                return Err(Error::WouldOverwrite(format!(
+                    "`{}` holds the output of an earlier run ({}); resume it (--resume), set overwrite_output_dir = \
+                     true to replace it, or pick another output_dir",
+                    out.display(),
+                    earlier[0].file_name().unwrap_or_default().to_string_lossy()
+                )));
+            }
+            for p in &earlier {
+                let removed = if p.is_dir() {
+                    std::fs::remove_dir_all(p)
+                } else {
+                    std::fs::remove_file(p)
+                };
+                removed.map_err(|e| Error::io("cannot remove", p, e))?;
+            }
+        }
+        std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
+        remove_partial_checkpoints(out)
+    }
+
+    /// Forward and backward of every micro-batch of a window, gradients summed, the loss normalized by the
+    /// window's label tokens.
+    fn run_window(
+        &self,
+        window: &[Vec<usize>],
+        first_micro: usize,
+        vars: &[Var],
+    ) -> Result<WindowResult> {
+        let args = &self.args;
+        let examples: Vec<Vec<&TokenizedExample>> = window
+            .iter()
+            .map(|b| b.iter().map(|i| &self.train[*i]).collect())
+            .collect();
+        let counted: usize = examples.iter().map(|e| counted_tokens(e)).sum();
+        let mut grads = GradStore::default();
+        let mut loss_sum = 0f64;
+        self.model.lora_runtime.set_training(true);
+        for (k, ex) in examples.iter().enumerate() {
+            let seed = micro_batch_seed(args.seed, first_micro + k);
+            self.model.lora_runtime.set_step_seed(seed);
+            let batch = collate(ex, &Device::Cpu)?;
+            let ck = Checkpointing {
+                enabled: args.gradient_checkpointing,
+                params: vars.to_vec(),
+                ..Default::default()
+            };
+            let mut embeds = self.model.embed(&batch.ids)?;
+            if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
+                embeds = neftune_noise(&embeds, alpha, seed)?;
+            }
+            let hidden = self.model.forward_embeds(&embeds, &batch.positions, &ck)?;
+            let (sum, _) = self.model.loss_from_hidden(&hidden, &batch.labels)?;
+            loss_sum += sum.to_scalar::<f32>()? as f64;
+            let mut g = (sum / counted.max(1) as f64)?.backward()?;
+            ck.sink.merge_into(&mut g)?;
+            for v in vars {
+                if let Some(gv) = g.get(v) {
+                    let acc = match grads.get(v) {
+                        Some(old) => (old + gv)?,
+                        None => gv.clone(),
+                    };
+                    grads.insert(v, acc);
+                }
+            }
+        }
+        self.model.lora_runtime.set_training(false);
+        Ok(WindowResult {
+            loss_sum,
+            counted,
+            input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),
+            grads,
+        })
+    }
+
+    fn each_callback(
+        &mut self,
+        f: impl Fn(&mut dyn TrainerCallback, &TrainingArguments, &TrainerState) -> Result<()>,
+    ) -> Result<()> {
+        for cb in &mut self.callbacks {
+            f(cb.as_mut(), &self.args, &self.state)?;
+        }
+        Ok(())
+    }
+
+    /// Trains to the end (resuming from `resume` if given: a `checkpoint-N` folder), saves the final adapter in
+    /// `output_dir` with the log, a loss plot and `train_results.json`, and prints a summary.
+    pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
-        if resume.is_none()
-            && out.join("adapter_config.json").exists()
-            && !args.overwrite_output_dir
-        {
-            return Err(Error::WouldOverwrite(format!(
-                "`{}` already holds a trained adapter; set overwrite_output_dir = true, resume, or pick another output_dir",
-                out.display()
-            )));
-        }
-        std::fs::create_dir_all(&out).map_err(|e| Error::io("cannot create", &out, e))?;
-        let lengths: Vec<usize> = self.train.iter().map(|e| e.input_ids.len()).collect();
-        let strategy = if args.group_by_length {
-            "group_by_length"
-        } else {
-            args.train_sampling_strategy.as_str()
-        };
-        let data_seed = args.data_seed.unwrap_or(args.seed);
-        let batch = args.per_device_train_batch_size;
-        let per_epoch = epoch_batches(
-            self.train.len(),
-            batch,
-            data_seed,
-            0,
-            &lengths,
-            strategy,
-            args.dataloader_drop_last,
-        )
-        .len();
-        let total = args.total_steps(per_epoch);
+        self.prepare_output_dir(&out, resume.is_some())?;
+        let plan = DataPlan::new(&self.train, &args);
+        let total = args.total_steps(plan.batches_per_epoch);
+        let scheduler_type = args.scheduler_type()?;
+        let warmup = args.warmup_for(total);
         let schedule = Schedule::new(
-            args.scheduler_type()?,
+            scheduler_type,
             args.learning_rate,
-            args.warmup_for(total),
+            warmup,
             total,
             args.lr_scheduler_kwargs.as_ref(),
         )?;
@@ -212,148 +350,195 @@ impl Trainer {
             ..Default::default()
         };
         let mut optimizer = Optimizer::new(params, config)?;
-        let mut step = 0usize;
-        if let Some(ckpt) = resume {
-            step = self.restore(ckpt, &mut optimizer)?;
-        }
-        let log_path = out.join("log.jsonl");
-        let accumulation = args.gradient_accumulation_steps;
         let log_every = TrainingArguments::interval(args.logging_steps, total);
         let save_every = TrainingArguments::interval(args.save_steps, total);
         let eval_every =
             TrainingArguments::interval(args.eval_steps.unwrap_or(args.logging_steps), total);
+        self.state = TrainerState {
+            max_steps: total,
+            num_train_epochs: args.num_train_epochs,
+            logging_steps: log_every,
+            eval_steps: eval_every,
+            save_steps: save_every,
+            train_batch_size: args.per_device_train_batch_size,
+            is_world_process_zero: true,
+            is_local_process_zero: true,
+            ..Default::default()
+        };
+        if let Some(ckpt) = resume {
+            self.restore(ckpt, &mut optimizer, &plan)?;
+        }
+        // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
+        let log_path = out.join(LOG_FILE);
+        let history: String = self
+            .state
+            .log_history
+            .iter()
+            .map(|e| serde_json::to_string(e).unwrap_or_default() + "\n")
+            .collect();
+        std::fs::write(&log_path, history).map_err(|e| Error::io("cannot write", &log_path, e))?;
+        self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
+
         let started = Instant::now();
-        let mut tokens_seen = 0usize;
-        // Walk the micro-batches in order; a resumed run skips the windows already done.
+        let tokens_at_start = self.state.num_input_tokens_seen;
+        let progress = Progress::new(total, self.state.global_step, args.disable_tqdm);
+        let accumulation = args.gradient_accumulation_steps;
+        let windows = plan.batches_per_epoch.div_ceil(accumulation);
+        let mut control = TrainerControl::default();
         let mut micro = 0usize;
+        let mut step = self.state.global_step;
         'epochs: for epoch in 0.. {
-            let batches = epoch_batches(
-                self.train.len(),
-                batch,
-                data_seed,
-                epoch,
-                &lengths,
-                strategy,
-                args.dataloader_drop_last,
-            );
-            let windows = per_epoch.div_ceil(accumulation);
+            if step >= total || control.should_training_stop {
+                break;
+            }
+            let batches = plan.batches(epoch, &args);
             for (w, window) in batches.chunks(accumulation).enumerate() {
+                let first_micro = micro;
                 micro += window.len();
-                let window_step = epoch * windows + w + 1;
-                if window_step <= step {
-                    continue;
+                if epoch * windows + w < step {
+                    continue; // done before the checkpoint this run resumed from
                 }
                 if step >= total {
                     break 'epochs;
                 }
+                let step_started = Instant::now();
+                let result = self.run_window(window, first_micro, &vars)?;
                 step += 1;
-                let examples: Vec<Vec<&TokenizedExample>> = window
-                    .iter()
-                    .map(|b| b.iter().map(|i| &self.train[*i]).collect())
-                    .collect();
-                let window_tokens: usize = examples.iter().map(|e| counted_tokens(e)).sum();
-                let mut grads = GradStore::default();
-                let mut loss_sum = 0f64;
-                self.model.lora_runtime.set_training(true);
-                for (k, ex) in examples.iter().enumerate() {
-                    self.model.lora_runtime.set_step_seed(
-                        args.seed
-                            ^ ((micro - window.len() + k) as u64)
-                                .wrapping_mul(0x2545_F491_4F6C_DD1D),
-                    );
-                    let batch = collate(ex, &Device::Cpu)?;
-                    let ck = Checkpointing {
-                        enabled: args.gradient_checkpointing,
-                        params: vars.clone(),
-                        ..Default::default()
-                    };
-                    let (sum, _) =
-                        self.model
-                            .loss_sum(&batch.ids, &batch.labels, &batch.positions, &ck)?;
-                    loss_sum += sum.to_scalar::<f32>()? as f64;
-                    let mut g = (sum / window_tokens.max(1) as f64)?.backward()?;
-                    ck.sink.merge_into(&mut g)?;
-                    for v in &vars {
-                        if let Some(gv) = g.get(v) {
-                            let acc = match grads.get(v) {
-                                Some(old) => (old + gv)?,
-                                None => gv.clone(),
-                            };
-                            grads.insert(v, acc);
-                        }
-                    }
-                }
-                self.model.lora_runtime.set_training(false);
-                tokens_seen += examples
-                    .iter()
-                    .flatten()
-                    .map(|e| e.input_ids.len())
-                    .sum::<usize>();
-                let loss = loss_sum / window_tokens.max(1) as f64;
-                let lr = schedule.lr_for_update(step);
-                if !loss.is_finite() {
-                    eprintln!("step {step}: non-finite loss {loss}; update skipped");
-                    continue;
-                }
-                let grad_norm = clip_grad_norm(&vars, &mut grads, args.max_grad_norm)?;
-                optimizer.step(&grads, lr)?;
                 let epoch_f = epoch as f64 + (w + 1) as f64 / windows as f64;
-                if step % log_every == 0 || (step == 1 && args.logging_first_step) || step == total
+                self.state.global_step = step;
+                self.state.epoch = epoch_f;
+                self.state.num_input_tokens_seen += result.input_tokens;
+                let loss = result.loss_sum / result.counted.max(1) as f64;
+                let lr = schedule.lr_for_update(step);
+                let mut entry = LogEntry {
+                    step,
+                    epoch: epoch_f,
+                    learning_rate: Some(lr),
+                    tokens: Some(result.input_tokens),
+                    ..Default::default()
+                };
+                if loss.is_finite() {
+                    self.state.consecutive_nonfinite_losses = 0;
+                    let mut grads = result.grads;
+                    let grad_norm = clip_grad_norm(&vars, &mut grads, args.max_grad_norm)?;
+                    optimizer.step(&grads, lr)?;
+                    entry.loss = Some(loss);
+                    entry.grad_norm = Some(grad_norm);
+                } else {
+                    self.state.consecutive_nonfinite_losses += 1;
+                    entry.skipped = true;
+                    progress.println(&format!(
+                        "step {step}: non-finite loss ({loss}); update skipped ({} in a row)",
+                        self.state.consecutive_nonfinite_losses
+                    ));
+                }
+                entry.step_seconds = Some(step_started.elapsed().as_secs_f64());
+                entry.memory_bytes = process_memory().rss;
+                let tokens_per_second = (self.state.num_input_tokens_seen - tokens_at_start) as f64
+                    / started.elapsed().as_secs_f64();
+                progress.update(&StepFigures {
+                    step,
+                    loss,
+                    lr,
+                    tokens_per_second,
+                    memory: entry.memory_bytes,
+                });
+                if entry.skipped
+                    || step % log_every == 0
+                    || (step == 1 && args.logging_first_step)
+                    || step == total
                 {
-                    let entry = LogEntry {
-                        step,
-                        epoch: epoch_f,
-                        loss: Some(loss),
-                        grad_norm: Some(grad_norm),
-                        learning_rate: Some(lr),
-                        eval_loss: None,
+                    progress.println(&format!(
+                        "step {step}/{total}  loss {loss:.4}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
+                        entry.grad_norm.unwrap_or(f64::NAN)
+                    ));
+                    self.log(&log_path, entry)?;
+                }
+                let limit = args.max_consecutive_nonfinite_losses;
+                if limit > 0 && self.state.consecutive_nonfinite_losses >= limit {
+                    return Err(Error::Diverged(format!(
+                        "the loss was not finite for {limit} steps in a row (last at step {step}); lower \
+                         learning_rate, set max_grad_norm, use bf16 instead of fp16, or check the data \
+                         (max_consecutive_nonfinite_losses sets this limit)"
+                    )));
+                }
+                let last_window = w + 1 == windows;
+                let evaluate_now = match args.eval_strategy {
+                    IntervalStrategy::Steps => step % eval_every == 0,
+                    IntervalStrategy::Epoch => last_window,
+                    IntervalStrategy::No => false,
+                };
+                if evaluate_now && !self.eval.is_empty() {
+                    self.evaluate_and_log(&log_path, &progress, &mut control)?;
+                }
+                for cb in &mut self.callbacks {
+                    cb.on_step_end(&args, &self.state, &mut control)?;
+                }
+                let save_now = match args.save_strategy {
+                    IntervalStrategy::Steps => step % save_every == 0,
+                    IntervalStrategy::Epoch => last_window,
+                    IntervalStrategy::No => false,
+                };
+                if save_now && step < total && !control.should_training_stop {
+                    let data = plan.position(&args, micro);
+                    let scheduler = SchedulerState {
+                        lr_scheduler_type: args.lr_scheduler_type.clone(),
+                        learning_rate: args.learning_rate,
+                        warmup_steps: warmup,
+                        total_steps: total,
+                        last_step: step,
+                        last_lr: lr,
                     };
-                    eprintln!(
-                        "step {step}/{total}  loss {loss:.4}  lr {lr:.3e}  grad_norm {grad_norm:.3}  {:.0} tokens/s",
-                        tokens_seen as f64 / started.elapsed().as_secs_f64()
-                    );
-                    self.append_log(&log_path, entry)?;
+                    self.save_checkpoint(&out, &optimizer, &data, &scheduler)?;
                 }
-                if args.eval_strategy == IntervalStrategy::Steps
-                    && !self.eval.is_empty()
-                    && step % eval_every == 0
-                {
-                    let report =
-                        evaluate(&self.model, &self.eval, args.per_device_eval_batch_size)?;
-                    eprintln!(
-                        "step {step}: eval_loss {:.4}  perplexity {:.3}",
-                        report.loss, report.perplexity
-                    );
-                    let entry = LogEntry {
-                        step,
-                        epoch: epoch_f,
-                        loss: None,
-                        grad_norm: None,
-                        learning_rate: None,
-                        eval_loss: Some(report.loss),
-                    };
-                    self.append_log(&log_path, entry)?;
+                if control.should_training_stop {
+                    break 'epochs;
                 }
-                if args.save_strategy == IntervalStrategy::Steps
-                    && step % save_every == 0
-                    && step < total
-                {
-                    self.save_checkpoint(&out, step, total, &optimizer)?;
-                }
-            }
-            if args.eval_strategy == IntervalStrategy::Epoch && !self.eval.is_empty() {
-                let report = evaluate(&self.model, &self.eval, args.per_device_eval_batch_size)?;
-                eprintln!("epoch {}: eval_loss {:.4}", epoch + 1, report.loss);
-            }
-            if step >= total {
-                break;
             }
         }
+        progress.finish();
         save_adapter(&self.model, ADAPTER, &out, &self.base_model_name)?;
-        Ok(self.log_history.clone())
+        let output = self.finish(&out, started, tokens_at_start, step < total)?;
+        self.each_callback(|cb, a, s| cb.on_train_end(a, s))?;
+        Ok(output)
     }
 
-    fn append_log(&mut self, path: &Path, entry: LogEntry) -> Result<()> {
+    /// Evaluates, logs the result, tracks the best metric and runs the callbacks' `on_evaluate`.
+    fn evaluate_and_log(
+        &mut self,
+        log_path: &Path,
+        progress: &Progress,
+        control: &mut TrainerControl,
+    ) -> Result<EvalReport> {
+        let report = evaluate(
+            &self.model,
+            &self.eval,
+            self.args.per_device_eval_batch_size,
+        )?;
+        let step = self.state.global_step;
+        progress.println(&format!(
+            "step {step}: eval_loss {:.4}  perplexity {:.3}",
+            report.loss, report.perplexity
+        ));
+        if self.state.best_metric.is_none_or(|b| report.loss < b) {
+            self.state.best_metric = Some(report.loss);
+            self.state.best_global_step = Some(step);
+        }
+        let entry = LogEntry {
+            step,
+            epoch: self.state.epoch,
+            eval_loss: Some(report.loss),
+            eval_perplexity: Some(report.perplexity),
+            ..Default::default()
+        };
+        self.log(log_path, entry)?;
+        for cb in &mut self.callbacks {
+            cb.on_evaluate(&self.args, &self.state, control, &report)?;
+        }
+        Ok(report)
+    }
+
+    fn log(&mut self, path: &Path, entry: LogEntry) -> Result<()> {
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -361,89 +546,68 @@ impl Trainer {
             .map_err(|e| Error::io("cannot write", path, e))?;
         writeln!(f, "{}", serde_json::to_string(&entry).unwrap_or_default())
             .map_err(|e| Error::io("cannot write", path, e))?;
-        self.log_history.push(entry);
-        Ok(())
+        self.state.log_history.push(entry.clone());
+        self.each_callback(|cb, a, s| cb.on_log(a, s, &entry))
     }
 
-    /// Writes `output_dir/checkpoint-{step}` atomically (a temporary folder renamed when complete) and removes the
-    /// oldest checkpoints beyond `save_total_limit`.
+    /// Writes `checkpoint-{step}` (see [`super::checkpoint`]) and applies `save_total_limit`.
     fn save_checkpoint(
-        &self,
+        &mut self,
         out: &Path,
-        step: usize,
-        total: usize,
         optimizer: &Optimizer,
+        data: &DataPosition,
+        scheduler: &SchedulerState,
     ) -> Result<()> {
-        let final_dir = out.join(format!("checkpoint-{step}"));
-        let tmp = out.join(format!(".checkpoint-{step}.partial"));
-        let _ = std::fs::remove_dir_all(&tmp);
-        save_adapter(&self.model, ADAPTER, &tmp, &self.base_model_name)?;
-        optimizer.save(&tmp)?;
-        let state = serde_json::json!({
-            "global_step": step,
-            "max_steps": total,
-            "log_history": self.log_history,
-            "logging_steps": self.args.logging_steps,
-            "save_steps": self.args.save_steps,
-            "train_batch_size": self.args.per_device_train_batch_size,
-            "num_train_epochs": self.args.num_train_epochs,
-            "best_metric": null,
-            "best_model_checkpoint": null,
-            "is_world_process_zero": true,
-        });
-        let path = tmp.join("trainer_state.json");
-        std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&state).unwrap_or_default(),
-        )
-        .map_err(|e| Error::io("cannot write", &path, e))?;
-        if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir)
-                .map_err(|e| Error::io("cannot replace", &final_dir, e))?;
+        let step = self.state.global_step;
+        if self.state.best_global_step.is_some_and(|b| b <= step) {
+            self.state.best_model_checkpoint =
+                Some(out.join(format!("checkpoint-{step}")).display().to_string());
         }
-        std::fs::rename(&tmp, &final_dir)
-            .map_err(|e| Error::io("cannot move into place", &final_dir, e))?;
+        self.state.stateful_callbacks = self
+            .callbacks
+            .iter()
+            .filter_map(|cb| Some((cb.name().to_string(), cb.state()?)))
+            .collect();
+        let files = CheckpointFiles {
+            state: &self.state,
+            data,
+            scheduler,
+            args: &self.args,
+            run_config: self.run_config.as_deref(),
+        };
+        let dir = write_checkpoint(out, step, &files, |tmp| {
+            save_adapter(&self.model, ADAPTER, tmp, &self.base_model_name)?;
+            optimizer.save(tmp)
+        })?;
         if let Some(limit) = self.args.save_total_limit {
-            let mut ckpts: Vec<(usize, PathBuf)> = std::fs::read_dir(out)
-                .map_err(|e| Error::io("cannot list", out, e))?
-                .filter_map(|e| e.ok())
-                .filter_map(|e| {
-                    Some((
-                        e.file_name()
-                            .to_string_lossy()
-                            .strip_prefix("checkpoint-")?
-                            .parse()
-                            .ok()?,
-                        e.path(),
-                    ))
-                })
-                .collect();
-            ckpts.sort();
-            while ckpts.len() > limit.max(1) {
-                let (_, p) = ckpts.remove(0);
-                std::fs::remove_dir_all(&p).map_err(|e| Error::io("cannot remove", &p, e))?;
-            }
+            rotate_checkpoints(out, limit)?;
+        }
+        for cb in &mut self.callbacks {
+            cb.on_save(&self.args, &self.state, &dir)?;
         }
         Ok(())
     }
 
-    /// Loads adapter weights, optimizer state and the log from a checkpoint; returns its step.
-    fn restore(&mut self, ckpt: &Path, optimizer: &mut Optimizer) -> Result<usize> {
-        let state_path = ckpt.join("trainer_state.json");
-        let text = std::fs::read_to_string(&state_path)
-            .map_err(|e| Error::io("cannot read", &state_path, e))?;
-        let state: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::invalid_file(&state_path, e.to_string()))?;
-        let step = state["global_step"]
-            .as_u64()
-            .ok_or_else(|| Error::invalid_file(&state_path, "global_step is missing"))?
-            as usize;
-        self.log_history = serde_json::from_value(state["log_history"].clone()).unwrap_or_default();
+    /// Loads adapter weights, optimizer state, the trainer state and the callbacks' state from a checkpoint, after
+    /// checking it replays the same data.
+    fn restore(&mut self, ckpt: &Path, optimizer: &mut Optimizer, plan: &DataPlan) -> Result<()> {
+        let saved: TrainerState = read_json(ckpt, TRAINER_STATE)?;
+        let position: DataPosition = read_json(ckpt, RNG_STATE)?;
+        let scheduler: SchedulerState = read_json(ckpt, SCHEDULER)?;
+        position.check_compatible(&plan.position(&self.args, 0), ckpt)?;
+        if scheduler.total_steps != self.state.max_steps {
+            eprintln!(
+                "warning: {} was written for {} steps, this run has {}: the learning-rate schedule changes",
+                ckpt.display(),
+                scheduler.total_steps,
+                self.state.max_steps
+            );
+        }
         // Load the checkpoint's adapter next to ours, copy its tensors into our variables, drop it.
         load_adapter(&mut self.model, ckpt, "__resume")?;
-        let saved: Vec<(String, Var)> = self.model.adapter_parameters("__resume")?;
+        let restored: Vec<(String, Var)> = self.model.adapter_parameters("__resume")?;
         let ours = self.vars()?;
-        for ((k, v), (k2, s)) in ours.iter().zip(&saved) {
+        for ((k, v), (k2, s)) in ours.iter().zip(&restored) {
             if k != k2 {
                 return Err(Error::invalid_file(
                     ckpt,
@@ -455,6 +619,79 @@ impl Trainer {
         self.model.delete_adapter("__resume")?;
         self.model.set_adapter(ADAPTER)?;
         optimizer.load(ckpt)?;
-        Ok(step)
+        for cb in &mut self.callbacks {
+            if let Some(s) = saved.stateful_callbacks.get(cb.name()) {
+                cb.load_state(s)?;
+            }
+        }
+        self.state = TrainerState {
+            max_steps: self.state.max_steps,
+            ..saved
+        };
+        Ok(())
+    }
+
+    /// The run's result: `train_results.json`, the loss plot and the printed summary.
+    fn finish(
+        &self,
+        out: &Path,
+        started: Instant,
+        tokens_at_start: usize,
+        stopped_early: bool,
+    ) -> Result<TrainOutput> {
+        let losses = self.state.train_losses();
+        let runtime = started.elapsed().as_secs_f64();
+        let output = TrainOutput {
+            global_step: self.state.global_step,
+            training_loss: losses.iter().sum::<f64>() / losses.len().max(1) as f64,
+            train_runtime: runtime,
+            train_tokens_per_second: (self.state.num_input_tokens_seen - tokens_at_start) as f64
+                / runtime.max(1e-9),
+            peak_memory_bytes: process_memory().peak_rss,
+            stopped_early,
+            log_history: self.state.log_history.clone(),
+        };
+        let train: Vec<(usize, f64)> = self
+            .state
+            .log_history
+            .iter()
+            .filter_map(|e| Some((e.step, e.loss?)))
+            .collect();
+        let eval = self.state.eval_losses();
+        let plot = out.join(PLOT_FILE);
+        std::fs::write(&plot, loss_svg(&train, &eval))
+            .map_err(|e| Error::io("cannot write", &plot, e))?;
+        let results = out.join(RESULTS_FILE);
+        let json = serde_json::json!({
+            "epoch": self.state.epoch,
+            "global_step": output.global_step,
+            "train_loss": output.training_loss,
+            "train_runtime": output.train_runtime,
+            "train_tokens_per_second": output.train_tokens_per_second,
+            "peak_memory_bytes": output.peak_memory_bytes,
+            "best_metric": self.state.best_metric,
+        });
+        std::fs::write(
+            &results,
+            serde_json::to_string_pretty(&json).unwrap_or_default(),
+        )
+        .map_err(|e| Error::io("cannot write", &results, e))?;
+        let best = self.state.best_global_step.zip(self.state.best_metric);
+        eprintln!(
+            "{}",
+            summary(
+                &output,
+                best,
+                &[
+                    format!(
+                        "adapter: {}",
+                        out.join("adapter_model.safetensors").display()
+                    ),
+                    format!("log: {}", out.join(LOG_FILE).display()),
+                    format!("loss plot: {}", plot.display()),
+                ]
+            )
+        );
+        Ok(output)
     }
 }

@@ -2,11 +2,13 @@
 //! checkpoint reproduces the uninterrupted run bit for bit.
 
 use candle_core::Device;
-use candle_qlora::data::{DataFormat, Example};
+use candle_qlora::data::Example;
 use candle_qlora::loading::source::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::quant::QuantConfig;
 use candle_qlora::trainer::{Trainer, TrainingArguments};
+
+use std::path::{Path, PathBuf};
 
 use crate::common::data_path;
 
@@ -64,7 +66,6 @@ fn trainer(output_dir: &std::path::Path) -> Trainer {
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
-    let _ = DataFormat::Auto;
     Trainer::new(
         model,
         args,
@@ -82,7 +83,7 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     let a = dir.path().join("a");
     let mut t = trainer(&a);
     let log = t.train(None).unwrap();
-    let losses: Vec<f64> = log.iter().filter_map(|e| e.loss).collect();
+    let losses: Vec<f64> = log.log_history.iter().filter_map(|e| e.loss).collect();
     assert_eq!(losses.len(), 8);
     assert!(losses[7] < losses[0], "{losses:?}");
     assert!(a.join("adapter_model.safetensors").exists());
@@ -97,7 +98,7 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     let b = dir.path().join("b");
     let mut t2 = trainer(&b);
     let log2 = t2.train(Some(&a.join("checkpoint-4"))).unwrap();
-    let losses2: Vec<f64> = log2.iter().filter_map(|e| e.loss).collect();
+    let losses2: Vec<f64> = log2.log_history.iter().filter_map(|e| e.loss).collect();
     assert_eq!(losses, losses2, "logged losses of the resumed run");
     let read = |d: &std::path::Path| {
         candle_core::safetensors::load(d.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
@@ -113,11 +114,9 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     assert!(err.contains("overwrite_output_dir"), "{err}");
 }
 
-/// `qlora train --config` end to end on the tiny Llama, `--resume` from the latest checkpoint, and config errors.
-#[test]
-fn train_command_runs_a_config_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("train.jsonl");
+/// Writes 16 lines of training text and a `qlora train` config for the tiny Llama (NF4, LoRA r=4) into `dir`, with
+/// extra `[data]` and `[training]` lines; the output goes to `dir/out`.
+fn write_tiny_config(dir: &Path, data: &str, training: &str) -> PathBuf {
     let lines: Vec<String> = (0..16)
         .map(|i| {
             format!(
@@ -130,33 +129,48 @@ fn train_command_runs_a_config_and_resumes() {
             )
         })
         .collect();
-    std::fs::write(&data, lines.join("\n")).unwrap();
-    let config = dir.path().join("run.toml");
+    std::fs::write(dir.join("train.jsonl"), lines.join("\n")).unwrap();
+    let config = dir.join("run.toml");
     let model = data_path("models/tiny-llama");
     std::fs::write(
         &config,
         format!(
             "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\nbnb_4bit_quant_type = \"nf4\"\n\
-             [lora]\nr = 4\nlora_alpha = 8\ntarget_modules = \"all-linear\"\n[data]\ntrain_file = \"train.jsonl\"\neval_split = 0.25\n\
-             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 2\nmax_steps = 4\nsave_steps = 2\nlogging_steps = 1\n\
-             learning_rate = 1e-2\noptim = \"adamw_8bit\"\neval_strategy = \"steps\"\neval_steps = 2\n",
+             [lora]\nr = 4\nlora_alpha = 8\nlora_dropout = 0.1\ntarget_modules = \"all-linear\"\n\
+             [data]\ntrain_file = \"train.jsonl\"\n{data}\
+             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 2\n{training}",
             model.to_str().unwrap(),
-            dir.path().join("out").to_str().unwrap()
+            dir.join("out").to_str().unwrap()
         ),
     )
     .unwrap();
-    let run = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-            .args(["train", "--config", config.to_str().unwrap()])
-            .args(extra)
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned()
-                + &String::from_utf8_lossy(&out.stderr),
-        )
-    };
+    config
+}
+
+/// Runs `qlora train --config config extra…`: (success, stdout + stderr).
+fn run_train(config: &Path, extra: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// `qlora train --config` end to end on the tiny Llama, `--resume` from the latest checkpoint, and config errors.
+#[test]
+fn train_command_runs_a_config_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(
+        dir.path(),
+        "eval_split = 0.25\n",
+        "max_steps = 4\nsave_steps = 2\nlogging_steps = 1\nlearning_rate = 1e-2\noptim = \"adamw_8bit\"\n\
+         eval_strategy = \"steps\"\neval_steps = 2\n",
+    );
+    let run = |extra: &[&str]| run_train(&config, extra);
     let (ok, text) = run(&[]);
     assert!(ok, "{text}");
     assert!(
@@ -205,4 +219,121 @@ fn bundled_configs_are_valid() {
         }
     }
     assert_eq!(n, 6);
+}
+
+/// Loss values of `out/log.jsonl`, by step.
+fn logged_losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["loss"].as_f64()?)))
+        .collect()
+}
+
+/// True while `out` holds a checkpoint being written (or left half-written by a kill).
+fn has_partial(out: &Path) -> bool {
+    std::fs::read_dir(out)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .any(|e| e.file_name().to_string_lossy().ends_with(".partial"))
+        })
+        .unwrap_or(false)
+}
+
+/// Every complete checkpoint in `out` loads: adapter, optimizer state and trainer state parse.
+fn assert_checkpoints_usable(out: &Path) {
+    for e in std::fs::read_dir(out).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        if !name.starts_with("checkpoint-") {
+            continue;
+        }
+        assert!(
+            p.join("trainer_state.json").exists(),
+            "{name} is visible but incomplete"
+        );
+        for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+            candle_core::safetensors::load(p.join(f), &Device::Cpu)
+                .unwrap_or_else(|e| panic!("{name}/{f}: {e}"));
+        }
+        for f in [
+            "trainer_state.json",
+            "rng_state.json",
+            "scheduler.json",
+            "training_args.json",
+        ] {
+            let text = std::fs::read_to_string(p.join(f)).unwrap();
+            serde_json::from_str::<serde_json::Value>(&text)
+                .unwrap_or_else(|e| panic!("{name}/{f}: {e}"));
+        }
+        assert!(p.join("run_config.toml").exists());
+    }
+}
+
+/// A run killed with SIGKILL again and again — between checkpoints and in the middle of checkpoint writes — and
+/// resumed each time with `--resume` ends with the adapter and logged losses of an uninterrupted run, bit for bit.
+#[test]
+fn killed_runs_resume_to_the_uninterrupted_result() {
+    let training = "max_steps = 60\nsave_steps = 1\nsave_total_limit = 2\nlogging_steps = 1\nlearning_rate = 5e-3\n\
+                    optim = \"paged_adamw_8bit\"\ngradient_accumulation_steps = 2\ngradient_checkpointing = true\n\
+                    neftune_noise_alpha = 5.0\n";
+    let reference = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(reference.path(), "", training);
+    let (ok, text) = run_train(&config, &[]);
+    assert!(ok, "{text}");
+    let expected_losses = logged_losses(&reference.path().join("out"));
+    let expected_adapter =
+        std::fs::read(reference.path().join("out/adapter_model.safetensors")).unwrap();
+    assert_eq!(expected_losses.len(), 60);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(dir.path(), "", training);
+    let out = dir.path().join("out");
+    let (mut kills, mut kills_mid_write) = (0, 0);
+    let mut delay_ms = 150u64;
+    let finished = loop {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"));
+        cmd.args(["train", "--config", config.to_str().unwrap()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if candle_qlora::trainer::latest_checkpoint(&out).is_some() {
+            cmd.arg("--resume");
+        }
+        let mut child = cmd.spawn().unwrap();
+        if kills % 2 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        } else {
+            // Kill as soon as a checkpoint is being written.
+            let started = std::time::Instant::now();
+            while !has_partial(&out) && started.elapsed().as_secs() < 20 {
+                if child.try_wait().unwrap().is_some() {
+                    break;
+                }
+            }
+        }
+        if child.try_wait().unwrap().is_some() || kills >= 12 {
+            let status = child.wait().unwrap();
+            assert!(status.success(), "the last resume failed");
+            break true;
+        }
+        child.kill().unwrap(); // SIGKILL on Unix
+        child.wait().unwrap();
+        kills += 1;
+        kills_mid_write += has_partial(&out) as usize;
+        assert_checkpoints_usable(&out);
+        delay_ms = 150 + (delay_ms * 7 + 13) % 250;
+    };
+    assert!(finished);
+    assert!(
+        kills >= 4 && kills_mid_write >= 1,
+        "killed {kills} times, {kills_mid_write} during a checkpoint write"
+    );
+    eprintln!("killed {kills} times, {kills_mid_write} of them during a checkpoint write");
+    assert_eq!(logged_losses(&out), expected_losses);
+    assert_eq!(
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
+        expected_adapter,
+        "final adapter after {kills} kills"
+    );
 }

@@ -1,0 +1,278 @@
+//! Callbacks: code that runs at fixed points of the loop (transformers' `TrainerCallback` events), and two built
+//! in: early stopping on the evaluation loss, and a memory monitor.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::args::TrainingArguments;
+use super::state::{LogEntry, TrainerState};
+use crate::error::{Error, Result};
+use crate::eval::EvalReport;
+use crate::memory::{human_bytes, process_memory};
+
+/// What callbacks may ask of the loop.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainerControl {
+    /// End training after this step (the final adapter is still saved).
+    pub should_training_stop: bool,
+}
+
+/// Hooks called by the trainer. Every method has an empty default, so a callback implements only what it needs.
+pub trait TrainerCallback {
+    /// A stable name, the key of its state in `trainer_state.json` (`stateful_callbacks`).
+    fn name(&self) -> &str;
+    /// Before the first step (after a resume has restored the state).
+    fn on_train_begin(&mut self, _args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+        Ok(())
+    }
+    /// After each optimizer step (or skipped step).
+    fn on_step_end(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// After a log entry is written.
+    fn on_log(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _entry: &LogEntry,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// After an evaluation.
+    fn on_evaluate(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _control: &mut TrainerControl,
+        _report: &EvalReport,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// After a checkpoint folder is complete.
+    fn on_save(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &TrainerState,
+        _checkpoint: &Path,
+    ) -> Result<()> {
+        Ok(())
+    }
+    /// After the final adapter is saved.
+    fn on_train_end(&mut self, _args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+        Ok(())
+    }
+    /// State to keep in checkpoints so a resumed run behaves as the uninterrupted one.
+    fn state(&self) -> Option<serde_json::Value> {
+        None
+    }
+    /// Restores what [`TrainerCallback::state`] returned.
+    fn load_state(&mut self, _state: &serde_json::Value) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Stops training when the evaluation loss has not improved by more than `threshold` for `patience` evaluations
+/// in a row (transformers' `EarlyStoppingCallback`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EarlyStoppingCallback {
+    /// Evaluations without improvement that end the run.
+    pub patience: usize,
+    /// Minimum decrease of the loss that counts as an improvement.
+    pub threshold: f64,
+    best: Option<f64>,
+    without_improvement: usize,
+}
+
+impl EarlyStoppingCallback {
+    /// A callback with transformers' arguments (`early_stopping_patience`, `early_stopping_threshold`).
+    pub fn new(patience: usize, threshold: f64) -> Self {
+        EarlyStoppingCallback {
+            patience: patience.max(1),
+            threshold,
+            best: None,
+            without_improvement: 0,
+        }
+    }
+}
+
+impl TrainerCallback for EarlyStoppingCallback {
+    fn name(&self) -> &str {
+        "EarlyStoppingCallback"
+    }
+
+    fn on_train_begin(&mut self, args: &TrainingArguments, _state: &TrainerState) -> Result<()> {
+        if args.eval_strategy == super::IntervalStrategy::No {
+            return Err(Error::InvalidInput(
+                "early stopping needs evaluations: set eval_strategy = \"steps\" or \"epoch\" and an eval set".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_evaluate(
+        &mut self,
+        _args: &TrainingArguments,
+        state: &TrainerState,
+        control: &mut TrainerControl,
+        report: &EvalReport,
+    ) -> Result<()> {
+        let improved = self.best.is_none_or(|b| report.loss < b - self.threshold);
+        if improved {
+            self.best = Some(report.loss);
+            self.without_improvement = 0;
+        } else {
+            self.without_improvement += 1;
+        }
+        if self.without_improvement >= self.patience {
+            eprintln!(
+                "early stopping at step {}: eval_loss has not improved for {} evaluations (best {:.4})",
+                state.global_step,
+                self.patience,
+                self.best.unwrap_or(f64::NAN)
+            );
+            control.should_training_stop = true;
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> Option<serde_json::Value> {
+        Some(serde_json::json!({
+            "best": self.best,
+            "without_improvement": self.without_improvement,
+        }))
+    }
+
+    fn load_state(&mut self, state: &serde_json::Value) -> Result<()> {
+        self.best = state["best"].as_f64();
+        self.without_improvement = state["without_improvement"].as_u64().unwrap_or(0) as usize;
+        Ok(())
+    }
+}
+
+/// Records the process' memory after every step in `output_dir/memory.jsonl` and warns (once) when the resident
+/// set passes `warn_fraction` of the machine's memory.
+#[derive(Clone, Debug)]
+pub struct MemoryMonitorCallback {
+    /// Fraction of physical memory above which a warning is printed.
+    pub warn_fraction: f64,
+    path: Option<PathBuf>,
+    warned: bool,
+}
+
+impl MemoryMonitorCallback {
+    /// A monitor that warns above `warn_fraction` (e.g. 0.9) of physical memory.
+    pub fn new(warn_fraction: f64) -> Self {
+        MemoryMonitorCallback {
+            warn_fraction,
+            path: None,
+            warned: false,
+        }
+    }
+}
+
+impl TrainerCallback for MemoryMonitorCallback {
+    fn name(&self) -> &str {
+        "MemoryMonitorCallback"
+    }
+
+    fn on_train_begin(&mut self, args: &TrainingArguments, state: &TrainerState) -> Result<()> {
+        let path = Path::new(&args.output_dir).join("memory.jsonl");
+        if state.global_step == 0 {
+            let _ = std::fs::remove_file(&path);
+        }
+        self.path = Some(path);
+        Ok(())
+    }
+
+    fn on_step_end(
+        &mut self,
+        _args: &TrainingArguments,
+        state: &TrainerState,
+        _control: &mut TrainerControl,
+    ) -> Result<()> {
+        let m = process_memory();
+        if let Some(path) = &self.path {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| Error::io("cannot write", path, e))?;
+            let line = serde_json::json!({"step": state.global_step, "rss": m.rss, "peak_rss": m.peak_rss, "available": m.available});
+            writeln!(f, "{line}").map_err(|e| Error::io("cannot write", path, e))?;
+        }
+        if let (Some(rss), Some(total)) = (m.rss, m.total) {
+            if !self.warned && rss as f64 > self.warn_fraction * total as f64 {
+                self.warned = true;
+                eprintln!(
+                    "warning: step {}: the process holds {} of {} memory ({:.0}%); lower per_device_train_batch_size \
+                     (raise gradient_accumulation_steps), turn on gradient_checkpointing, use an 8-bit optimizer, or \
+                     shorten max_length",
+                    state.global_step,
+                    human_bytes(rss),
+                    human_bytes(total),
+                    100.0 * rss as f64 / total as f64
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(loss: f64) -> EvalReport {
+        EvalReport {
+            loss,
+            perplexity: loss.exp(),
+            tokens: 1,
+            examples: 1,
+            truncated: 0,
+        }
+    }
+
+    #[test]
+    fn early_stopping_counts_evaluations_without_improvement_and_resumes() {
+        let args = TrainingArguments::default();
+        let state = TrainerState::default();
+        let mut cb = EarlyStoppingCallback::new(2, 0.01);
+        let mut control = TrainerControl::default();
+        for loss in [2.0, 1.5, 1.495, 1.6] {
+            cb.on_evaluate(&args, &state, &mut control, &report(loss))
+                .unwrap();
+        }
+        // 1.495 is not an improvement over 1.5 by more than 0.01; 1.6 neither: two in a row.
+        assert!(control.should_training_stop);
+
+        // A callback restored from the state after the third evaluation stops at the fourth, as the original did.
+        let mut first = EarlyStoppingCallback::new(2, 0.01);
+        let mut control = TrainerControl::default();
+        for loss in [2.0, 1.5, 1.495] {
+            first
+                .on_evaluate(&args, &state, &mut control, &report(loss))
+                .unwrap();
+        }
+        assert!(!control.should_training_stop);
+        let mut resumed = EarlyStoppingCallback::new(2, 0.01);
+        resumed.load_state(&first.state().unwrap()).unwrap();
+        resumed
+            .on_evaluate(&args, &state, &mut control, &report(1.6))
+            .unwrap();
+        assert!(control.should_training_stop, "state carried over a resume");
+    }
+
+    #[test]
+    fn early_stopping_without_evaluation_is_an_error() {
+        let mut cb = EarlyStoppingCallback::new(3, 0.0);
+        let err = cb
+            .on_train_begin(&TrainingArguments::default(), &TrainerState::default())
+            .unwrap_err();
+        assert!(err.to_string().contains("eval_strategy"), "{err}");
+    }
+}

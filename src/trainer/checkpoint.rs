@@ -1,0 +1,290 @@
+//! Checkpoints: `output_dir/checkpoint-N/` holds everything a resumed run needs to continue exactly as the
+//! uninterrupted one would — the adapter (PEFT format), the optimizer state, the schedule, the data position and
+//! seeds, `trainer_state.json`, the training arguments and the resolved run config. A checkpoint is written into
+//! a hidden `.checkpoint-N.partial` folder and renamed when complete, so a crash at any moment leaves either the
+//! whole checkpoint or none that [`latest_checkpoint`] would pick.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::args::TrainingArguments;
+use super::state::TrainerState;
+use crate::error::{Error, Result};
+
+/// File names inside a checkpoint folder.
+pub const TRAINER_STATE: &str = "trainer_state.json";
+/// The data position and seeds.
+pub const RNG_STATE: &str = "rng_state.json";
+/// The learning-rate schedule.
+pub const SCHEDULER: &str = "scheduler.json";
+/// The training arguments.
+pub const TRAINING_ARGS: &str = "training_args.json";
+/// The resolved run config (when trained from one).
+pub const RUN_CONFIG: &str = "run_config.toml";
+
+/// Where the data stream stands and what it depends on. Data order is a pure function of these seeds and the
+/// epoch, and dropout/NEFTune noise of (seed, micro-batch index), so this is the whole random state of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataPosition {
+    /// `seed` (initialization, dropout, NEFTune noise).
+    pub seed: u64,
+    /// Seed of the data order.
+    pub data_seed: u64,
+    /// `random`, `sequential` or `group_by_length`.
+    pub sampling: String,
+    /// Micro-batch size.
+    pub per_device_train_batch_size: usize,
+    /// Micro-batches per step.
+    pub gradient_accumulation_steps: usize,
+    /// Training rows (examples, or packed rows).
+    pub train_rows: usize,
+    /// Micro-batches consumed so far (all epochs).
+    pub micro_batches_done: usize,
+    /// Epoch the next micro-batch belongs to.
+    pub epoch: usize,
+}
+
+impl DataPosition {
+    /// An error if `self` (from a checkpoint) and `now` would not replay the same data.
+    pub fn check_compatible(&self, now: &DataPosition, ckpt: &Path) -> Result<()> {
+        let pairs = [
+            ("seed", self.seed.to_string(), now.seed.to_string()),
+            (
+                "data_seed",
+                self.data_seed.to_string(),
+                now.data_seed.to_string(),
+            ),
+            (
+                "train_sampling_strategy",
+                self.sampling.clone(),
+                now.sampling.clone(),
+            ),
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size.to_string(),
+                now.per_device_train_batch_size.to_string(),
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps.to_string(),
+                now.gradient_accumulation_steps.to_string(),
+            ),
+            (
+                "training rows",
+                self.train_rows.to_string(),
+                now.train_rows.to_string(),
+            ),
+        ];
+        for (name, then, now) in pairs {
+            if then != now {
+                return Err(Error::invalid_file(
+                    ckpt.join(RNG_STATE),
+                    format!(
+                        "the checkpoint was written with {name} = {then}, this run has {now}: resuming would not \
+                         replay the same data; use the checkpoint's settings and data, or start a new run"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The learning-rate schedule as saved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerState {
+    /// `lr_scheduler_type`.
+    pub lr_scheduler_type: String,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Warmup steps.
+    pub warmup_steps: usize,
+    /// Total steps.
+    pub total_steps: usize,
+    /// Steps done.
+    pub last_step: usize,
+    /// Learning rate of the last step.
+    pub last_lr: f64,
+}
+
+/// Everything a checkpoint holds besides the adapter and optimizer files.
+pub struct CheckpointFiles<'a> {
+    /// `trainer_state.json`.
+    pub state: &'a TrainerState,
+    /// `rng_state.json`.
+    pub data: &'a DataPosition,
+    /// `scheduler.json`.
+    pub scheduler: &'a SchedulerState,
+    /// `training_args.json`.
+    pub args: &'a TrainingArguments,
+    /// `run_config.toml`, when known.
+    pub run_config: Option<&'a str>,
+}
+
+fn write_json(dir: &Path, name: &str, value: &impl Serialize) -> Result<()> {
+    let path = dir.join(name);
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Error::invalid_file(&path, e.to_string()))?;
+    std::fs::write(&path, text + "\n").map_err(|e| Error::io("cannot write", &path, e))
+}
+
+/// Reads JSON file `name` of checkpoint `dir`.
+pub fn read_json<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<T> {
+    let path = dir.join(name);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io("cannot read", &path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::invalid_file(&path, e.to_string()))
+}
+
+/// Writes checkpoint `output_dir/checkpoint-{step}` atomically: `write_weights` fills a temporary folder (adapter,
+/// optimizer), the JSON files follow, and the folder is renamed into place only when complete.
+pub fn write_checkpoint(
+    output_dir: &Path,
+    step: usize,
+    files: &CheckpointFiles,
+    write_weights: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let final_dir = output_dir.join(format!("checkpoint-{step}"));
+    let tmp = output_dir.join(format!(".checkpoint-{step}.partial"));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| Error::io("cannot remove", &tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
+    write_weights(&tmp)?;
+    write_json(&tmp, RNG_STATE, files.data)?;
+    write_json(&tmp, SCHEDULER, files.scheduler)?;
+    write_json(&tmp, TRAINING_ARGS, files.args)?;
+    if let Some(config) = files.run_config {
+        let path = tmp.join(RUN_CONFIG);
+        std::fs::write(&path, config).map_err(|e| Error::io("cannot write", &path, e))?;
+    }
+    // trainer_state.json last: its presence marks a complete checkpoint even if a rename were not atomic.
+    write_json(&tmp, TRAINER_STATE, files.state)?;
+    if final_dir.exists() {
+        std::fs::remove_dir_all(&final_dir)
+            .map_err(|e| Error::io("cannot replace", &final_dir, e))?;
+    }
+    std::fs::rename(&tmp, &final_dir)
+        .map_err(|e| Error::io("cannot move into place", &final_dir, e))?;
+    Ok(final_dir)
+}
+
+/// Complete `checkpoint-N` folders of `dir` (those with `trainer_state.json`), oldest first.
+pub fn checkpoints(dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n: usize = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            e.path()
+                .join(TRAINER_STATE)
+                .exists()
+                .then_some((n, e.path()))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The newest complete `checkpoint-N` folder in `dir`.
+pub fn latest_checkpoint(dir: &Path) -> Option<PathBuf> {
+    checkpoints(dir).pop().map(|(_, p)| p)
+}
+
+/// Removes the oldest checkpoints beyond `limit` (at least one is kept).
+pub fn rotate_checkpoints(dir: &Path, limit: usize) -> Result<()> {
+    let mut all = checkpoints(dir);
+    while all.len() > limit.max(1) {
+        let (_, p) = all.remove(0);
+        std::fs::remove_dir_all(&p).map_err(|e| Error::io("cannot remove", &p, e))?;
+    }
+    Ok(())
+}
+
+/// Removes `.checkpoint-N.partial` folders a killed run left behind.
+pub fn remove_partial_checkpoints(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+    {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".checkpoint-") && name.ends_with(".partial") {
+            let p = e.path();
+            std::fs::remove_dir_all(&p).map_err(|e| Error::io("cannot remove", &p, e))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn position() -> DataPosition {
+        DataPosition {
+            seed: 1,
+            data_seed: 1,
+            sampling: "random".into(),
+            per_device_train_batch_size: 2,
+            gradient_accumulation_steps: 1,
+            train_rows: 10,
+            micro_batches_done: 4,
+            epoch: 0,
+        }
+    }
+
+    #[test]
+    fn incomplete_and_partial_folders_are_never_picked() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = TrainerState::default();
+        let scheduler = SchedulerState {
+            lr_scheduler_type: "linear".into(),
+            learning_rate: 1e-3,
+            warmup_steps: 0,
+            total_steps: 10,
+            last_step: 2,
+            last_lr: 1e-3,
+        };
+        let args = TrainingArguments::default();
+        let files = CheckpointFiles {
+            state: &state,
+            data: &position(),
+            scheduler: &scheduler,
+            args: &args,
+            run_config: Some("[model]\n"),
+        };
+        let written = write_checkpoint(dir.path(), 2, &files, |_| Ok(())).unwrap();
+        assert_eq!(written, dir.path().join("checkpoint-2"));
+        // A folder without trainer_state.json (as a crash mid-write outside our rename would leave) and a partial one.
+        std::fs::create_dir(dir.path().join("checkpoint-9")).unwrap();
+        std::fs::create_dir(dir.path().join(".checkpoint-4.partial")).unwrap();
+        assert_eq!(latest_checkpoint(dir.path()), Some(written.clone()));
+        // A failed weight write leaves no checkpoint-5.
+        let err = write_checkpoint(dir.path(), 5, &files, |_| {
+            Err(Error::InvalidInput("disk full".into()))
+        });
+        assert!(err.is_err() && !dir.path().join("checkpoint-5").exists());
+        remove_partial_checkpoints(dir.path()).unwrap();
+        assert!(!dir.path().join(".checkpoint-4.partial").exists());
+        let read: DataPosition = read_json(&written, RNG_STATE).unwrap();
+        assert_eq!(read, position());
+        assert!(written.join(RUN_CONFIG).exists() && written.join(TRAINING_ARGS).exists());
+    }
+
+    #[test]
+    fn a_different_data_seed_is_refused_by_name() {
+        let mut now = position();
+        now.data_seed = 2;
+        let err = position()
+            .check_compatible(&now, Path::new("ck"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data_seed = 1") && err.contains("this run has 2"),
+            "{err}"
+        );
+    }
+}
