@@ -443,15 +443,16 @@ impl Trainer {
                     tokens_per_second,
                     memory: entry.memory_bytes,
                 });
-                if entry.skipped
-                    || step % log_every == 0
+                let log_now = step % log_every == 0
                     || (step == 1 && args.logging_first_step)
-                    || step == total
-                {
+                    || step == total;
+                if log_now && !entry.skipped {
                     progress.println(&format!(
                         "step {step}/{total}  loss {loss:.4}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
                         entry.grad_norm.unwrap_or(f64::NAN)
                     ));
+                }
+                if log_now || entry.skipped {
                     self.log(&log_path, entry)?;
                 }
                 let limit = args.max_consecutive_nonfinite_losses;
@@ -693,5 +694,56 @@ impl Trainer {
             )
         );
         Ok(output)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_cover_every_example_once_in_a_seeded_order() {
+        let lengths: Vec<usize> = (0..23).map(|i| (i * 7) % 31 + 1).collect();
+        for strategy in ["random", "sequential", "group_by_length"] {
+            let a = epoch_batches(23, 4, 9, 0, &lengths, strategy, false);
+            let mut all: Vec<usize> = a.iter().flatten().copied().collect();
+            all.sort();
+            assert_eq!(all, (0..23).collect::<Vec<_>>(), "{strategy}");
+            assert_eq!(a, epoch_batches(23, 4, 9, 0, &lengths, strategy, false));
+            if strategy == "random" {
+                assert_ne!(a, epoch_batches(23, 4, 9, 1, &lengths, strategy, false));
+            }
+        }
+        assert_eq!(
+            epoch_batches(23, 4, 9, 0, &lengths, "random", true).len(),
+            5
+        );
+    }
+
+    #[test]
+    fn group_by_length_puts_similar_lengths_together() {
+        // 400 examples, lengths 1..=400 shuffled; a batch of 8 within a 400-example chunk is length-sorted, so
+        // neighbours differ little, unlike random batches.
+        let lengths: Vec<usize> = (0..400).map(|i| (i * 173) % 400 + 1).collect();
+        let spread = |batches: &[Vec<usize>]| -> f64 {
+            let total: usize = batches
+                .iter()
+                .map(|b| {
+                    let ls: Vec<usize> = b.iter().map(|i| lengths[*i]).collect();
+                    ls.iter().max().unwrap() - ls.iter().min().unwrap()
+                })
+                .sum();
+            total as f64 / batches.len() as f64
+        };
+        let grouped = epoch_batches(400, 8, 3, 0, &lengths, "group_by_length", false);
+        let random = epoch_batches(400, 8, 3, 0, &lengths, "random", false);
+        assert!(
+            spread(&grouped) * 10.0 < spread(&random),
+            "{} vs {}",
+            spread(&grouped),
+            spread(&random)
+        );
+        // The longest example comes first, as transformers' sampler puts it (out-of-memory shows up at once).
+        assert_eq!(lengths[grouped[0][0]], 400);
     }
 }

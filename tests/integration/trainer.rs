@@ -6,7 +6,9 @@ use candle_qlora::data::Example;
 use candle_qlora::loading::source::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::quant::QuantConfig;
-use candle_qlora::trainer::{Trainer, TrainingArguments};
+use candle_qlora::trainer::{
+    EarlyStoppingCallback, IntervalStrategy, MemoryMonitorCallback, Trainer, TrainingArguments,
+};
 
 use std::path::{Path, PathBuf};
 
@@ -33,6 +35,15 @@ fn examples() -> Vec<candle_qlora::data::TokenizedExample> {
 }
 
 fn trainer(output_dir: &std::path::Path) -> Trainer {
+    trainer_with(output_dir, |_| {}, vec![])
+}
+
+/// The tiny-Llama trainer with `edit` applied to its arguments and `eval` as evaluation set.
+fn trainer_with(
+    output_dir: &std::path::Path,
+    edit: impl Fn(&mut TrainingArguments),
+    eval: Vec<candle_qlora::data::TokenizedExample>,
+) -> Trainer {
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         ..Default::default()
@@ -44,7 +55,7 @@ fn trainer(output_dir: &std::path::Path) -> Trainer {
     )
     .unwrap()
     .model;
-    let args = TrainingArguments {
+    let mut args = TrainingArguments {
         output_dir: output_dir.display().to_string(),
         per_device_train_batch_size: 2,
         gradient_accumulation_steps: 2,
@@ -66,12 +77,13 @@ fn trainer(output_dir: &std::path::Path) -> Trainer {
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
+    edit(&mut args);
     Trainer::new(
         model,
         args,
         &lora,
         examples(),
-        vec![],
+        eval,
         "tests/data/models/tiny-llama",
     )
     .unwrap()
@@ -196,6 +208,18 @@ fn train_command_runs_a_config_and_resumes() {
         !ok && text.contains("did you mean `learning_rate`"),
         "{text}"
     );
+    let (ok, text) = run(&["--set", "data.packing=\"yes\""]);
+    assert!(
+        !ok && text.contains("[data] packing = \"yes\": expected true or false"),
+        "{text}"
+    );
+    let (ok, text) = run(&["--set", "data.train_file=\"missing.jsonl\""]);
+    assert!(!ok && text.contains("missing.jsonl"), "{text}");
+    let (ok, text) = run(&["--set", "callbacks.early_stopping_patiense=2"]);
+    assert!(
+        !ok && text.contains("did you mean `early_stopping_patience`"),
+        "{text}"
+    );
     let (ok, text) = run(&["--set", "training.per_device_train_batch_size=\"two\""]);
     assert!(
         !ok && text.contains("run.toml") && text.contains("[training]"),
@@ -272,14 +296,16 @@ fn assert_checkpoints_usable(out: &Path) {
 }
 
 /// A run killed with SIGKILL again and again — between checkpoints and in the middle of checkpoint writes — and
-/// resumed each time with `--resume` ends with the adapter and logged losses of an uninterrupted run, bit for bit.
+/// resumed each time with `--resume` (packed data, NEFTune, dropout, 8-bit optimizer, checkpointing) ends with the adapter and logged losses of an uninterrupted run, bit for bit.
 #[test]
 fn killed_runs_resume_to_the_uninterrupted_result() {
     let training = "max_steps = 60\nsave_steps = 1\nsave_total_limit = 2\nlogging_steps = 1\nlearning_rate = 5e-3\n\
                     optim = \"paged_adamw_8bit\"\ngradient_accumulation_steps = 2\ngradient_checkpointing = true\n\
                     neftune_noise_alpha = 5.0\n";
+    // Packed rows, so resume also covers the packed data path.
+    let data = "packing = true\nmax_length = 24\n";
     let reference = tempfile::tempdir().unwrap();
-    let config = write_tiny_config(reference.path(), "", training);
+    let config = write_tiny_config(reference.path(), data, training);
     let (ok, text) = run_train(&config, &[]);
     assert!(ok, "{text}");
     let expected_losses = logged_losses(&reference.path().join("out"));
@@ -288,7 +314,7 @@ fn killed_runs_resume_to_the_uninterrupted_result() {
     assert_eq!(expected_losses.len(), 60);
 
     let dir = tempfile::tempdir().unwrap();
-    let config = write_tiny_config(dir.path(), "", training);
+    let config = write_tiny_config(dir.path(), data, training);
     let out = dir.path().join("out");
     let (mut kills, mut kills_mid_write) = (0, 0);
     let mut delay_ms = 150u64;
@@ -336,4 +362,81 @@ fn killed_runs_resume_to_the_uninterrupted_result() {
         expected_adapter,
         "final adapter after {kills} kills"
     );
+}
+
+/// Early stopping ends a run whose eval loss stops improving; the run's files are written; a diverging run stops
+/// with an error after the configured number of non-finite losses; an earlier run's checkpoints are only replaced
+/// with `overwrite_output_dir`.
+#[test]
+fn callbacks_divergence_and_output_dir_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    // Learning rate 0: the eval loss never improves, so patience 2 stops after the third evaluation.
+    let out = dir.path().join("early");
+    let mut t = trainer_with(
+        &out,
+        |a| {
+            a.learning_rate = 0.0;
+            a.warmup_steps = 0.0;
+            a.eval_strategy = IntervalStrategy::Steps;
+            a.eval_steps = Some(1.0);
+        },
+        examples()[..4].to_vec(),
+    );
+    t.add_callback(Box::new(EarlyStoppingCallback::new(2, 0.0)));
+    t.add_callback(Box::new(MemoryMonitorCallback::new(0.9)));
+    let result = t.train(None).unwrap();
+    assert!(
+        result.stopped_early && result.global_step == 3,
+        "{result:?}"
+    );
+    assert_eq!(t.state().eval_losses().len(), 3);
+    for f in [
+        "loss.svg",
+        "train_results.json",
+        "memory.jsonl",
+        "log.jsonl",
+        "adapter_model.safetensors",
+    ] {
+        assert!(out.join(f).exists(), "{f}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(out.join("memory.jsonl"))
+            .unwrap()
+            .lines()
+            .count(),
+        3
+    );
+
+    // A huge learning rate blows the weights up: non-finite losses are skipped, then the run stops with an error.
+    let out = dir.path().join("diverge");
+    let mut t = trainer_with(
+        &out,
+        |a| {
+            a.learning_rate = 1e30;
+            a.warmup_steps = 0.0;
+            a.optim = "adamw_torch".into();
+            a.max_grad_norm = 0.0;
+            a.max_consecutive_nonfinite_losses = 2;
+        },
+        vec![],
+    );
+    let err = t.train(None).unwrap_err().to_string();
+    assert!(
+        err.contains("not finite for 2 steps") && err.contains("learning_rate"),
+        "{err}"
+    );
+    let skipped = t.state().log_history.iter().filter(|e| e.skipped).count();
+    assert_eq!(skipped, 2);
+
+    // `diverge` holds checkpoints now? It saved every 2 steps before diverging: a new run must not replace them.
+    assert!(out.join("checkpoint-2").exists());
+    let err = trainer(&out).train(None).unwrap_err().to_string();
+    assert!(
+        err.contains("overwrite_output_dir") && err.contains("checkpoint-"),
+        "{err}"
+    );
+    let mut t = trainer_with(&out, |a| a.overwrite_output_dir = true, vec![]);
+    t.train(None).unwrap();
+    // The old checkpoint-2 is gone (the new run's was rotated away by save_total_limit = 2).
+    assert!(!out.join("checkpoint-2").exists() && out.join("checkpoint-6").exists());
 }
