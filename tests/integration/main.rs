@@ -9,4 +9,5 @@ mod optim_golden;
 mod packing;
 mod peft_parity;
 mod quant_golden;
+mod smollm2_training;
 mod trainer;
