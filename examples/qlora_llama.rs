@@ -18,6 +18,7 @@ use candle_qlora::data::{read_jsonl, DataFormat, TokenizedExample};
 use candle_qlora::eval::evaluate;
 use candle_qlora::loading::source::{cached_test_model, load_model, LoadOptions, LoadedModel};
 use candle_qlora::lora::{LoraConfig, TargetModules};
+use candle_qlora::memory::{human_bytes, process_memory};
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig, TextTokenizer};
 use candle_qlora::quant::QuantConfig;
 use candle_qlora::trainer::{IntervalStrategy, Trainer, TrainingArguments};
@@ -39,18 +40,6 @@ const TINY: [(&str, &[u8]); 3] = [
         include_bytes!("../tests/data/models/tiny-llama/tokenizer.json"),
     ),
 ];
-
-fn peak_rss_mib() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(f64::NAN)
-}
 
 /// Loads the model the resolution order picks, saying which.
 fn resolve(model: Option<&str>, opts: &LoadOptions, work: &Path) -> Result<(LoadedModel, String)> {
@@ -198,10 +187,13 @@ fn main() -> Result<()> {
     println!("\nQ: {question}\nwithout adapter: {before}\nwith adapter:    {after}");
 
     println!(
-        "\nmemory: base weights {:.1} MiB (NF4), adapter {:.2} MiB (f32), peak RSS {:.0} MiB; done in {:.0} s",
-        fresh.weight_bytes() as f64 / (1 << 20) as f64,
-        adapter_bytes as f64 / (1 << 20) as f64,
-        peak_rss_mib(),
+        "\nmemory: base weights {} (NF4), adapter {} (f32), peak RSS {}; done in {:.0} s",
+        human_bytes(fresh.weight_bytes() as u64),
+        human_bytes(adapter_bytes as u64),
+        process_memory()
+            .peak_rss
+            .map(human_bytes)
+            .unwrap_or_else(|| "unknown".into()),
         start.elapsed().as_secs_f64()
     );
     Ok(())

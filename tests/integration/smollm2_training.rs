@@ -39,9 +39,9 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
     };
     let loaded = load_model(path, None, &nf4).unwrap();
     let tok = loaded.tokenizer.clone().unwrap();
-    let train = arithmetic("arithmetic-train.jsonl", &tok, 48);
-    let eval = arithmetic("arithmetic-eval.jsonl", &tok, 12);
-    let before = evaluate(&loaded.model, &eval, 12).unwrap().loss;
+    let train = arithmetic("arithmetic-train.jsonl", &tok, 16);
+    let eval = arithmetic("arithmetic-eval.jsonl", &tok, 8);
+    let before = evaluate(&loaded.model, &eval, 8).unwrap().loss;
 
     let dir = tempfile::tempdir().unwrap();
     let out = std::env::var_os("QLORA_PEFT_CHECK_DIR")
@@ -51,9 +51,9 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
         output_dir: out.display().to_string(),
         overwrite_output_dir: true,
         per_device_train_batch_size: 4,
-        gradient_accumulation_steps: 2,
+        gradient_accumulation_steps: 1,
         learning_rate: 2e-3,
-        max_steps: 6,
+        max_steps: 4,
         lr_scheduler_type: "constant".into(),
         optim: "paged_adamw_8bit".into(),
         gradient_checkpointing: true,
@@ -71,14 +71,14 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
     };
     let mut trainer = Trainer::new(loaded.model, args, &lora, train, eval.clone(), path).unwrap();
     trainer.train(None).unwrap();
-    let after = evaluate(&trainer.model, &eval, 12).unwrap().loss;
+    let after = evaluate(&trainer.model, &eval, 8).unwrap().loss;
     assert!(after < before - 0.1, "eval loss {before} → {after}");
 
     // A fresh NF4 model with the saved adapter gives exactly the same eval loss.
     let mut fresh = load_model(path, None, &nf4).unwrap().model;
     load_adapter(&mut fresh, &out, "default").unwrap();
     fresh.set_adapter("default").unwrap();
-    let reloaded = evaluate(&fresh, &eval, 12).unwrap().loss;
+    let reloaded = evaluate(&fresh, &eval, 8).unwrap().loss;
     assert_eq!(reloaded, after);
 
     if std::env::var_os("QLORA_PEFT_CHECK_DIR").is_some() {
@@ -86,10 +86,10 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
         // loads it), with and without the adapter.
         let f32_loaded = load_model(path, None, &LoadOptions::default()).unwrap();
         let mut f32_model = f32_loaded.model;
-        let base_f32 = evaluate(&f32_model, &eval, 12).unwrap().loss;
+        let base_f32 = evaluate(&f32_model, &eval, 8).unwrap().loss;
         load_adapter(&mut f32_model, &out, "default").unwrap();
         f32_model.set_adapter("default").unwrap();
-        let adapted_f32 = evaluate(&f32_model, &eval, 12).unwrap().loss;
+        let adapted_f32 = evaluate(&f32_model, &eval, 8).unwrap().loss;
         let rows: Vec<serde_json::Value> = eval
             .iter()
             .map(|e| serde_json::json!({"input_ids": e.input_ids, "labels": e.labels}))
