@@ -10,6 +10,9 @@ Usage:
     python3 scripts/golden_peft.py check-ours ADAPTER_DIR  # loads an adapter written by our Rust code with PEFT
                                                            # (on tests/data/models/tiny-llama) and compares it with
                                                            # ADAPTER_DIR/expected.safetensors (see below)
+    python3 scripts/golden_peft.py check-trained DIR       # evaluates an adapter our trainer wrote for
+                                                           # SmolLM2-135M-Instruct with PEFT (f32 and bitsandbytes
+                                                           # NF4 base) and compares the losses with ours (see below)
 
 No Hugging Face Hub access is needed. The base model is tests/data/models/tiny-llama (LlamaForCausalLM, float32,
 hidden 64, intermediate 160, 2 layers, 4 heads / 2 kv heads, vocab 128, untied lm_head; scripts/golden_model.py),
@@ -69,6 +72,28 @@ missing / unexpected / mismatched keys (an adapter_config.json key PEFT does not
 "Unexpected keyword arguments [...] for class LoraConfig"); the file's tensor names are exactly the names PEFT would
 save for that config (no unexpected, none missing) with the same shapes, and loaded bit-exactly; adapter_config.json
 has every key PEFT writes; max |logits - PEFT logits| <= 1e-5; max |merged.* - PEFT merge_and_unload| <= 1e-6.
+
+check-trained DIR: an adapter trained by our Rust trainer on SmolLM2-135M-Instruct (r=8, all linear layers). Produce
+DIR with
+    QLORA_PEFT_CHECK_DIR=/tmp/x cargo test --test integration smollm2_qlora
+    python3 scripts/golden_peft.py check-trained /tmp/x/trained-smollm2
+(also needs: pip install bitsandbytes gguf). DIR holds adapter_config.json + adapter_model.safetensors and
+expected_eval.json with
+    model                                  path of the base GGUF (SmolLM2-135M-Instruct.Q4_1.gguf)
+    examples                               [{"input_ids": [...], "labels": [...]}], labels aligned with input_ids,
+                                           -100 = ignored; position t predicts labels[t + 1] (transformers' shift)
+    base_loss_f32, adapted_loss_f32        our token-level mean NLL (total NLL over every counted label token of
+                                           every example / total counted tokens) without / with the adapter
+    base_loss_nf4, adapted_loss_nf4        the same with the base quantized to NF4 on load (bitsandbytes: double
+                                           quant, blocksize 64, compute dtype f32)
+The GGUF is loaded by transformers dequantized to float32 (eager attention, eval mode) and the adapter with
+PeftModel.from_pretrained (which must load it without problems, as in check-ours); each example runs alone (batch 1,
+no padding) and the loss is sum(cross_entropy(reduction="sum")) / count over the shifted labels, the same token-level
+mean as ours. For NF4 the f32 model is saved as a safetensors folder in a temp dir (its GGUF quantizer dropped, as in
+scripts/bench_vs_peft.py) and reloaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=float32) on the CPU. Fails unless |ours - PEFT| <= 2e-3 for
+the f32 losses and <= 5e-3 for the NF4 losses (our NF4 quantization is bit-identical to bitsandbytes; the rest of the
+gap comes from the GGUF base and float summation order). Prints a table of ours vs PEFT; exit code 1 on any FAIL.
 """
 import copy
 import hashlib
@@ -303,9 +328,10 @@ class _Records(logging.Handler):
 KEY_WORDS = ("missing", "unexpected", "mismatch", "ignored", "not found", "did not match", "unknown")
 
 
-def load_peft(adapter_dir):
-    """PeftModel.from_pretrained on a fresh tiny-llama; returns (model, [problems with the load])."""
-    base = load_base()
+def load_peft(adapter_dir, base=None):
+    """PeftModel.from_pretrained on `base` (default: a fresh tiny-llama); returns (model, [problems with the load])."""
+    if base is None:
+        base = load_base()
     handler = _Records()
     loggers = [logging.getLogger(n) for n in ("peft", "transformers", "")]
     for lg in loggers:
@@ -403,11 +429,112 @@ def check_ours(adapter_dir):
     return ok
 
 
+# ---------------------------------------------------------------------------------------------- check-trained
+
+TRAINED_F32_ATOL = 2e-3
+TRAINED_NF4_ATOL = 5e-3
+
+
+def load_gguf_f32(gguf_path):
+    """The GGUF base dequantized by transformers to float32, eager attention, eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                                 gguf_file=os.path.basename(gguf_path), dtype=torch.float32,
+                                                 attn_implementation=ATTN)
+    model.eval()
+    assert model.dtype == torch.float32
+    return model
+
+
+def save_plain_f32(model, folder):
+    """Saves a GGUF-loaded model as a float32 safetensors folder. transformers refuses while the model still carries
+    its GGUF "quantizer"; the weights are plain f32 tensors once dequantized (see scripts/bench_vs_peft.py)."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+
+
+def load_nf4(folder):
+    from transformers import BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN,
+                                                 quantization_config=quant, device_map="cpu")
+    model.eval()
+    return model
+
+
+def eval_loss(model, examples):
+    """Token-level mean NLL: each example alone (batch 1, no padding), position t predicting labels[t + 1]; the
+    summed cross entropy of every counted token of every example / the number of counted tokens."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in examples:
+            ids = torch.tensor([ex["input_ids"]], dtype=torch.int64)
+            labels = torch.tensor(ex["labels"], dtype=torch.int64)
+            assert labels.shape[0] == ids.shape[1], "labels must be aligned with input_ids"
+            logits = model(ids).logits[0].float()
+            target = labels[1:]
+            nll = torch.nn.functional.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
+            total += float(nll)
+            count += int((target != -100).sum())
+    assert count > 0, "no counted label tokens"
+    return total / count
+
+
+def check_trained(folder):
+    with open(os.path.join(folder, "expected_eval.json")) as f:
+        expected = json.load(f)
+    examples = expected["examples"]
+    n_tokens = sum(sum(1 for t in ex["labels"][1:] if t != -100) for ex in examples)
+    print(f"base {expected['model']}, {len(examples)} examples, {n_tokens} counted label tokens")
+    ok = True
+    rows = []  # (name, ours, PEFT, tolerance)
+
+    def load_adapter(base, what):
+        nonlocal ok
+        model, problems = load_peft(folder, base)
+        for p in problems:
+            print(f"FAIL ({what}): {p}")
+            ok = False
+        n = len(lora_layers(model))
+        print(f"PEFT loaded {n} LoRA modules on the {what} base")
+        return model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_gguf_f32(expected["model"])
+        save_plain_f32(model, tmp)  # before PEFT injects its layers into the model
+        rows.append(("base_loss_f32", expected["base_loss_f32"], eval_loss(model, examples), TRAINED_F32_ATOL))
+        model = load_adapter(model, "f32")
+        rows.append(("adapted_loss_f32", expected["adapted_loss_f32"], eval_loss(model, examples), TRAINED_F32_ATOL))
+        del model
+
+        model = load_nf4(tmp)
+        n4 = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
+        print(f"bitsandbytes NF4: {n4} Linear4bit modules")
+        rows.append(("base_loss_nf4", expected["base_loss_nf4"], eval_loss(model, examples), TRAINED_NF4_ATOL))
+        model = load_adapter(model, "NF4")
+        rows.append(("adapted_loss_nf4", expected["adapted_loss_nf4"], eval_loss(model, examples), TRAINED_NF4_ATOL))
+        del model
+
+    print(f"{'loss':<18}{'ours':>12}{'PEFT':>12}{'|diff|':>12}{'tolerance':>11}")
+    for name, ours, theirs, tol in rows:
+        diff = abs(ours - theirs)
+        good = diff <= tol
+        ok &= good
+        print(f"{name:<18}{ours:>12.6f}{theirs:>12.6f}{diff:>12.2e}{tol:>11g}  {'PASS' if good else 'FAIL'}")
+    print("check-trained: " + ("PASS" if ok else "FAIL"))
+    return ok
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "generate":
         generate()
     elif len(sys.argv) == 3 and sys.argv[1] == "check-ours":
         sys.exit(0 if check_ours(sys.argv[2]) else 1)
+    elif len(sys.argv) == 3 and sys.argv[1] == "check-trained":
+        sys.exit(0 if check_trained(sys.argv[2]) else 1)
     else:
         print(__doc__)
         sys.exit(2)

@@ -64,6 +64,10 @@ pub enum Error {
     #[error("model: {0}")]
     Model(String),
 
+    /// A device ran out of memory; the message is the report (what was live, where, what would fit).
+    #[error("{0}")]
+    OutOfMemory(String),
+
     /// Training cannot go on (e.g. the loss stayed non-finite), with what to change.
     #[error("training stopped: {0}")]
     Diverged(String),

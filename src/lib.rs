@@ -61,12 +61,18 @@ pub mod memory;
 pub mod models;
 pub mod ops;
 pub mod optim;
+pub mod plot;
 pub mod precision;
 pub mod quant;
 mod rng;
 pub mod trainer;
 
 pub use error::{Error, Result};
+
+/// Unit tests count heap bytes, so memory accounting is tested exactly.
+#[cfg(test)]
+#[global_allocator]
+static TEST_ALLOCATOR: memory::TrackingAllocator = memory::TrackingAllocator;
 
 /// The types most programs need.
 pub mod prelude {

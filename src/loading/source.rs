@@ -335,38 +335,8 @@ const HUB_FILES: [&str; 3] = ["config.json", "tokenizer.json", "tokenizer_config
 /// (`$HF_HOME/hub`). With `HF_HUB_OFFLINE=1` only the cache is used. The token comes from `$HF_TOKEN` or the
 /// token file `huggingface-cli login` writes.
 pub fn hub_snapshot(id: &str, revision: &str) -> Result<PathBuf> {
-    use hf_hub::{Repo, RepoType};
-    let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
-    let fetch: Box<FetchFn> = if offline {
-        let cache = hf_hub::Cache::from_env().repo(repo);
-        Box::new(move |file: &str| {
-            cache.get(file).ok_or_else(|| {
-                format!("`{file}` is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
-            })
-        })
-    } else {
-        let mut builder = hf_hub::api::sync::ApiBuilder::from_env().with_progress(false);
-        if let Ok(token) = std::env::var("HF_TOKEN") {
-            builder = builder.with_token(Some(token));
-        }
-        let api = builder
-            .build()
-            .map_err(|e| Error::Model(format!("cannot set up the Hub client: {e}")))?;
-        let repo = api.repo(repo);
-        Box::new(move |file: &str| {
-            repo.get(file)
-                .map_err(|e| format!("cannot download `{file}`: {e}"))
-        })
-    };
-    let need = |file: &str| -> Result<PathBuf> {
-        fetch(file).map_err(|reason| {
-            Error::Model(format!(
-                "Hub model `{id}` (revision {revision}): {reason}. If this machine is offline, pass a local model \
-                 folder or .gguf file with --model, or set HF_HUB_OFFLINE=1 to use models already in the cache"
-            ))
-        })
-    };
+    let fetch = hub_fetcher(id, revision)?;
+    let need = |file: &str| hub_required(&fetch, id, revision, file);
     let config = need(HUB_FILES[0])?;
     for optional in &HUB_FILES[1..] {
         let _ = fetch(optional);
@@ -393,4 +363,64 @@ pub fn hub_snapshot(id: &str, revision: &str) -> Result<PathBuf> {
         }
     }
     Ok(config.parent().map(Path::to_path_buf).unwrap_or_default())
+}
+
+/// `file` of Hub repository `id`, or an error that says what to do when offline.
+fn hub_required(fetch: &FetchFn, id: &str, revision: &str, file: &str) -> Result<PathBuf> {
+    fetch(file).map_err(|reason| {
+        Error::Model(format!(
+            "Hub model `{id}` (revision {revision}): {reason}. If this machine is offline, pass a local model \
+             folder or .gguf file with --model, or set HF_HUB_OFFLINE=1 to use models already in the cache"
+        ))
+    })
+}
+
+/// The configuration of a model without loading its weights: from a folder's `config.json`, a `config.json` file,
+/// a `.gguf` file's metadata, or a Hub id (only `config.json` is fetched).
+pub fn load_model_config(spec: &str, revision: Option<&str>) -> Result<ModelConfig> {
+    let path = Path::new(spec);
+    if path.is_file() && path.extension().is_some_and(|e| e == "json") {
+        return ModelConfig::from_hf_config_file(path);
+    }
+    match ModelSource::parse(spec, revision)? {
+        ModelSource::Folder(dir) => ModelConfig::from_hf_config_file(&dir.join("config.json")),
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            ModelConfig::from_gguf(file.content(), &path, file.has("lm_head.weight"))
+        }
+        ModelSource::Hub { id, revision } => {
+            let fetch = hub_fetcher(&id, &revision)?;
+            let config = hub_required(&fetch, &id, &revision, HUB_FILES[0])?;
+            ModelConfig::from_hf_config_file(&config)
+        }
+    }
+}
+
+/// A function that fetches files of Hub repository `id` (from the cache only under `HF_HUB_OFFLINE`).
+fn hub_fetcher(id: &str, revision: &str) -> Result<Box<FetchFn>> {
+    use hf_hub::{Repo, RepoType};
+    let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
+    let fetch: Box<FetchFn> = if offline {
+        let cache = hf_hub::Cache::from_env().repo(repo);
+        Box::new(move |file: &str| {
+            cache.get(file).ok_or_else(|| {
+                format!("`{file}` is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
+            })
+        })
+    } else {
+        let mut builder = hf_hub::api::sync::ApiBuilder::from_env().with_progress(false);
+        if let Ok(token) = std::env::var("HF_TOKEN") {
+            builder = builder.with_token(Some(token));
+        }
+        let api = builder
+            .build()
+            .map_err(|e| Error::Model(format!("cannot set up the Hub client: {e}")))?;
+        let repo = api.repo(repo);
+        Box::new(move |file: &str| {
+            repo.get(file)
+                .map_err(|e| format!("cannot download `{file}`: {e}"))
+        })
+    };
+    Ok(fetch)
 }

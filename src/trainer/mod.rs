@@ -2,14 +2,13 @@
 //!
 //! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`run`]: the loop; [`checkpoint`]: checkpoint
 //!   files and resume; [`callbacks`]: hooks, early stopping, memory monitor; [`state`]: the log and
-//!   `trainer_state.json`; [`progress`] and [`plot`]: what the user sees; [`neftune`]: embedding noise.
+//!   `trainer_state.json`; [`progress`]: what the user sees; [`neftune`]: embedding noise.
 
 pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod config;
 pub mod neftune;
-pub mod plot;
 pub mod progress;
 pub mod run;
 pub mod state;

@@ -18,7 +18,6 @@ use super::checkpoint::{
     DataPosition, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 use super::neftune::neftune_noise;
-use super::plot::loss_svg;
 use super::progress::{summary, Progress, StepFigures};
 use super::state::{LogEntry, TrainOutput, TrainerState};
 use crate::adapter::{load_adapter, save_adapter};
@@ -29,6 +28,7 @@ use crate::lora::LoraConfig;
 use crate::memory::process_memory;
 use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
+use crate::plot::loss_svg;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
 
 /// The adapter the trainer trains.

@@ -1,5 +1,5 @@
-//! The loss plot written at the end of a run: train loss per logged step and eval loss per evaluation, as a
-//! self-contained SVG (no plotting dependency; any browser opens it).
+//! Line charts written at the end of a run (the loss plot, the memory timeline), as self-contained SVG (no
+//! plotting dependency; any browser opens it).
 
 use std::fmt::Write;
 
@@ -26,16 +26,24 @@ fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-/// An SVG line chart of `train` and `eval` losses against the step (`(step, loss)` pairs; non-finite ones are
-/// left out).
-pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
-    let points: Vec<(usize, f64)> = train
+/// One line of a chart.
+pub struct Series<'a> {
+    /// Legend text.
+    pub label: &'a str,
+    /// `(x, y)` points; non-finite ones are left out.
+    pub points: Vec<(f64, f64)>,
+}
+
+const COLORS: [&str; 4] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"];
+
+/// An SVG line chart of `series` against x (from 0), titled `title`, with the x axis named `x_label`.
+pub fn line_chart_svg(title: &str, x_label: &str, series: &[Series]) -> String {
+    let points: Vec<(f64, f64)> = series
         .iter()
-        .chain(eval)
-        .copied()
-        .filter(|(_, l)| l.is_finite())
+        .flat_map(|s| s.points.iter().copied())
+        .filter(|(x, y)| x.is_finite() && y.is_finite())
         .collect();
-    let max_step = points.iter().map(|p| p.0).max().unwrap_or(1).max(1) as f64;
+    let max_x = points.iter().map(|p| p.0).fold(1.0, f64::max);
     let (mut lo, mut hi) = points
         .iter()
         .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| {
@@ -46,14 +54,14 @@ pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
     }
     let pad = ((hi - lo) * 0.05).max(1e-3);
     let (lo, hi) = (lo - pad, hi + pad);
-    let x = |step: f64| LEFT + step / max_step * (WIDTH - LEFT - RIGHT);
-    let y = |loss: f64| TOP + (hi - loss) / (hi - lo) * (HEIGHT - TOP - BOTTOM);
+    let x = |v: f64| LEFT + v / max_x * (WIDTH - LEFT - RIGHT);
+    let y = |v: f64| TOP + (hi - v) / (hi - lo) * (HEIGHT - TOP - BOTTOM);
     let mut svg = String::new();
     let _ = write!(
         svg,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
-<text x="{}" y="24" text-anchor="middle" font-size="15">Training loss</text>
+<text x="{}" y="24" text-anchor="middle" font-size="15">{title}</text>
 "#,
         WIDTH / 2.0
     );
@@ -67,7 +75,7 @@ pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
             y = y(t)
         );
     }
-    for t in ticks(0.0, max_step, 6) {
+    for t in ticks(0.0, max_x, 6) {
         let _ = writeln!(
             svg,
             r#"<text x="{:.1}" y="{}" text-anchor="middle">{t}</text>"#,
@@ -77,7 +85,7 @@ pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
     }
     let _ = writeln!(
         svg,
-        r#"<text x="{}" y="{}" text-anchor="middle">step</text>
+        r#"<text x="{}" y="{}" text-anchor="middle">{x_label}</text>
 <line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{}" stroke="black"/>
 <line x1="{LEFT}" x2="{}" y1="{}" y2="{}" stroke="black"/>"#,
         WIDTH / 2.0,
@@ -87,40 +95,63 @@ pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
         HEIGHT - BOTTOM,
         HEIGHT - BOTTOM
     );
-    for (series, color, label, legend_y) in [
-        (train, "#1f77b4", "train loss", TOP + 8.0),
-        (eval, "#ff7f0e", "eval loss", TOP + 26.0),
-    ] {
-        let pts: Vec<String> = series
+    for (i, line) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let legend_y = TOP + 8.0 + 18.0 * i as f64;
+        let pts: Vec<(f64, f64)> = line
+            .points
             .iter()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(s, l)| format!("{:.1},{:.1}", x(*s as f64), y(*l)))
+            .filter(|(a, b)| a.is_finite() && b.is_finite())
+            .map(|(a, b)| (x(*a), y(*b)))
             .collect();
         if pts.is_empty() {
             continue;
         }
+        let coords: Vec<String> = pts.iter().map(|(a, b)| format!("{a:.1},{b:.1}")).collect();
         let _ = writeln!(
             svg,
             r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"/>"#,
-            pts.join(" ")
+            coords.join(" ")
         );
-        if series.len() < 60 {
-            for p in &pts {
-                let (cx, cy) = p.split_once(',').unwrap_or(("0", "0"));
-                let _ = writeln!(svg, r#"<circle cx="{cx}" cy="{cy}" r="3" fill="{color}"/>"#);
+        if pts.len() < 60 {
+            for (cx, cy) in &pts {
+                let _ = writeln!(
+                    svg,
+                    r#"<circle cx="{cx:.1}" cy="{cy:.1}" r="3" fill="{color}"/>"#
+                );
             }
         }
         let _ = writeln!(
             svg,
-            r#"<line x1="{}" x2="{}" y1="{legend_y}" y2="{legend_y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}">{label}</text>"#,
-            WIDTH - RIGHT - 110.0,
-            WIDTH - RIGHT - 90.0,
-            WIDTH - RIGHT - 84.0,
-            legend_y + 4.0
+            r#"<line x1="{}" x2="{}" y1="{legend_y}" y2="{legend_y}" stroke="{color}" stroke-width="3"/><text x="{}" y="{}">{}</text>"#,
+            WIDTH - RIGHT - 150.0,
+            WIDTH - RIGHT - 130.0,
+            WIDTH - RIGHT - 124.0,
+            legend_y + 4.0,
+            line.label
         );
     }
     svg.push_str("</svg>\n");
     svg
+}
+
+/// The loss plot: `train` and `eval` losses (`(step, loss)` pairs) against the step.
+pub fn loss_svg(train: &[(usize, f64)], eval: &[(usize, f64)]) -> String {
+    let points = |v: &[(usize, f64)]| v.iter().map(|(s, l)| (*s as f64, *l)).collect();
+    line_chart_svg(
+        "Training loss",
+        "step",
+        &[
+            Series {
+                label: "train loss",
+                points: points(train),
+            },
+            Series {
+                label: "eval loss",
+                points: points(eval),
+            },
+        ],
+    )
 }
 
 #[cfg(test)]

@@ -1,0 +1,324 @@
+//! Predicting a run's memory before it starts: parameters, optimizer state, gradients, activations — for full
+//! fine-tuning in float32, mixed precision, LoRA on a bf16 base and QLoRA, and for the configuration asked, which
+//! is modelled on what this library keeps alive (see [`activation_bytes`]).
+
+use serde::Serialize;
+
+use crate::models::ModelConfig;
+use crate::ops::cross_entropy::TOKEN_BLOCK;
+use crate::ops::attention::QUERY_BLOCK;
+use crate::optim::OptimizerName;
+
+/// Where the run happens: decides the compute dtype (CPU float32, CUDA bfloat16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    /// CPU: float32 compute.
+    Cpu,
+    /// CUDA: bfloat16 compute.
+    Cuda,
+}
+
+/// What is being estimated (the `qlora estimate` flags).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EstimateArgs {
+    /// Micro-batch size.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// LoRA rank (every linear layer of the blocks).
+    pub lora_r: usize,
+    /// Optimizer (`optim` name).
+    pub optim: String,
+    /// Per-layer gradient checkpointing.
+    pub gradient_checkpointing: bool,
+    /// NF4 base (QLoRA) instead of a base in the compute dtype (LoRA).
+    pub quantize: bool,
+    /// Device.
+    pub device: DeviceKind,
+}
+
+impl Default for EstimateArgs {
+    fn default() -> Self {
+        EstimateArgs {
+            batch: 1,
+            seq: 2048,
+            lora_r: 16,
+            optim: "paged_adamw_8bit".into(),
+            gradient_checkpointing: false,
+            quantize: true,
+            device: DeviceKind::Cpu,
+        }
+    }
+}
+
+/// A training regime of the comparison table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Regime {
+    /// All weights trained, float32 weights, gradients and AdamW state.
+    FullFp32,
+    /// All weights trained, bf16 weights and gradients, float32 AdamW moments.
+    MixedPrecision,
+    /// LoRA on a frozen bf16 base.
+    LoraBf16,
+    /// LoRA on a frozen NF4 base (double quantization).
+    Qlora,
+    /// The configuration asked, as this library runs it.
+    Configured,
+}
+
+/// Predicted bytes by category.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// The regime.
+    pub regime: Regime,
+    /// Base weights (trained or frozen).
+    pub weights_bytes: u64,
+    /// Adapter parameters (float32).
+    pub lora_bytes: u64,
+    /// Optimizer state.
+    pub optimizer_bytes: u64,
+    /// Gradients of the trained parameters.
+    pub gradients_bytes: u64,
+    /// Activations at the peak (saved tensors, recomputation, gradients in flight, block temporaries).
+    pub activations_bytes: u64,
+    /// Runtime overhead counted (the CUDA context on GPU; 0 on CPU).
+    pub other_bytes: u64,
+    /// The sum.
+    pub total_bytes: u64,
+    /// What the numbers assume.
+    pub assumptions: Vec<String>,
+}
+
+/// Parameter counts of a model.
+#[derive(Clone, Debug, PartialEq)]
+struct Counts {
+    /// Linear weights of the blocks (the ones NF4 quantizes and LoRA targets).
+    block_linear: u64,
+    /// Everything else: embeddings, output head (when untied), norms, biases.
+    rest: u64,
+    /// LoRA parameters at the asked rank.
+    lora: u64,
+    /// Element counts of the LoRA matrices (the 8-bit optimizer keeps small ones in float32).
+    lora_tensors: Vec<u64>,
+}
+
+fn counts(c: &ModelConfig, r: usize) -> Counts {
+    let (h, hq, hkv, i) = (
+        c.hidden_size as u64,
+        (c.num_attention_heads * c.head_dim) as u64,
+        (c.num_key_value_heads * c.head_dim) as u64,
+        c.intermediate_size as u64,
+    );
+    let l = c.num_hidden_layers as u64;
+    // (in, out) of q, k, v, o, gate, up, down.
+    let shapes = [(h, hq), (h, hkv), (h, hkv), (hq, h), (h, i), (h, i), (i, h)];
+    let block_linear = l * shapes.iter().map(|(a, b)| a * b).sum::<u64>();
+    let embed = c.vocab_size as u64 * h;
+    let head = if c.tie_word_embeddings { 0 } else { embed };
+    let bias = if c.attention_bias { l * (hq + 2 * hkv) } else { 0 };
+    let norms = (2 * l + 1) * h;
+    let r = r as u64;
+    let lora_tensors: Vec<u64> = (0..l)
+        .flat_map(|_| shapes.iter().flat_map(move |(a, b)| [r * a, r * b]))
+        .collect();
+    Counts {
+        block_linear,
+        rest: embed + head + bias + norms,
+        lora: lora_tensors.iter().sum(),
+        lora_tensors,
+    }
+}
+
+/// Bytes of an NF4 double-quantized tensor of `n` elements with blocksize 64: packed codes, 8-bit absmax per
+/// block, float32 absmax per 256 absmax values, the 256-entry code table and the offset (4.127 bits/parameter).
+fn nf4_bytes(n: u64) -> u64 {
+    let blocks = n.div_ceil(64);
+    n.div_ceil(2) + blocks + 4 * blocks.div_ceil(256) + 256 * 4 + 4
+}
+
+/// Optimizer state bytes for trainable tensors of `sizes` elements.
+fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
+    sizes
+        .iter()
+        .map(|&n| match name {
+            OptimizerName::AdamW8bit | OptimizerName::PagedAdamW8bit if n >= 4096 => {
+                2 * n + 2 * 4 * n.div_ceil(256)
+            }
+            OptimizerName::Sgd => 4 * n,
+            _ => 8 * n,
+        })
+        .sum()
+}
+
+/// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
+/// graph hold them. With LoRA each adapted linear keeps its base output, the two low-rank products, the scaled
+/// update and the sum (`4·out + r`); fully trained linears keep their output. Both keep the norms, the head split
+/// copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
+fn layer_elements_per_token(c: &ModelConfig, lora_r: Option<usize>) -> u64 {
+    let (h, hq, hkv, i) = (
+        c.hidden_size as u64,
+        (c.num_attention_heads * c.head_dim) as u64,
+        (c.num_key_value_heads * c.head_dim) as u64,
+        c.intermediate_size as u64,
+    );
+    let linear = |out: u64| match lora_r {
+        Some(r) => 4 * out + r as u64,
+        None => out,
+    };
+    let q = linear(hq) + 2 * hq; // + split-heads copy + RoPE
+    let k = linear(hkv) + 2 * hkv;
+    let v = linear(hkv) + hkv;
+    let attention = 2 * hq; // output + transposed copy
+    let mlp = 2 * linear(i) + i + linear(h); // gate, up, SwiGLU, down
+    let rest = linear(h) + 4 * h; // o_proj, two norms, two residual sums
+    q + k + v + attention + mlp + rest
+}
+
+/// Activation bytes at the peak of a training step of this library: the saved tensors (every layer's, or only the
+/// layer inputs with checkpointing plus one layer being recomputed), one layer's worth of gradients in flight,
+/// the embedding and final-norm outputs, and the per-block temporaries of attention (`QUERY_BLOCK` queries) and
+/// the fused cross-entropy (`TOKEN_BLOCK` tokens × vocabulary, float32).
+pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, lora_r: Option<usize>, dtype_bytes: u64) -> u64 {
+    let tokens = (args.batch * args.seq) as u64;
+    let h = c.hidden_size as u64;
+    let layer = layer_elements_per_token(c, lora_r) * tokens * dtype_bytes;
+    let layers = c.num_hidden_layers as u64;
+    let saved = if args.gradient_checkpointing {
+        layers * tokens * h * dtype_bytes + layer
+    } else {
+        layers * layer
+    };
+    let in_flight = layer;
+    let ends = 2 * tokens * h * dtype_bytes;
+    let keys = args.seq as u64;
+    let attention = 4 * (args.batch * c.num_attention_heads) as u64 * QUERY_BLOCK.min(args.seq) as u64 * keys * 4;
+    let cross_entropy = 3 * TOKEN_BLOCK.min(args.batch * args.seq) as u64 * c.vocab_size as u64 * 4;
+    saved + in_flight + ends + attention.max(cross_entropy)
+}
+
+fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate {
+    let [weights_bytes, lora_bytes, optimizer_bytes, gradients_bytes, activations_bytes, other_bytes] = parts;
+    Estimate {
+        regime,
+        weights_bytes,
+        lora_bytes,
+        optimizer_bytes,
+        gradients_bytes,
+        activations_bytes,
+        other_bytes,
+        total_bytes: parts.iter().sum(),
+        assumptions,
+    }
+}
+
+/// The configuration asked, as this library would run it.
+pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate> {
+    let optim: OptimizerName = args.optim.parse()?;
+    let n = counts(c, args.lora_r);
+    let e: u64 = match args.device {
+        DeviceKind::Cpu => 4,
+        DeviceKind::Cuda => 2,
+    };
+    let weights = if args.quantize {
+        per_layer_nf4(c) + n.rest * e
+    } else {
+        (n.block_linear + n.rest) * e
+    };
+    let other = match args.device {
+        DeviceKind::Cpu => 0,
+        DeviceKind::Cuda => 512 << 20,
+    };
+    let assumptions = vec![
+        format!(
+            "{} compute; LoRA r={} on every linear layer of the blocks, float32 adapter weights and gradients",
+            if e == 4 { "float32" } else { "bfloat16" },
+            args.lora_r
+        ),
+        if args.quantize {
+            "base linears NF4 with double quantization (4.127 bits/parameter); embeddings, head and norms in the compute dtype".into()
+        } else {
+            "base weights in the compute dtype".into()
+        },
+        format!("optimizer {} on the adapter", args.optim),
+        format!(
+            "activations: micro-batch {} × {} tokens, {}, attention in {}-query blocks, cross-entropy in {}-token blocks",
+            args.batch,
+            args.seq,
+            if args.gradient_checkpointing {
+                "layer inputs saved and one layer recomputed at a time"
+            } else {
+                "every layer's tensors saved"
+            },
+            QUERY_BLOCK,
+            TOKEN_BLOCK
+        ),
+        match args.device {
+            DeviceKind::Cpu => "other: the process' runtime, tokenizer and data are not counted (tens of MiB)".into(),
+            DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
+        },
+    ];
+    Ok(finish(
+        Regime::Configured,
+        [
+            weights,
+            4 * n.lora,
+            optimizer_bytes(optim, &n.lora_tensors),
+            4 * n.lora,
+            activation_bytes(c, args, Some(args.lora_r), e),
+            other,
+        ],
+        assumptions,
+    ))
+}
+
+/// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
+fn per_layer_nf4(c: &ModelConfig) -> u64 {
+    let (h, hq, hkv, i) = (
+        c.hidden_size as u64,
+        (c.num_attention_heads * c.head_dim) as u64,
+        (c.num_key_value_heads * c.head_dim) as u64,
+        c.intermediate_size as u64,
+    );
+    let layer: u64 = [h * hq, h * hkv, h * hkv, hq * h, h * i, h * i, i * h]
+        .iter()
+        .map(|&n| nf4_bytes(n))
+        .sum();
+    c.num_hidden_layers as u64 * layer
+}
+
+/// The comparison table: full fine-tuning in float32 and in mixed precision (AdamW), LoRA on a bf16 base and QLoRA
+/// (with the asked optimizer on the adapter), all at the asked batch, sequence and checkpointing, then the
+/// configuration asked as this library runs it.
+pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Estimate>> {
+    let optim: OptimizerName = args.optim.parse()?;
+    let n = counts(c, args.lora_r);
+    let p = n.block_linear + n.rest;
+    let all: Vec<u64> = vec![p];
+    let lora_opt = optimizer_bytes(optim, &n.lora_tensors);
+    let act = |lora: Option<usize>, e: u64| activation_bytes(c, args, lora, e);
+    let note = |s: &str| vec![s.to_string()];
+    Ok(vec![
+        finish(
+            Regime::FullFp32,
+            [4 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 4 * p, act(None, 4), 0],
+            note("float32 weights, gradients and AdamW moments (16 bytes/parameter), float32 activations"),
+        ),
+        finish(
+            Regime::MixedPrecision,
+            [2 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 2 * p, act(None, 2), 0],
+            note("bf16 weights and gradients, float32 AdamW moments (12 bytes/parameter; no float32 master copy), bf16 activations"),
+        ),
+        finish(
+            Regime::LoraBf16,
+            [2 * p, 4 * n.lora, lora_opt, 4 * n.lora, act(Some(args.lora_r), 2), 0],
+            note("frozen bf16 base, float32 adapter, bf16 activations"),
+        ),
+        finish(
+            Regime::Qlora,
+            [per_layer_nf4(c) + 2 * n.rest, 4 * n.lora, lora_opt, 4 * n.lora, act(Some(args.lora_r), 2), 0],
+            note("NF4 base (4.127 bits/parameter), bf16 embeddings/head/norms, float32 adapter, bf16 activations"),
+        ),
+        estimate(c, args)?,
+    ])
+}

@@ -1,0 +1,194 @@
+//! Measured memory: heap bytes the process allocated (exact, when [`TrackingAllocator`] is the global allocator —
+//! Candle's CPU tensors live on the heap, so this is the library's accounting of tensor storage), and what the
+//! operating system says the process holds (resident set, its peak, the machine's total and available memory).
+//! Linux reads `/proc`; elsewhere those values are `None`.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use candle_core::Device;
+
+static ALLOCATED: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static TRACKING: AtomicBool = AtomicBool::new(false);
+
+/// The system allocator, counting live bytes and their peak. Install it in a binary to get exact CPU numbers:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
+/// ```
+pub struct TrackingAllocator;
+
+fn added(bytes: usize) {
+    let now = ALLOCATED.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+fn removed(bytes: usize) {
+    ALLOCATED.fetch_sub(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every call forwards to `System` with the caller's layout; the counters do not touch the memory.
+unsafe impl GlobalAlloc for TrackingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            added(layout.size());
+            TRACKING.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            added(layout.size());
+            TRACKING.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        removed(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            removed(layout.size());
+            added(new_size);
+        }
+        p
+    }
+}
+
+/// Memory of a device, in bytes (`None` where it cannot be measured).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct MemoryStats {
+    /// The device (`cpu`, `cuda:0`).
+    pub device: String,
+    /// Bytes allocated now (CPU: heap bytes counted by [`TrackingAllocator`]).
+    pub allocated: Option<u64>,
+    /// Peak of `allocated` since the start or the last [`reset_peak`].
+    pub peak_allocated: Option<u64>,
+    /// Bytes the process holds from the system (CPU: resident set).
+    pub reserved: Option<u64>,
+    /// Peak of `reserved` (CPU: `VmHWM`, reset with [`reset_peak`] where Linux allows).
+    pub peak_reserved: Option<u64>,
+    /// Device capacity (CPU: physical memory).
+    pub total: Option<u64>,
+    /// Still available (CPU: `MemAvailable`).
+    pub available: Option<u64>,
+}
+
+/// True when [`TrackingAllocator`] is the global allocator (it has counted an allocation).
+pub fn tracking() -> bool {
+    TRACKING.load(Ordering::Relaxed)
+}
+
+/// Heap bytes allocated now and their peak, when tracked.
+pub fn allocated() -> Option<(u64, u64)> {
+    tracking().then(|| (ALLOCATED.load(Ordering::Relaxed), PEAK.load(Ordering::Relaxed)))
+}
+
+/// Memory statistics of `device`. On CPU: tracked heap bytes and the process' resident set. CUDA devices are not
+/// measured yet (all `None` but the name): this build has no CUDA memory-pool query.
+pub fn stats(device: &Device) -> MemoryStats {
+    match device {
+        Device::Cpu => {
+            let p = process_memory();
+            let tracked = allocated();
+            MemoryStats {
+                device: "cpu".into(),
+                allocated: tracked.map(|t| t.0),
+                peak_allocated: tracked.map(|t| t.1),
+                reserved: p.rss,
+                peak_reserved: p.peak_rss,
+                total: p.total,
+                available: p.available,
+            }
+        }
+        other => MemoryStats {
+            device: format!("{:?}", other.location()),
+            ..Default::default()
+        },
+    }
+}
+
+/// A process-level memory reading, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ProcessMemory {
+    /// Resident set size now (`VmRSS`).
+    pub rss: Option<u64>,
+    /// Peak resident set size since the process started, or since [`reset_peak`] (`VmHWM`).
+    pub peak_rss: Option<u64>,
+    /// Physical memory of the machine (`MemTotal`).
+    pub total: Option<u64>,
+    /// Memory the kernel could still give without swapping (`MemAvailable`).
+    pub available: Option<u64>,
+}
+
+/// The value of `key` (in KiB in the file) from a `/proc` file, in bytes.
+fn proc_kib(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line[key.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// Reads the process' memory now.
+pub fn process_memory() -> ProcessMemory {
+    ProcessMemory {
+        rss: proc_kib("/proc/self/status", "VmRSS:"),
+        peak_rss: proc_kib("/proc/self/status", "VmHWM:"),
+        total: proc_kib("/proc/meminfo", "MemTotal:"),
+        available: proc_kib("/proc/meminfo", "MemAvailable:"),
+    }
+}
+
+/// Resets the tracked peak to the bytes allocated now. With `include_resident_set`, also the resident-set peak
+/// (Linux: writes 5 to `/proc/self/clear_refs`; returns false where that is not allowed).
+pub fn reset_peak(include_resident_set: bool) -> bool {
+    PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
+    !include_resident_set || std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// `bytes` as a short human string (`1.23 GiB`, `512.0 MiB`).
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_this_process_and_formats_sizes() {
+        let m = process_memory();
+        if cfg!(target_os = "linux") {
+            let (rss, peak, total) = (m.rss.unwrap(), m.peak_rss.unwrap(), m.total.unwrap());
+            assert!(rss > 1 << 20 && peak >= rss && total > rss, "{m:?}");
+        }
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 * 1024 * 1024 / 2), "1.50 MiB");
+        assert_eq!(human_bytes(5 << 30), "5.00 GiB");
+    }
+}

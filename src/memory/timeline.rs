@@ -1,0 +1,273 @@
+//! The memory timeline of a run: for every micro-batch's forward and backward and every optimizer update, the
+//! bytes live at its end and the peak inside it, and at the highest peak a breakdown by category. Written to
+//! `output_dir/memory_timeline.json` and drawn in `memory.svg`.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use super::stats::{allocated, human_bytes, process_memory, reset_peak};
+use crate::error::{Error, Result};
+use crate::plot::{line_chart_svg, Series};
+
+/// A phase of a training step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Forward pass of a micro-batch (the graph and saved activations build up).
+    Forward,
+    /// Backward pass of a micro-batch (recomputation, gradients).
+    Backward,
+    /// Clipping and the optimizer update.
+    Optimizer,
+}
+
+/// Bytes by category.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// Frozen base weights (NF4 codes + quantization state, and the unquantized tensors).
+    pub base_weights: u64,
+    /// Trainable adapter parameters.
+    pub lora: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// Gradients of the trainable parameters.
+    pub gradients: u64,
+    /// Everything the forward/backward holds beyond the above: saved activations, recomputed blocks, temporaries.
+    pub activations: u64,
+    /// What was allocated before training began besides the weights: tokenizer, data, runtime.
+    pub other: u64,
+}
+
+impl Breakdown {
+    /// The sum of the categories.
+    pub fn total(&self) -> u64 {
+        self.base_weights + self.lora + self.optimizer + self.gradients + self.activations + self.other
+    }
+
+    /// `(category, bytes)` pairs in a fixed order.
+    pub fn rows(&self) -> [(&'static str, u64); 6] {
+        [
+            ("base weights", self.base_weights),
+            ("LoRA parameters", self.lora),
+            ("optimizer state", self.optimizer),
+            ("gradients", self.gradients),
+            ("activations", self.activations),
+            ("other", self.other),
+        ]
+    }
+
+    /// A small table, one category per line, with shares of the total.
+    pub fn table(&self) -> String {
+        let total = self.total().max(1) as f64;
+        let mut lines: Vec<String> = self
+            .rows()
+            .iter()
+            .map(|(name, b)| {
+                format!(
+                    "  {name:<16} {:>12}  {:>5.1}%",
+                    human_bytes(*b),
+                    100.0 * *b as f64 / total
+                )
+            })
+            .collect();
+        lines.push(format!("  {:<16} {:>12}", "total", human_bytes(self.total())));
+        lines.join("\n")
+    }
+}
+
+/// One measured phase.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PhaseSample {
+    /// Optimizer step (1-based).
+    pub step: usize,
+    /// Micro-batch within the step (0 for the optimizer).
+    pub micro_batch: usize,
+    /// The phase.
+    pub phase: Phase,
+    /// Bytes live at the end of the phase.
+    pub allocated: u64,
+    /// Highest bytes live during the phase.
+    pub peak: u64,
+}
+
+/// Samples of a run and the breakdown at its highest peak.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MemoryTimeline {
+    /// `heap` (tracked allocations) or `resident set` (the operating system's view).
+    pub source: &'static str,
+    /// Every phase, in order.
+    pub samples: Vec<PhaseSample>,
+    /// The highest peak and what it was made of.
+    pub peak: Option<(PhaseSample, Breakdown)>,
+    base_weights: u64,
+    lora: u64,
+    other: u64,
+    #[serde(skip)]
+    phase: Option<Phase>,
+}
+
+/// Bytes live now and the peak since the last reset, from the best source available.
+fn reading() -> Option<(u64, u64, &'static str)> {
+    if let Some((now, peak)) = allocated() {
+        return Some((now, peak, "heap"));
+    }
+    let m = process_memory();
+    Some((m.rss?, m.peak_rss?, "resident set"))
+}
+
+impl MemoryTimeline {
+    /// A timeline whose constant categories are the model's weights and the adapter; what is allocated now beyond
+    /// them is counted as `other`.
+    pub fn new(base_weights: u64, lora: u64) -> Self {
+        let (now, _, source) = reading().unwrap_or((0, 0, "unavailable"));
+        MemoryTimeline {
+            source,
+            base_weights,
+            lora,
+            other: now.saturating_sub(base_weights + lora),
+            ..Default::default()
+        }
+    }
+
+    /// Call when `phase` starts: resets the peak so the next sample sees only this phase.
+    pub fn start_phase(&mut self, phase: Phase) {
+        self.phase = Some(phase);
+        reset_peak(self.source == "resident set");
+    }
+
+    /// The phase running now (the last one started).
+    pub fn current_phase(&self) -> Option<Phase> {
+        self.phase
+    }
+
+    /// What is live now, by category (`optimizer` and `gradients` are those categories' bytes now).
+    pub fn breakdown_now(&self, optimizer: u64, gradients: u64) -> Breakdown {
+        let now = reading().map_or(0, |r| r.0);
+        self.breakdown(now, optimizer, gradients)
+    }
+
+    fn breakdown(&self, bytes: u64, optimizer: u64, gradients: u64) -> Breakdown {
+        let known = self.base_weights + self.lora + optimizer + gradients + self.other;
+        Breakdown {
+            base_weights: self.base_weights,
+            lora: self.lora,
+            optimizer,
+            gradients,
+            activations: bytes.saturating_sub(known),
+            other: self.other,
+        }
+    }
+
+    /// Records the phase that just ended; `optimizer` and `gradients` are the bytes of those categories now.
+    pub fn end_phase(&mut self, step: usize, micro_batch: usize, optimizer: u64, gradients: u64) {
+        let (Some((now, peak, _)), Some(phase)) = (reading(), self.phase) else {
+            return;
+        };
+        let sample = PhaseSample {
+            step,
+            micro_batch,
+            phase,
+            allocated: now,
+            peak: peak.max(now),
+        };
+        if self.peak.as_ref().is_none_or(|(p, _)| sample.peak > p.peak) {
+            let breakdown = self.breakdown(sample.peak, optimizer, gradients);
+            self.peak = Some((sample.clone(), breakdown));
+        }
+        self.samples.push(sample);
+    }
+
+    /// The summary lines: peak, where it happened, and its breakdown.
+    pub fn summary(&self) -> Option<String> {
+        let (s, b) = self.peak.as_ref()?;
+        Some(format!(
+            "peak memory {} ({}) at step {} {:?} (micro-batch {}):\n{}",
+            human_bytes(s.peak),
+            self.source,
+            s.step,
+            s.phase,
+            s.micro_batch,
+            b.table()
+        ))
+    }
+
+    /// Writes `memory_timeline.json` and `memory.svg` into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let json = dir.join("memory_timeline.json");
+        let text = serde_json::to_string_pretty(self).unwrap_or_default();
+        std::fs::write(&json, text).map_err(|e| Error::io("cannot write", &json, e))?;
+        // x: step, with the phases of a step spread over it in order.
+        let per_step = |step: usize| self.samples.iter().filter(|s| s.step == step).count();
+        let mut index_in_step = 0usize;
+        let mut last_step = 0usize;
+        let mut peak = vec![];
+        let mut live = vec![];
+        for s in &self.samples {
+            if s.step != last_step {
+                (last_step, index_in_step) = (s.step, 0);
+            }
+            let x = s.step as f64 - 1.0 + (index_in_step + 1) as f64 / per_step(s.step) as f64;
+            index_in_step += 1;
+            peak.push((x, s.peak as f64 / (1u64 << 20) as f64));
+            live.push((x, s.allocated as f64 / (1u64 << 20) as f64));
+        }
+        let svg = line_chart_svg(
+            &format!("Memory ({}, MiB) per phase", self.source),
+            "step",
+            &[
+                Series {
+                    label: "peak in phase",
+                    points: peak,
+                },
+                Series {
+                    label: "live at phase end",
+                    points: live,
+                },
+            ],
+        );
+        let path = dir.join("memory.svg");
+        std::fs::write(&path, svg).map_err(|e| Error::io("cannot write", &path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn breakdown_table_sums_and_shares() {
+        let b = Breakdown {
+            base_weights: 600,
+            lora: 100,
+            optimizer: 100,
+            gradients: 100,
+            activations: 100,
+            other: 0,
+        };
+        assert_eq!(b.total(), 1000);
+        let t = b.table();
+        assert!(t.contains("base weights") && t.contains("60.0%") && t.contains("1000 B"), "{t}");
+    }
+
+    #[test]
+    fn the_peak_sample_carries_the_breakdown() {
+        let mut timeline = MemoryTimeline::new(0, 0);
+        timeline.start_phase(Phase::Forward);
+        let big = std::hint::black_box(vec![1u8; 8 << 20]);
+        timeline.end_phase(1, 0, 0, 0);
+        drop(big);
+        timeline.start_phase(Phase::Backward);
+        timeline.end_phase(1, 0, 0, 0);
+        assert_eq!(timeline.samples.len(), 2);
+        // Lib tests run under the tracking allocator: the 8 MiB vector is the forward's peak.
+        assert_eq!(timeline.source, "heap");
+        let (s, b) = timeline.peak.clone().unwrap();
+        assert_eq!(s.phase, Phase::Forward, "{timeline:?}");
+        assert!(s.peak >= 8 << 20 && b.activations >= 8 << 20, "{s:?} {b:?}");
+        assert_eq!(b.total(), s.peak);
+        let dir = tempfile::tempdir().unwrap();
+        timeline.write(dir.path()).unwrap();
+        assert!(dir.path().join("memory.svg").exists());
+    }
+}
