@@ -12,6 +12,10 @@ use anyhow::{bail, Context, Result};
 use candle_qlora::loading::source::{cached_test_model, load_model, LoadOptions};
 use candle_qlora::quant::QuantConfig;
 
+/// Counts heap bytes so memory statistics and the timeline are exact.
+#[global_allocator]
+static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
+
 /// Peak resident set size of this process in bytes (`VmHWM` in /proc/self/status).
 fn peak_rss() -> Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")

@@ -23,6 +23,10 @@ use candle_qlora::models::{generate, ChatMessage, GenerationConfig, TextTokenize
 use candle_qlora::quant::QuantConfig;
 use candle_qlora::trainer::{IntervalStrategy, Trainer, TrainingArguments};
 
+/// Counts heap bytes so memory statistics and the timeline are exact.
+#[global_allocator]
+static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
+
 const HUB_DEFAULT: &str = "HuggingFaceTB/SmolLM2-135M-Instruct";
 const TRAIN: &str = include_str!("../configs/data/arithmetic-train.jsonl");
 const EVAL: &str = include_str!("../configs/data/arithmetic-eval.jsonl");

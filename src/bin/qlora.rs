@@ -11,8 +11,9 @@ use candle_qlora::adapter::load_adapter;
 use candle_qlora::data::{pack, read_jsonl, DataFormat};
 use candle_qlora::eval::evaluate;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
-use candle_qlora::loading::source::{load_model, LoadOptions, LoadedModel};
+use candle_qlora::loading::source::{load_model, load_model_config, LoadOptions, LoadedModel};
 use candle_qlora::lora::merge::{merge_to_folder, MergeOptions};
+use candle_qlora::memory::Regime;
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::precision::Precision;
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
@@ -20,6 +21,10 @@ use candle_qlora::trainer::{
     latest_checkpoint, EarlyStoppingCallback, MemoryMonitorCallback, RunConfig, Trainer,
 };
 use clap::{Parser, Subcommand, ValueEnum};
+
+/// Counts heap bytes so memory statistics and the timeline are exact.
+#[global_allocator]
+static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
 
 #[derive(Parser)]
 #[command(
@@ -45,6 +50,122 @@ enum Command {
     Merge(MergeArgs),
     /// Train a LoRA/QLoRA adapter from a TOML config ([model], [lora], [data], [training]).
     Train(TrainArgs),
+    /// Predict training memory: weights, LoRA, optimizer state, gradients, activations — for full fine-tuning
+    /// (float32 and mixed precision), LoRA, QLoRA, and the configuration given.
+    Estimate(EstimateCliArgs),
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum QuantizeArg {
+    Nf4,
+    None,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args)]
+struct EstimateCliArgs {
+    /// A Hub id, a model folder, a config.json or a .gguf file (only the configuration is read).
+    #[arg(long)]
+    model: String,
+    /// Hub revision.
+    #[arg(long)]
+    revision: Option<String>,
+    /// Micro-batch size.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Sequence length in tokens.
+    #[arg(long, default_value_t = 2048)]
+    seq: usize,
+    /// LoRA rank (all linear layers of the blocks).
+    #[arg(long = "lora-r", default_value_t = 16)]
+    lora_r: usize,
+    /// Optimizer (TrainingArguments.optim name).
+    #[arg(long, default_value = "paged_adamw_8bit")]
+    optim: String,
+    /// Per-layer gradient checkpointing.
+    #[arg(long = "gradient-checkpointing")]
+    gradient_checkpointing: bool,
+    /// Base weights: NF4 (QLoRA) or the compute dtype (LoRA).
+    #[arg(long, value_enum, default_value = "nf4")]
+    quantize: QuantizeArg,
+    /// Device: cpu (float32 compute) or cuda (bfloat16 compute).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: DeviceArg,
+    /// Print one JSON object for the configuration given instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
+    use candle_qlora::memory::{comparison, human_bytes, DeviceKind, EstimateArgs};
+    let config = load_model_config(&args.model, args.revision.as_deref())
+        .with_context(|| format!("reading the configuration of `{}`", args.model))?;
+    let request = EstimateArgs {
+        batch: args.batch,
+        seq: args.seq,
+        lora_r: args.lora_r,
+        optim: args.optim.clone(),
+        gradient_checkpointing: args.gradient_checkpointing,
+        quantize: matches!(args.quantize, QuantizeArg::Nf4),
+        device: match args.device {
+            DeviceArg::Cpu => DeviceKind::Cpu,
+            DeviceArg::Cuda => DeviceKind::Cuda,
+        },
+    };
+    let table = comparison(&config, &request)?;
+    let asked = table.last().context("empty estimate")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(asked)?);
+        return Ok(());
+    }
+    println!(
+        "{} — batch {} × {} tokens, LoRA r={}, {}, checkpointing {}\n",
+        args.model,
+        args.batch,
+        args.seq,
+        args.lora_r,
+        args.optim,
+        if args.gradient_checkpointing {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    println!(
+        "{:<26} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "", "weights", "LoRA", "optimizer", "gradients", "activations", "other", "total"
+    );
+    for e in &table {
+        let name = match e.regime {
+            Regime::FullFp32 => "full fine-tune, fp32",
+            Regime::MixedPrecision => "full fine-tune, mixed",
+            Regime::LoraBf16 => "LoRA, bf16 base",
+            Regime::Qlora => "QLoRA, NF4 base",
+            Regime::Configured => "this configuration",
+        };
+        println!(
+            "{name:<26} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            human_bytes(e.weights_bytes),
+            human_bytes(e.lora_bytes),
+            human_bytes(e.optimizer_bytes),
+            human_bytes(e.gradients_bytes),
+            human_bytes(e.activations_bytes),
+            human_bytes(e.other_bytes),
+            human_bytes(e.total_bytes)
+        );
+    }
+    println!("\nassumed:");
+    for e in &table {
+        for a in &e.assumptions {
+            println!("  {:?}: {a}", e.regime);
+        }
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -543,6 +664,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate_text(args),
         Command::Merge(args) => merge(args),
         Command::Train(args) => train(args),
+        Command::Estimate(args) => estimate_memory(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,8 +5,8 @@
 use serde::Serialize;
 
 use crate::models::ModelConfig;
-use crate::ops::cross_entropy::TOKEN_BLOCK;
 use crate::ops::attention::QUERY_BLOCK;
+use crate::ops::cross_entropy::TOKEN_BLOCK;
 use crate::optim::OptimizerName;
 
 /// Where the run happens: decides the compute dtype (CPU float32, CUDA bfloat16).
@@ -116,7 +116,11 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
     let block_linear = l * shapes.iter().map(|(a, b)| a * b).sum::<u64>();
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
-    let bias = if c.attention_bias { l * (hq + 2 * hkv) } else { 0 };
+    let bias = if c.attention_bias {
+        l * (hq + 2 * hkv)
+    } else {
+        0
+    };
     let norms = (2 * l + 1) * h;
     let r = r as u64;
     let lora_tensors: Vec<u64> = (0..l)
@@ -131,10 +135,11 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
 }
 
 /// Bytes of an NF4 double-quantized tensor of `n` elements with blocksize 64: packed codes, 8-bit absmax per
-/// block, float32 absmax per 256 absmax values, the 256-entry code table and the offset (4.127 bits/parameter).
+/// block, float32 absmax per 256 absmax values, the 256-entry nested code table, the offset and the 16-entry
+/// codebook (4.127 bits/parameter).
 fn nf4_bytes(n: u64) -> u64 {
     let blocks = n.div_ceil(64);
-    n.div_ceil(2) + blocks + 4 * blocks.div_ceil(256) + 256 * 4 + 4
+    n.div_ceil(2) + blocks + 4 * blocks.div_ceil(256) + 256 * 4 + 4 + 16 * 4
 }
 
 /// Optimizer state bytes for trainable tensors of `sizes` elements.
@@ -175,30 +180,40 @@ fn layer_elements_per_token(c: &ModelConfig, lora_r: Option<usize>) -> u64 {
     q + k + v + attention + mlp + rest
 }
 
-/// Activation bytes at the peak of a training step of this library: the saved tensors (every layer's, or only the
-/// layer inputs with checkpointing plus one layer being recomputed), one layer's worth of gradients in flight,
-/// the embedding and final-norm outputs, and the per-block temporaries of attention (`QUERY_BLOCK` queries) and
-/// the fused cross-entropy (`TOKEN_BLOCK` tokens × vocabulary, float32).
-pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, lora_r: Option<usize>, dtype_bytes: u64) -> u64 {
+/// Activation bytes at the peak of a training step of this library. Saved for the backward: every layer's
+/// tensors, or with checkpointing only each layer's input. On top of that, the larger of two moments: the fused
+/// cross-entropy (its `TOKEN_BLOCK` × vocabulary float32 logits, softmax and gradient blocks — 3.5 blocks live at
+/// its peak, as measured), or the backward through one layer (with checkpointing the layer recomputed, plus half a
+/// layer of gradients in flight, plus the attention scores of one `QUERY_BLOCK` of queries).
+pub fn activation_bytes(
+    c: &ModelConfig,
+    args: &EstimateArgs,
+    lora_r: Option<usize>,
+    dtype_bytes: u64,
+) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let h = c.hidden_size as u64;
     let layer = layer_elements_per_token(c, lora_r) * tokens * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
-    let saved = if args.gradient_checkpointing {
-        layers * tokens * h * dtype_bytes + layer
+    let (saved, recomputed) = if args.gradient_checkpointing {
+        (layers * tokens * h * dtype_bytes, layer)
     } else {
-        layers * layer
+        (layers * layer, 0)
     };
-    let in_flight = layer;
-    let ends = 2 * tokens * h * dtype_bytes;
-    let keys = args.seq as u64;
-    let attention = 4 * (args.batch * c.num_attention_heads) as u64 * QUERY_BLOCK.min(args.seq) as u64 * keys * 4;
-    let cross_entropy = 3 * TOKEN_BLOCK.min(args.batch * args.seq) as u64 * c.vocab_size as u64 * 4;
-    saved + in_flight + ends + attention.max(cross_entropy)
+    let embeddings_and_final_norm = 2 * tokens * h * dtype_bytes;
+    let scores = (args.batch * c.num_attention_heads) as u64
+        * QUERY_BLOCK.min(args.seq) as u64
+        * args.seq as u64
+        * 4;
+    let layer_backward = recomputed + layer / 2 + 4 * scores;
+    let logits_block = TOKEN_BLOCK.min(args.batch * args.seq) as u64 * c.vocab_size as u64 * 4;
+    let cross_entropy = 7 * logits_block / 2;
+    saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
 }
 
 fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate {
-    let [weights_bytes, lora_bytes, optimizer_bytes, gradients_bytes, activations_bytes, other_bytes] = parts;
+    let [weights_bytes, lora_bytes, optimizer_bytes, gradients_bytes, activations_bytes, other_bytes] =
+        parts;
     Estimate {
         regime,
         weights_bytes,
@@ -321,4 +336,99 @@ pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Est
         ),
         estimate(c, args)?,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{Nf4Tensor, QuantConfig};
+
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    fn llama2_7b() -> ModelConfig {
+        let json = serde_json::json!({
+            "model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": false
+        });
+        ModelConfig::from_hf_config(&json, std::path::Path::new("llama-2-7b/config.json")).unwrap()
+    }
+
+    #[test]
+    fn llama2_7b_reproduces_the_familiar_orders_of_magnitude() {
+        let c = llama2_7b();
+        let n = counts(&c, 16);
+        assert_eq!(
+            n.block_linear + n.rest,
+            6_738_415_616,
+            "Llama-2-7B parameter count"
+        );
+        let args = EstimateArgs {
+            batch: 1,
+            seq: 2048,
+            device: DeviceKind::Cuda,
+            ..Default::default()
+        };
+        let table = comparison(&c, &args).unwrap();
+        let gib = |r: Regime| {
+            let e = table.iter().find(|e| e.regime == r).unwrap();
+            (e.total_bytes as f64 / GIB, e.weights_bytes as f64 / GIB)
+        };
+        let (full, _) = gib(Regime::FullFp32);
+        let (mixed, _) = gib(Regime::MixedPrecision);
+        let (_, qlora_weights) = gib(Regime::Qlora);
+        assert!(
+            (110.0..150.0).contains(&full),
+            "full fp32 {full} GiB (≈130)"
+        );
+        assert!(
+            (70.0..95.0).contains(&mixed),
+            "mixed precision {mixed} GiB (≈76 + activations)"
+        );
+        assert!(
+            (3.0..6.5).contains(&qlora_weights),
+            "QLoRA weights {qlora_weights} GiB (≈4–6)"
+        );
+        // Model states alone: 16 and 12 bytes per parameter.
+        let states = |r: Regime| {
+            let e = table.iter().find(|e| e.regime == r).unwrap();
+            e.weights_bytes + e.gradients_bytes + e.optimizer_bytes
+        };
+        assert_eq!(states(Regime::FullFp32), 16 * 6_738_415_616);
+        assert_eq!(states(Regime::MixedPrecision), 12 * 6_738_415_616);
+        // Checkpointing shrinks activations by far more than half at this length.
+        let ckpt = estimate(
+            &c,
+            &EstimateArgs {
+                gradient_checkpointing: true,
+                ..args.clone()
+            },
+        )
+        .unwrap();
+        let plain = estimate(&c, &args).unwrap();
+        assert!(ckpt.activations_bytes * 4 < plain.activations_bytes);
+    }
+
+    #[test]
+    fn nf4_bytes_are_those_of_a_quantized_tensor() {
+        for (rows, cols) in [(64, 64), (576, 1536), (100, 70)] {
+            let w = candle_core::Tensor::randn(0f32, 1.0, (rows, cols), &candle_core::Device::Cpu)
+                .unwrap();
+            let q = Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap();
+            assert_eq!(
+                nf4_bytes((rows * cols) as u64),
+                q.size_in_bytes() as u64,
+                "{rows}×{cols}"
+            );
+        }
+    }
+
+    #[test]
+    fn eight_bit_state_is_a_quarter_of_adamw_for_large_tensors() {
+        let sizes = [1 << 20, 1000];
+        let eight = optimizer_bytes(OptimizerName::PagedAdamW8bit, &sizes);
+        let full = optimizer_bytes(OptimizerName::AdamWTorch, &sizes);
+        assert_eq!(eight, 2 * (1 << 20) + 8 * (1 << 12) + 8 * 1000);
+        assert_eq!(full, 8 * ((1 << 20) + 1000));
+    }
 }

@@ -8,7 +8,9 @@ use crate::trainer::TrainingArguments;
 /// True if `message` (an error's text) is an out-of-memory failure of a device allocator.
 pub fn is_out_of_memory(message: &str) -> bool {
     let m = message.to_ascii_lowercase();
-    m.contains("out of memory") || m.contains("out_of_memory") || m.contains("memory allocation failed")
+    m.contains("out of memory")
+        || m.contains("out_of_memory")
+        || m.contains("memory allocation failed")
 }
 
 /// The report: `live` bytes by category at the failure, the step and phase, and the next steps in order of cost
@@ -61,8 +63,12 @@ mod tests {
 
     #[test]
     fn recognizes_allocator_failures() {
-        assert!(is_out_of_memory("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"));
-        assert!(is_out_of_memory("CUDA out of memory. Tried to allocate 2.00 GiB"));
+        assert!(is_out_of_memory(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
+        ));
+        assert!(is_out_of_memory(
+            "CUDA out of memory. Tried to allocate 2.00 GiB"
+        ));
         assert!(!is_out_of_memory("shape mismatch in matmul"));
     }
 

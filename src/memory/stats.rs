@@ -90,7 +90,12 @@ pub fn tracking() -> bool {
 
 /// Heap bytes allocated now and their peak, when tracked.
 pub fn allocated() -> Option<(u64, u64)> {
-    tracking().then(|| (ALLOCATED.load(Ordering::Relaxed), PEAK.load(Ordering::Relaxed)))
+    tracking().then(|| {
+        (
+            ALLOCATED.load(Ordering::Relaxed),
+            PEAK.load(Ordering::Relaxed),
+        )
+    })
 }
 
 /// Memory statistics of `device`. On CPU: tracked heap bytes and the process' resident set. CUDA devices are not

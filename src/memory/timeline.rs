@@ -42,7 +42,12 @@ pub struct Breakdown {
 impl Breakdown {
     /// The sum of the categories.
     pub fn total(&self) -> u64 {
-        self.base_weights + self.lora + self.optimizer + self.gradients + self.activations + self.other
+        self.base_weights
+            + self.lora
+            + self.optimizer
+            + self.gradients
+            + self.activations
+            + self.other
     }
 
     /// `(category, bytes)` pairs in a fixed order.
@@ -71,7 +76,11 @@ impl Breakdown {
                 )
             })
             .collect();
-        lines.push(format!("  {:<16} {:>12}", "total", human_bytes(self.total())));
+        lines.push(format!(
+            "  {:<16} {:>12}",
+            "total",
+            human_bytes(self.total())
+        ));
         lines.join("\n")
     }
 }
@@ -247,7 +256,10 @@ mod tests {
         };
         assert_eq!(b.total(), 1000);
         let t = b.table();
-        assert!(t.contains("base weights") && t.contains("60.0%") && t.contains("1000 B"), "{t}");
+        assert!(
+            t.contains("base weights") && t.contains("60.0%") && t.contains("1000 B"),
+            "{t}"
+        );
     }
 
     #[test]

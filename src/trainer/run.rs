@@ -25,11 +25,11 @@ use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
 use crate::eval::{collate, evaluate, EvalReport};
 use crate::lora::LoraConfig;
-use crate::memory::process_memory;
+use crate::memory::{is_out_of_memory, oom_report, process_memory, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
-use crate::plot::loss_svg;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
+use crate::plot::loss_svg;
 
 /// The adapter the trainer trains.
 pub const ADAPTER: &str = "default";
@@ -104,6 +104,42 @@ fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
 /// The seed of micro-batch `index` (dropout masks, NEFTune noise).
 fn micro_batch_seed(seed: u64, index: usize) -> u64 {
     seed ^ (index as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// Bytes of the accumulated gradients of `vars`.
+fn gradient_bytes(vars: &[Var], grads: &GradStore) -> u64 {
+    vars.iter()
+        .filter_map(|v| grads.get(v))
+        .map(|g| (g.elem_count() * g.dtype().size_in_bytes()) as u64)
+        .sum()
+}
+
+/// The memory timeline of a run and what it needs to attribute bytes: the step being run and the optimizer's
+/// state size.
+struct StepMemory {
+    timeline: MemoryTimeline,
+    step: usize,
+    optimizer_bytes: u64,
+}
+
+impl StepMemory {
+    fn end_phase(&mut self, micro_batch: usize, gradients: u64) {
+        self.timeline
+            .end_phase(self.step, micro_batch, self.optimizer_bytes, gradients);
+    }
+
+    /// `error` turned into the out-of-memory report when it is an allocation failure.
+    fn explain(&self, error: Error, args: &TrainingArguments) -> Error {
+        if !is_out_of_memory(&error.to_string()) {
+            return error;
+        }
+        let live = self.timeline.breakdown_now(self.optimizer_bytes, 0);
+        let phase = self.timeline.current_phase().unwrap_or(Phase::Forward);
+        Error::OutOfMemory(format!(
+            "{}\n(the device said: {error})",
+            oom_report(&live, self.step, phase, args)
+        ))
+    }
 }
 
 /// How the data is walked: fixed once per run.
@@ -265,6 +301,7 @@ impl Trainer {
         window: &[Vec<usize>],
         first_micro: usize,
         vars: &[Var],
+        memory: &mut StepMemory,
     ) -> Result<WindowResult> {
         let args = &self.args;
         let examples: Vec<Vec<&TokenizedExample>> = window
@@ -284,6 +321,7 @@ impl Trainer {
                 params: vars.to_vec(),
                 ..Default::default()
             };
+            memory.timeline.start_phase(Phase::Forward);
             let mut embeds = self.model.embed(&batch.ids)?;
             if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
                 embeds = neftune_noise(&embeds, alpha, seed)?;
@@ -291,6 +329,8 @@ impl Trainer {
             let hidden = self.model.forward_embeds(&embeds, &batch.positions, &ck)?;
             let (sum, _) = self.model.loss_from_hidden(&hidden, &batch.labels)?;
             loss_sum += sum.to_scalar::<f32>()? as f64;
+            memory.end_phase(k, gradient_bytes(vars, &grads));
+            memory.timeline.start_phase(Phase::Backward);
             let mut g = (sum / counted.max(1) as f64)?.backward()?;
             ck.sink.merge_into(&mut g)?;
             for v in vars {
@@ -302,6 +342,8 @@ impl Trainer {
                     grads.insert(v, acc);
                 }
             }
+            drop(g);
+            memory.end_phase(k, gradient_bytes(vars, &grads));
         }
         self.model.lora_runtime.set_training(false);
         Ok(WindowResult {
@@ -350,6 +392,15 @@ impl Trainer {
             ..Default::default()
         };
         let mut optimizer = Optimizer::new(params, config)?;
+        let lora_bytes: u64 = vars
+            .iter()
+            .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
+            .sum();
+        let mut memory = StepMemory {
+            timeline: MemoryTimeline::new(self.model.weight_bytes() as u64, lora_bytes),
+            step: 0,
+            optimizer_bytes: optimizer.state_bytes() as u64,
+        };
         let log_every = TrainingArguments::interval(args.logging_steps, total);
         let save_every = TrainingArguments::interval(args.save_steps, total);
         let eval_every =
@@ -402,7 +453,10 @@ impl Trainer {
                     break 'epochs;
                 }
                 let step_started = Instant::now();
-                let result = self.run_window(window, first_micro, &vars)?;
+                memory.step = step + 1;
+                let result = self
+                    .run_window(window, first_micro, &vars, &mut memory)
+                    .map_err(|e| memory.explain(e, &args))?;
                 step += 1;
                 let epoch_f = epoch as f64 + (w + 1) as f64 / windows as f64;
                 self.state.global_step = step;
@@ -420,8 +474,13 @@ impl Trainer {
                 if loss.is_finite() {
                     self.state.consecutive_nonfinite_losses = 0;
                     let mut grads = result.grads;
+                    memory.timeline.start_phase(Phase::Optimizer);
                     let grad_norm = clip_grad_norm(&vars, &mut grads, args.max_grad_norm)?;
-                    optimizer.step(&grads, lr)?;
+                    optimizer
+                        .step(&grads, lr)
+                        .map_err(|e| memory.explain(e, &args))?;
+                    memory.optimizer_bytes = optimizer.state_bytes() as u64;
+                    memory.end_phase(0, gradient_bytes(&vars, &grads));
                     entry.loss = Some(loss);
                     entry.grad_norm = Some(grad_norm);
                 } else {
@@ -499,7 +558,14 @@ impl Trainer {
         }
         progress.finish();
         save_adapter(&self.model, ADAPTER, &out, &self.base_model_name)?;
-        let output = self.finish(&out, started, tokens_at_start, step < total)?;
+        memory.timeline.write(&out)?;
+        let output = self.finish(
+            &out,
+            started,
+            tokens_at_start,
+            step < total,
+            &memory.timeline,
+        )?;
         self.each_callback(|cb, a, s| cb.on_train_end(a, s))?;
         Ok(output)
     }
@@ -639,6 +705,7 @@ impl Trainer {
         started: Instant,
         tokens_at_start: usize,
         stopped_early: bool,
+        memory: &MemoryTimeline,
     ) -> Result<TrainOutput> {
         let losses = self.state.train_losses();
         let runtime = started.elapsed().as_secs_f64();
@@ -678,6 +745,9 @@ impl Trainer {
         )
         .map_err(|e| Error::io("cannot write", &results, e))?;
         let best = self.state.best_global_step.zip(self.state.best_metric);
+        if let Some(peak) = memory.summary() {
+            eprintln!("{peak}");
+        }
         eprintln!(
             "{}",
             summary(
@@ -690,6 +760,10 @@ impl Trainer {
                     ),
                     format!("log: {}", out.join(LOG_FILE).display()),
                     format!("loss plot: {}", plot.display()),
+                    format!(
+                        "memory timeline: {} and memory.svg",
+                        out.join("memory_timeline.json").display()
+                    ),
                 ]
             )
         );

@@ -3,6 +3,7 @@
 mod bnb_layout;
 mod cli;
 mod common;
+mod memory;
 mod model_cli;
 mod model_parity;
 mod optim_golden;
@@ -11,3 +12,7 @@ mod peft_parity;
 mod quant_golden;
 mod smollm2_training;
 mod trainer;
+
+/// Counts heap bytes so memory statistics and the timeline are exact.
+#[global_allocator]
+static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;

@@ -1,0 +1,170 @@
+//! Memory accounting: the NF4 model's weight bytes as predicted, the trainer's per-phase timeline and breakdown,
+//! and `qlora estimate`.
+
+use candle_qlora::loading::source::{load_model, load_model_config, LoadOptions};
+use candle_qlora::memory::{estimate, EstimateArgs};
+use candle_qlora::quant::QuantConfig;
+
+use crate::common::data_path;
+
+/// The NF4 SmolLM2's base-weight bytes are 4.127 bits per quantized parameter plus the unquantized tensors, and
+/// the estimate predicts them to the byte.
+#[test]
+fn nf4_weight_bytes_match_the_prediction() {
+    let Some(path) = crate::common::test_model() else {
+        return;
+    };
+    let path = path.to_str().unwrap();
+    let opts = LoadOptions {
+        quantization: Some(QuantConfig::nf4()),
+        ..Default::default()
+    };
+    let model = load_model(path, None, &opts).unwrap().model;
+    let config = load_model_config(path, None).unwrap();
+    let predicted = estimate(&config, &EstimateArgs::default()).unwrap();
+    assert_eq!(model.weight_bytes() as u64, predicted.weights_bytes);
+    // Per parameter: 4 bits of code, 8/64 of absmax, 32/(64·256) of nested absmax = 4.127 bits; per tensor: the
+    // 256-entry nested map, its offset and the 16-entry codebook (1092 bytes).
+    let (mut quantized_bytes, mut quantized_params, mut tensors) = (0usize, 0usize, 0usize);
+    for layer in &model.layers {
+        for (_, linear) in layer.linears() {
+            let (rows, cols) = linear.base.weight.dims2().unwrap();
+            quantized_bytes += linear.base.weight.size_in_bytes();
+            quantized_params += rows * cols;
+            tensors += 1;
+        }
+    }
+    let bits = (quantized_bytes - 1092 * tensors) as f64 * 8.0 / quantized_params as f64;
+    assert!(
+        (bits - 4.127).abs() < 0.001,
+        "{bits} bits per quantized parameter"
+    );
+    let unquantized =
+        (config.vocab_size + (2 * config.num_hidden_layers + 1)) * config.hidden_size * 4;
+    assert_eq!(model.weight_bytes(), quantized_bytes + unquantized);
+}
+
+/// A training run writes a timeline with every phase and a breakdown whose constant parts are the model's.
+#[test]
+fn the_trainer_records_where_memory_goes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("run.toml");
+    std::fs::write(
+        dir.path().join("train.jsonl"),
+        "{\"text\": \"t1 t2 t3 t4 t5 t6\"}\n{\"text\": \"t7 t8 t9\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\nbnb_4bit_quant_type = \"nf4\"\nbnb_4bit_use_double_quant = true\n\
+             [lora]\nr = 4\ntarget_modules = \"all-linear\"\n[data]\ntrain_file = \"train.jsonl\"\n\
+             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 1\ngradient_accumulation_steps = 2\n\
+             max_steps = 2\nsave_strategy = \"no\"\n",
+            data_path("models/tiny-llama").to_str().unwrap(),
+            dir.path().join("out").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("peak memory") && text.contains("activations"),
+        "{text}"
+    );
+    let timeline: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("out/memory_timeline.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(timeline["source"], "heap");
+    let phases: Vec<&str> = timeline["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["phase"].as_str().unwrap())
+        .collect();
+    // Two steps of two micro-batches: forward, backward, forward, backward, optimizer — twice.
+    let step = ["forward", "backward", "forward", "backward", "optimizer"];
+    assert_eq!(phases, [step, step].concat());
+    let model = load_model(
+        data_path("models/tiny-llama").to_str().unwrap(),
+        None,
+        &LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .model;
+    let breakdown = &timeline["peak"][1];
+    assert_eq!(
+        breakdown["base_weights"].as_u64().unwrap(),
+        model.weight_bytes() as u64
+    );
+    assert!(
+        breakdown["lora"].as_u64().unwrap() > 0 && breakdown["activations"].as_u64().unwrap() > 0
+    );
+    assert!(dir.path().join("out/memory.svg").exists());
+}
+
+/// `qlora estimate` prints the table, or one JSON object for the configuration asked; bad input names the model.
+#[test]
+fn estimate_command_prints_the_table_and_json() {
+    let model = data_path("models/tiny-llama/config.json");
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(["estimate", "--model"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let m = model.to_str().unwrap();
+    let (ok, text) = run(&[m, "--batch", "2", "--seq", "64", "--gradient-checkpointing"]);
+    assert!(ok, "{text}");
+    for row in [
+        "full fine-tune, fp32",
+        "full fine-tune, mixed",
+        "LoRA, bf16 base",
+        "QLoRA, NF4 base",
+        "this configuration",
+    ] {
+        assert!(text.contains(row), "{row}: {text}");
+    }
+    let (ok, text) = run(&[
+        m,
+        "--json",
+        "--quantize",
+        "none",
+        "--device",
+        "cuda",
+        "--optim",
+        "adamw_torch",
+    ]);
+    assert!(ok, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let keys = [
+        "weights_bytes",
+        "lora_bytes",
+        "optimizer_bytes",
+        "gradients_bytes",
+        "activations_bytes",
+        "other_bytes",
+    ];
+    let sum: u64 = keys.iter().map(|k| v[k].as_u64().unwrap()).sum();
+    assert_eq!(v["total_bytes"].as_u64().unwrap(), sum);
+    assert_eq!(
+        v["optimizer_bytes"].as_u64().unwrap(),
+        2 * v["lora_bytes"].as_u64().unwrap()
+    );
+    let (ok, text) = run(&["no/such-folder-or-id/x"]);
+    assert!(!ok && text.contains("no/such-folder-or-id/x"), "{text}");
+}
