@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor, Var, D};
 
+use crate::ops::lora_linear::{dropout_mask, lora_linear, BranchDropout};
 use crate::ops::{frozen_linear, FrozenLinear};
-use crate::rng::{splitmix, uniform};
+use crate::rng::splitmix;
 
 /// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
 /// (a checkpointed layer recomputed in the backward replays the same dropout masks from it).
@@ -69,25 +70,23 @@ pub struct LoraLinear {
 }
 
 impl LoraAdapter {
-    /// Inverted dropout with a mask that is a pure function of (step seed, module, element index).
+    /// The dropout of this step (probability and mask seed), or `None` outside training or without dropout.
+    /// The seed is a pure function of (step seed, module), so a recomputed step draws the same mask.
+    fn branch_dropout(&self) -> Option<BranchDropout> {
+        (self.dropout > 0.0 && self.runtime.training()).then(|| BranchDropout {
+            p: self.dropout,
+            seed: splitmix(
+                self.runtime.step_seed.load(Ordering::Relaxed) ^ splitmix(self.module_id),
+            ),
+        })
+    }
+
+    /// Inverted dropout of the adapter input (mask from [`dropout_mask`]).
     fn dropout(&self, x: &Tensor) -> Result<Tensor> {
-        if self.dropout <= 0.0 || !self.runtime.training() {
-            return Ok(x.clone());
+        match self.branch_dropout() {
+            Some(d) => x * dropout_mask(d.seed, d.p, x.dims(), x.dtype(), x.device())?,
+            None => Ok(x.clone()),
         }
-        let seed =
-            splitmix(self.runtime.step_seed.load(Ordering::Relaxed) ^ splitmix(self.module_id));
-        let keep = 1.0 - self.dropout;
-        let mask: Vec<f32> = (0..x.elem_count() as u64)
-            .map(|i| {
-                if uniform(seed, i) < keep {
-                    (1.0 / keep) as f32
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, x.dims(), x.device())?.to_dtype(x.dtype())?;
-        x * mask
     }
 
     /// `scaling · B·A·x` in the masters' dtype (float32; f64 in gradient checks) for `x: [..., in]`.
@@ -134,12 +133,22 @@ impl LoraLinear {
         self.active.as_ref().and_then(|n| self.adapters.get(n))
     }
 
-    /// Base output plus the active adapter's update.
+    /// Base output plus the active adapter's update (LoRA as one fused op; DoRA composed from ops).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let base = frozen_linear(x, &self.base)?;
         let Some(ad) = self.active_adapter() else {
-            return Ok(base);
+            return frozen_linear(x, &self.base);
         };
+        if ad.magnitude.is_none() {
+            return lora_linear(
+                x,
+                &self.base,
+                ad.a.as_tensor(),
+                ad.b.as_tensor(),
+                ad.scaling,
+                ad.branch_dropout(),
+            );
+        }
+        let base = frozen_linear(x, &self.base)?;
         let xd = ad.dropout(x)?;
         let delta = ad.delta(&xd)?;
         let update = match &ad.magnitude {

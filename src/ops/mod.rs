@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod frozen_linear;
+pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
