@@ -157,26 +157,21 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 }
 
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
-/// graph hold them. With LoRA each adapted linear keeps its base output, the two low-rank products, the scaled
-/// update and the sum (`4·out + r`); fully trained linears keep their output. Both keep the norms, the head split
-/// copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
-fn layer_elements_per_token(c: &ModelConfig, lora_r: Option<usize>) -> u64 {
+/// graph hold them: each linear's output (LoRA runs as one fused op that saves nothing else), the norms, the
+/// head-split copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
+fn layer_elements_per_token(c: &ModelConfig) -> u64 {
     let (h, hq, hkv, i) = (
         c.hidden_size as u64,
         (c.num_attention_heads * c.head_dim) as u64,
         (c.num_key_value_heads * c.head_dim) as u64,
         c.intermediate_size as u64,
     );
-    let linear = |out: u64| match lora_r {
-        Some(r) => 4 * out + r as u64,
-        None => out,
-    };
-    let q = linear(hq) + 2 * hq; // + split-heads copy + RoPE
-    let k = linear(hkv) + 2 * hkv;
-    let v = linear(hkv) + hkv;
+    let q = 3 * hq; // output, split-heads copy, RoPE
+    let k = 3 * hkv;
+    let v = 2 * hkv;
     let attention = 2 * hq; // output + transposed copy
-    let mlp = 2 * linear(i) + i + linear(h); // gate, up, SwiGLU, down
-    let rest = linear(h) + 4 * h; // o_proj, two norms, two residual sums
+    let mlp = 3 * i + h; // gate, up, SwiGLU, down
+    let rest = h + 4 * h; // o_proj, two norms, two residual sums
     q + k + v + attention + mlp + rest
 }
 
@@ -188,12 +183,11 @@ fn layer_elements_per_token(c: &ModelConfig, lora_r: Option<usize>) -> u64 {
 pub fn activation_bytes(
     c: &ModelConfig,
     args: &EstimateArgs,
-    lora_r: Option<usize>,
     dtype_bytes: u64,
 ) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let h = c.hidden_size as u64;
-    let layer = layer_elements_per_token(c, lora_r) * tokens * dtype_bytes;
+    let layer = layer_elements_per_token(c) * tokens * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
         (layers * tokens * h * dtype_bytes, layer)
@@ -280,7 +274,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             4 * n.lora,
             optimizer_bytes(optim, &n.lora_tensors),
             4 * n.lora,
-            activation_bytes(c, args, Some(args.lora_r), e),
+            activation_bytes(c, args, e),
             other,
         ],
         assumptions,
@@ -311,27 +305,27 @@ pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Est
     let p = n.block_linear + n.rest;
     let all: Vec<u64> = vec![p];
     let lora_opt = optimizer_bytes(optim, &n.lora_tensors);
-    let act = |lora: Option<usize>, e: u64| activation_bytes(c, args, lora, e);
+    let act = |e: u64| activation_bytes(c, args, e);
     let note = |s: &str| vec![s.to_string()];
     Ok(vec![
         finish(
             Regime::FullFp32,
-            [4 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 4 * p, act(None, 4), 0],
+            [4 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 4 * p, act(4), 0],
             note("float32 weights, gradients and AdamW moments (16 bytes/parameter), float32 activations"),
         ),
         finish(
             Regime::MixedPrecision,
-            [2 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 2 * p, act(None, 2), 0],
+            [2 * p, 0, optimizer_bytes(OptimizerName::AdamWTorch, &all), 2 * p, act(2), 0],
             note("bf16 weights and gradients, float32 AdamW moments (12 bytes/parameter; no float32 master copy), bf16 activations"),
         ),
         finish(
             Regime::LoraBf16,
-            [2 * p, 4 * n.lora, lora_opt, 4 * n.lora, act(Some(args.lora_r), 2), 0],
+            [2 * p, 4 * n.lora, lora_opt, 4 * n.lora, act(2), 0],
             note("frozen bf16 base, float32 adapter, bf16 activations"),
         ),
         finish(
             Regime::Qlora,
-            [per_layer_nf4(c) + 2 * n.rest, 4 * n.lora, lora_opt, 4 * n.lora, act(Some(args.lora_r), 2), 0],
+            [per_layer_nf4(c) + 2 * n.rest, 4 * n.lora, lora_opt, 4 * n.lora, act(2), 0],
             note("NF4 base (4.127 bits/parameter), bf16 embeddings/head/norms, float32 adapter, bf16 activations"),
         ),
         estimate(c, args)?,
