@@ -44,7 +44,9 @@ fn lora_case() -> Case {
     let (inp, out, r) = (576, 1536, 16);
     let w = randn(&[out, inp], 0.02);
     let base = Arc::new(FrozenLinear::new(
-        FrozenWeight::Nf4(Arc::new(Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap())),
+        FrozenWeight::Nf4(Arc::new(
+            Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap(),
+        )),
         None,
     ));
     let x = Var::from_tensor(&randn(&[TOKENS, inp], 1.0)).unwrap();
@@ -91,7 +93,9 @@ fn cross_entropy_case() -> Case {
     let hidden = Var::from_tensor(&randn(&[TOKENS, h], 1.0)).unwrap();
     let head = randn(&[vocab, h], 0.02);
     let labels = Tensor::from_vec(
-        (0..TOKENS as i64).map(|i| (i * 7919) % vocab as i64).collect::<Vec<_>>(),
+        (0..TOKENS as i64)
+            .map(|i| (i * 7919) % vocab as i64)
+            .collect::<Vec<_>>(),
         TOKENS,
         &Device::Cpu,
     )

@@ -180,11 +180,7 @@ fn layer_elements_per_token(c: &ModelConfig) -> u64 {
 /// cross-entropy (its `TOKEN_BLOCK` × vocabulary float32 logits, softmax and gradient blocks — 3.5 blocks live at
 /// its peak, as measured), or the backward through one layer (with checkpointing the layer recomputed, plus half a
 /// layer of gradients in flight, plus the attention scores of one `QUERY_BLOCK` of queries).
-pub fn activation_bytes(
-    c: &ModelConfig,
-    args: &EstimateArgs,
-    dtype_bytes: u64,
-) -> u64 {
+pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let h = c.hidden_size as u64;
     let layer = layer_elements_per_token(c) * tokens * dtype_bytes;

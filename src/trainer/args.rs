@@ -265,7 +265,10 @@ impl TrainingArguments {
                 ));
             }
         }
-        if self.neftune_noise_alpha.is_some_and(|a| !(a >= 0.0)) {
+        if self
+            .neftune_noise_alpha
+            .is_some_and(|a| a.is_nan() || a < 0.0)
+        {
             return bad("neftune_noise_alpha must be a non-negative number".into());
         }
         if !["random", "sequential", "group_by_length"]
