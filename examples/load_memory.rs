@@ -10,26 +10,14 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 use candle_qlora::loading::source::{cached_test_model, load_model, LoadOptions};
+use candle_qlora::memory::process_memory;
 use candle_qlora::quant::QuantConfig;
 
-/// Counts heap bytes so memory statistics and the timeline are exact.
-#[global_allocator]
-static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
-
-/// Peak resident set size of this process in bytes (`VmHWM` in /proc/self/status).
+/// Peak resident set size of this process in bytes (`VmHWM`).
 fn peak_rss() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")
-        .context("reading /proc/self/status (Linux only)")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("no VmHWM line")?;
-    let kb: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .context("malformed VmHWM")?
-        .parse()?;
-    Ok(kb * 1024)
+    process_memory()
+        .peak_rss
+        .context("no peak resident set size (Linux /proc only)")
 }
 
 fn child(model: &str, mode: &str) -> Result<()> {

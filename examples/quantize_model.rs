@@ -18,10 +18,6 @@ use candle_qlora::loading::safetensors::{candle_float_dtype, view_to_f32, Mapped
 use candle_qlora::loading::source::cached_test_model;
 use candle_qlora::quant::{Nf4Tensor, QuantConfig, QuantType};
 
-/// Counts heap bytes so memory statistics and the timeline are exact.
-#[global_allocator]
-static ALLOCATOR: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
-
 /// One weight to quantize: name, shape, float32 values.
 struct Weight {
     name: String,

@@ -103,16 +103,26 @@ struct Counts {
     lora_tensors: Vec<u64>,
 }
 
-fn counts(c: &ModelConfig, r: usize) -> Counts {
-    let (h, hq, hkv, i) = (
+/// Hidden, query, key/value and MLP widths.
+fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
+    (
         c.hidden_size as u64,
         (c.num_attention_heads * c.head_dim) as u64,
         (c.num_key_value_heads * c.head_dim) as u64,
         c.intermediate_size as u64,
-    );
+    )
+}
+
+/// `(in, out)` of a block's q, k, v, o, gate, up and down projections.
+fn block_linear_shapes(c: &ModelConfig) -> [(u64, u64); 7] {
+    let (h, hq, hkv, i) = widths(c);
+    [(h, hq), (h, hkv), (h, hkv), (hq, h), (h, i), (h, i), (i, h)]
+}
+
+fn counts(c: &ModelConfig, r: usize) -> Counts {
+    let (h, hq, hkv, _) = widths(c);
     let l = c.num_hidden_layers as u64;
-    // (in, out) of q, k, v, o, gate, up, down.
-    let shapes = [(h, hq), (h, hkv), (h, hkv), (hq, h), (h, i), (h, i), (i, h)];
+    let shapes = block_linear_shapes(c);
     let block_linear = l * shapes.iter().map(|(a, b)| a * b).sum::<u64>();
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
@@ -160,12 +170,7 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 /// graph hold them: each linear's output (LoRA runs as one fused op that saves nothing else), the norms, the
 /// head-split copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
 fn layer_elements_per_token(c: &ModelConfig) -> u64 {
-    let (h, hq, hkv, i) = (
-        c.hidden_size as u64,
-        (c.num_attention_heads * c.head_dim) as u64,
-        (c.num_key_value_heads * c.head_dim) as u64,
-        c.intermediate_size as u64,
-    );
+    let (h, hq, hkv, i) = widths(c);
     let q = 3 * hq; // output, split-heads copy, RoPE
     let k = 3 * hkv;
     let v = 2 * hkv;
@@ -279,15 +284,9 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
 
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
 fn per_layer_nf4(c: &ModelConfig) -> u64 {
-    let (h, hq, hkv, i) = (
-        c.hidden_size as u64,
-        (c.num_attention_heads * c.head_dim) as u64,
-        (c.num_key_value_heads * c.head_dim) as u64,
-        c.intermediate_size as u64,
-    );
-    let layer: u64 = [h * hq, h * hkv, h * hkv, hq * h, h * i, h * i, i * h]
+    let layer: u64 = block_linear_shapes(c)
         .iter()
-        .map(|&n| nf4_bytes(n))
+        .map(|(a, b)| nf4_bytes(a * b))
         .sum();
     c.num_hidden_layers as u64 * layer
 }

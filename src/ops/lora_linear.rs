@@ -125,7 +125,7 @@ pub fn lora_linear(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::gradcheck::{check, max_abs_diff, rand_f64};
     use crate::ops::FrozenWeight;
     use crate::quant::{Nf4Tensor, QuantConfig};
 
@@ -199,15 +199,8 @@ mod tests {
             ]
         };
         for (p, q) in run(&nf4).iter().zip(run(&plain)) {
-            let d = (p - &q)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert_eq!(d, 0.0);
+            let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+            assert_eq!(max_abs_diff(&f64s(p), &f64s(&q)), 0.0);
         }
     }
 }

@@ -224,9 +224,7 @@ impl RunConfig {
             }
             table.insert(last.to_string(), parse_value(value.trim()));
         }
-        let mut config = Self::from_table(&root, path)?;
-        config.resolved = root.to_string();
-        Ok(config)
+        Self::from_table(&root, path)
     }
 
     /// Builds a config from a parsed TOML document.
