@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_qlora::ops::attention::{causal_attention, QUERY_BLOCK};
-use candle_qlora::ops::lora_linear::lora_linear;
+use candle_qlora::ops::lora_linear::{lora_linear, OutputValue};
 use candle_qlora::ops::{linear_cross_entropy, FrozenLinear, FrozenWeight};
 use candle_qlora::quant::{Nf4Tensor, QuantConfig};
 use criterion::Criterion;
@@ -62,7 +62,7 @@ fn lora_case() -> Case {
         name: "lora_linear_nf4_fwd_bwd",
         flops,
         run: Box::new(move || {
-            let y = lora_linear(&x, &base, &a, &b, 2.0, None).unwrap();
+            let y = lora_linear(&x, &base, &a, &b, 2.0, None, OutputValue::Computed).unwrap();
             black_box(y.sum_all().unwrap().backward().unwrap());
         }),
     }

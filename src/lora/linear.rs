@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor, Var, D};
 
-use crate::ops::lora_linear::{dropout_mask, lora_linear, BranchDropout};
+use crate::ops::lora_linear::{dropout_mask, lora_linear, BranchDropout, OutputValue};
 use crate::ops::{frozen_linear, FrozenLinear};
 use crate::rng::splitmix;
 
@@ -135,6 +135,16 @@ impl LoraLinear {
 
     /// Base output plus the active adapter's update (LoRA as one fused op; DoRA composed from ops).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, OutputValue::Computed)
+    }
+
+    /// [`LoraLinear::forward`] for a recomputation whose output is only differentiated (see
+    /// [`crate::ops::Pass::Recompute`]): same graph and gradients, but the fused LoRA op skips computing the output.
+    pub fn forward_for_backward(&self, x: &Tensor) -> Result<Tensor> {
+        self.run(x, OutputValue::Skipped)
+    }
+
+    fn run(&self, x: &Tensor, output: OutputValue) -> Result<Tensor> {
         let Some(ad) = self.active_adapter() else {
             return frozen_linear(x, &self.base);
         };
@@ -146,6 +156,7 @@ impl LoraLinear {
                 ad.b.as_tensor(),
                 ad.scaling,
                 ad.branch_dropout(),
+                output,
             );
         }
         let base = frozen_linear(x, &self.base)?;

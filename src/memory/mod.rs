@@ -3,11 +3,13 @@
 
 pub mod estimate;
 pub mod oom;
+pub mod reuse;
 pub mod stats;
 pub mod timeline;
 
 pub use estimate::{comparison, estimate, DeviceKind, Estimate, EstimateArgs, Regime};
 pub use oom::{is_out_of_memory, oom_report};
+pub use reuse::keep_freed_memory;
 pub use stats::{
     allocated, human_bytes, process_memory, reset_peak, stats, tracking, MemoryStats,
     ProcessMemory, TrackingAllocator,

@@ -9,7 +9,7 @@ use candle_core::{DType, Result, Tensor, Var};
 use super::config::ModelConfig;
 use crate::ops::{
     self, causal_attention, packed_causal_attention, rms_norm, rope, swiglu, FrozenLinear,
-    GradSink, RopeTables, Segments,
+    GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -139,11 +139,13 @@ impl Attention {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down_proj.forward(&swiglu(
-            &self.gate_proj.forward(x)?,
-            &self.up_proj.forward(x)?,
-        )?)
+    fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
+        let hidden = swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        match pass {
+            Pass::Forward => self.down_proj.forward(&hidden),
+            // The block's output is only differentiated: its last projection's value is not needed.
+            Pass::Recompute => self.down_proj.forward_for_backward(&hidden),
+        }
     }
 }
 
@@ -156,6 +158,19 @@ impl DecoderLayer {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
     ) -> Result<Tensor> {
+        self.run(x, cos, sin, cache, segments, Pass::Forward)
+    }
+
+    /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full).
+    fn run(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        segments: Option<&Segments>,
+        pass: Pass,
+    ) -> Result<Tensor> {
         let h = (x + self.self_attn.forward(
             &rms_norm(x, &self.input_layernorm, self.eps)?,
             cos,
@@ -163,9 +178,10 @@ impl DecoderLayer {
             cache,
             segments,
         )?)?;
-        &h + self
-            .mlp
-            .forward(&rms_norm(&h, &self.post_attention_layernorm, self.eps)?)?
+        &h + self.mlp.forward(
+            &rms_norm(&h, &self.post_attention_layernorm, self.eps)?,
+            pass,
+        )?
     }
 
     /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...).
@@ -373,8 +389,8 @@ impl LlamaModel {
             x = if checkpointing.enabled {
                 let (layer, cos, sin, segments) =
                     (layer.clone(), cos.clone(), sin.clone(), segments.clone());
-                let block: ops::checkpoint::Block = Arc::new(move |x: &Tensor| {
-                    layer.forward(x, &cos, &sin, None, segments.as_ref())
+                let block: ops::checkpoint::Block = Arc::new(move |x: &Tensor, pass| {
+                    layer.run(x, &cos, &sin, None, segments.as_ref(), pass)
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, D};
 
-use super::autograd::attach3;
+use super::attention_cpu::{self, KeyStarts};
+use super::autograd::{attach3, attach3_cpu};
+use super::gemm::{with_slice, GemmFloat};
 
 /// Query rows per block: the score tensor is `[batch, heads, QUERY_BLOCK, keys]`.
 pub const QUERY_BLOCK: usize = 128;
@@ -82,13 +84,13 @@ fn attention_mask(
 
 /// Shapes of one call: batch, kv heads, query heads per kv head, query length, key length, head dim.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    hkv: usize,
-    g: usize,
-    t: usize,
-    s: usize,
-    d: usize,
+pub(super) struct Dims {
+    pub b: usize,
+    pub hkv: usize,
+    pub g: usize,
+    pub t: usize,
+    pub s: usize,
+    pub d: usize,
 }
 
 impl Dims {
@@ -202,6 +204,12 @@ fn attention(
 ) -> Result<Tensor> {
     let dims = Dims::of(q, k)?;
     let dtype = q.dtype();
+    let on_cpu = q.device().is_cpu() && k.dtype() == dtype && v.dtype() == dtype;
+    match dtype {
+        DType::F32 if on_cpu => return attention_cpu::<f32>(q, k, v, dims, scale, segments),
+        DType::F64 if on_cpu => return attention_cpu::<f64>(q, k, v, dims, scale, segments),
+        _ => {}
+    }
     let work = work_dtype(dtype);
     let value = {
         let (q, k, v) = (
@@ -263,6 +271,72 @@ fn attention(
                 }
             };
             Ok((out(dq, 0)?, out(dk, 1)?, out(dv, 2)?))
+        }),
+    )
+}
+
+/// The key ranges of `segments` for the slice kernels.
+fn key_starts(segments: &Option<Segments>) -> KeyStarts<'_> {
+    KeyStarts {
+        starts: segments.as_ref().map(|s| s.starts.as_slice()),
+        len: segments.as_ref().map_or(0, |s| s.len),
+    }
+}
+
+/// [`attention`] on CPU slices ([`super::attention_cpu`]).
+fn attention_cpu<T: GemmFloat>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    dims: Dims,
+    scale: f64,
+    segments: Option<Segments>,
+) -> Result<Tensor> {
+    let out = with_slice::<T, _>(q, |qs| {
+        with_slice::<T, _>(k, |ks| {
+            with_slice::<T, _>(v, |vs| {
+                Ok(attention_cpu::forward(
+                    qs,
+                    ks,
+                    vs,
+                    dims,
+                    scale,
+                    key_starts(&segments),
+                ))
+            })
+        })
+    })?;
+    let q_shape = q.shape().clone();
+    let kv_shape = k.shape().clone();
+    attach3_cpu(
+        "causal-attention",
+        q,
+        k,
+        v,
+        out,
+        q_shape.clone(),
+        Box::new(move |q, k, v, grad, needs| {
+            let (dq, dk, dv) = with_slice::<T, _>(q, |qs| {
+                with_slice::<T, _>(k, |ks| {
+                    with_slice::<T, _>(v, |vs| {
+                        with_slice::<T, _>(grad, |gs| {
+                            let starts = key_starts(&segments);
+                            Ok(attention_cpu::backward(qs, ks, vs, gs, dims, scale, starts))
+                        })
+                    })
+                })
+            })?;
+            let cpu = candle_core::Device::Cpu;
+            let keep = |x: Vec<T>, i: usize, shape: &candle_core::Shape| {
+                needs[i]
+                    .then(|| Tensor::from_vec(x, shape, &cpu))
+                    .transpose()
+            };
+            Ok((
+                keep(dq, 0, &q_shape)?,
+                keep(dk, 1, &kv_shape)?,
+                keep(dv, 2, &kv_shape)?,
+            ))
         }),
     )
 }

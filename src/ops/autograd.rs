@@ -7,8 +7,8 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{
-    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape,
-    Storage, Tensor,
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Result,
+    Shape, Storage, Tensor, WithDType,
 };
 
 /// Backward of a one-input op: `(input, grad_output) -> grad_input`. Tensors arrive detached.
@@ -33,17 +33,27 @@ pub type Backward3 = Box<
         + Sync,
 >;
 
+/// A precomputed output: a tensor, or a CPU buffer that is moved into the graph without a copy.
+enum Output {
+    Tensor(Tensor),
+    Cpu(CpuStorage, Shape),
+}
+
 /// Holds the precomputed output until the graph node is created.
 struct Value {
     name: &'static str,
-    value: Mutex<Option<Tensor>>,
+    value: Mutex<Option<Output>>,
 }
 
 impl Value {
     fn new(name: &'static str, value: Tensor) -> Self {
+        Self::of(name, Output::Tensor(value))
+    }
+
+    fn of(name: &'static str, output: Output) -> Self {
         Value {
             name,
-            value: Mutex::new(Some(value)),
+            value: Mutex::new(Some(output)),
         }
     }
 
@@ -54,6 +64,10 @@ impl Value {
             .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned value", self.name)))?
             .take()
             .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?;
+        let value = match value {
+            Output::Cpu(storage, shape) => return Ok((storage, shape)),
+            Output::Tensor(t) => t,
+        };
         let (storage, layout) = value.storage_and_layout();
         match &*storage {
             Storage::Cpu(cpu) => Ok((contiguous_copy(cpu, layout)?, layout.shape().clone())),
@@ -217,4 +231,66 @@ pub fn attach3(
             backward,
         })),
     )
+}
+
+/// [`attach3`] for a value computed into a CPU buffer: `data` (row-major, of `shape`) becomes the output's storage
+/// without a copy.
+pub fn attach3_cpu<T: WithDType>(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    data: Vec<T>,
+    shape: Shape,
+    backward: Backward3,
+) -> Result<Tensor> {
+    if !a.track_op() && !b.track_op() && !c.track_op() {
+        return Tensor::from_vec(data, shape, &Device::Cpu);
+    }
+    a.apply_op3_arc(
+        b,
+        c,
+        Arc::new(Box::new(Attach3 {
+            value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
+            backward,
+        })),
+    )
+}
+
+/// [`attach2`] for a value computed into a CPU buffer (see [`attach3_cpu`]).
+pub fn attach2_cpu<T: WithDType>(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    data: Vec<T>,
+    shape: Shape,
+    backward: Backward2,
+) -> Result<Tensor> {
+    if !a.track_op() && !b.track_op() {
+        return Tensor::from_vec(data, shape, &Device::Cpu);
+    }
+    a.apply_op2_arc(
+        b,
+        Arc::new(Box::new(Attach2 {
+            value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
+            backward,
+        })),
+    )
+}
+
+/// [`attach1`] for a value computed into a CPU buffer (see [`attach3_cpu`]).
+pub fn attach1_cpu<T: WithDType>(
+    name: &'static str,
+    x: &Tensor,
+    data: Vec<T>,
+    shape: Shape,
+    backward: Backward1,
+) -> Result<Tensor> {
+    if !x.track_op() {
+        return Tensor::from_vec(data, shape, &Device::Cpu);
+    }
+    x.apply_op1_arc(Arc::new(Box::new(Attach1 {
+        value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
+        backward,
+    })))
 }

@@ -13,8 +13,19 @@ use candle_core::{Result, Tensor, Var};
 
 use super::autograd::attach2;
 
-/// A block to checkpoint: input hidden states to output hidden states.
-pub type Block = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+/// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`].
+pub type Block = Arc<dyn Fn(&Tensor, Pass) -> Result<Tensor> + Send + Sync>;
+
+/// Why a checkpointed block runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The forward: the output's value is the block's result.
+    Forward,
+    /// The backward's recomputation: only the output's graph is differentiated, its value is never read, so a block
+    /// may skip computing what only feeds the output's value (e.g. its last projection) as long as the graph — and
+    /// so every gradient — is the same.
+    Recompute,
+}
 
 /// Collects parameter gradients computed while recomputing checkpointed blocks.
 #[derive(Clone, Default)]
@@ -54,7 +65,7 @@ impl GradSink {
 /// Runs `block` on `x` checkpointed. `params` are the trainable variables the block uses; their gradients go to
 /// `sink`. `x` itself need not require a gradient (its gradient is returned only if it does).
 pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> Result<Tensor> {
-    let value = block(&x.detach())?.detach();
+    let value = block(&x.detach(), Pass::Forward)?.detach();
     // The graph node hangs on a parameter, so the block is differentiated even when `x` needs no gradient.
     let anchor = match params.first() {
         Some(p) => p.as_tensor().clone(),
@@ -74,7 +85,10 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
             } else {
                 None
             };
-            let y = block(input.as_ref().map(|v| v.as_tensor()).unwrap_or(x))?;
+            let y = block(
+                input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
+                Pass::Recompute,
+            )?;
             let grads = (y * grad)?.sum_all()?.backward()?;
             for p in &params {
                 if let Some(g) = grads.get(p) {
@@ -97,7 +111,7 @@ mod tests {
     use crate::ops::{rms_norm, swiglu};
 
     fn block(a: Var, b: Var, norm: Tensor) -> Block {
-        Arc::new(move |x: &Tensor| {
+        Arc::new(move |x: &Tensor, _| {
             let h = rms_norm(x, &norm, 1e-6)?;
             let up = h.broadcast_matmul(&a.as_tensor().t()?)?;
             let gate = h.broadcast_matmul(&b.as_tensor().t()?)?;
@@ -118,7 +132,7 @@ mod tests {
             } else {
                 x.as_detached_tensor()
             };
-            let plain = f(&f(&input).unwrap())
+            let plain = f(&f(&input, Pass::Forward).unwrap(), Pass::Forward)
                 .unwrap()
                 .sqr()
                 .unwrap()

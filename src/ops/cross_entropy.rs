@@ -3,10 +3,17 @@
 //!
 //! Labels equal to [`IGNORE_INDEX`] (−100) are skipped. The result is the *sum* of the token losses in float32; the
 //! caller divides by the number of label tokens of the whole accumulation window (transformers' `num_items_in_batch`).
+//!
+//! On the CPU in f32/f64 with a frozen head, the gradient with respect to the hidden states is computed in the
+//! forward, block by block, while the block's logits are at hand (`(softmax − onehot)·W`): the backward only scales
+//! it by the upstream gradient, so the logits are never recomputed and each block costs its two matrix products
+//! and one pass of `exp`. Otherwise (trainable head, other dtypes or devices) the backward recomputes each block.
 
 use candle_core::{DType, Result, Tensor, D};
+use rayon::prelude::*;
 
-use super::autograd::attach2;
+use super::autograd::{attach1, attach2};
+use super::gemm::{matmul_into, with_slice, GemmFloat, Mat};
 
 /// The label of tokens that do not count in the loss.
 pub const IGNORE_INDEX: i64 = -100;
@@ -56,6 +63,23 @@ pub fn linear_cross_entropy(
         );
     }
     let counted = labels_vec.iter().filter(|l| **l != IGNORE_INDEX).count();
+    let slice_path =
+        hidden.device().is_cpu() && !weight.track_op() && hidden.dtype() == weight.dtype();
+    match hidden.dtype() {
+        DType::F32 if slice_path => {
+            return Ok((
+                cross_entropy_cpu::<f32>(hidden, weight, labels_vec)?,
+                counted,
+            ))
+        }
+        DType::F64 if slice_path => {
+            return Ok((
+                cross_entropy_cpu::<f64>(hidden, weight, labels_vec)?,
+                counted,
+            ))
+        }
+        _ => {}
+    }
     let device = hidden.device().clone();
     // Label index per token (ignored → 0) and a 0/1 weight, per block.
     let block_targets = move |start: usize, len: usize| -> Result<(Tensor, Tensor)> {
@@ -127,6 +151,84 @@ pub fn linear_cross_entropy(
         }),
     )
     .map(|loss| (loss, counted))
+}
+
+/// [`linear_cross_entropy`] on CPU slices with a frozen head (see the module doc).
+fn cross_entropy_cpu<T: GemmFloat>(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: Vec<i64>,
+) -> Result<Tensor> {
+    let (n, d) = hidden.dims2()?;
+    let vocab = weight.dim(0)?;
+    let with_grad = hidden.track_op();
+    let (total, dh) = with_slice::<T, _>(hidden, |h| {
+        with_slice::<T, _>(weight, |w| {
+            let w = Mat::new(w, vocab, d);
+            let mut logits = vec![T::zero(); TOKEN_BLOCK.min(n) * vocab];
+            let mut dh = vec![T::zero(); if with_grad { n * d } else { 0 }];
+            let mut total = 0f64;
+            for start in (0..n).step_by(TOKEN_BLOCK) {
+                let len = TOKEN_BLOCK.min(n - start);
+                let block = &mut logits[..len * vocab];
+                let rows = Mat::new(&h[start * d..(start + len) * d], len, d);
+                matmul_into(block, rows, w.t(), 1.0, false);
+                total += block
+                    .par_chunks_mut(vocab)
+                    .zip(labels[start..start + len].par_iter())
+                    .map(|(row, &label)| token_loss(row, label, with_grad))
+                    .sum::<f64>();
+                if with_grad {
+                    let dlogits = Mat::new(&*block, len, vocab);
+                    matmul_into(
+                        &mut dh[start * d..(start + len) * d],
+                        dlogits,
+                        w,
+                        1.0,
+                        false,
+                    );
+                }
+            }
+            Ok((total, dh))
+        })
+    })?;
+    let value = Tensor::new(T::from_f64(total), hidden.device())?;
+    if !with_grad {
+        return Ok(value);
+    }
+    let dh = Tensor::from_vec(dh, (n, d), hidden.device())?;
+    attach1(
+        "linear-cross-entropy",
+        hidden,
+        value,
+        Box::new(move |_, grad| Ok(Some(dh.broadcast_mul(grad)?))),
+    )
+}
+
+/// The loss of one token from its logits `row`; with `with_grad`, `row` becomes `d loss / d logits`
+/// (`softmax − onehot`, zero for an ignored token).
+fn token_loss<T: GemmFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
+    if label == IGNORE_INDEX {
+        if with_grad {
+            row.fill(T::zero());
+        }
+        return 0.0;
+    }
+    let label = label as usize;
+    let picked = row[label].to_f64();
+    let max = row.iter().fold(row[0], |m, &v| if v > m { v } else { m });
+    row.iter_mut().for_each(|v| *v = (*v - max).exp());
+    // Partial sums in T (vectorized), their total in f64.
+    let sum: f64 = row
+        .chunks(512)
+        .map(|c| c.iter().fold(T::zero(), |a, &v| a + v).to_f64())
+        .sum();
+    if with_grad {
+        let inv = T::from_f64(1.0 / sum);
+        row.iter_mut().for_each(|v| *v *= inv);
+        row[label] -= T::one();
+    }
+    max.to_f64() + sum.ln() - picked
 }
 
 #[cfg(test)]

@@ -5,14 +5,34 @@
 //! and the dropout mask are recomputed there (`r` is small; the mask is a pure function of the seed). The composite
 //! form keeps the base output, both low-rank products, the scaled update and their sum — four activation-sized
 //! tensors per layer — and runs three extra element-wise passes in each direction.
+//!
+//! On the CPU in f32/f64 the op runs on slices ([`super::gemm`]): the bias, the scaling and the sum of the two
+//! paths are folded into the GEMMs, so each direction is its matrix products and nothing else. Other dtypes and
+//! devices compose Candle ops (same maths).
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::autograd::attach3;
-use super::frozen_linear::FrozenLinear;
+use super::autograd::{attach3, attach3_cpu};
+use super::frozen_linear::{FrozenLinear, FrozenWeight};
+use super::gemm::{matmul, matmul_into, with_slice, GemmFloat, Mat};
 use crate::rng::uniform;
+
+/// The `n` values of the inverted-dropout mask (`0` or `1/(1−p)`) for stream `seed`.
+fn mask_values<T: candle_core::WithDType>(seed: u64, p: f64, n: usize) -> Vec<T> {
+    let keep = 1.0 - p;
+    let kept = T::from_f64((1.0 / keep) as f32 as f64);
+    (0..n as u64)
+        .map(|i| {
+            if uniform(seed, i) < keep {
+                kept
+            } else {
+                T::zero()
+            }
+        })
+        .collect()
+}
 
 /// The inverted-dropout mask (`0` or `1/(1−p)`) of `dims` for stream `seed`: a pure function of its arguments.
 pub fn dropout_mask(
@@ -22,18 +42,8 @@ pub fn dropout_mask(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let keep = 1.0 - p;
     let n: usize = dims.iter().product();
-    let mask: Vec<f32> = (0..n as u64)
-        .map(|i| {
-            if uniform(seed, i) < keep {
-                (1.0 / keep) as f32
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_vec(mask, dims, device)?.to_dtype(dtype)
+    Tensor::from_vec(mask_values::<f32>(seed, p, n), dims, device)?.to_dtype(dtype)
 }
 
 /// Dropout on the adapter input: probability and mask seed.
@@ -45,9 +55,193 @@ pub struct BranchDropout {
     pub seed: u64,
 }
 
+/// Whether [`lora_linear`] computes its output's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputValue {
+    /// The output holds `x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`.
+    Computed,
+    /// The output holds zeros and only its gradients are right: for a recomputation whose output value nobody reads
+    /// ([`super::Pass::Recompute`]). Honoured by the CPU slice path; the composed path computes the value anyway.
+    Skipped,
+}
+
 /// `x·Wᵀ (+ b) + scaling·(dropout(x)·Aᵀ)·Bᵀ` for `x: [..., in]`; gradients flow to `x`, `a` and `b`. The branch runs
 /// in the masters' dtype (`a`'s), the output has `x`'s dtype.
 pub fn lora_linear(
+    x: &Tensor,
+    base: &Arc<FrozenLinear>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    dropout: Option<BranchDropout>,
+    output: OutputValue,
+) -> Result<Tensor> {
+    match slice_dtype(x, base, a, b) {
+        Some(DType::F32) => lora_linear_cpu::<f32>(x, base, a, b, scaling, dropout, output),
+        Some(DType::F64) => lora_linear_cpu::<f64>(x, base, a, b, scaling, dropout, output),
+        _ => lora_linear_composed(x, base, a, b, scaling, dropout),
+    }
+}
+
+/// The element type of the slice path, when it applies: everything on the CPU in one dtype (f32, or f64), the
+/// frozen weight dense in that dtype or 4-bit (dequantized to f32).
+fn slice_dtype(x: &Tensor, base: &FrozenLinear, a: &Tensor, b: &Tensor) -> Option<DType> {
+    let dtype = x.dtype();
+    let weight_ok = match &base.weight {
+        FrozenWeight::Dense(w) => w.dtype() == dtype,
+        FrozenWeight::Nf4(_) => dtype == DType::F32,
+    };
+    let same = a.dtype() == dtype && b.dtype() == dtype;
+    (x.device().is_cpu() && same && weight_ok && matches!(dtype, DType::F32 | DType::F64))
+        .then_some(dtype)
+}
+
+/// Runs `f` on the frozen weight's `[out, in]` values in `T` (a 4-bit weight is dequantized into a fresh buffer).
+fn with_weight<T: GemmFloat, R>(
+    weight: &FrozenWeight,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    match weight {
+        FrozenWeight::Dense(w) => with_slice(w, f),
+        FrozenWeight::Nf4(q) => {
+            let mut dense = vec![0f32; q.elem_count()];
+            q.dequantize_into(&mut dense)
+                .map_err(candle_core::Error::wrap)?;
+            // Only f32 reaches here (`slice_dtype`); the storage round trip types the buffer as `T`.
+            f(T::cpu_storage_as_slice(&candle_core::CpuStorage::F32(
+                dense,
+            ))?)
+        }
+    }
+}
+
+/// [`lora_linear`] on CPU slices (see the module doc).
+fn lora_linear_cpu<T: GemmFloat>(
+    x: &Tensor,
+    base: &Arc<FrozenLinear>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    dropout: Option<BranchDropout>,
+    output: OutputValue,
+) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let inp = *dims.last().unwrap_or(&0);
+    let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+    let (out, _) = base.weight.dims2()?;
+    let r = a.dim(0)?;
+    let mut out_dims = dims.clone();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out;
+    }
+    let bias: Option<Vec<T>> = match &base.bias {
+        Some(bias) => Some(bias.to_dtype(T::DTYPE)?.to_vec1()?),
+        None => None,
+    };
+    // dropout(x), materialized only when there is dropout.
+    let branch_input = move |xs: &[T]| -> Option<(Vec<T>, Vec<T>)> {
+        dropout.map(|d| {
+            let mask = mask_values::<T>(d.seed, d.p, rows * inp);
+            let dropped = xs.iter().zip(&mask).map(|(x, m)| *x * *m).collect();
+            (dropped, mask)
+        })
+    };
+    let y = if output == OutputValue::Skipped {
+        vec![T::zero(); rows * out]
+    } else {
+        with_slice::<T, _>(x, |xs| {
+            with_slice::<T, _>(a, |av| {
+                with_slice::<T, _>(b, |bv| {
+                    // y = bias + x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, accumulated in one buffer.
+                    let mut y = with_weight::<T, _>(&base.weight, |w| {
+                        let (x, wt) = (Mat::new(xs, rows, inp), Mat::new(w, out, inp).t());
+                        Ok(match &bias {
+                            Some(bias) => {
+                                let mut y = bias.repeat(rows);
+                                matmul_into(&mut y, x, wt, 1.0, true);
+                                y
+                            }
+                            None => matmul(x, wt, 1.0),
+                        })
+                    })?;
+                    let dropped = branch_input(xs);
+                    let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
+                    let h = matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);
+                    matmul_into(
+                        &mut y,
+                        Mat::new(&h, rows, r),
+                        Mat::new(bv, out, r).t(),
+                        scaling,
+                        true,
+                    );
+                    Ok(y)
+                })
+            })
+        })?
+    };
+    let base = base.clone();
+    attach3_cpu(
+        "lora-linear",
+        x,
+        a,
+        b,
+        y,
+        out_dims.into(),
+        Box::new(move |x, a, b, grad, needs| {
+            with_slice::<T, _>(x, |xs| {
+                with_slice::<T, _>(a, |av| {
+                    with_slice::<T, _>(b, |bv| {
+                        with_slice::<T, _>(grad, |gs| {
+                            let g = Mat::new(gs, rows, out);
+                            let dropped = branch_input(xs);
+                            let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
+                            // dL/dh for h = dropout(x)·Aᵀ.
+                            let gh = matmul(g, Mat::new(bv, out, r), scaling);
+                            let gh_mat = Mat::new(&gh, rows, r);
+                            let ga =
+                                needs[1].then(|| matmul(gh_mat.t(), Mat::new(xm, rows, inp), 1.0));
+                            let gb = needs[2].then(|| {
+                                let h =
+                                    matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);
+                                matmul(g.t(), Mat::new(&h, rows, r), scaling)
+                            });
+                            let gx = if needs[0] {
+                                // g·W + dropout'(dL/dh·A): the base, then the branch added in (masked
+                                // first when there is dropout).
+                                let mut gx = with_weight::<T, _>(&base.weight, |w| {
+                                    Ok(matmul(g, Mat::new(w, out, inp), 1.0))
+                                })?;
+                                let a_mat = Mat::new(av, r, inp);
+                                match &dropped {
+                                    Some((_, mask)) => {
+                                        let branch = matmul(gh_mat, a_mat, 1.0);
+                                        gx.iter_mut()
+                                            .zip(branch.iter().zip(mask))
+                                            .for_each(|(v, (b, m))| *v += *b * *m);
+                                    }
+                                    None => matmul_into(&mut gx, gh_mat, a_mat, 1.0, true),
+                                }
+                                Some(Tensor::from_vec(gx, dims.as_slice(), &Device::Cpu)?)
+                            } else {
+                                None
+                            };
+                            let ga = ga
+                                .map(|v| Tensor::from_vec(v, (r, inp), &Device::Cpu))
+                                .transpose()?;
+                            let gb = gb
+                                .map(|v| Tensor::from_vec(v, (out, r), &Device::Cpu))
+                                .transpose()?;
+                            Ok((gx, ga, gb))
+                        })
+                    })
+                })
+            })
+        }),
+    )
+}
+
+/// [`lora_linear`] composed of Candle ops: any dtype and device.
+fn lora_linear_composed(
     x: &Tensor,
     base: &Arc<FrozenLinear>,
     a: &Tensor,
@@ -162,7 +356,17 @@ mod tests {
         ));
         for dropout in [None, Some(BranchDropout { p: 0.3, seed: 11 })] {
             let l = layer.clone();
-            let f = move |xs: &[Tensor]| lora_linear(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout);
+            let f = move |xs: &[Tensor]| {
+                lora_linear(
+                    &xs[0],
+                    &l,
+                    &xs[1],
+                    &xs[2],
+                    1.5,
+                    dropout,
+                    OutputValue::Computed,
+                )
+            };
             let (w2, b2) = (w.clone(), bias.clone());
             let r = move |xs: &[Tensor]| composite(xs, &w2, &b2, dropout);
             let inputs = [
@@ -189,7 +393,7 @@ mod tests {
         let a = candle_core::Var::randn(0f32, 0.1, (4, 128), &Device::Cpu).unwrap();
         let b = candle_core::Var::randn(0f32, 0.1, (64, 4), &Device::Cpu).unwrap();
         let run = |l: &Arc<FrozenLinear>| {
-            let y = lora_linear(&x, l, &a, &b, 2.0, None).unwrap();
+            let y = lora_linear(&x, l, &a, &b, 2.0, None, OutputValue::Computed).unwrap();
             let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
             [
                 y,
@@ -201,6 +405,38 @@ mod tests {
         for (p, q) in run(&nf4).iter().zip(run(&plain)) {
             let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
             assert_eq!(max_abs_diff(&f64s(p), &f64s(&q)), 0.0);
+        }
+    }
+
+    #[test]
+    fn skipped_output_keeps_every_gradient() {
+        let w = rand_f64(&[5, 4], 1);
+        let layer = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(w),
+            Some(rand_f64(&[5], 2)),
+        ));
+        let x = candle_core::Var::from_tensor(&rand_f64(&[2, 3, 4], 3)).unwrap();
+        let a = candle_core::Var::from_tensor(&rand_f64(&[2, 4], 4)).unwrap();
+        let b = candle_core::Var::from_tensor(&rand_f64(&[5, 2], 5)).unwrap();
+        let upstream = rand_f64(&[2, 3, 5], 6);
+        let dropout = Some(BranchDropout { p: 0.3, seed: 7 });
+        let run = |output| {
+            let y = lora_linear(&x, &layer, &a, &b, 1.5, dropout, output).unwrap();
+            let g = (&y * &upstream)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grads = [&x, &a, &b].map(|v| g.get(v).unwrap().clone());
+            (y, grads)
+        };
+        let (computed, g1) = run(OutputValue::Computed);
+        let (skipped, g2) = run(OutputValue::Skipped);
+        assert!(max_abs_diff(&computed, &computed.zeros_like().unwrap()) > 0.1);
+        assert_eq!(max_abs_diff(&skipped, &skipped.zeros_like().unwrap()), 0.0);
+        for (p, q) in g1.iter().zip(&g2) {
+            assert_eq!(max_abs_diff(p, q), 0.0);
         }
     }
 }

@@ -8,11 +8,14 @@
 //! Every backward is checked against central finite differences (f64) and against a composite of Candle primitives.
 
 pub mod attention;
+mod attention_cpu;
 pub mod autograd;
 pub mod checkpoint;
 pub mod cross_entropy;
 pub mod embedding;
+pub mod fastmath;
 pub mod frozen_linear;
+pub mod gemm;
 pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;
@@ -22,7 +25,7 @@ pub mod swiglu;
 pub(crate) mod gradcheck;
 
 pub use attention::{causal_attention, packed_causal_attention, Segments};
-pub use checkpoint::{checkpoint, GradSink};
+pub use checkpoint::{checkpoint, GradSink, Pass};
 pub use cross_entropy::{linear_cross_entropy, IGNORE_INDEX};
 pub use embedding::embedding;
 pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight};

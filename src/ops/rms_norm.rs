@@ -2,9 +2,11 @@
 //!
 //! The weight may be trainable (a `Var`) or frozen; a frozen weight gets no gradient.
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
+use rayon::prelude::*;
 
-use super::autograd::{attach1, attach2};
+use super::autograd::{attach1, attach1_cpu, attach2};
+use super::gemm::{with_slice, GemmFloat};
 
 /// Working precision: f64 stays f64 (gradient checks), everything else is computed in f32.
 fn work_dtype(dtype: DType) -> DType {
@@ -25,6 +27,14 @@ fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
 /// RMSNorm over the last dimension of `x` with weight `w` (`[hidden]`).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
+    // The usual case — a frozen weight on the CPU — runs on slices.
+    if x.device().is_cpu() && !w.track_op() && x.rank() > 0 {
+        match dtype {
+            DType::F32 => return rms_norm_cpu::<f32>(x, w, eps),
+            DType::F64 => return rms_norm_cpu::<f64>(x, w, eps),
+            _ => {}
+        }
+    }
     let value = {
         let (xhat, _) = normalize(&x.detach(), eps)?;
         xhat.broadcast_mul(&w.detach().to_dtype(xhat.dtype())?)?
@@ -78,6 +88,65 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
             Box::new(move |x, grad| Ok(Some(grad_x(x, &w, grad)?))),
         )
     }
+}
+
+/// `1/sqrt(mean(x²) + eps)` of one row, accumulated in f64.
+fn inverse_rms<T: GemmFloat>(row: &[T], eps: f64) -> T {
+    let mean = row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / row.len() as f64;
+    T::from_f64(1.0 / (mean + eps).sqrt())
+}
+
+/// [`rms_norm`] on CPU slices with a frozen weight: one pass per row each way.
+fn rms_norm_cpu<T: GemmFloat>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    let w: Vec<T> = w.to_dtype(T::DTYPE)?.to_vec1()?;
+    if w.len() != h {
+        candle_core::bail!("rms_norm: weight of {} for rows of {h}", w.len());
+    }
+    let value = with_slice::<T, _>(x, |xs| {
+        let mut y = vec![T::zero(); xs.len()];
+        y.par_chunks_mut(h)
+            .zip(xs.par_chunks(h))
+            .for_each(|(y, x)| {
+                let r = inverse_rms(x, eps);
+                y.iter_mut()
+                    .zip(x.iter().zip(&w))
+                    .for_each(|(y, (&x, &w))| *y = x * r * w);
+            });
+        Ok(y)
+    })?;
+    let shape = x.shape().clone();
+    attach1_cpu(
+        "rms-norm",
+        x,
+        value,
+        shape.clone(),
+        Box::new(move |x, grad| {
+            // dx = r·(g⊙w − x̂·mean(g⊙w⊙x̂)) with x̂ = x·r.
+            let gx = with_slice::<T, _>(x, |xs| {
+                with_slice::<T, _>(grad, |gs| {
+                    let mut gx = vec![T::zero(); xs.len()];
+                    gx.par_chunks_mut(h)
+                        .zip(xs.par_chunks(h).zip(gs.par_chunks(h)))
+                        .for_each(|(gx, (x, g))| {
+                            let r = inverse_rms(x, eps);
+                            let proj = x
+                                .iter()
+                                .zip(g.iter().zip(&w))
+                                .map(|(&x, (&g, &w))| (g * w * x * r).to_f64())
+                                .sum::<f64>()
+                                / h as f64;
+                            let proj = T::from_f64(proj);
+                            gx.iter_mut()
+                                .zip(x.iter().zip(g.iter().zip(&w)))
+                                .for_each(|(o, (&x, (&g, &w)))| *o = r * (g * w - x * r * proj));
+                        });
+                    Ok(gx)
+                })
+            })?;
+            Ok(Some(Tensor::from_vec(gx, &shape, &Device::Cpu)?))
+        }),
+    )
 }
 
 #[cfg(test)]

@@ -3,7 +3,10 @@
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-use super::autograd::attach1;
+use rayon::prelude::*;
+
+use super::autograd::{attach1, attach1_cpu};
+use super::gemm::{with_slice, GemmFloat};
 
 /// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -151,6 +154,13 @@ fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
 /// [`RopeTables::range`] or [`RopeTables::gather`]), computing in float32 (f64 stays f64).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let dtype = x.dtype();
+    if let Some(layout) = SliceLayout::of(x, cos, sin) {
+        match dtype {
+            DType::F32 => return rope_cpu::<f32>(x, cos, sin, layout),
+            DType::F64 => return rope_cpu::<f64>(x, cos, sin, layout),
+            _ => {}
+        }
+    }
     let work = if dtype == DType::F64 {
         DType::F64
     } else {
@@ -169,6 +179,108 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
             let g = grad.to_dtype(work)?;
             let gx = (g.broadcast_mul(&cos)? + rotate_half_t(&g.broadcast_mul(&sin)?)?)?;
             Ok(Some(gx.to_dtype(x.dtype())?))
+        }),
+    )
+}
+
+/// Shapes the slice path handles: `x: [b, h, t, d]` on the CPU with even `d`, and cos/sin of `[1 or b, 1, t, d]`.
+#[derive(Clone, Copy)]
+struct SliceLayout {
+    heads: usize,
+    t: usize,
+    d: usize,
+    /// Whether cos/sin have one row of tables per sequence (explicit positions) or one for all.
+    per_sequence: bool,
+}
+
+impl SliceLayout {
+    fn of(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Self> {
+        let (b, heads, t, d) = x.dims4().ok()?;
+        let (cb, one, ct, cd) = cos.dims4().ok()?;
+        let fits = x.device().is_cpu()
+            && d % 2 == 0
+            && sin.dims() == cos.dims()
+            && (cb == 1 || cb == b)
+            && (one, ct, cd) == (1, t, d);
+        fits.then_some(SliceLayout {
+            heads,
+            t,
+            d,
+            per_sequence: cb > 1,
+        })
+    }
+}
+
+/// `x⊙cos + rotate_half(x)⊙sin`, or with `transposed` the backward's `x⊙cos + rotate_halfᵀ(x⊙sin)`, for every
+/// `[t, d]` head of `x` (one parallel task per head).
+fn rotate<T: GemmFloat>(
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    layout: SliceLayout,
+    transposed: bool,
+) -> Vec<T> {
+    let SliceLayout {
+        heads,
+        t,
+        d,
+        per_sequence,
+    } = layout;
+    let half = d / 2;
+    let mut out = vec![T::zero(); x.len()];
+    out.par_chunks_mut(t * d)
+        .zip(x.par_chunks(t * d))
+        .enumerate()
+        .for_each(|(bh, (out, x))| {
+            let table = if per_sequence { bh / heads * t * d } else { 0 };
+            for ((o, x), (c, s)) in out.chunks_mut(d).zip(x.chunks(d)).zip(
+                cos[table..table + t * d]
+                    .chunks(d)
+                    .zip(sin[table..table + t * d].chunks(d)),
+            ) {
+                let (o1, o2) = o.split_at_mut(half);
+                let (x1, x2) = x.split_at(half);
+                let (c1, c2) = c.split_at(half);
+                let (s1, s2) = s.split_at(half);
+                for i in 0..half {
+                    if transposed {
+                        o1[i] = x1[i] * c1[i] + x2[i] * s2[i];
+                        o2[i] = x2[i] * c2[i] - x1[i] * s1[i];
+                    } else {
+                        o1[i] = x1[i] * c1[i] - x2[i] * s1[i];
+                        o2[i] = x2[i] * c2[i] + x1[i] * s2[i];
+                    }
+                }
+            }
+        });
+    out
+}
+
+/// [`rope`] on CPU slices: one pass each way instead of a pass per Candle op.
+fn rope_cpu<T: GemmFloat>(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    layout: SliceLayout,
+) -> Result<Tensor> {
+    let (cos, sin) = (cos.to_dtype(T::DTYPE)?, sin.to_dtype(T::DTYPE)?);
+    let with_tables = move |x: &Tensor, transposed: bool| -> Result<Vec<T>> {
+        with_slice::<T, _>(x, |xs| {
+            with_slice::<T, _>(&cos, |c| {
+                with_slice::<T, _>(&sin, |s| Ok(rotate(xs, c, s, layout, transposed)))
+            })
+        })
+    };
+    let value = with_tables(x, false)?;
+    let shape = x.shape().clone();
+    attach1_cpu(
+        "rope",
+        x,
+        value,
+        shape.clone(),
+        Box::new(move |_, grad| {
+            let gx = with_tables(grad, true)?;
+            Ok(Some(Tensor::from_vec(gx, &shape, &Device::Cpu)?))
         }),
     )
 }

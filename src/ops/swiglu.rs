@@ -1,12 +1,24 @@
 //! SwiGLU gate `silu(gate) * up`: one op that keeps only its two inputs for the backward.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
+use rayon::prelude::*;
 
-use super::autograd::attach2;
+use super::autograd::{attach2, attach2_cpu};
+use super::gemm::{with_slice, GemmFloat};
+
+/// Elements per parallel task of the slice path.
+const CHUNK: usize = 1 << 14;
 
 /// `silu(gate) * up`, element-wise, computed in float32 (f64 stays f64).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let dtype = gate.dtype();
+    if gate.device().is_cpu() && up.dtype() == dtype && gate.dims() == up.dims() {
+        match dtype {
+            DType::F32 => return swiglu_cpu::<f32>(gate, up),
+            DType::F64 => return swiglu_cpu::<f64>(gate, up),
+            _ => {}
+        }
+    }
     let work = if dtype == DType::F64 {
         DType::F64
     } else {
@@ -42,6 +54,58 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             Ok((d_gate, d_up))
         }),
     )
+}
+
+/// `σ(g)`.
+#[inline(always)]
+fn sigmoid<T: GemmFloat>(g: T) -> T {
+    T::one() / (T::one() + (T::zero() - g).exp())
+}
+
+/// [`swiglu`] on CPU slices: one parallel pass each way, the sigmoid through the vectorizable `exp`.
+fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let value = with_slice::<T, _>(gate, |g| {
+        with_slice::<T, _>(up, |u| Ok(map2(g, u, |g, u| g * sigmoid(g) * u)))
+    })?;
+    let shape = gate.shape().clone();
+    attach2_cpu(
+        "swiglu",
+        gate,
+        up,
+        value,
+        shape.clone(),
+        Box::new(move |gate, up, grad, needs| {
+            let (dg, du) = with_slice::<T, _>(gate, |g| {
+                with_slice::<T, _>(up, |u| {
+                    with_slice::<T, _>(grad, |dy| {
+                        // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
+                        let dg = needs[0].then(|| {
+                            let dsilu = |g: T| {
+                                let s = sigmoid(g);
+                                s * (T::one() + g * (T::one() - s))
+                            };
+                            map2(g, &map2(u, dy, |u, dy| u * dy), |g, udy| udy * dsilu(g))
+                        });
+                        let du = needs[1].then(|| map2(g, dy, |g, dy| dy * g * sigmoid(g)));
+                        Ok((dg, du))
+                    })
+                })
+            })?;
+            let cpu = Device::Cpu;
+            let tensor =
+                |x: Option<Vec<T>>| x.map(|x| Tensor::from_vec(x, &shape, &cpu)).transpose();
+            Ok((tensor(dg)?, tensor(du)?))
+        }),
+    )
+}
+
+/// `f(a[i], b[i])` for every `i`, in parallel chunks.
+fn map2<T: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
+    a.par_iter()
+        .zip(b)
+        .with_min_len(CHUNK)
+        .map(|(&a, &b)| f(a, b))
+        .collect()
 }
 
 #[cfg(test)]

@@ -367,6 +367,7 @@ impl Trainer {
     /// Trains to the end (resuming from `resume` if given: a `checkpoint-N` folder), saves the final adapter in
     /// `output_dir` with the log, a loss plot and `train_results.json`, and prints a summary.
     pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
+        crate::memory::keep_freed_memory();
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
         self.prepare_output_dir(&out, resume.is_some())?;

@@ -1,0 +1,233 @@
+//! Matrix products on CPU slices, for ops whose hot path bypasses Candle's op-by-op execution.
+//!
+//! Candle allocates (and zeroes) a new tensor for every matmul, scale and add. Calling `gemm` directly lets an op
+//! write into a buffer it owns and fold `dst + s·A·B` into one pass: scaling and accumulation cost nothing extra.
+//! Matrices are row-major slices; a transposed operand is described by strides, never copied.
+
+use candle_core::{Result, Storage, Tensor, WithDType};
+
+use super::fastmath::exp_f32;
+
+/// Element types the slice GEMM runs on (the ones `gemm` has kernels for that Candle trains in here).
+pub trait GemmFloat: WithDType + Copy + Send + Sync + 'static {
+    /// `e^self`: float32 through [`exp_f32`] (vectorizable), float64 through libm.
+    fn exp(self) -> Self;
+}
+impl GemmFloat for f32 {
+    #[inline(always)]
+    fn exp(self) -> Self {
+        exp_f32(self)
+    }
+}
+impl GemmFloat for f64 {
+    #[inline(always)]
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+}
+
+/// A read-only `rows × cols` matrix view of a row-major slice, possibly transposed.
+#[derive(Clone, Copy, Debug)]
+pub struct Mat<'a, T> {
+    data: &'a [T],
+    rows: usize,
+    cols: usize,
+    transposed: bool,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// `data` as a row-major `rows × cols` matrix.
+    pub fn new(data: &'a [T], rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "matrix of {rows}×{cols} over {} values",
+            data.len()
+        );
+        Mat {
+            data,
+            rows,
+            cols,
+            transposed: false,
+        }
+    }
+
+    /// The transpose (a view: only the strides change).
+    pub fn t(self) -> Self {
+        Mat {
+            rows: self.cols,
+            cols: self.rows,
+            transposed: !self.transposed,
+            ..self
+        }
+    }
+
+    /// `(column stride, row stride)` of the logical matrix in its slice.
+    fn strides(&self) -> (isize, isize) {
+        if self.transposed {
+            (self.rows as isize, 1)
+        } else {
+            (1, self.cols as isize)
+        }
+    }
+}
+
+/// `dst = lhs·rhs · scale`, or `dst += lhs·rhs · scale` when `accumulate`; `dst` is row-major `lhs.rows × rhs.cols`.
+/// Runs on all of Candle's threads.
+pub fn matmul_into<T: GemmFloat>(
+    dst: &mut [T],
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    scale: f64,
+    accumulate: bool,
+) {
+    let threads = candle_core::utils::get_num_threads();
+    matmul_with(dst, lhs, rhs, scale, accumulate, threads);
+}
+
+/// [`matmul_into`] on the calling thread only: for small products inside tasks that already run in parallel.
+pub fn matmul_into_serial<T: GemmFloat>(
+    dst: &mut [T],
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    scale: f64,
+    accumulate: bool,
+) {
+    matmul_with(dst, lhs, rhs, scale, accumulate, 1);
+}
+
+fn matmul_with<T: GemmFloat>(
+    dst: &mut [T],
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    scale: f64,
+    accumulate: bool,
+    threads: usize,
+) {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    assert_eq!(rhs.rows, k, "inner dimensions {k} and {} differ", rhs.rows);
+    assert_eq!(
+        dst.len(),
+        m * n,
+        "output of {m}×{n} in {} values",
+        dst.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.fill(T::zero());
+        }
+        return;
+    }
+    let (lhs_cs, lhs_rs) = lhs.strides();
+    let (rhs_cs, rhs_rs) = rhs.strides();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above bound every index the strides reach: the views cover their slices exactly, and
+    // `dst` is `m × n` row-major. `dst` is exclusively borrowed and cannot alias the shared inputs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs_cs,
+            lhs_rs,
+            rhs.data.as_ptr(),
+            rhs_cs,
+            rhs_rs,
+            T::one(),
+            T::from_f64(scale),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// `lhs·rhs · scale` as a new row-major buffer (written once by the product, never zeroed first).
+pub fn matmul<T: GemmFloat>(lhs: Mat<T>, rhs: Mat<T>, scale: f64) -> Vec<T> {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    if k == 0 {
+        return vec![T::zero(); m * n];
+    }
+    let mut out: Vec<std::mem::MaybeUninit<T>> = Vec::with_capacity(m * n);
+    // SAFETY: `MaybeUninit` needs no initialization. With `accumulate = false` and `k > 0`, gemm writes every one of
+    // the `m × n` elements without reading any, so after the call all are initialized and the buffer can be
+    // reinterpreted as `Vec<T>` (same layout, length and capacity).
+    unsafe {
+        out.set_len(m * n);
+        let dst = std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut T, m * n);
+        matmul_into(dst, lhs, rhs, scale, false);
+        let mut out = std::mem::ManuallyDrop::new(out);
+        Vec::from_raw_parts(out.as_mut_ptr() as *mut T, m * n, out.capacity())
+    }
+}
+
+/// Runs `f` on the elements of a CPU tensor of element type `T`, made contiguous first (a no-op when it is).
+pub fn with_slice<T: GemmFloat, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        candle_core::bail!("slice GEMM: tensor is not on the CPU");
+    };
+    let all: &[T] = T::cpu_storage_as_slice(cpu)?;
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("slice GEMM: layout not contiguous".into()))?;
+    f(&all[start..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn products_of_transposed_views_equal_candle_matmul() {
+        let dev = Device::Cpu;
+        let a = Tensor::randn(0f64, 1.0, (5, 7), &dev).unwrap();
+        let b = Tensor::randn(0f64, 1.0, (7, 3), &dev).unwrap();
+        let at = a.t().unwrap().contiguous().unwrap();
+        let bt = b.t().unwrap().contiguous().unwrap();
+        let expected = (a.matmul(&b).unwrap() * 0.5).unwrap();
+        let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let (av, bv, atv, btv) = (v(&a), v(&b), v(&at), v(&bt));
+        let cases = [
+            matmul(Mat::new(&av, 5, 7), Mat::new(&bv, 7, 3), 0.5),
+            matmul(Mat::new(&atv, 7, 5).t(), Mat::new(&bv, 7, 3), 0.5),
+            matmul(Mat::new(&av, 5, 7), Mat::new(&btv, 3, 7).t(), 0.5),
+            matmul(Mat::new(&atv, 7, 5).t(), Mat::new(&btv, 3, 7).t(), 0.5),
+        ];
+        for got in cases {
+            let diff = v(&expected)
+                .iter()
+                .zip(&got)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f64::max);
+            assert!(diff < 1e-12, "{diff}");
+        }
+        // Accumulation adds to what is there.
+        let mut acc = vec![1.0f64; 15];
+        matmul_into(
+            &mut acc,
+            Mat::new(&av, 5, 7),
+            Mat::new(&bv, 7, 3),
+            0.5,
+            true,
+        );
+        for (got, want) in acc.iter().zip(v(&expected)) {
+            assert!((got - (want + 1.0)).abs() < 1e-12);
+        }
+    }
+}
