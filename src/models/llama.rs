@@ -150,17 +150,6 @@ impl Mlp {
 }
 
 impl DecoderLayer {
-    fn forward(
-        &self,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
-        segments: Option<&Segments>,
-    ) -> Result<Tensor> {
-        self.run(x, cos, sin, cache, segments, Pass::Forward)
-    }
-
     /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full).
     fn run(
         &self,
@@ -394,7 +383,7 @@ impl LlamaModel {
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {
-                layer.forward(&x, &cos, &sin, None, segments.as_ref())?
+                layer.run(&x, &cos, &sin, None, segments.as_ref(), Pass::Forward)?
             };
         }
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
@@ -444,7 +433,7 @@ impl LlamaModel {
         let (cos, sin) = self.rope.range(cache.len(), seq)?;
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward(&x, &cos, &sin, Some(slot), None)?;
+            x = layer.run(&x, &cos, &sin, Some(slot), None, Pass::Forward)?;
         }
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;

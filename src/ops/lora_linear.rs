@@ -115,6 +115,40 @@ fn with_weight<T: GemmFloat, R>(
     }
 }
 
+/// The shapes of a call on `x: [..., in]`.
+struct CallShapes {
+    /// `x`'s dims.
+    dims: Vec<usize>,
+    /// Input features.
+    inp: usize,
+    /// Rows of the flattened input.
+    rows: usize,
+    /// Output features.
+    out: usize,
+    /// The output's dims.
+    out_dims: Vec<usize>,
+}
+
+impl CallShapes {
+    fn of(x: &Tensor, base: &FrozenLinear) -> Result<Self> {
+        let dims = x.dims().to_vec();
+        let inp = *dims.last().unwrap_or(&0);
+        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+        let (out, _) = base.weight.dims2()?;
+        let mut out_dims = dims.clone();
+        if let Some(last) = out_dims.last_mut() {
+            *last = out;
+        }
+        Ok(CallShapes {
+            dims,
+            inp,
+            rows,
+            out,
+            out_dims,
+        })
+    }
+}
+
 /// [`lora_linear`] on CPU slices (see the module doc).
 fn lora_linear_cpu<T: GemmFloat>(
     x: &Tensor,
@@ -125,15 +159,14 @@ fn lora_linear_cpu<T: GemmFloat>(
     dropout: Option<BranchDropout>,
     output: OutputValue,
 ) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let inp = *dims.last().unwrap_or(&0);
-    let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-    let (out, _) = base.weight.dims2()?;
+    let CallShapes {
+        dims,
+        inp,
+        rows,
+        out,
+        out_dims,
+    } = CallShapes::of(x, base)?;
     let r = a.dim(0)?;
-    let mut out_dims = dims.clone();
-    if let Some(last) = out_dims.last_mut() {
-        *last = out;
-    }
     let bias: Option<Vec<T>> = match &base.bias {
         Some(bias) => Some(bias.to_dtype(T::DTYPE)?.to_vec1()?),
         None => None,
@@ -249,14 +282,13 @@ fn lora_linear_composed(
     scaling: f64,
     dropout: Option<BranchDropout>,
 ) -> Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let inp = *dims.last().unwrap_or(&0);
-    let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-    let (out_features, _) = base.weight.dims2()?;
-    let mut out_dims = dims.clone();
-    if let Some(last) = out_dims.last_mut() {
-        *last = out_features;
-    }
+    let CallShapes {
+        dims,
+        inp,
+        rows,
+        out: out_features,
+        out_dims,
+    } = CallShapes::of(x, base)?;
     let dtype = x.dtype();
     let master = a.dtype();
     // The adapter's input in the masters' dtype, dropped out when training.
