@@ -101,18 +101,7 @@ fn with_weight<T: GemmFloat, R>(
     weight: &FrozenWeight,
     f: impl FnOnce(&[T]) -> Result<R>,
 ) -> Result<R> {
-    match weight {
-        FrozenWeight::Dense(w) => with_slice(w, f),
-        FrozenWeight::Nf4(q) => {
-            let mut dense = vec![0f32; q.elem_count()];
-            q.dequantize_into(&mut dense)
-                .map_err(candle_core::Error::wrap)?;
-            // Only f32 reaches here (`slice_dtype`); the storage round trip types the buffer as `T`.
-            f(T::cpu_storage_as_slice(&candle_core::CpuStorage::F32(
-                dense,
-            ))?)
-        }
-    }
+    with_slice(&weight.to_dense(T::DTYPE)?, f)
 }
 
 /// The shapes of a call on `x: [..., in]`.

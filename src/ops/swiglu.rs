@@ -84,7 +84,11 @@ fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
                                 let s = sigmoid(g);
                                 s * (T::one() + g * (T::one() - s))
                             };
-                            map2(g, &map2(u, dy, |u, dy| u * dy), |g, udy| udy * dsilu(g))
+                            g.par_iter()
+                                .zip(u.par_iter().zip(dy))
+                                .with_min_len(CHUNK)
+                                .map(|(&g, (&u, &dy))| dy * u * dsilu(g))
+                                .collect()
                         });
                         let du = needs[1].then(|| map2(g, dy, |g, dy| dy * g * sigmoid(g)));
                         Ok((dg, du))
