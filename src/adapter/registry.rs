@@ -205,8 +205,12 @@ impl LlamaModel {
                 .map(Some)
             };
             let (Some(a), Some(b)) = (a, b) else { continue };
-            let to_var =
-                |t: Tensor| -> Result<Var> { Ok(Var::from_tensor(&t.to_dtype(DType::F32)?)?) };
+            let device = self.device().clone();
+            let to_var = |t: Tensor| -> Result<Var> {
+                Ok(Var::from_tensor(
+                    &t.to_device(&device)?.to_dtype(DType::F32)?,
+                )?)
+            };
             let mut adapter = LoraAdapter {
                 a: to_var(a)?,
                 b: to_var(b)?,
@@ -239,7 +243,7 @@ impl LlamaModel {
         let mut saved = crate::models::SavedModules::default();
         for (key, base) in self.saved_module_bases(config)? {
             if let Some(t) = take(&mut tensors, key.clone(), base.dims(), &mut problems) {
-                let var = Var::from_tensor(&t.to_dtype(DType::F32)?)?;
+                let var = Var::from_tensor(&t.to_device(self.device())?.to_dtype(DType::F32)?)?;
                 if key.ends_with("lm_head.weight") {
                     saved.lm_head = Some(var);
                 } else {

@@ -183,13 +183,10 @@ struct TrainArgs {
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
     let cfg = RunConfig::load(&args.config, &args.set)?;
+    let device = cfg.training.device();
     // bf16/fp16 as the training arguments ask (on CPU f32 is as fast and more precise, so it is the default).
-    let compute_dtype = Precision::from_flags(
-        cfg.training.bf16,
-        cfg.training.fp16,
-        &candle_core::Device::Cpu,
-    )?
-    .compute_dtype;
+    let compute_dtype =
+        Precision::from_flags(cfg.training.bf16, cfg.training.fp16, &device)?.compute_dtype;
     let opts = LoadOptions {
         quantization: cfg.model.quantization,
         compute_dtype,
@@ -260,7 +257,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         Some(p) => Some(PathBuf::from(p)),
     };
     let mut trainer = Trainer::new(
-        loaded.model,
+        loaded.model.to_device(&device)?,
         cfg.training.clone(),
         &cfg.lora,
         train_set,
@@ -275,9 +272,9 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         )));
     }
     if cfg.callbacks.memory_monitor {
-        trainer.add_callback(Box::new(MemoryMonitorCallback::new(
-            cfg.callbacks.memory_warn_fraction,
-        )));
+        trainer.add_callback(Box::new(
+            MemoryMonitorCallback::new(cfg.callbacks.memory_warn_fraction).on_device(&device),
+        ));
     }
     trainer.train(resume.as_deref())?;
     Ok(())

@@ -183,8 +183,10 @@ fn layer_elements_per_token(c: &ModelConfig) -> u64 {
 /// Activation bytes at the peak of a training step of this library. Saved for the backward: every layer's
 /// tensors, or with checkpointing only each layer's input. On top of that, the larger of two moments: the fused
 /// cross-entropy (on the CPU one `TOKEN_BLOCK` × vocabulary float32 logits block plus the hidden-state gradient;
-/// on CUDA logits, softmax and gradient blocks — 3.5 blocks live at its peak), or the backward through one layer (with checkpointing the layer recomputed, plus half a
-/// layer of gradients in flight, plus the attention scores of one `QUERY_BLOCK` of queries).
+/// on CUDA logits, softmax and gradient blocks — 3.5 blocks live at its peak — the hidden-state gradient, and
+/// with a half-precision compute dtype float32 copies of the head and the hidden states), or the backward through
+/// one layer (with checkpointing the layer recomputed, plus half a layer of gradients in flight, plus the
+/// attention scores of one `QUERY_BLOCK` of queries).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let h = c.hidden_size as u64;
@@ -205,8 +207,16 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     let cross_entropy = match args.device {
         // The slice path: one logits block, turned into its gradient in place, and the hidden-state gradient.
         DeviceKind::Cpu => logits_block + tokens * h * 4,
-        // The composed path: logits, softmax and gradient blocks (3.5 blocks live at its peak, as measured).
-        DeviceKind::Cuda => 7 * logits_block / 2,
+        // The composed path: logits, softmax and gradient blocks (3.5 blocks live at its peak, as measured on an
+        // H100), the hidden-state gradient, and the float32 working copies of the head and the hidden states.
+        DeviceKind::Cuda => {
+            let float32_copies = if dtype_bytes == 4 {
+                0
+            } else {
+                (c.vocab_size as u64 + tokens) * h * 4
+            };
+            7 * logits_block / 2 + tokens * h * 4 + float32_copies
+        }
     };
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
 }

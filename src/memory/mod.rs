@@ -11,7 +11,7 @@ pub use estimate::{comparison, estimate, DeviceKind, Estimate, EstimateArgs, Reg
 pub use oom::{is_out_of_memory, oom_report};
 pub use reuse::keep_freed_memory;
 pub use stats::{
-    allocated, human_bytes, process_memory, reset_peak, stats, tracking, MemoryStats,
-    ProcessMemory, TrackingAllocator,
+    allocated, human_bytes, process_memory, reset_device_peak, reset_peak, stats, tracking,
+    MemoryStats, ProcessMemory, TrackingAllocator,
 };
 pub use timeline::{Breakdown, MemoryTimeline, Phase, PhaseSample};

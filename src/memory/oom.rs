@@ -44,7 +44,7 @@ pub fn oom_report(live: &Breakdown, step: usize, phase: Phase, args: &TrainingAr
         ));
     }
     let optim_8bit = args.optim.contains("8bit");
-    if !optim_8bit {
+    if !optim_8bit && live.optimizer > 0 {
         suggest(format!(
             "optim = \"paged_adamw_8bit\" (8-bit moments: optimizer state {} → about {})",
             human_bytes(live.optimizer),

@@ -98,8 +98,11 @@ pub fn allocated() -> Option<(u64, u64)> {
     })
 }
 
-/// Memory statistics of `device`. On CPU: tracked heap bytes and the process' resident set. CUDA devices are not
-/// measured yet (all `None` but the name): this build has no CUDA memory-pool query.
+/// Memory statistics of `device`. On CPU: tracked heap bytes and the process' resident set. On CUDA (builds with
+/// the `cuda` feature): the device's stream-ordered memory pool, which Candle allocates from — bytes in use and
+/// their high-water mark (`allocated`, `peak_allocated`), bytes the pool holds from the driver and their
+/// high-water mark (`reserved`, `peak_reserved`) — and the driver's `cuMemGetInfo` (`total`, `available`).
+/// Other devices: all `None` but the name.
 pub fn stats(device: &Device) -> MemoryStats {
     match device {
         Device::Cpu => {
@@ -115,10 +118,92 @@ pub fn stats(device: &Device) -> MemoryStats {
                 available: p.available,
             }
         }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => cuda_pool::stats(cuda).unwrap_or_else(|_| MemoryStats {
+            device: format!("{:?}", device.location()),
+            ..Default::default()
+        }),
         other => MemoryStats {
             device: format!("{:?}", other.location()),
             ..Default::default()
         },
+    }
+}
+
+/// Resets the peaks of `device`'s memory: on CPU as [`reset_peak`], on CUDA the pool's high-water marks (to the
+/// bytes in use now). Returns false where a peak could not be reset.
+pub fn reset_device_peak(device: &Device, include_resident_set: bool) -> bool {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => cuda_pool::reset_peak(cuda).is_ok(),
+        _ => reset_peak(include_resident_set),
+    }
+}
+
+/// The CUDA device's memory pool (the one `cuMemAllocAsync`, and so Candle, allocates from).
+#[cfg(feature = "cuda")]
+mod cuda_pool {
+    use candle_core::cuda_backend::cudarc::driver::{sys, DriverError};
+    use candle_core::CudaDevice;
+
+    use super::MemoryStats;
+
+    /// The device's current pool, with its context bound to this thread and its stream drained (frees are
+    /// stream-ordered: the counters are exact once the stream is idle).
+    fn pool(cuda: &CudaDevice) -> Result<sys::CUmemoryPool, DriverError> {
+        let stream = cuda.cuda_stream();
+        stream.synchronize()?;
+        let ctx = stream.context();
+        ctx.bind_to_thread()?;
+        let mut pool = std::mem::MaybeUninit::uninit();
+        // SAFETY: the context is current and `pool` is a valid out-pointer.
+        unsafe { sys::cuDeviceGetMemPool(pool.as_mut_ptr(), ctx.cu_device()).result()? };
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { pool.assume_init() })
+    }
+
+    fn attribute(
+        pool: sys::CUmemoryPool,
+        attr: sys::CUmemPool_attribute,
+    ) -> Result<u64, DriverError> {
+        let mut value = 0u64;
+        // SAFETY: the four byte-count attributes are 64-bit values.
+        unsafe {
+            sys::cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast()).result()?;
+        }
+        Ok(value)
+    }
+
+    pub(super) fn stats(cuda: &CudaDevice) -> Result<MemoryStats, DriverError> {
+        use sys::CUmemPool_attribute::*;
+        let pool = pool(cuda)?;
+        let (free, total) = cuda.cuda_stream().context().mem_get_info()?;
+        Ok(MemoryStats {
+            device: format!("cuda:{}", cuda.cuda_stream().context().ordinal()),
+            allocated: Some(attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?),
+            peak_allocated: Some(attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_HIGH)?),
+            reserved: Some(attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?),
+            peak_reserved: Some(attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?),
+            total: Some(total as u64),
+            available: Some(free as u64),
+        })
+    }
+
+    pub(super) fn reset_peak(cuda: &CudaDevice) -> Result<(), DriverError> {
+        use sys::CUmemPool_attribute::*;
+        let pool = pool(cuda)?;
+        for attr in [
+            CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            // The driver only accepts 0: the high-water mark restarts from the current value.
+            let mut zero = 0u64;
+            // SAFETY: a 64-bit value for a 64-bit attribute.
+            unsafe {
+                sys::cuMemPoolSetAttribute(pool, attr, (&mut zero as *mut u64).cast()).result()?;
+            }
+        }
+        Ok(())
     }
 }
 

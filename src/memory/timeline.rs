@@ -6,7 +6,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::stats::{allocated, human_bytes, process_memory, reset_peak};
+use candle_core::Device;
+
+use super::stats::{allocated, human_bytes, process_memory, reset_device_peak, reset_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{line_chart_svg, Series};
 
@@ -103,7 +105,8 @@ pub struct PhaseSample {
 /// Samples of a run and the breakdown at its highest peak.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct MemoryTimeline {
-    /// `heap` (tracked allocations) or `resident set` (the operating system's view).
+    /// `heap` (tracked allocations), `resident set` (the operating system's view) or `device pool` (a GPU's
+    /// memory pool).
     pub source: &'static str,
     /// Every phase, in order.
     pub samples: Vec<PhaseSample>,
@@ -114,10 +117,17 @@ pub struct MemoryTimeline {
     other: u64,
     #[serde(skip)]
     phase: Option<Phase>,
+    /// The device measured (`None`: the CPU).
+    #[serde(skip)]
+    device: Option<Device>,
 }
 
-/// Bytes live now and the peak since the last reset, from the best source available.
-fn reading() -> Option<(u64, u64, &'static str)> {
+/// Bytes live now and the peak since the last reset, from the best source available for `device`.
+fn reading(device: Option<&Device>) -> Option<(u64, u64, &'static str)> {
+    if let Some(device) = device.filter(|d| !d.is_cpu()) {
+        let s = stats(device);
+        return Some((s.allocated?, s.peak_allocated?, "device pool"));
+    }
     if let Some((now, peak)) = allocated() {
         return Some((now, peak, "heap"));
     }
@@ -126,15 +136,17 @@ fn reading() -> Option<(u64, u64, &'static str)> {
 }
 
 impl MemoryTimeline {
-    /// A timeline whose constant categories are the model's weights and the adapter; what is allocated now beyond
-    /// them is counted as `other`.
-    pub fn new(base_weights: u64, lora: u64) -> Self {
-        let (now, _, source) = reading().unwrap_or((0, 0, "unavailable"));
+    /// A timeline of `device`'s memory whose constant categories are the model's weights and the adapter; what is
+    /// allocated now beyond them is counted as `other`.
+    pub fn new(device: &Device, base_weights: u64, lora: u64) -> Self {
+        let device = (!device.is_cpu()).then(|| device.clone());
+        let (now, _, source) = reading(device.as_ref()).unwrap_or((0, 0, "unavailable"));
         MemoryTimeline {
             source,
             base_weights,
             lora,
             other: now.saturating_sub(base_weights + lora),
+            device,
             ..Default::default()
         }
     }
@@ -142,7 +154,11 @@ impl MemoryTimeline {
     /// Call when `phase` starts: resets the peak so the next sample sees only this phase.
     pub fn start_phase(&mut self, phase: Phase) {
         self.phase = Some(phase);
-        reset_peak(self.source == "resident set");
+        let resident_set = self.source == "resident set";
+        match &self.device {
+            Some(device) => reset_device_peak(device, resident_set),
+            None => reset_peak(resident_set),
+        };
     }
 
     /// The phase running now (the last one started).
@@ -150,10 +166,12 @@ impl MemoryTimeline {
         self.phase
     }
 
-    /// What is live now, by category (`optimizer` and `gradients` are those categories' bytes now).
-    pub fn breakdown_now(&self, optimizer: u64, gradients: u64) -> Breakdown {
-        let now = reading().map_or(0, |r| r.0);
-        self.breakdown(now, optimizer, gradients)
+    /// What was live at the highest point of the current phase, by category (`optimizer` and `gradients` are
+    /// those categories' bytes now). After a failed allocation this is what the phase held when it failed: the
+    /// failing op's tensors are already freed by then, but the peak remembers them.
+    pub fn breakdown_at_phase_peak(&self, optimizer: u64, gradients: u64) -> Breakdown {
+        let peak = reading(self.device.as_ref()).map_or(0, |r| r.1.max(r.0));
+        self.breakdown(peak, optimizer, gradients)
     }
 
     fn breakdown(&self, bytes: u64, optimizer: u64, gradients: u64) -> Breakdown {
@@ -170,7 +188,8 @@ impl MemoryTimeline {
 
     /// Records the phase that just ended; `optimizer` and `gradients` are the bytes of those categories now.
     pub fn end_phase(&mut self, step: usize, micro_batch: usize, optimizer: u64, gradients: u64) {
-        let (Some((now, peak, _)), Some(phase)) = (reading(), self.phase) else {
+        let (Some((now, peak, _)), Some(phase)) = (reading(self.device.as_ref()), self.phase)
+        else {
             return;
         };
         let sample = PhaseSample {
@@ -264,7 +283,7 @@ mod tests {
 
     #[test]
     fn the_peak_sample_carries_the_breakdown() {
-        let mut timeline = MemoryTimeline::new(0, 0);
+        let mut timeline = MemoryTimeline::new(&Device::Cpu, 0, 0);
         timeline.start_phase(Phase::Forward);
         let big = std::hint::black_box(vec![1u8; 8 << 20]);
         timeline.end_phase(1, 0, 0, 0);

@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::config::ModelConfig;
 use crate::ops::{
     self, causal_attention, packed_causal_attention, rms_norm, rope, swiglu, FrozenLinear,
-    GradSink, Pass, RopeTables, Segments,
+    FrozenWeight, GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -308,6 +308,74 @@ impl LlamaModel {
             active_adapter: None,
             saved_modules: Default::default(),
         })
+    }
+
+    /// The model on `device` (`cuda:0`, say): embeddings, norms and frozen weights are copied there, 4-bit
+    /// weights as their 4-bit codes (dequantized on the device in each forward). Move a model before adding or
+    /// loading adapters: they are created on the model's device.
+    pub fn to_device(self, device: &Device) -> crate::Result<Self> {
+        if !self.adapter_configs.is_empty() {
+            return Err(crate::Error::InvalidInput(
+                "move the model to its device before adding or loading adapters".into(),
+            ));
+        }
+        if self.embed_tokens.device().same_device(device) {
+            return Ok(self);
+        }
+        let embed_tokens = self.embed_tokens.to_device(device)?;
+        // A head tied to the embeddings stays one tensor on the device.
+        let lm_head = match &self.lm_head.weight {
+            FrozenWeight::Dense(w) if w.id() == self.embed_tokens.id() => {
+                FrozenLinear::new(FrozenWeight::Dense(embed_tokens.clone()), None)
+            }
+            _ => self.lm_head.to_device(device)?,
+        };
+        let linear =
+            |l: &Linear| -> Result<Linear> { Ok(Linear::new(Arc::new(l.base.to_device(device)?))) };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| -> Result<Arc<DecoderLayer>> {
+                let a = &l.self_attn;
+                Ok(Arc::new(DecoderLayer {
+                    input_layernorm: l.input_layernorm.to_device(device)?,
+                    self_attn: Attention {
+                        q_proj: linear(&a.q_proj)?,
+                        k_proj: linear(&a.k_proj)?,
+                        v_proj: linear(&a.v_proj)?,
+                        o_proj: linear(&a.o_proj)?,
+                        ..*a
+                    },
+                    post_attention_layernorm: l.post_attention_layernorm.to_device(device)?,
+                    mlp: Mlp {
+                        gate_proj: linear(&l.mlp.gate_proj)?,
+                        up_proj: linear(&l.mlp.up_proj)?,
+                        down_proj: linear(&l.mlp.down_proj)?,
+                    },
+                    eps: l.eps,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let rope = RopeTables::new(
+            self.config.head_dim,
+            self.config.max_position_embeddings,
+            self.config.rope_theta,
+            self.config.rope_scaling.as_ref(),
+            device,
+        )?;
+        Ok(LlamaModel {
+            embed_tokens,
+            layers,
+            norm: self.norm.to_device(device)?,
+            lm_head: Arc::new(lm_head),
+            rope,
+            ..self
+        })
+    }
+
+    /// The device the model's tensors live on.
+    pub fn device(&self) -> &Device {
+        self.embed_tokens.device()
     }
 
     /// The configuration.

@@ -210,6 +210,18 @@ fn attention(
         DType::F64 if on_cpu => return attention_cpu::<f64>(q, k, v, dims, scale, segments),
         _ => {}
     }
+    // Candle's CUDA kernels count elements in 32 bits: a larger score block would run on a truncated grid.
+    let scores = dims.b * dims.hkv * dims.g * QUERY_BLOCK.min(dims.t) * dims.t;
+    if !q.device().is_cpu() && scores > u32::MAX as usize {
+        candle_core::bail!(
+            "attention scores of this micro-batch ({} × {} heads × {} queries × {} keys) exceed the 2³² elements a \
+             GPU kernel can address; lower per_device_train_batch_size (raise gradient_accumulation_steps)",
+            dims.b,
+            dims.hkv * dims.g,
+            QUERY_BLOCK.min(dims.t),
+            dims.t
+        );
+    }
     let work = work_dtype(dtype);
     let value = {
         let (q, k, v) = (

@@ -57,14 +57,17 @@ impl Value {
         }
     }
 
-    fn take_cpu(&self) -> Result<(CpuStorage, Shape)> {
-        let value = self
-            .value
+    /// The output, once: the graph node's forward takes it.
+    fn take(&self) -> Result<Output> {
+        self.value
             .lock()
             .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned value", self.name)))?
             .take()
-            .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))?;
-        let value = match value {
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))
+    }
+
+    fn take_cpu(&self) -> Result<(CpuStorage, Shape)> {
+        let value = match self.take()? {
             Output::Cpu(storage, shape) => return Ok((storage, shape)),
             Output::Tensor(t) => t,
         };
@@ -72,6 +75,25 @@ impl Value {
         match &*storage {
             Storage::Cpu(cpu) => Ok((contiguous_copy(cpu, layout)?, layout.shape().clone())),
             _ => candle_core::bail!("{}: value is not on the CPU", self.name),
+        }
+    }
+
+    /// The value's device storage, for a graph node on a CUDA device (one device-to-device copy).
+    #[cfg(feature = "cuda")]
+    fn take_cuda(&self) -> Result<(candle_core::CudaStorage, Shape)> {
+        let Output::Tensor(value) = self.take()? else {
+            candle_core::bail!("{}: a CPU value on a CUDA graph node", self.name)
+        };
+        // Cloning a CUDA storage copies all of it: start from a tensor that is exactly its storage.
+        let value = if value.is_contiguous() && value.layout().start_offset() == 0 {
+            value
+        } else {
+            value.copy()?
+        };
+        let (storage, layout) = value.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(cuda) => Ok((cuda.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("{}: value is not on the CUDA device", self.name),
         }
     }
 }
@@ -103,6 +125,14 @@ impl CustomOp1 for Attach1 {
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
         self.value.take_cpu()
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.value.take_cuda()
+    }
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         (self.backward)(&arg.detach(), &grad.detach())
     }
@@ -125,6 +155,16 @@ impl CustomOp2 for Attach2 {
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.value.take_cpu()
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.value.take_cuda()
     }
     fn bwd(
         &self,
@@ -161,6 +201,18 @@ impl CustomOp3 for Attach3 {
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.value.take_cpu()
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.value.take_cuda()
     }
     fn bwd(
         &self,

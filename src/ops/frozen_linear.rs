@@ -5,18 +5,20 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 
 use super::autograd::attach1;
-use crate::quant::Nf4Tensor;
+use crate::quant::{DeviceNf4, Nf4Tensor};
 
 /// A frozen weight `[out_features, in_features]`.
 #[derive(Clone, Debug)]
 pub enum FrozenWeight {
     /// Stored as is (f32, f16 or bf16).
     Dense(Tensor),
-    /// Stored in 4 bits.
+    /// Stored in 4 bits (on the CPU).
     Nf4(Arc<Nf4Tensor>),
+    /// Stored in 4 bits on a GPU, dequantized there.
+    Nf4OnDevice(Arc<DeviceNf4>),
 }
 
 impl FrozenWeight {
@@ -24,10 +26,8 @@ impl FrozenWeight {
     pub fn dims2(&self) -> Result<(usize, usize)> {
         match self {
             FrozenWeight::Dense(t) => t.dims2(),
-            FrozenWeight::Nf4(q) => match q.shape() {
-                [o, i] => Ok((*o, *i)),
-                s => candle_core::bail!("4-bit linear weight must be 2-D, got {s:?}"),
-            },
+            FrozenWeight::Nf4(q) => two_dims(q.shape()),
+            FrozenWeight::Nf4OnDevice(q) => two_dims(q.shape()),
         }
     }
 
@@ -42,7 +42,29 @@ impl FrozenWeight {
                     .map_err(candle_core::Error::wrap)?;
                 t.to_dtype(dtype)
             }
+            FrozenWeight::Nf4OnDevice(q) => {
+                let direct = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
+                q.dequantize(if direct { dtype } else { DType::F32 })
+                    .map_err(candle_core::Error::wrap)?
+                    .to_dtype(dtype)
+            }
         }
+    }
+
+    /// The weight on `device`: dense weights are copied there; a 4-bit weight keeps its 4-bit codes, on a GPU as
+    /// [`FrozenWeight::Nf4OnDevice`].
+    pub fn to_device(&self, device: &Device) -> Result<FrozenWeight> {
+        Ok(match self {
+            FrozenWeight::Dense(t) => FrozenWeight::Dense(t.to_device(device)?),
+            FrozenWeight::Nf4(q) if !device.is_cpu() => FrozenWeight::Nf4OnDevice(Arc::new(
+                DeviceNf4::new(q, device).map_err(candle_core::Error::wrap)?,
+            )),
+            FrozenWeight::Nf4OnDevice(q) if q.device().same_device(device) => self.clone(),
+            FrozenWeight::Nf4OnDevice(_) => {
+                candle_core::bail!("a 4-bit weight on one GPU cannot move to another device")
+            }
+            FrozenWeight::Nf4(_) => self.clone(),
+        })
     }
 
     /// Bytes the stored weight takes.
@@ -50,7 +72,15 @@ impl FrozenWeight {
         match self {
             FrozenWeight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
             FrozenWeight::Nf4(q) => q.size_in_bytes(),
+            FrozenWeight::Nf4OnDevice(q) => q.size_in_bytes(),
         }
+    }
+}
+
+fn two_dims(shape: &[usize]) -> Result<(usize, usize)> {
+    match shape {
+        [o, i] => Ok((*o, *i)),
+        s => candle_core::bail!("4-bit linear weight must be 2-D, got {s:?}"),
     }
 }
 
@@ -67,6 +97,18 @@ impl FrozenLinear {
     /// A layer from a weight and an optional bias.
     pub fn new(weight: FrozenWeight, bias: Option<Tensor>) -> Self {
         FrozenLinear { weight, bias }
+    }
+
+    /// The layer on `device` (see [`FrozenWeight::to_device`]).
+    pub fn to_device(&self, device: &Device) -> Result<FrozenLinear> {
+        Ok(FrozenLinear {
+            weight: self.weight.to_device(device)?,
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| b.to_device(device))
+                .transpose()?,
+        })
     }
 
     /// `x·Wᵀ (+ b)` for `x` of shape `[..., in_features]`, differentiable with respect to `x` only.

@@ -90,6 +90,7 @@ fn slice_dtype(x: &Tensor, base: &FrozenLinear, a: &Tensor, b: &Tensor) -> Optio
     let weight_ok = match &base.weight {
         FrozenWeight::Dense(w) => w.dtype() == dtype,
         FrozenWeight::Nf4(_) => dtype == DType::F32,
+        FrozenWeight::Nf4OnDevice(_) => false,
     };
     let same = a.dtype() == dtype && b.dtype() == dtype;
     (x.device().is_cpu() && same && weight_ok && matches!(dtype, DType::F32 | DType::F64))

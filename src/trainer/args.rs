@@ -103,6 +103,9 @@ pub struct TrainingArguments {
     pub disable_tqdm: bool,
     /// Evaluation metric the early-stopping callback and `best_metric` follow (`eval_loss`).
     pub metric_for_best_model: Option<String>,
+    /// Train on the CPU even when a CUDA GPU is there (the default trains on GPU 0 when this build has the `cuda`
+    /// feature and a GPU answers).
+    pub use_cpu: bool,
     /// candle-qlora: stop with an error after this many consecutive steps with a non-finite loss (each such step
     /// is skipped and logged; 0 never stops).
     pub max_consecutive_nonfinite_losses: usize,
@@ -150,6 +153,7 @@ impl Default for TrainingArguments {
             dataloader_drop_last: false,
             disable_tqdm: false,
             metric_for_best_model: None,
+            use_cpu: false,
             max_consecutive_nonfinite_losses: 5,
         }
     }
@@ -196,6 +200,7 @@ pub const FIELDS: &[&str] = &[
     "dataloader_drop_last",
     "disable_tqdm",
     "metric_for_best_model",
+    "use_cpu",
     "max_consecutive_nonfinite_losses",
 ];
 
@@ -221,6 +226,21 @@ pub fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) ->
 }
 
 impl TrainingArguments {
+    /// The device to train on: CUDA GPU 0 when this build has the `cuda` feature, a GPU answers and `use_cpu` is
+    /// off; otherwise the CPU (with a note on stderr when a GPU was wanted but none answered).
+    pub fn device(&self) -> candle_core::Device {
+        if self.use_cpu || !cfg!(feature = "cuda") {
+            return candle_core::Device::Cpu;
+        }
+        match candle_core::Device::new_cuda(0) {
+            Ok(device) => device,
+            Err(e) => {
+                eprintln!("note: no CUDA GPU answered ({e}); training on the CPU");
+                candle_core::Device::Cpu
+            }
+        }
+    }
+
     /// Reads the `[training]` table; `path` names the file in errors.
     pub fn from_toml(table: &toml::Table, path: &str) -> Result<Self> {
         if let Some(key) = table.keys().find(|k| !FIELDS.contains(&k.as_str())) {

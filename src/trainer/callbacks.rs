@@ -4,11 +4,13 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
+
 use super::args::TrainingArguments;
 use super::state::{LogEntry, TrainerState};
 use crate::error::{Error, Result};
 use crate::eval::EvalReport;
-use crate::memory::{human_bytes, process_memory};
+use crate::memory::{human_bytes, process_memory, stats};
 
 /// What callbacks may ask of the loop.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -154,23 +156,34 @@ impl TrainerCallback for EarlyStoppingCallback {
     }
 }
 
-/// Records the process' memory after every step in `output_dir/memory.jsonl` and warns (once) when the resident
-/// set passes `warn_fraction` of the machine's memory.
+/// Records the process' memory (and a GPU's, when training on one) after every step in
+/// `output_dir/memory.jsonl` and warns (once) when the memory in use passes `warn_fraction` of the device's: the
+/// resident set of the machine's memory on the CPU, the memory pool's reserved bytes of the GPU's memory on CUDA.
 #[derive(Clone, Debug)]
 pub struct MemoryMonitorCallback {
-    /// Fraction of physical memory above which a warning is printed.
+    /// Fraction of the device's memory above which a warning is printed.
     pub warn_fraction: f64,
+    device: Device,
     path: Option<PathBuf>,
     warned: bool,
 }
 
 impl MemoryMonitorCallback {
-    /// A monitor that warns above `warn_fraction` (e.g. 0.9) of physical memory.
+    /// A monitor of the CPU that warns above `warn_fraction` (e.g. 0.9) of physical memory.
     pub fn new(warn_fraction: f64) -> Self {
         MemoryMonitorCallback {
             warn_fraction,
+            device: Device::Cpu,
             path: None,
             warned: false,
+        }
+    }
+
+    /// The monitor for training on `device`.
+    pub fn on_device(self, device: &Device) -> Self {
+        MemoryMonitorCallback {
+            device: device.clone(),
+            ..self
         }
     }
 }
@@ -196,26 +209,39 @@ impl TrainerCallback for MemoryMonitorCallback {
         _control: &mut TrainerControl,
     ) -> Result<()> {
         let m = process_memory();
+        let gpu = (!self.device.is_cpu()).then(|| stats(&self.device));
         if let Some(path) = &self.path {
             let mut f = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(path)
                 .map_err(|e| Error::io("cannot write", path, e))?;
-            let line = serde_json::json!({"step": state.global_step, "rss": m.rss, "peak_rss": m.peak_rss, "available": m.available});
+            let mut line = serde_json::json!({"step": state.global_step, "rss": m.rss, "peak_rss": m.peak_rss, "available": m.available});
+            if let Some(g) = &gpu {
+                line["device"] =
+                    serde_json::to_value(g).map_err(|e| Error::InvalidInput(e.to_string()))?;
+            }
             writeln!(f, "{line}").map_err(|e| Error::io("cannot write", path, e))?;
         }
-        if let (Some(rss), Some(total)) = (m.rss, m.total) {
-            if !self.warned && rss as f64 > self.warn_fraction * total as f64 {
+        let (used, total, what) = match &gpu {
+            Some(g) => (
+                g.reserved,
+                g.total,
+                format!("{}'s memory pool holds", g.device),
+            ),
+            None => (m.rss, m.total, "the process holds".to_string()),
+        };
+        if let (Some(used), Some(total)) = (used, total) {
+            if !self.warned && used as f64 > self.warn_fraction * total as f64 {
                 self.warned = true;
                 eprintln!(
-                    "warning: step {}: the process holds {} of {} memory ({:.0}%); lower per_device_train_batch_size \
+                    "warning: step {}: {what} {} of {} memory ({:.0}%); lower per_device_train_batch_size \
                      (raise gradient_accumulation_steps), turn on gradient_checkpointing, use an 8-bit optimizer, or \
                      shorten max_length",
                     state.global_step,
-                    human_bytes(rss),
+                    human_bytes(used),
                     human_bytes(total),
-                    100.0 * rss as f64 / total as f64
+                    100.0 * used as f64 / total as f64
                 );
             }
         }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Var};
+use candle_core::Var;
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
@@ -133,11 +133,16 @@ impl StepMemory {
         if !is_out_of_memory(&error.to_string()) {
             return error;
         }
-        let live = self.timeline.breakdown_now(self.optimizer_bytes, 0);
+        let live = self
+            .timeline
+            .breakdown_at_phase_peak(self.optimizer_bytes, 0);
         let phase = self.timeline.current_phase().unwrap_or(Phase::Forward);
+        // The device's words are the error's first line (a backtrace may follow).
+        let said = error.to_string();
         Error::OutOfMemory(format!(
-            "{}\n(the device said: {error})",
-            oom_report(&live, self.step, phase, args)
+            "{}\n(the device said: {})",
+            oom_report(&live, self.step, phase, args),
+            said.lines().next().unwrap_or_default()
         ))
     }
 }
@@ -315,7 +320,7 @@ impl Trainer {
         for (k, ex) in examples.iter().enumerate() {
             let seed = micro_batch_seed(args.seed, first_micro + k);
             self.model.lora_runtime.set_step_seed(seed);
-            let batch = collate(ex, &Device::Cpu)?;
+            let batch = collate(ex, self.model.device())?;
             let ck = Checkpointing {
                 enabled: args.gradient_checkpointing,
                 params: vars.to_vec(),
@@ -398,9 +403,18 @@ impl Trainer {
             .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
             .sum();
         let mut memory = StepMemory {
-            timeline: MemoryTimeline::new(self.model.weight_bytes() as u64, lora_bytes),
+            timeline: MemoryTimeline::new(
+                self.model.device(),
+                self.model.weight_bytes() as u64,
+                lora_bytes,
+            ),
             step: 0,
-            optimizer_bytes: optimizer.state_bytes() as u64,
+            // The optimizer's state lives in host memory; on a GPU it is not part of the device's memory.
+            optimizer_bytes: if self.model.device().is_cpu() {
+                optimizer.state_bytes() as u64
+            } else {
+                0
+            },
         };
         let log_every = TrainingArguments::interval(args.logging_steps, total);
         let save_every = TrainingArguments::interval(args.save_steps, total);

@@ -3,6 +3,8 @@
 mod bnb_layout;
 mod cli;
 mod common;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod memory;
 mod model_cli;
 mod model_parity;

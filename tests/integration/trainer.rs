@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use crate::common::data_path;
 
-fn examples() -> Vec<candle_qlora::data::TokenizedExample> {
+pub(crate) fn examples() -> Vec<candle_qlora::data::TokenizedExample> {
     let loaded = load_model(
         data_path("models/tiny-llama").to_str().unwrap(),
         None,

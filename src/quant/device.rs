@@ -1,0 +1,181 @@
+//! [`DeviceNf4`]: a 4-bit weight whose codes and statistics live on a device (a CUDA GPU), dequantized there with
+//! tensor ops.
+//!
+//! The dequantization is the CPU kernel's arithmetic, step for step: `code[c] · absmax` in float32 (with a nested
+//! absmax first rebuilt as `map[c8] · absmax₂ + offset`), then rounded to the compute dtype. Each step is one
+//! float32 multiply or add, so the result is bit-identical to [`Nf4Tensor::dequantize`] on any device (tested on
+//! the CPU, where both run).
+
+use candle_core::{DType, Device, Tensor};
+
+use super::tensor::{BlockScales, Nf4Tensor};
+use crate::error::Result;
+
+/// The per-block scales on the device.
+#[derive(Clone, Debug)]
+enum DeviceScales {
+    /// One float32 absmax per block.
+    Plain(Tensor),
+    /// Double quantization: 8-bit codes per block, one float32 scale per `blocksize` codes, the 256-entry map and
+    /// the offset.
+    Nested {
+        codes: Tensor,
+        absmax: Tensor,
+        map: Tensor,
+        offset: f32,
+        blocksize: usize,
+    },
+}
+
+/// A 4-bit weight resident on a device: packed codes (one byte per two elements) and block statistics, the same
+/// bytes as the [`Nf4Tensor`] it was made from.
+#[derive(Clone, Debug)]
+pub struct DeviceNf4 {
+    /// Packed codes, u8 `[ceil(n / 2)]`.
+    packed: Tensor,
+    /// For every byte value, the two float32 values of its codes: `[256, 2]` (high nibble first).
+    pairs: Tensor,
+    scales: DeviceScales,
+    shape: Vec<usize>,
+    blocksize: usize,
+    bytes: usize,
+}
+
+/// `values` (one per element, `[n]`) times `scale` (one per `block` elements, `[ceil(n / block)]`), as float32.
+fn scale_blocks(values: &Tensor, scale: &Tensor, block: usize) -> Result<Tensor> {
+    let n = values.dim(0)?;
+    let blocks = scale.dim(0)?;
+    let padded = blocks * block;
+    let values = if padded > n {
+        values.pad_with_zeros(0, 0, padded - n)?
+    } else {
+        values.clone()
+    };
+    let scaled = values
+        .reshape((blocks, block))?
+        .broadcast_mul(&scale.reshape((blocks, 1))?)?
+        .flatten_all()?;
+    Ok(if padded > n {
+        scaled.narrow(0, 0, n)?
+    } else {
+        scaled
+    })
+}
+
+impl DeviceNf4 {
+    /// Copies `q`'s codes and statistics to `device`.
+    pub fn new(q: &Nf4Tensor, device: &Device) -> Result<Self> {
+        let code = q.code();
+        let pairs: Vec<f32> = (0..256usize)
+            .flat_map(|b| [code[b >> 4], code[b & 15]])
+            .collect();
+        let scales = match q.scales() {
+            BlockScales::Plain(a) => DeviceScales::Plain(Tensor::from_slice(a, a.len(), device)?),
+            BlockScales::Nested(n) => DeviceScales::Nested {
+                codes: Tensor::from_slice(&n.codes, n.codes.len(), device)?,
+                absmax: Tensor::from_slice(&n.absmax, n.absmax.len(), device)?,
+                map: Tensor::from_slice(&n.code, n.code.len(), device)?,
+                offset: n.offset,
+                blocksize: n.blocksize,
+            },
+        };
+        Ok(DeviceNf4 {
+            packed: Tensor::from_slice(q.packed(), q.packed().len(), device)?,
+            pairs: Tensor::from_vec(pairs, (256, 2), device)?,
+            scales,
+            shape: q.shape().to_vec(),
+            blocksize: q.blocksize(),
+            bytes: q.size_in_bytes(),
+        })
+    }
+
+    /// The dense weight as `dtype` (f32, f16 or bf16) on the device, bit-identical to [`Nf4Tensor::dequantize`].
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        let n: usize = self.shape.iter().product();
+        let absmax = match &self.scales {
+            DeviceScales::Plain(a) => a.clone(),
+            DeviceScales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+                blocksize,
+            } => {
+                let mapped = map.index_select(&codes.to_dtype(DType::U32)?, 0)?;
+                (scale_blocks(&mapped, absmax, *blocksize)? + f64::from(*offset))?
+            }
+        };
+        // u32 indices: Candle reads the largest value of an index type (255 for u8) as "no row" (zeros).
+        let values = self
+            .pairs
+            .index_select(&self.packed.to_dtype(DType::U32)?, 0)?
+            .flatten_all()?;
+        let values = if values.dim(0)? > n {
+            values.narrow(0, 0, n)?
+        } else {
+            values
+        };
+        let dense = scale_blocks(&values, &absmax, self.blocksize)?;
+        Ok(dense.reshape(self.shape.as_slice())?.to_dtype(dtype)?)
+    }
+
+    /// `[out_features, in_features]`.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The device the codes live on.
+    pub fn device(&self) -> &Device {
+        self.packed.device()
+    }
+
+    /// Bytes of codes and statistics (as [`Nf4Tensor::size_in_bytes`]).
+    pub fn size_in_bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{QuantConfig, QuantType};
+
+    /// Both quant types, plain and nested scales, sizes that leave partial blocks: the tensor-op dequantization
+    /// equals the CPU kernel bit for bit in every output dtype.
+    #[test]
+    fn equals_the_cpu_kernel_bit_for_bit() {
+        for (quant_type, double_quant, n) in [
+            (QuantType::Nf4, true, 64 * 300 + 37),
+            (QuantType::Nf4, false, 128 * 5),
+            (QuantType::Fp4, true, 64 * 513),
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (1, n), &Device::Cpu).unwrap();
+            let config = QuantConfig {
+                quant_type,
+                double_quant,
+                ..QuantConfig::nf4()
+            };
+            let q = Nf4Tensor::quantize(&w, &config).unwrap();
+            let on_device = DeviceNf4::new(&q, &Device::Cpu).unwrap();
+            assert_eq!(on_device.size_in_bytes(), q.size_in_bytes());
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let want = q.dequantize(dtype).unwrap().to_dtype(DType::F32).unwrap();
+                let got = on_device
+                    .dequantize(dtype)
+                    .unwrap()
+                    .to_dtype(DType::F32)
+                    .unwrap();
+                let (want, got) = (
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    want.iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{quant_type:?} double={double_quant} n={n} {dtype:?}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,355 @@
+//! On a CUDA GPU (built with `--features cuda`; run where a GPU answers): the memory pool's statistics, 4-bit weights
+//! dequantized on the GPU, training on the GPU against the same run on the CPU, and the out-of-memory report on a
+//! real allocation failure of the device.
+
+use candle_core::{DType, Device, Tensor};
+use candle_qlora::data::TokenizedExample;
+use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::lora::{LoraConfig, TargetModules};
+use candle_qlora::memory::{reset_device_peak, stats};
+use candle_qlora::quant::{DeviceNf4, Nf4Tensor, QuantConfig};
+use candle_qlora::trainer::{Trainer, TrainingArguments};
+use candle_qlora::Error;
+
+use crate::common::data_path;
+
+fn gpu() -> Device {
+    Device::new_cuda(0).expect("these tests need a CUDA GPU (cuda:0)")
+}
+
+#[test]
+fn pool_statistics_follow_allocations() {
+    let dev = gpu();
+    let before = stats(&dev);
+    assert_eq!(before.device, "cuda:0");
+    let (total, free) = (before.total.unwrap(), before.available.unwrap());
+    assert!(total > 1 << 30 && free <= total, "{before:?}");
+
+    let gib = 1usize << 30;
+    let t = Tensor::zeros(gib / 4, DType::F32, &dev).unwrap();
+    let during = stats(&dev);
+    let grown = during.allocated.unwrap() - before.allocated.unwrap();
+    assert!(grown >= gib as u64, "1 GiB tensor, pool grew by {grown}");
+    assert!(during.peak_allocated.unwrap() >= during.allocated.unwrap());
+    assert!(during.reserved.unwrap() >= during.allocated.unwrap());
+    assert!(during.available.unwrap() + (gib as u64) <= free + (64 << 20));
+
+    drop(t);
+    let after = stats(&dev);
+    assert!(
+        after.allocated.unwrap() < during.allocated.unwrap() - gib as u64 / 2,
+        "freed: {after:?}"
+    );
+    assert!(after.peak_allocated.unwrap() >= during.allocated.unwrap());
+    assert!(reset_device_peak(&dev, false));
+    let reset = stats(&dev);
+    assert!(
+        reset.peak_allocated.unwrap() < during.allocated.unwrap(),
+        "peak after reset: {reset:?}"
+    );
+}
+
+#[test]
+fn nf4_dequantizes_on_the_gpu_bit_for_bit() {
+    let dev = gpu();
+    let w = Tensor::randn(0f32, 1.0, (576, 1536), &Device::Cpu).unwrap();
+    let q = Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap();
+    let on_gpu = DeviceNf4::new(&q, &dev).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let want = q.dequantize(dtype).unwrap().to_dtype(DType::F32).unwrap();
+        let got = on_gpu.dequantize(dtype).unwrap();
+        assert!(got.device().is_cuda());
+        let got = got
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        assert_eq!(crate::common::max_abs_diff(&want, &got), 0.0, "{dtype:?}");
+    }
+}
+
+/// The tiny Llama in NF4 with LoRA r=4 (and `lora_dropout`) on `device`, trained with `edit` applied to its
+/// arguments.
+fn tiny_trainer(
+    device: &Device,
+    output_dir: &std::path::Path,
+    data: Vec<TokenizedExample>,
+    lora_dropout: f64,
+    edit: impl Fn(&mut TrainingArguments),
+) -> Trainer {
+    let opts = LoadOptions {
+        quantization: Some(QuantConfig::nf4()),
+        ..Default::default()
+    };
+    let model = load_model(
+        data_path("models/tiny-llama").to_str().unwrap(),
+        None,
+        &opts,
+    )
+    .unwrap()
+    .model
+    .to_device(device)
+    .unwrap();
+    let mut args = TrainingArguments {
+        output_dir: output_dir.display().to_string(),
+        per_device_train_batch_size: 2,
+        gradient_accumulation_steps: 2,
+        learning_rate: 5e-3,
+        max_steps: 6,
+        logging_steps: 1.0,
+        save_steps: 100.0,
+        optim: "adamw_torch".into(),
+        gradient_checkpointing: true,
+        ..Default::default()
+    };
+    edit(&mut args);
+    let lora = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        lora_dropout,
+        target_modules: Some(TargetModules::AllLinear),
+        ..Default::default()
+    };
+    Trainer::new(model, args, &lora, data, vec![], "tiny-llama").unwrap()
+}
+
+/// Float32 compute on both devices: the same losses (to float32 reduction-order noise) and the same adapter.
+#[test]
+fn training_on_the_gpu_matches_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |device: &Device, name: &str| {
+        let out = dir.path().join(name);
+        let log = tiny_trainer(device, &out, crate::trainer::examples(), 0.1, |_| {})
+            .train(None)
+            .unwrap();
+        let losses: Vec<f64> = log.log_history.iter().filter_map(|e| e.loss).collect();
+        let adapter =
+            candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
+                .unwrap();
+        (losses, adapter, out)
+    };
+    let (cpu_losses, cpu_adapter, _) = run(&Device::Cpu, "cpu");
+    let (gpu_losses, gpu_adapter, gpu_out) = run(&gpu(), "gpu");
+    assert_eq!(cpu_losses.len(), 6);
+    for (c, g) in cpu_losses.iter().zip(&gpu_losses) {
+        assert!(
+            (c - g).abs() <= 1e-4 * c.abs().max(1.0),
+            "cpu {cpu_losses:?} gpu {gpu_losses:?}"
+        );
+    }
+    for (k, t) in &cpu_adapter {
+        let d = crate::common::max_abs_diff(t, &gpu_adapter[k]);
+        assert!(d < 1e-3, "{k}: {d}");
+    }
+    // The memory timeline of the GPU run reads the device's pool.
+    let timeline = std::fs::read_to_string(gpu_out.join("memory_timeline.json")).unwrap();
+    assert!(timeline.contains("device pool"), "{timeline}");
+}
+
+/// A GPU nearly full (a ballast tensor leaves 2 GiB) and a micro-batch that needs more: training stops with the
+/// out-of-memory report (step, phase, live memory by category, the fixes cheapest first), and the device is usable
+/// afterwards.
+#[test]
+fn out_of_memory_stops_training_with_the_report() {
+    let dev = gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let free = stats(&dev).available.unwrap() as usize;
+    let ballast = Tensor::zeros((free - (2 << 30)) / 4, DType::F32, &dev).unwrap();
+    let row = TokenizedExample {
+        input_ids: (0..256u32).map(|i| 3 + i % 100).collect(),
+        labels: (0..256i64).map(|i| 3 + i % 100).collect(),
+        truncated: false,
+        segments: vec![],
+    };
+    let batch = 2048;
+    let data = vec![row; batch];
+    // No dropout: its masks, drawn on the host, would take longer than reaching the failure.
+    let mut trainer = tiny_trainer(&dev, &dir.path().join("oom"), data, 0.0, |a| {
+        a.per_device_train_batch_size = batch;
+        a.gradient_accumulation_steps = 1;
+        a.gradient_checkpointing = false;
+        a.max_steps = 1;
+    });
+    let err = trainer.train(None).unwrap_err();
+    let Error::OutOfMemory(report) = &err else {
+        panic!("expected the out-of-memory report, got: {err}");
+    };
+    eprintln!("{report}");
+    assert!(report.contains("out of memory at step 1"), "{report}");
+    // What the forward held when it failed: activations of the 2 GiB left, not what was left after unwinding.
+    let activations = report
+        .lines()
+        .find(|l| l.trim_start().starts_with("activations"))
+        .unwrap();
+    assert!(activations.contains("GiB"), "{report}");
+    assert!(
+        report.contains(&format!("per_device_train_batch_size = {}", batch / 2)),
+        "{report}"
+    );
+    assert!(report.contains("gradient_checkpointing = true"), "{report}");
+    assert!(report.contains("the device said"), "{report}");
+    drop(trainer);
+    drop(ballast);
+    // The failed step's memory went back to the pool: the GPU still computes.
+    let x = Tensor::ones((1024, 1024), DType::F32, &dev).unwrap();
+    assert_eq!(x.sum_all().unwrap().to_scalar::<f32>().unwrap(), 1048576.0);
+}
+
+/// A SmolLM2-135M-shaped Llama with random bf16 weights, written as a Hugging Face folder in `dir`.
+fn random_smollm2(dir: &std::path::Path) -> std::path::PathBuf {
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true, "hidden_act": "silu",
+        "attention_bias": false, "mlp_bias": false, "bos_token_id": 1, "eos_token_id": 2,
+    });
+    let folder = dir.join("random-smollm2");
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::write(folder.join("config.json"), config.to_string()).unwrap();
+    let cpu = Device::Cpu;
+    let random = |shape: &[usize]| {
+        Tensor::randn(0f32, 0.02, shape, &cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let mut tensors = std::collections::HashMap::new();
+    tensors.insert(
+        "model.embed_tokens.weight".to_string(),
+        random(&[49152, 576]),
+    );
+    tensors.insert(
+        "model.norm.weight".to_string(),
+        Tensor::ones(576, DType::BF16, &cpu).unwrap(),
+    );
+    for l in 0..30 {
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            ("self_attn.q_proj", [576, 576]),
+            ("self_attn.k_proj", [192, 576]),
+            ("self_attn.v_proj", [192, 576]),
+            ("self_attn.o_proj", [576, 576]),
+            ("mlp.gate_proj", [1536, 576]),
+            ("mlp.up_proj", [1536, 576]),
+            ("mlp.down_proj", [576, 1536]),
+        ] {
+            tensors.insert(format!("{p}.{name}.weight"), random(&shape));
+        }
+        for norm in ["input_layernorm", "post_attention_layernorm"] {
+            tensors.insert(
+                format!("{p}.{norm}.weight"),
+                Tensor::ones(576, DType::BF16, &cpu).unwrap(),
+            );
+        }
+    }
+    candle_core::safetensors::save(&tensors, folder.join("model.safetensors")).unwrap();
+    folder
+}
+
+/// `memory::estimate` for CUDA against the memory pool's measured peak of one training step of a SmolLM2-sized
+/// model (NF4 base, bf16 compute, LoRA r=16 on all linears), with and without checkpointing. The pool holds the
+/// weights, adapter, gradients and activations (the optimizer's state lives in host memory, the CUDA context
+/// outside the pool), so those four terms are compared.
+#[test]
+fn the_estimate_predicts_the_gpu_peak() {
+    use candle_qlora::memory::{estimate, DeviceKind, EstimateArgs};
+    let dev = gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let folder = random_smollm2(dir.path());
+    let config =
+        candle_qlora::loading::source::load_model_config(folder.to_str().unwrap(), None).unwrap();
+    let mut rows = Vec::new();
+    for (batch, seq, checkpointing) in [
+        (4, 512, true),
+        (4, 512, false),
+        (1, 256, false),
+        (2, 1024, true),
+        (8, 512, true),
+    ] {
+        let opts = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            compute_dtype: DType::BF16,
+        };
+        let model = load_model(folder.to_str().unwrap(), None, &opts)
+            .unwrap()
+            .model
+            .to_device(&dev)
+            .unwrap();
+        let data: Vec<TokenizedExample> = (0..batch)
+            .map(|b| {
+                let ids: Vec<u32> = (0..seq)
+                    .map(|i| ((i * 7919 + b * 104729) % 49000) as u32 + 3)
+                    .collect();
+                TokenizedExample {
+                    labels: ids.iter().map(|&i| i as i64).collect(),
+                    input_ids: ids,
+                    truncated: false,
+                    segments: vec![],
+                }
+            })
+            .collect();
+        let out = dir
+            .path()
+            .join(format!("run-{batch}-{seq}-{checkpointing}"));
+        let args = TrainingArguments {
+            output_dir: out.display().to_string(),
+            per_device_train_batch_size: batch,
+            max_steps: 1,
+            save_strategy: candle_qlora::trainer::IntervalStrategy::No,
+            bf16: true,
+            gradient_checkpointing: checkpointing,
+            optim: "paged_adamw_8bit".into(),
+            ..Default::default()
+        };
+        let lora = LoraConfig {
+            r: 16,
+            lora_alpha: 32.0,
+            lora_dropout: 0.05,
+            target_modules: Some(TargetModules::AllLinear),
+            ..Default::default()
+        };
+        Trainer::new(model, args, &lora, data, vec![], "random-smollm2")
+            .unwrap()
+            .train(None)
+            .unwrap();
+        let timeline: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("memory_timeline.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(timeline["source"], "device pool");
+        let measured = timeline["peak"][0]["peak"].as_u64().unwrap() as f64;
+        let e = estimate(
+            &config,
+            &EstimateArgs {
+                batch,
+                seq,
+                lora_r: 16,
+                optim: "paged_adamw_8bit".into(),
+                gradient_checkpointing: checkpointing,
+                quantize: true,
+                device: DeviceKind::Cuda,
+            },
+        )
+        .unwrap();
+        let predicted =
+            (e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes) as f64;
+        rows.push((batch, seq, checkpointing, predicted, measured));
+    }
+    let mib = |b: f64| b / (1 << 20) as f64;
+    eprintln!("batch  seq  checkpointing  predicted MiB  measured MiB  ratio");
+    for (b, s, c, p, m) in &rows {
+        eprintln!(
+            "{b:>5} {s:>4} {c:>14} {:>14.1} {:>13.1} {:>6.3}",
+            mib(*p),
+            mib(*m),
+            p / m
+        );
+    }
+    for (b, s, c, p, m) in &rows {
+        assert!(
+            (p / m - 1.0).abs() <= 0.15,
+            "batch {b} seq {s} checkpointing {c}: {p} vs {m}"
+        );
+    }
+}
