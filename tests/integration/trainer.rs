@@ -440,3 +440,23 @@ fn callbacks_divergence_and_output_dir_rules() {
     // The old checkpoint-2 is gone (the new run's was rotated away by save_total_limit = 2).
     assert!(!out.join("checkpoint-2").exists() && out.join("checkpoint-6").exists());
 }
+
+/// `to_device` moves a model before adapters exist (a no-op on its own device) and refuses once they do: adapters
+/// are created on the model's device.
+#[test]
+fn a_model_moves_to_its_device_before_its_adapters() {
+    let model = load_model(
+        data_path("models/tiny-llama").to_str().unwrap(),
+        None,
+        &LoadOptions::default(),
+    )
+    .unwrap()
+    .model;
+    let mut model = model.to_device(&Device::Cpu).unwrap();
+    assert!(model.device().is_cpu());
+    model
+        .add_adapter("default", &LoraConfig::default(), 1)
+        .unwrap();
+    let err = model.to_device(&Device::Cpu).err().unwrap().to_string();
+    assert!(err.contains("before adding or loading adapters"), "{err}");
+}
