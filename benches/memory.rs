@@ -51,6 +51,7 @@ fn measure(model_path: &str, args: &EstimateArgs) -> (u64, u64) {
         max_steps: 1,
         optim: args.optim.clone(),
         gradient_checkpointing: args.gradient_checkpointing,
+        activation_memory_budget_mib: args.activation_memory_budget_mib,
         save_strategy: IntervalStrategy::No,
         disable_tqdm: true,
         ..Default::default()
@@ -86,35 +87,42 @@ fn main() {
     };
     let path = model.display().to_string();
     let config = load_model_config(&path, None).expect("config");
+    // (batch, seq, checkpointing, NF4 base, activation memory budget in MiB)
     let configs = [
-        (1, 128, false, true),
-        (1, 256, true, true),
-        (2, 256, false, true),
-        (2, 256, false, false),
-        (4, 512, true, true),
-        (4, 512, false, true),
+        (1, 128, false, true, None),
+        (1, 256, true, true, None),
+        (2, 256, false, true, None),
+        (2, 256, false, false, None),
+        (4, 512, true, true, None),
+        (4, 512, false, true, None),
+        (4, 256, true, true, Some(600.0)),
     ];
     println!("| batch × seq | checkpointing | base | predicted peak | measured peak | predicted / measured | measured activations |");
     println!("|---|---|---|---:|---:|---:|---:|");
     let mut activations = vec![];
-    for (batch, seq, ckpt, nf4) in configs {
+    for (batch, seq, ckpt, nf4, budget) in configs {
         let args = EstimateArgs {
             batch,
             seq,
             lora_r: 16,
             optim: "paged_adamw_8bit".into(),
             gradient_checkpointing: ckpt,
+            activation_memory_budget_mib: budget,
             quantize: nf4,
             device: DeviceKind::Cpu,
         };
         let predicted = estimate(&config, &args).expect("estimate").total_bytes;
         let (measured, act) = measure(&path, &args);
-        if batch == 4 {
+        if (batch, seq, budget) == (4, 512, None) {
             activations.push(act);
         }
         println!(
             "| {batch} × {seq} | {} | {} | {} | {} | {:.3} | {} |",
-            if ckpt { "on" } else { "off" },
+            match (ckpt, budget) {
+                (false, _) => "off".to_string(),
+                (true, None) => "on".to_string(),
+                (true, Some(mib)) => format!("on, {mib} MiB kept"),
+            },
             if nf4 { "NF4" } else { "f32" },
             human_bytes(predicted),
             human_bytes(measured),

@@ -4,7 +4,9 @@
 One invocation runs the same LoRA training step, on the same machine, in up to three systems:
 
     ours        the `qlora` binary (`qlora train --config FILE`), NF4 base (double quantization, f32 compute);
-                with --ours-f32 also `ours-f32`, the same run with load_in_4bit = false (unquantized f32 base)
+                with --ours-f32 also `ours-f32`, the same run with load_in_4bit = false (unquantized f32 base),
+                with --ours-budget-mib N also `ours-budget`, the NF4 run with memory-aware checkpointing (the last
+                layers keep their activations within N MiB; only the others are recomputed)
     torch-f32   PyTorch + transformers + PEFT, float32 base
     torch-nf4   PyTorch + transformers + PEFT + bitsandbytes NF4 on the CPU: BitsAndBytesConfig(load_in_4bit=True,
                 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
@@ -85,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--qlora", default=str(REPO_ROOT / "target" / "release" / "qlora"), help="the qlora binary")
     p.add_argument("--only", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--ours-f32", action="store_true", help="also run ours with load_in_4bit = false")
+    p.add_argument("--ours-budget-mib", type=float,
+                   help="also run ours (NF4) with activation_memory_budget_mib = this (memory-aware checkpointing)")
     p.add_argument("--steps", type=int, default=8, help="measured steps (default 8)")
     p.add_argument("--warmup", type=int, default=2, help="steps run before the measured ones (default 2)")
     p.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
@@ -315,8 +319,10 @@ def toml_str(s: str) -> str:
     return json.dumps(s)  # a JSON string is a valid TOML basic string
 
 
-def ours_config(settings: dict, train_file: Path, output_dir: Path, load_in_4bit: bool) -> str:
+def ours_config(settings: dict, train_file: Path, output_dir: Path, load_in_4bit: bool,
+                budget_mib: float | None = None) -> str:
     """The TOML run config for `qlora train` (field names are the Python ones)."""
+    budget = "" if budget_mib is None else f"activation_memory_budget_mib = {budget_mib}\n"
     return f"""\
 [model]
 name_or_path = {toml_str(settings["model"]["path"])}
@@ -355,16 +361,17 @@ logging_steps = 1
 save_strategy = "no"
 eval_strategy = "no"
 seed = {SEED}
-"""
+{budget}"""
 
 
-def run_ours(name: str, qlora: Path, settings: dict, work: Path, load_in_4bit: bool) -> tuple[ChildRun, dict | None]:
+def run_ours(name: str, qlora: Path, settings: dict, work: Path, load_in_4bit: bool,
+             budget_mib: float | None = None) -> tuple[ChildRun, dict | None]:
     """Runs `qlora train` on a generated config; returns the child run and its per-step log (None on failure)."""
     print(f"\n=== {name} ===", file=sys.stderr, flush=True)
     run_dir = work / name
     run_dir.mkdir()
     cfg = run_dir / "config.toml"
-    cfg.write_text(ours_config(settings, work / "train.jsonl", run_dir / "out", load_in_4bit))
+    cfg.write_text(ours_config(settings, work / "train.jsonl", run_dir / "out", load_in_4bit, budget_mib))
     run = run_child([str(qlora), "train", "--config", str(cfg)])
     log_path = run_dir / "out" / "log.jsonl"
     if run.returncode != 0 or not log_path.exists():
@@ -634,11 +641,15 @@ def run_benchmark(args: argparse.Namespace) -> None:
         skipped["ours"] = reason
         if args.ours_f32:
             skipped["ours-f32"] = reason
+        if args.ours_budget_mib is not None:
+            skipped["ours-budget"] = reason
     for name, reason in skipped.items():
         print(f"bench_vs_peft: {name} {reason}", file=sys.stderr)
     order = [s for s in SYSTEMS if s in selected]
     if "ours" in order and args.ours_f32:
         order.insert(order.index("ours") + 1, "ours-f32")
+    if "ours" in order and args.ours_budget_mib is not None:
+        order.insert(order.index("ours") + 1, "ours-budget")
     if all(name in skipped for name in order):
         sys.exit("bench_vs_peft: nothing to run")
 
@@ -670,7 +681,8 @@ def run_benchmark(args: argparse.Namespace) -> None:
                 results.append(SystemResult(name, status=skipped[name]))
                 continue
             if name.startswith("ours"):
-                run, log = run_ours(name, qlora, settings, work, load_in_4bit=(name == "ours"))
+                run, log = run_ours(name, qlora, settings, work, load_in_4bit=(name != "ours-f32"),
+                                    budget_mib=args.ours_budget_mib if name == "ours-budget" else None)
             else:
                 run, log = run_worker(name, work)
             results.append(summarize(name, run, log, args.warmup))

@@ -90,6 +90,10 @@ struct EstimateCliArgs {
     /// Per-layer gradient checkpointing.
     #[arg(long = "gradient-checkpointing")]
     gradient_checkpointing: bool,
+    /// With checkpointing, keep the last layers' activations while they fit in this many MiB (memory-aware
+    /// checkpointing, as `activation_memory_budget_mib` in a run config).
+    #[arg(long = "activation-memory-budget-mib")]
+    activation_memory_budget_mib: Option<f64>,
     /// Base weights: NF4 (QLoRA) or the compute dtype (LoRA).
     #[arg(long, value_enum, default_value = "nf4")]
     quantize: QuantizeArg,
@@ -111,6 +115,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         lora_r: args.lora_r,
         optim: args.optim.clone(),
         gradient_checkpointing: args.gradient_checkpointing,
+        activation_memory_budget_mib: args.activation_memory_budget_mib,
         quantize: matches!(args.quantize, QuantizeArg::Nf4),
         device: match args.device {
             DeviceArg::Cpu => DeviceKind::Cpu,

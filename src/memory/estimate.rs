@@ -32,6 +32,9 @@ pub struct EstimateArgs {
     pub optim: String,
     /// Per-layer gradient checkpointing.
     pub gradient_checkpointing: bool,
+    /// Memory-aware checkpointing: the last layers keep their activations while they fit in this many MiB
+    /// (`TrainingArguments::activation_memory_budget_mib`).
+    pub activation_memory_budget_mib: Option<f64>,
     /// NF4 base (QLoRA) instead of a base in the compute dtype (LoRA).
     pub quantize: bool,
     /// Device.
@@ -46,6 +49,7 @@ impl Default for EstimateArgs {
             lora_r: 16,
             optim: "paged_adamw_8bit".into(),
             gradient_checkpointing: false,
+            activation_memory_budget_mib: None,
             quantize: true,
             device: DeviceKind::Cpu,
         }
@@ -169,7 +173,7 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
 /// graph hold them: each linear's output (LoRA runs as one fused op that saves nothing else), the norms, the
 /// head-split copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
-fn layer_elements_per_token(c: &ModelConfig) -> u64 {
+pub fn layer_elements_per_token(c: &ModelConfig) -> u64 {
     let (h, hq, hkv, i) = widths(c);
     let q = 3 * hq; // output, split-heads copy, RoPE
     let k = 3 * hkv;
@@ -178,6 +182,23 @@ fn layer_elements_per_token(c: &ModelConfig) -> u64 {
     let mlp = 3 * i + h; // gate, up, SwiGLU, down
     let rest = h + 4 * h; // o_proj, two norms, two residual sums
     q + k + v + attention + mlp + rest
+}
+
+/// How many of the last layers keep their activations under memory-aware checkpointing (see
+/// `TrainingArguments::activation_memory_budget_mib`): as many as fit in `budget_mib`, each costing its saved
+/// tensors beyond the input a checkpointed layer keeps, for `tokens` tokens of `dtype_bytes`. 0 without a budget.
+pub fn kept_layers(
+    c: &ModelConfig,
+    tokens: u64,
+    dtype_bytes: u64,
+    budget_mib: Option<f64>,
+) -> usize {
+    let Some(budget) = budget_mib else {
+        return 0;
+    };
+    let extra = (layer_elements_per_token(c) - c.hidden_size as u64) * tokens * dtype_bytes;
+    let fit = (budget * (1u64 << 20) as f64 / extra.max(1) as f64).floor() as usize;
+    fit.min(c.num_hidden_layers)
 }
 
 /// Activation bytes at the peak of a training step of this library. Saved for the backward: every layer's
@@ -193,7 +214,12 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     let layer = layer_elements_per_token(c) * tokens * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
-        (layers * tokens * h * dtype_bytes, layer)
+        let kept = kept_layers(c, tokens, dtype_bytes, args.activation_memory_budget_mib) as u64;
+        let recomputed = if kept < layers { layer } else { 0 };
+        (
+            (layers - kept) * tokens * h * dtype_bytes + kept * layer,
+            recomputed,
+        )
     } else {
         (layers * layer, 0)
     };
@@ -348,6 +374,36 @@ mod tests {
     use crate::quant::{Nf4Tensor, QuantConfig};
 
     const GIB: f64 = (1u64 << 30) as f64;
+
+    /// Memory-aware checkpointing keeps as many whole layers as fit in the budget, never more than the model has,
+    /// and its estimate lies between full checkpointing and none.
+    #[test]
+    fn kept_layers_fill_the_budget() {
+        let c = llama2_7b();
+        let tokens = 2048u64;
+        let layer_mib =
+            ((layer_elements_per_token(&c) - 4096) * tokens * 2) as f64 / (1u64 << 20) as f64;
+        assert_eq!(kept_layers(&c, tokens, 2, None), 0);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(0.0)), 0);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(2.5 * layer_mib)), 2);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(1e9)), 32);
+        let args = |ckpt: bool, budget: Option<f64>| EstimateArgs {
+            seq: 2048,
+            gradient_checkpointing: ckpt,
+            activation_memory_budget_mib: budget,
+            device: DeviceKind::Cuda,
+            ..Default::default()
+        };
+        let activations = |a: EstimateArgs| estimate(&c, &a).unwrap().activations_bytes;
+        let (full, partial, none) = (
+            activations(args(true, None)),
+            activations(args(true, Some(10.0 * layer_mib))),
+            activations(args(false, None)),
+        );
+        assert!(full < partial && partial < none, "{full} {partial} {none}");
+        // Every layer kept: nothing is recomputed, as without checkpointing.
+        assert_eq!(activations(args(true, Some(1e9))), none);
+    }
 
     fn llama2_7b() -> ModelConfig {
         let json = serde_json::json!({

@@ -7,7 +7,7 @@ pub mod reuse;
 pub mod stats;
 pub mod timeline;
 
-pub use estimate::{comparison, estimate, DeviceKind, Estimate, EstimateArgs, Regime};
+pub use estimate::{comparison, estimate, kept_layers, DeviceKind, Estimate, EstimateArgs, Regime};
 pub use oom::{is_out_of_memory, oom_report};
 pub use reuse::keep_freed_memory;
 pub use stats::{

@@ -202,8 +202,11 @@ pub enum Positions {
 /// How to run the layers in a training forward.
 #[derive(Clone, Default)]
 pub struct Checkpointing {
-    /// Recompute each layer in the backward instead of keeping its activations.
+    /// Recompute layers in the backward instead of keeping their activations.
     pub enabled: bool,
+    /// With `enabled`, how many of the last layers still keep their activations (memory-aware checkpointing:
+    /// the first layers are recomputed, so the kept layers' memory is freed before any recomputation starts).
+    pub kept_layers: usize,
     /// Receives the parameter gradients found during recomputation.
     pub sink: GradSink,
     /// The trainable parameters the layers use.
@@ -442,8 +445,9 @@ impl LlamaModel {
             _ => None,
         };
         let mut x = embeds.clone();
-        for layer in &self.layers {
-            x = if checkpointing.enabled {
+        let recomputed = self.layers.len().saturating_sub(checkpointing.kept_layers);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = if checkpointing.enabled && i < recomputed {
                 let (layer, cos, sin, segments) =
                     (layer.clone(), cos.clone(), sin.clone(), segments.clone());
                 let block: ops::checkpoint::Block = Arc::new(move |x: &Tensor, pass| {

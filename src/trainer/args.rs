@@ -83,6 +83,10 @@ pub struct TrainingArguments {
     pub gradient_checkpointing: bool,
     /// Accepted for compatibility; checkpointing here is always non-reentrant (`use_reentrant = false`).
     pub gradient_checkpointing_kwargs: Option<serde_json::Value>,
+    /// candle-qlora: memory-aware checkpointing. With `gradient_checkpointing`, the last layers keep their
+    /// activations (no recomputation) as long as those fit in this many MiB per micro-batch; only the other layers
+    /// are recomputed in the backward. `None` recomputes every layer (transformers' behaviour).
+    pub activation_memory_budget_mib: Option<f64>,
     /// Seed of initialization, dropout and shuffling.
     pub seed: u64,
     /// Seed of the data order (defaults to `seed`).
@@ -143,6 +147,7 @@ impl Default for TrainingArguments {
             fp16: false,
             gradient_checkpointing: false,
             gradient_checkpointing_kwargs: None,
+            activation_memory_budget_mib: None,
             seed: 42,
             data_seed: None,
             resume_from_checkpoint: None,
@@ -190,6 +195,7 @@ pub const FIELDS: &[&str] = &[
     "fp16",
     "gradient_checkpointing",
     "gradient_checkpointing_kwargs",
+    "activation_memory_budget_mib",
     "seed",
     "data_seed",
     "resume_from_checkpoint",
@@ -271,6 +277,12 @@ impl TrainingArguments {
         }
         if self.learning_rate < 0.0 || self.warmup_steps < 0.0 || self.warmup_ratio < 0.0 {
             return bad("learning_rate and warmup must not be negative".into());
+        }
+        if self
+            .activation_memory_budget_mib
+            .is_some_and(|b| !b.is_finite() || b < 0.0)
+        {
+            return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
         }
         if self.bf16 && self.fp16 {
             return bad("bf16 and fp16 are both true: choose one".into());

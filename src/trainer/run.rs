@@ -25,7 +25,9 @@ use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
 use crate::eval::{collate, evaluate, EvalReport};
 use crate::lora::LoraConfig;
-use crate::memory::{is_out_of_memory, oom_report, process_memory, MemoryTimeline, Phase};
+use crate::memory::{
+    is_out_of_memory, kept_layers, oom_report, process_memory, MemoryTimeline, Phase,
+};
 use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
 use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
@@ -321,8 +323,15 @@ impl Trainer {
             let seed = micro_batch_seed(args.seed, first_micro + k);
             self.model.lora_runtime.set_step_seed(seed);
             let batch = collate(ex, self.model.device())?;
+            let tokens = batch.ids.elem_count() as u64;
             let ck = Checkpointing {
                 enabled: args.gradient_checkpointing,
+                kept_layers: kept_layers(
+                    self.model.config(),
+                    tokens,
+                    self.model.compute_dtype().size_in_bytes() as u64,
+                    args.activation_memory_budget_mib,
+                ),
                 params: vars.to_vec(),
                 ..Default::default()
             };

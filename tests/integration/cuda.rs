@@ -327,6 +327,7 @@ fn the_estimate_predicts_the_gpu_peak() {
                 lora_r: 16,
                 optim: "paged_adamw_8bit".into(),
                 gradient_checkpointing: checkpointing,
+                activation_memory_budget_mib: None,
                 quantize: true,
                 device: DeviceKind::Cuda,
             },

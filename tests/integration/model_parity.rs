@@ -413,3 +413,57 @@ fn sharded_and_bitsandbytes_folders_load() {
     let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_nf4"]);
     assert!(d <= 1e-5, "bitsandbytes folder logits differ by {d}");
 }
+
+/// Memory-aware checkpointing (the last layer keeps its activations, the first is recomputed) gives the plain run's
+/// loss, input gradient and LoRA gradients, as full checkpointing does.
+#[test]
+fn partial_checkpointing_gives_the_plain_gradients() {
+    use candle_qlora::lora::{InitLoraWeights, LoraConfig, TargetModules};
+    let g = golden("tiny-llama");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    let mut model = load_tiny("tiny-llama", Some(QuantConfig::nf4()));
+    assert_eq!(model.layers.len(), 2);
+    let lora = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        target_modules: Some(TargetModules::AllLinear),
+        init_lora_weights: InitLoraWeights::Random,
+        ..Default::default()
+    };
+    model.add_adapter("default", &lora, 7).unwrap();
+    let vars: Vec<candle_core::Var> = model
+        .adapter_parameters("default")
+        .unwrap()
+        .into_iter()
+        .map(|(_, v)| v)
+        .collect();
+    let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+    let run = |enabled: bool, kept_layers: usize| -> (f32, Vec<Tensor>) {
+        let ck = Checkpointing {
+            enabled,
+            kept_layers,
+            params: vars.clone(),
+            ..Default::default()
+        };
+        let h = model
+            .forward_embeds(embeds.as_tensor(), &Positions::Range(0), &ck)
+            .unwrap();
+        let (sum, n) = model.loss_from_hidden(&h, &labels).unwrap();
+        let loss = (sum / n as f64).unwrap();
+        let mut grads = loss.backward().unwrap();
+        ck.sink.merge_into(&mut grads).unwrap();
+        let mut all = vec![grads.get(&embeds).unwrap().clone()];
+        all.extend(vars.iter().map(|v| grads.get(v).unwrap().clone()));
+        (loss.to_scalar::<f32>().unwrap(), all)
+    };
+    let (plain_loss, plain) = run(false, 0);
+    for kept in [0, 1] {
+        let (loss, grads) = run(true, kept);
+        assert_eq!(loss, plain_loss, "kept {kept}");
+        for (i, (a, b)) in plain.iter().zip(&grads).enumerate() {
+            let d = max_abs_diff(a, b);
+            assert!(d <= 1e-7, "kept {kept}, gradient {i}: {d}");
+        }
+    }
+}
