@@ -172,11 +172,17 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
 /// graph hold them: each linear's output (LoRA runs as one fused op that saves nothing else), the norms, the
-/// head-split copies, RoPE outputs, the attention output and its transposed copy, SwiGLU and the residual sums.
-pub fn layer_elements_per_token(c: &ModelConfig) -> u64 {
+/// rotated query/key heads and the value heads (split copies), the attention output and its merged copy, SwiGLU and
+/// the residual sums. On CUDA the query/key split is a copy of its own before the rotation.
+pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
     let (h, hq, hkv, i) = widths(c);
-    let q = 3 * hq; // output, split-heads copy, RoPE
-    let k = 3 * hkv;
+    // Output and rotated split (one fused op on the CPU); on CUDA also the split copy.
+    let copies = match device {
+        DeviceKind::Cpu => 2,
+        DeviceKind::Cuda => 3,
+    };
+    let q = copies * hq;
+    let k = copies * hkv;
     let v = 2 * hkv;
     let attention = 2 * hq; // output + transposed copy
     let mlp = 3 * i + h; // gate, up, SwiGLU, down
@@ -186,9 +192,11 @@ pub fn layer_elements_per_token(c: &ModelConfig) -> u64 {
 
 /// How many of the last layers keep their activations under memory-aware checkpointing (see
 /// `TrainingArguments::activation_memory_budget_mib`): as many as fit in `budget_mib`, each costing its saved
-/// tensors beyond the input a checkpointed layer keeps, for `tokens` tokens of `dtype_bytes`. 0 without a budget.
+/// tensors on `device` beyond the input a checkpointed layer keeps, for `tokens` tokens of `dtype_bytes`. 0 without
+/// a budget.
 pub fn kept_layers(
     c: &ModelConfig,
+    device: DeviceKind,
     tokens: u64,
     dtype_bytes: u64,
     budget_mib: Option<f64>,
@@ -196,7 +204,7 @@ pub fn kept_layers(
     let Some(budget) = budget_mib else {
         return 0;
     };
-    let extra = (layer_elements_per_token(c) - c.hidden_size as u64) * tokens * dtype_bytes;
+    let extra = (layer_elements_per_token(c, device) - c.hidden_size as u64) * tokens * dtype_bytes;
     let fit = (budget * (1u64 << 20) as f64 / extra.max(1) as f64).floor() as usize;
     fit.min(c.num_hidden_layers)
 }
@@ -211,10 +219,16 @@ pub fn kept_layers(
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let h = c.hidden_size as u64;
-    let layer = layer_elements_per_token(c) * tokens * dtype_bytes;
+    let layer = layer_elements_per_token(c, args.device) * tokens * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
-        let kept = kept_layers(c, tokens, dtype_bytes, args.activation_memory_budget_mib) as u64;
+        let kept = kept_layers(
+            c,
+            args.device,
+            tokens,
+            dtype_bytes,
+            args.activation_memory_budget_mib,
+        ) as u64;
         let recomputed = if kept < layers { layer } else { 0 };
         (
             (layers - kept) * tokens * h * dtype_bytes + kept * layer,
@@ -381,12 +395,16 @@ mod tests {
     fn kept_layers_fill_the_budget() {
         let c = llama2_7b();
         let tokens = 2048u64;
-        let layer_mib =
-            ((layer_elements_per_token(&c) - 4096) * tokens * 2) as f64 / (1u64 << 20) as f64;
-        assert_eq!(kept_layers(&c, tokens, 2, None), 0);
-        assert_eq!(kept_layers(&c, tokens, 2, Some(0.0)), 0);
-        assert_eq!(kept_layers(&c, tokens, 2, Some(2.5 * layer_mib)), 2);
-        assert_eq!(kept_layers(&c, tokens, 2, Some(1e9)), 32);
+        let layer_mib = ((layer_elements_per_token(&c, DeviceKind::Cuda) - 4096) * tokens * 2)
+            as f64
+            / (1u64 << 20) as f64;
+        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, None), 0);
+        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(0.0)), 0);
+        assert_eq!(
+            kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(2.5 * layer_mib)),
+            2
+        );
+        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(1e9)), 32);
         let args = |ckpt: bool, budget: Option<f64>| EstimateArgs {
             seq: 2048,
             gradient_checkpointing: ckpt,

@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::config::ModelConfig;
 use crate::ops::{
-    self, causal_attention, packed_causal_attention, rms_norm, rope, swiglu, FrozenLinear,
-    FrozenWeight, GradSink, Pass, RopeTables, Segments,
+    self, causal_attention, merge_heads, packed_causal_attention, rms_norm, rope_split_heads,
+    split_heads, swiglu, FrozenLinear, FrozenWeight, GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -86,13 +86,6 @@ impl KvCache {
 }
 
 impl Attention {
-    fn split_heads(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        x.reshape((b, t, heads, self.head_dim))?
-            .transpose(1, 2)?
-            .contiguous()
-    }
-
     fn forward(
         &self,
         x: &Tensor,
@@ -101,18 +94,9 @@ impl Attention {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
     ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let q = rope(
-            &self.split_heads(&self.q_proj.forward(x)?, self.n_head)?,
-            cos,
-            sin,
-        )?;
-        let k = rope(
-            &self.split_heads(&self.k_proj.forward(x)?, self.n_kv_head)?,
-            cos,
-            sin,
-        )?;
-        let v = self.split_heads(&self.v_proj.forward(x)?, self.n_kv_head)?;
+        let q = rope_split_heads(&self.q_proj.forward(x)?, self.n_head, cos, sin)?;
+        let k = rope_split_heads(&self.k_proj.forward(x)?, self.n_kv_head, cos, sin)?;
+        let v = split_heads(&self.v_proj.forward(x)?, self.n_kv_head)?;
         let (k, v) = match cache {
             Some(slot) => {
                 let (k, v) = match slot.take() {
@@ -129,12 +113,7 @@ impl Attention {
             Some(segments) => packed_causal_attention(&q, &k, &v, scale, segments)?,
             None => causal_attention(&q, &k, &v, scale)?,
         };
-        self.o_proj
-            .forward(&y.transpose(1, 2)?.contiguous()?.reshape((
-                b,
-                t,
-                self.n_head * self.head_dim,
-            ))?)
+        self.o_proj.forward(&merge_heads(&y)?)
     }
 }
 

@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::autograd::{attach1, attach1_cpu};
 use super::gemm::{with_slice, GemmFloat};
+use super::heads::{permute_rows, split_heads, HeadDims};
 
 /// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -183,6 +184,67 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     )
 }
 
+/// RoPE on a projection's output split into heads: `x` (`[b, t, heads·d]`) → rotated `[b, heads, t, d]`, equal to
+/// `rope(split_heads(x, heads), cos, sin)`. On the CPU one pass each way (the backward rotates back and merges the
+/// heads in the same pass) instead of a copy, three view nodes and the rotation.
+pub fn rope_split_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, width) = x.dims3()?;
+    let dims = HeadDims {
+        b,
+        t,
+        h: heads,
+        d: width / heads,
+    };
+    let split_shape = (b, heads, t, dims.d);
+    let layout = SliceLayout::of_dims(split_shape, x, cos, sin).filter(|_| x.is_contiguous());
+    match (layout, x.dtype()) {
+        (Some(layout), DType::F32) => rope_split_cpu::<f32>(x, dims, cos, sin, layout),
+        (Some(layout), DType::F64) => rope_split_cpu::<f64>(x, dims, cos, sin, layout),
+        _ => rope(&split_heads(x, heads)?, cos, sin),
+    }
+}
+
+fn rope_split_cpu<T: GemmFloat + Default>(
+    x: &Tensor,
+    dims: HeadDims,
+    cos: &Tensor,
+    sin: &Tensor,
+    layout: SliceLayout,
+) -> Result<Tensor> {
+    let (cos, sin) = (cos.to_dtype(T::DTYPE)?, sin.to_dtype(T::DTYPE)?);
+    let (t, d) = (dims.t, dims.d);
+    // Row `(batch, position)` of the tables (one set for all sequences, or one per sequence).
+    let table = move |batch: usize, position: usize| {
+        let row = if layout.per_sequence { batch * t } else { 0 } + position;
+        row * d..(row + 1) * d
+    };
+    let run = move |x: &Tensor, to_heads: bool| -> Result<Vec<T>> {
+        with_slice::<T, _>(x, |xs| {
+            with_slice::<T, _>(&cos, |c| {
+                with_slice::<T, _>(&sin, |s| {
+                    Ok(permute_rows(xs, dims, to_heads, |o, x, batch, position| {
+                        let r = table(batch, position);
+                        rotate_row(o, x, &c[r.clone()], &s[r], !to_heads)
+                    }))
+                })
+            })
+        })
+    };
+    let value = run(x, true)?;
+    let HeadDims { b, h, .. } = dims;
+    attach1_cpu(
+        "rope-split-heads",
+        x,
+        value,
+        (b, h, t, d).into(),
+        Box::new(move |_, grad| {
+            let grad = grad.contiguous()?;
+            let gx = run(&grad, false)?;
+            Ok(Some(Tensor::from_vec(gx, (b, t, h * d), &Device::Cpu)?))
+        }),
+    )
+}
+
 /// Shapes the slice path handles: `x: [b, h, t, d]` on the CPU with even `d`, and cos/sin of `[1 or b, 1, t, d]`.
 #[derive(Clone, Copy)]
 struct SliceLayout {
@@ -195,7 +257,16 @@ struct SliceLayout {
 
 impl SliceLayout {
     fn of(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<Self> {
-        let (b, heads, t, d) = x.dims4().ok()?;
+        Self::of_dims(x.dims4().ok()?, x, cos, sin)
+    }
+
+    /// The layout for a `[b, heads, t, d]` input of `x`'s device and tables `cos`/`sin`.
+    fn of_dims(
+        (b, heads, t, d): (usize, usize, usize, usize),
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Option<Self> {
         let (cb, one, ct, cd) = cos.dims4().ok()?;
         let fits = x.device().is_cpu()
             && d % 2 == 0
@@ -211,8 +282,25 @@ impl SliceLayout {
     }
 }
 
-/// `x⊙cos + rotate_half(x)⊙sin`, or with `transposed` the backward's `x⊙cos + rotate_halfᵀ(x⊙sin)`, for every
-/// `[t, d]` head of `x` (one parallel task per head).
+/// One `d`-row: `x⊙cos + rotate_half(x)⊙sin`, or with `transposed` the backward's `x⊙cos + rotate_halfᵀ(x⊙sin)`.
+fn rotate_row<T: GemmFloat>(o: &mut [T], x: &[T], c: &[T], s: &[T], transposed: bool) {
+    let half = x.len() / 2;
+    let (o1, o2) = o.split_at_mut(half);
+    let (x1, x2) = x.split_at(half);
+    let (c1, c2) = c.split_at(half);
+    let (s1, s2) = s.split_at(half);
+    for i in 0..half {
+        if transposed {
+            o1[i] = x1[i] * c1[i] + x2[i] * s2[i];
+            o2[i] = x2[i] * c2[i] - x1[i] * s1[i];
+        } else {
+            o1[i] = x1[i] * c1[i] - x2[i] * s1[i];
+            o2[i] = x2[i] * c2[i] + x1[i] * s2[i];
+        }
+    }
+}
+
+/// [`rotate_row`] for every row of every `[t, d]` head of `x` (one parallel task per head).
 fn rotate<T: GemmFloat>(
     x: &[T],
     cos: &[T],
@@ -226,7 +314,6 @@ fn rotate<T: GemmFloat>(
         d,
         per_sequence,
     } = layout;
-    let half = d / 2;
     let mut out = vec![T::zero(); x.len()];
     out.par_chunks_mut(t * d)
         .zip(x.par_chunks(t * d))
@@ -238,19 +325,7 @@ fn rotate<T: GemmFloat>(
                     .chunks(d)
                     .zip(sin[table..table + t * d].chunks(d)),
             ) {
-                let (o1, o2) = o.split_at_mut(half);
-                let (x1, x2) = x.split_at(half);
-                let (c1, c2) = c.split_at(half);
-                let (s1, s2) = s.split_at(half);
-                for i in 0..half {
-                    if transposed {
-                        o1[i] = x1[i] * c1[i] + x2[i] * s2[i];
-                        o2[i] = x2[i] * c2[i] - x1[i] * s1[i];
-                    } else {
-                        o1[i] = x1[i] * c1[i] - x2[i] * s1[i];
-                        o2[i] = x2[i] * c2[i] + x1[i] * s2[i];
-                    }
-                }
+                rotate_row(o, x, c, s, transposed);
             }
         });
     out
@@ -315,6 +390,35 @@ mod tests {
             1e-6,
             1e-6,
         );
+    }
+
+    /// The fused split + rotation equals splitting with Candle's views then `rope_slow`, for shared tables and for
+    /// one table per sequence (explicit positions), and its gradient checks.
+    #[test]
+    fn rope_split_heads_matches_split_then_rope() {
+        let tables = RopeTables::new(8, 16, 10000.0, None, &Device::Cpu).unwrap();
+        let positions = Tensor::new(&[[4u32, 5, 6, 7, 8], [0, 1, 2, 0, 1]], &Device::Cpu).unwrap();
+        let shared = tables.range(3, 5).unwrap();
+        let per_sequence = tables.gather(&positions).unwrap();
+        for (c, s) in [shared, per_sequence] {
+            let (c64, s64) = (
+                c.to_dtype(DType::F64).unwrap(),
+                s.to_dtype(DType::F64).unwrap(),
+            );
+            let f = |xs: &[Tensor]| rope_split_heads(&xs[0], 3, &c, &s);
+            let r = |xs: &[Tensor]| {
+                let split = xs[0].reshape((2, 5, 3, 8))?.transpose(1, 2)?.contiguous()?;
+                let rotated_half = Tensor::cat(
+                    &[
+                        &split.narrow(D::Minus1, 4, 4)?.neg()?,
+                        &split.narrow(D::Minus1, 0, 4)?,
+                    ],
+                    D::Minus1,
+                )?;
+                split.broadcast_mul(&c64)? + rotated_half.broadcast_mul(&s64)?
+            };
+            check(&f, &r, &[rand_f64(&[2, 5, 24], 2)], &[true], 40, 1e-6, 1e-6);
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::eval::{collate, evaluate, EvalReport};
 use crate::lora::LoraConfig;
 use crate::memory::{
-    is_out_of_memory, kept_layers, oom_report, process_memory, MemoryTimeline, Phase,
+    is_out_of_memory, kept_layers, oom_report, process_memory, DeviceKind, MemoryTimeline, Phase,
 };
 use crate::models::{Checkpointing, LlamaModel};
 use crate::ops::IGNORE_INDEX;
@@ -328,6 +328,11 @@ impl Trainer {
                 enabled: args.gradient_checkpointing,
                 kept_layers: kept_layers(
                     self.model.config(),
+                    if self.model.device().is_cpu() {
+                        DeviceKind::Cpu
+                    } else {
+                        DeviceKind::Cuda
+                    },
                     tokens,
                     self.model.compute_dtype().size_in_bytes() as u64,
                     args.activation_memory_budget_mib,
