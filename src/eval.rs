@@ -72,7 +72,7 @@ pub fn evaluate(
     examples: &[TokenizedExample],
     batch_size: usize,
 ) -> Result<EvalReport> {
-    let device = model.embed_tokens.device().clone();
+    let device = model.device().clone();
     let mut total = 0f64;
     let mut tokens = 0usize;
     // Sort by length so batches pad little; the result does not depend on the order.

@@ -178,6 +178,17 @@ pub enum Positions {
     Packed(Tensor),
 }
 
+/// The model's RoPE tables on `device`.
+fn rope_tables(config: &ModelConfig, device: &Device) -> Result<RopeTables> {
+    RopeTables::new(
+        config.head_dim,
+        config.max_position_embeddings,
+        config.rope_theta,
+        config.rope_scaling.as_ref(),
+        device,
+    )
+}
+
 /// How to run the layers in a training forward.
 #[derive(Clone, Default)]
 pub struct Checkpointing {
@@ -245,13 +256,7 @@ impl LlamaModel {
         lm_head: Arc<FrozenLinear>,
         compute_dtype: DType,
     ) -> Result<Self> {
-        let rope = RopeTables::new(
-            config.head_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling.as_ref(),
-            embed_tokens.device(),
-        )?;
+        let rope = rope_tables(&config, embed_tokens.device())?;
         let layers = layers
             .into_iter()
             .map(|w| {
@@ -338,13 +343,7 @@ impl LlamaModel {
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
-        let rope = RopeTables::new(
-            self.config.head_dim,
-            self.config.max_position_embeddings,
-            self.config.rope_theta,
-            self.config.rope_scaling.as_ref(),
-            device,
-        )?;
+        let rope = rope_tables(&self.config, device)?;
         Ok(LlamaModel {
             embed_tokens,
             layers,
