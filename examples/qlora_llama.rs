@@ -157,6 +157,8 @@ fn main() -> Result<()> {
         lr_scheduler_type: "cosine".into(),
         optim: "paged_adamw_8bit".into(),
         gradient_checkpointing: true,
+        // Memory-aware checkpointing: layers whose activations fit in 512 MiB are not recomputed.
+        activation_memory_budget_mib: Some(512.0),
         logging_steps: 5.0,
         save_strategy: IntervalStrategy::No,
         ..Default::default()
