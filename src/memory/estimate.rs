@@ -310,10 +310,20 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             "activations: micro-batch {} × {} tokens, {}, attention in {}-query blocks, cross-entropy in {}-token blocks",
             args.batch,
             args.seq,
-            if args.gradient_checkpointing {
-                "layer inputs saved and one layer recomputed at a time"
-            } else {
-                "every layer's tensors saved"
+            match (args.gradient_checkpointing, args.activation_memory_budget_mib) {
+                (false, _) => "every layer's tensors saved".to_string(),
+                (true, None) => "layer inputs saved and one layer recomputed at a time".to_string(),
+                (true, Some(budget)) => format!(
+                    "the last {} layers' tensors kept within a {budget} MiB budget, the other layers' inputs saved \
+                     and one recomputed at a time",
+                    kept_layers(
+                        c,
+                        args.device,
+                        (args.batch * args.seq) as u64,
+                        e,
+                        Some(budget)
+                    )
+                ),
             },
             QUERY_BLOCK,
             TOKEN_BLOCK
