@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use candle_core::Device;
 
-use super::stats::{allocated, human_bytes, process_memory, reset_device_peak, reset_peak, stats};
+use super::stats::{allocated, human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{line_chart_svg, Series};
 
@@ -154,11 +154,10 @@ impl MemoryTimeline {
     /// Call when `phase` starts: resets the peak so the next sample sees only this phase.
     pub fn start_phase(&mut self, phase: Phase) {
         self.phase = Some(phase);
-        let resident_set = self.source == "resident set";
-        match &self.device {
-            Some(device) => reset_device_peak(device, resident_set),
-            None => reset_peak(resident_set),
-        };
+        reset_device_peak(
+            self.device.as_ref().unwrap_or(&Device::Cpu),
+            self.source == "resident set",
+        );
     }
 
     /// The phase running now (the last one started).

@@ -46,10 +46,6 @@ struct Value {
 }
 
 impl Value {
-    fn new(name: &'static str, value: Tensor) -> Self {
-        Self::of(name, Output::Tensor(value))
-    }
-
     fn of(name: &'static str, output: Output) -> Self {
         Value {
             name,
@@ -237,10 +233,51 @@ pub fn attach1(
     if !x.track_op() {
         return Ok(value);
     }
+    node1(name, x, Output::Tensor(value), backward)
+}
+
+fn node1(name: &'static str, x: &Tensor, output: Output, backward: Backward1) -> Result<Tensor> {
     x.apply_op1_arc(Arc::new(Box::new(Attach1 {
-        value: Value::new(name, value),
+        value: Value::of(name, output),
         backward,
     })))
+}
+
+fn node2(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    output: Output,
+    backward: Backward2,
+) -> Result<Tensor> {
+    a.apply_op2_arc(
+        b,
+        Arc::new(Box::new(Attach2 {
+            value: Value::of(name, output),
+            backward,
+        })),
+    )
+}
+
+fn node3(
+    name: &'static str,
+    [a, b, c]: [&Tensor; 3],
+    output: Output,
+    backward: Backward3,
+) -> Result<Tensor> {
+    a.apply_op3_arc(
+        b,
+        c,
+        Arc::new(Box::new(Attach3 {
+            value: Value::of(name, output),
+            backward,
+        })),
+    )
+}
+
+/// A CPU buffer as the output of a graph node.
+fn cpu_output<T: WithDType>(data: Vec<T>, shape: Shape) -> Output {
+    Output::Cpu(T::to_cpu_storage_owned(data), shape)
 }
 
 /// [`attach1`] for two inputs.
@@ -254,13 +291,7 @@ pub fn attach2(
     if !a.track_op() && !b.track_op() {
         return Ok(value);
     }
-    a.apply_op2_arc(
-        b,
-        Arc::new(Box::new(Attach2 {
-            value: Value::new(name, value),
-            backward,
-        })),
-    )
+    node2(name, a, b, Output::Tensor(value), backward)
 }
 
 /// [`attach1`] for three inputs.
@@ -275,14 +306,7 @@ pub fn attach3(
     if !a.track_op() && !b.track_op() && !c.track_op() {
         return Ok(value);
     }
-    a.apply_op3_arc(
-        b,
-        c,
-        Arc::new(Box::new(Attach3 {
-            value: Value::new(name, value),
-            backward,
-        })),
-    )
+    node3(name, [a, b, c], Output::Tensor(value), backward)
 }
 
 /// [`attach3`] for a value computed into a CPU buffer: `data` (row-major, of `shape`) becomes the output's storage
@@ -299,14 +323,7 @@ pub fn attach3_cpu<T: WithDType>(
     if !a.track_op() && !b.track_op() && !c.track_op() {
         return Tensor::from_vec(data, shape, &Device::Cpu);
     }
-    a.apply_op3_arc(
-        b,
-        c,
-        Arc::new(Box::new(Attach3 {
-            value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
-            backward,
-        })),
-    )
+    node3(name, [a, b, c], cpu_output(data, shape), backward)
 }
 
 /// [`attach2`] for a value computed into a CPU buffer (see [`attach3_cpu`]).
@@ -321,13 +338,7 @@ pub fn attach2_cpu<T: WithDType>(
     if !a.track_op() && !b.track_op() {
         return Tensor::from_vec(data, shape, &Device::Cpu);
     }
-    a.apply_op2_arc(
-        b,
-        Arc::new(Box::new(Attach2 {
-            value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
-            backward,
-        })),
-    )
+    node2(name, a, b, cpu_output(data, shape), backward)
 }
 
 /// [`attach1`] for a value computed into a CPU buffer (see [`attach3_cpu`]).
@@ -341,8 +352,5 @@ pub fn attach1_cpu<T: WithDType>(
     if !x.track_op() {
         return Tensor::from_vec(data, shape, &Device::Cpu);
     }
-    x.apply_op1_arc(Arc::new(Box::new(Attach1 {
-        value: Value::of(name, Output::Cpu(T::to_cpu_storage_owned(data), shape)),
-        backward,
-    })))
+    node1(name, x, cpu_output(data, shape), backward)
 }
