@@ -33,22 +33,18 @@ impl FrozenWeight {
 
     /// The weight as a dense tensor of `dtype` (dequantized for 4-bit weights).
     pub fn to_dense(&self, dtype: DType) -> Result<Tensor> {
-        match self {
-            FrozenWeight::Dense(t) => t.to_dtype(dtype),
-            FrozenWeight::Nf4(q) => {
-                let direct = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
-                let t = q
-                    .dequantize(if direct { dtype } else { DType::F32 })
-                    .map_err(candle_core::Error::wrap)?;
-                t.to_dtype(dtype)
-            }
-            FrozenWeight::Nf4OnDevice(q) => {
-                let direct = matches!(dtype, DType::F32 | DType::BF16 | DType::F16);
-                q.dequantize(if direct { dtype } else { DType::F32 })
-                    .map_err(candle_core::Error::wrap)?
-                    .to_dtype(dtype)
-            }
-        }
+        // 4-bit weights dequantize straight to a float dtype, through float32 to any other.
+        let via = if matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+            dtype
+        } else {
+            DType::F32
+        };
+        let dense = match self {
+            FrozenWeight::Dense(t) => return t.to_dtype(dtype),
+            FrozenWeight::Nf4(q) => q.dequantize(via),
+            FrozenWeight::Nf4OnDevice(q) => q.dequantize(via),
+        };
+        dense.map_err(candle_core::Error::wrap)?.to_dtype(dtype)
     }
 
     /// The weight on `device`: dense weights are copied there; a 4-bit weight keeps its 4-bit codes, on a GPU as
