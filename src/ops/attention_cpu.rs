@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::attention::{Dims, QUERY_BLOCK};
 use super::gemm::{matmul_into_serial, GemmFloat, Mat};
+use super::vector::{self, simd};
 
 /// Where key ranges start: nothing (plain causal) or, per sequence and position, the first token of its example.
 #[derive(Clone, Copy)]
@@ -47,20 +48,19 @@ fn block_probs<T: GemmFloat>(
         scale,
         false,
     );
-    for (i, row) in p.chunks_mut(keys).enumerate() {
-        let last = first_pos + i;
-        let first = starts.first(b, last);
-        let visible = &mut row[first..=last];
-        let max = visible
-            .iter()
-            .fold(visible[0], |m, &v| if v > m { v } else { m });
-        visible.iter_mut().for_each(|v| *v = (*v - max).exp());
-        let sum = visible.iter().fold(T::zero(), |a, &v| a + v);
-        let inv = T::one() / sum;
-        visible.iter_mut().for_each(|v| *v *= inv);
-        row[..first].fill(T::zero());
-        row[last + 1..].fill(T::zero());
-    }
+    simd(|| {
+        for (i, row) in p.chunks_mut(keys).enumerate() {
+            let last = first_pos + i;
+            let first = starts.first(b, last);
+            let visible = &mut row[first..=last];
+            let max = vector::max(visible);
+            visible.iter_mut().for_each(|v| *v = (*v - max).exp());
+            let inv = T::one() / vector::sum(visible);
+            visible.iter_mut().for_each(|v| *v *= inv);
+            row[..first].fill(T::zero());
+            row[last + 1..].fill(T::zero());
+        }
+    })
 }
 
 /// The blocks of queries of a sequence of `t` queries: `(start, rows)`.
@@ -166,16 +166,15 @@ pub(super) fn backward<T: GemmFloat>(
                         true,
                     );
                     matmul_into_serial(dpb, gb, vb.t(), 1.0, false);
-                    for (prow, dprow) in pb.chunks(keys).zip(dpb.chunks_mut(keys)) {
-                        let dot = prow
-                            .iter()
-                            .zip(dprow.iter())
-                            .fold(T::zero(), |a, (&x, &y)| a + x * y);
-                        dprow
-                            .iter_mut()
-                            .zip(prow)
-                            .for_each(|(ds, &x)| *ds = x * (*ds - dot));
-                    }
+                    simd(|| {
+                        for (prow, dprow) in pb.chunks(keys).zip(dpb.chunks_mut(keys)) {
+                            let dot = vector::dot(prow, dprow);
+                            dprow
+                                .iter_mut()
+                                .zip(prow)
+                                .for_each(|(ds, &x)| *ds = x * (*ds - dot));
+                        }
+                    });
                     let ds = Mat::new(&*dpb, c, keys);
                     // dQ = scale·dS·K;  dK += scale·dSᵀ·Q.
                     matmul_into_serial(&mut dq_head[i0 * d..(i0 + c) * d], ds, kb, scale, false);

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::autograd::{attach1, attach2};
 use super::gemm::{matmul_into, with_slice, GemmFloat, Mat};
+use super::vector::{self, simd};
 
 /// The label of tokens that do not count in the loss.
 pub const IGNORE_INDEX: i64 = -100;
@@ -216,19 +217,18 @@ fn token_loss<T: GemmFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
     }
     let label = label as usize;
     let picked = row[label].to_f64();
-    let max = row.iter().fold(row[0], |m, &v| if v > m { v } else { m });
-    row.iter_mut().for_each(|v| *v = (*v - max).exp());
-    // Partial sums in T (vectorized), their total in f64.
-    let sum: f64 = row
-        .chunks(512)
-        .map(|c| c.iter().fold(T::zero(), |a, &v| a + v).to_f64())
-        .sum();
-    if with_grad {
-        let inv = T::from_f64(1.0 / sum);
-        row.iter_mut().for_each(|v| *v *= inv);
-        row[label] -= T::one();
-    }
-    max.to_f64() + sum.ln() - picked
+    simd(|| {
+        let max = vector::max(row);
+        row.iter_mut().for_each(|v| *v = (*v - max).exp());
+        // Partial sums in T, their total in f64.
+        let sum: f64 = row.chunks(512).map(|c| vector::sum(c).to_f64()).sum();
+        if with_grad {
+            let inv = T::from_f64(1.0 / sum);
+            row.iter_mut().for_each(|v| *v *= inv);
+            row[label] -= T::one();
+        }
+        max.to_f64() + sum.ln() - picked
+    })
 }
 
 #[cfg(test)]

@@ -15,8 +15,9 @@ const ROUND: f32 = 12_582_912.0;
 /// `e^x` in float32 (see the module doc); `0` below −87.3, `+∞` above 88.7, NaN for NaN.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    let clamped = x.clamp(-87.336_54, 88.722_84);
-    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let clamped = x.max(-87.336_54).min(88.722_84);
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = clamped - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -25,16 +26,16 @@ pub fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5e-1;
     let er = p * r * r + r + 1.0;
+    // The integer n sits in the low mantissa bits of `shifted`: reading it there (instead of a float-to-int
+    // conversion, which saturates in Rust) keeps the loop vectorizable.
+    let n = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
     // 2ⁿ as two factors, so n = 128 (x near the top of the range) does not overflow the exponent field.
-    let n = n as i32;
     let half = n >> 1;
     let pow2 = |e: i32| f32::from_bits(((e + 127) << 23) as u32);
     let y = er * pow2(half) * pow2(n - half);
-    if x < -87.336_54 {
-        0.0
-    } else if x > 88.722_84 {
-        f32::INFINITY
-    } else if x.is_nan() {
+    let y = if x < -87.336_54 { 0.0 } else { y };
+    let y = if x > 88.722_84 { f32::INFINITY } else { y };
+    if x.is_nan() {
         x
     } else {
         y

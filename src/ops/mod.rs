@@ -21,6 +21,7 @@ pub mod lora_linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
+pub mod vector;
 
 #[cfg(test)]
 pub(crate) mod gradcheck;

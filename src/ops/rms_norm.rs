@@ -7,6 +7,7 @@ use rayon::prelude::*;
 
 use super::autograd::{attach1, attach1_cpu, attach2};
 use super::gemm::{with_slice, GemmFloat};
+use super::vector::{self, simd};
 
 /// Working precision: f64 stays f64 (gradient checks), everything else is computed in f32.
 fn work_dtype(dtype: DType) -> DType {
@@ -92,7 +93,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 
 /// `1/sqrt(mean(x²) + eps)` of one row, accumulated in f64.
 fn inverse_rms<T: GemmFloat>(row: &[T], eps: f64) -> T {
-    let mean = row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / row.len() as f64;
+    let mean = vector::sum_zip(row, row, |v, _| v.to_f64() * v.to_f64()) / row.len() as f64;
     T::from_f64(1.0 / (mean + eps).sqrt())
 }
 
@@ -108,10 +109,12 @@ fn rms_norm_cpu<T: GemmFloat>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor
         y.par_chunks_mut(h)
             .zip(xs.par_chunks(h))
             .for_each(|(y, x)| {
-                let r = inverse_rms(x, eps);
-                y.iter_mut()
-                    .zip(x.iter().zip(&w))
-                    .for_each(|(y, (&x, &w))| *y = x * r * w);
+                simd(|| {
+                    let r = inverse_rms(x, eps);
+                    y.iter_mut()
+                        .zip(x.iter().zip(&w))
+                        .for_each(|(y, (&x, &w))| *y = x * r * w);
+                })
             });
         Ok(y)
     })?;
@@ -129,17 +132,18 @@ fn rms_norm_cpu<T: GemmFloat>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor
                     gx.par_chunks_mut(h)
                         .zip(xs.par_chunks(h).zip(gs.par_chunks(h)))
                         .for_each(|(gx, (x, g))| {
-                            let r = inverse_rms(x, eps);
-                            let proj = x
-                                .iter()
-                                .zip(g.iter().zip(&w))
-                                .map(|(&x, (&g, &w))| (g * w * x * r).to_f64())
-                                .sum::<f64>()
-                                / h as f64;
-                            let proj = T::from_f64(proj);
-                            gx.iter_mut()
-                                .zip(x.iter().zip(g.iter().zip(&w)))
-                                .for_each(|(o, (&x, (&g, &w)))| *o = r * (g * w - x * r * proj));
+                            simd(|| {
+                                let r = inverse_rms(x, eps);
+                                // g⊙w first, in the output row.
+                                gx.iter_mut()
+                                    .zip(g.iter().zip(&w))
+                                    .for_each(|(o, (&g, &w))| *o = g * w);
+                                let proj = vector::sum_zip(gx, x, |gw, x| (gw * x * r).to_f64());
+                                let proj = T::from_f64(proj / h as f64);
+                                gx.iter_mut()
+                                    .zip(x)
+                                    .for_each(|(o, &x)| *o = r * (*o - x * r * proj));
+                            })
                         });
                     Ok(gx)
                 })

@@ -1,13 +1,9 @@
 //! SwiGLU gate `silu(gate) * up`: one op that keeps only its two inputs for the backward.
 
-use candle_core::{DType, Device, Result, Tensor};
-use rayon::prelude::*;
-
 use super::autograd::{attach2, attach2_cpu};
 use super::gemm::{with_slice, GemmFloat};
-
-/// Elements per parallel task of the slice path.
-const CHUNK: usize = 1 << 14;
+use super::vector::{map2, map3};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// `silu(gate) * up`, element-wise, computed in float32 (f64 stays f64).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -62,7 +58,7 @@ fn sigmoid<T: GemmFloat>(g: T) -> T {
     T::one() / (T::one() + (T::zero() - g).exp())
 }
 
-/// [`swiglu`] on CPU slices: one parallel pass each way, the sigmoid through the vectorizable `exp`.
+/// [`swiglu`] on CPU slices: one parallel, vectorized pass each way.
 fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let value = with_slice::<T, _>(gate, |g| {
         with_slice::<T, _>(up, |u| Ok(map2(g, u, |g, u| g * sigmoid(g) * u)))
@@ -84,11 +80,7 @@ fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
                                 let s = sigmoid(g);
                                 s * (T::one() + g * (T::one() - s))
                             };
-                            g.par_iter()
-                                .zip(u.par_iter().zip(dy))
-                                .with_min_len(CHUNK)
-                                .map(|(&g, (&u, &dy))| dy * u * dsilu(g))
-                                .collect()
+                            map3(g, u, dy, |g, u, dy| dy * u * dsilu(g))
                         });
                         let du = needs[1].then(|| map2(g, dy, |g, dy| dy * g * sigmoid(g)));
                         Ok((dg, du))
@@ -101,15 +93,6 @@ fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             Ok((tensor(dg)?, tensor(du)?))
         }),
     )
-}
-
-/// `f(a[i], b[i])` for every `i`, in parallel chunks.
-fn map2<T: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
-    a.par_iter()
-        .zip(b)
-        .with_min_len(CHUNK)
-        .map(|(&a, &b)| f(a, b))
-        .collect()
 }
 
 #[cfg(test)]

@@ -3,6 +3,8 @@
 //! Every kernel works on whole blocks, and a block's bytes never straddle another block's (blocksizes are even),
 //! so blocks are independent and the results do not depend on the number of threads.
 
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
 
 use super::config::{BnbKernels, QuantType, NESTED_BLOCKSIZE};
@@ -165,28 +167,36 @@ pub(crate) fn quantize_4bit<T: Copy + Sync>(
     }
 }
 
-/// Dequantizes `n` elements of packed 4-bit codes into `out` (`code[c] * absmax` in float32, then `convert`).
+/// Dequantizes `n` elements of packed 4-bit codes into `out` (`code[c] * absmax` in float32, then `convert`),
+/// writing every element of `out`.
 pub(crate) fn dequantize_4bit<T: Copy + Send>(
     packed: &[u8],
     absmax: &[f32],
     code: &[f32; 16],
     blocksize: usize,
-    out: &mut [T],
+    out: &mut [MaybeUninit<T>],
     convert: impl Fn(f32) -> T + Sync,
 ) {
+    // Callers rely on every element being written: the codes and scales must cover `out`.
+    assert!(
+        packed.len() >= out.len().div_ceil(2) && absmax.len() >= out.len().div_ceil(blocksize),
+        "4-bit codes or scales shorter than the output"
+    );
     out.par_chunks_mut(blocksize)
         .zip(packed.par_chunks(blocksize / 2))
         .zip(absmax.par_iter())
         .for_each(|((out_block, bytes), scale)| {
             // The 16 possible outputs of this block, converted once: every element is then a table lookup.
             let lut: [T; 16] = std::array::from_fn(|i| convert(code[i] * scale));
-            let mut pairs = out_block.chunks_mut(2);
-            for byte in bytes {
-                let Some(pair) = pairs.next() else { break };
-                pair[0] = lut[(byte >> 4) as usize];
-                if let Some(second) = pair.get_mut(1) {
-                    *second = lut[(byte & 0x0f) as usize];
-                }
+            let half = out_block.len() / 2;
+            let mut pairs = out_block.chunks_exact_mut(2);
+            for (pair, byte) in pairs.by_ref().zip(bytes) {
+                pair[0].write(lut[(byte >> 4) as usize]);
+                pair[1].write(lut[(byte & 0x0f) as usize]);
+            }
+            // An odd element count ends in a half-used byte.
+            if let ([last], Some(byte)) = (pairs.into_remainder(), bytes.get(half)) {
+                last.write(lut[(byte >> 4) as usize]);
             }
         });
 }
@@ -317,6 +327,16 @@ mod tests {
         }
     }
 
+    /// `n` NF4 values dequantized with blocksize 64.
+    fn dequantized(packed: &[u8], absmax: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![MaybeUninit::new(f32::NAN); n];
+        dequantize_4bit(packed, absmax, &NF4_CODE, 64, &mut out, |x| x);
+        // SAFETY: initialized above (and overwritten by the call).
+        out.into_iter()
+            .map(|x| unsafe { x.assume_init() })
+            .collect()
+    }
+
     #[test]
     fn packs_even_high_odd_low_and_pads_odd_counts() {
         let values = [1.0f32, -1.0, 0.0];
@@ -324,9 +344,7 @@ mod tests {
             quantize_4bit(&values, |x| x, 64, QuantType::Nf4, BnbKernels::Cuda).unwrap();
         assert_eq!(absmax, vec![1.0]);
         assert_eq!(packed, vec![0xf0, 0x77]);
-        let mut out = vec![0.0f32; 3];
-        dequantize_4bit(&packed, &absmax, &NF4_CODE, 64, &mut out, |x| x);
-        assert_eq!(out, vec![1.0, -1.0, 0.0]);
+        assert_eq!(dequantized(&packed, &absmax, 3), vec![1.0, -1.0, 0.0]);
     }
 
     #[test]
@@ -339,9 +357,7 @@ mod tests {
         assert!(cpu.iter().all(|b| *b == 0x77));
         assert_eq!(absmax, vec![0.0]);
         for packed in [cuda, cpu] {
-            let mut out = vec![1.0f32; 64];
-            dequantize_4bit(&packed, &absmax, &NF4_CODE, 64, &mut out, |x| x);
-            assert!(out.iter().all(|x| *x == 0.0));
+            assert!(dequantized(&packed, &absmax, 64).iter().all(|x| *x == 0.0));
         }
     }
 

@@ -270,16 +270,19 @@ impl Nf4Tensor {
         &self,
         convert: impl Fn(f32) -> T + Sync,
     ) -> Result<Tensor> {
-        let mut out = vec![T::zero(); self.elem_count()];
+        let n = self.elem_count();
+        let mut out = Vec::with_capacity(n);
         let absmax = self.scales.to_f32();
         cpu::dequantize_4bit(
             &self.packed,
             &absmax,
             &self.code,
             self.blocksize,
-            &mut out,
+            &mut out.spare_capacity_mut()[..n],
             convert,
         );
+        // SAFETY: `dequantize_4bit` wrote all `n` elements.
+        unsafe { out.set_len(n) };
         Ok(Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?)
     }
 
@@ -293,6 +296,8 @@ impl Nf4Tensor {
             )));
         }
         let absmax = self.scales.to_f32();
+        // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and only initialized values are written through it.
+        let out = unsafe { &mut *(out as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
         cpu::dequantize_4bit(
             &self.packed,
             &absmax,
