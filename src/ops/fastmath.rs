@@ -15,7 +15,7 @@ const ROUND: f32 = 12_582_912.0;
 /// `e^x` in float32 (see the module doc); `0` below −87.3, `+∞` above 88.7, NaN for NaN.
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
-    let clamped = x.max(-87.336_54).min(88.722_84);
+    let clamped = x.clamp(-87.336_54, 88.722_84);
     let shifted = clamped * LOG2_E + ROUND;
     let n = shifted - ROUND;
     let r = clamped - n * LN2_HI - n * LN2_LO;
