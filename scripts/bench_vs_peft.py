@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -93,13 +93,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps run before the measured ones (default 2)")
     p.add_argument("--batch", type=int, default=4, help="micro-batch size (default 4)")
     p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times, interleaved (a, b, a, b, ...); tokens/s is the median over"
+                        " the rounds and each ratio the median of the rounds' ratios, so a slow minute on a shared"
+                        " machine hits one round of every system alike (default 1)")
     p.add_argument("--gemm-seconds", type=float, default=3.0, help="time spent measuring the GEMM peak")
     p.add_argument("--json-out", help="also write the results as JSON to this path")
     p.add_argument("--worker", choices=("gemm", "prepare", "torch-f32", "torch-nf4"), help=argparse.SUPPRESS)
     p.add_argument("--work-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 8:
-        p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --seq >= 8")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 8 or args.rounds < 1:
+        p.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --seq >= 8, --rounds >= 1")
     return args
 
 
@@ -369,7 +373,7 @@ def run_ours(name: str, qlora: Path, settings: dict, work: Path, load_in_4bit: b
     """Runs `qlora train` on a generated config; returns the child run and its per-step log (None on failure)."""
     print(f"\n=== {name} ===", file=sys.stderr, flush=True)
     run_dir = work / name
-    run_dir.mkdir()
+    run_dir.mkdir(exist_ok=True)  # a later round reuses it (the config overwrites the output)
     cfg = run_dir / "config.toml"
     cfg.write_text(ours_config(settings, work / "train.jsonl", run_dir / "out", load_in_4bit, budget_mib))
     run = run_child([str(qlora), "train", "--config", str(cfg)])
@@ -498,6 +502,7 @@ class SystemResult:
     mean_tokens_per_step: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
+    round_tokens_per_s: list[float] = field(default_factory=list)
     raw: dict = field(default_factory=dict)
 
 
@@ -515,6 +520,27 @@ def summarize(name: str, run: ChildRun, log: dict | None, warmup: int) -> System
             res.tokens_per_s = statistics.median(tok / sec for tok, sec in measured)
             res.mean_tokens_per_step = statistics.mean(tok for tok, _ in measured)
     return res
+
+
+def merge_rounds(runs: list[SystemResult]) -> SystemResult:
+    """One result from a system's rounds: the median tokens/s and the largest peak RSS (a failed round wins)."""
+    failed = next((r for r in runs if r.status != "ok"), None)
+    if failed:
+        return failed
+    speeds = [r.tokens_per_s for r in runs]
+    return replace(
+        runs[0],
+        tokens_per_s=statistics.median(speeds) if None not in speeds else None,
+        peak_rss_gib=max(r.peak_rss_gib for r in runs),
+        round_tokens_per_s=speeds if None not in speeds else [],
+    )
+
+
+def speed_ratio(r: SystemResult, base: SystemResult | None) -> float | None:
+    """tokens/s of `r` over `base`: the median of the per-round ratios when both ran in rounds."""
+    if base and len(r.round_tokens_per_s) > 1 and len(r.round_tokens_per_s) == len(base.round_tokens_per_s):
+        return statistics.median(a / b for a, b in zip(r.round_tokens_per_s, base.round_tokens_per_s))
+    return ratio(r.tokens_per_s, base and base.tokens_per_s)
 
 
 def flop_model(prep: dict, seq: int) -> dict:
@@ -557,15 +583,19 @@ def report(results: list[SystemResult], gemm: dict | None, flops: dict | None, i
             continue
         print(
             f"| {r.name} | {fmt(r.tokens_per_s, '.1f')} | {fmt(r.peak_rss_gib, '.3f')}"
-            f" | {fmt(ratio(r.tokens_per_s, base and base.tokens_per_s), '.2f')}"
+            f" | {fmt(speed_ratio(r, base), '.2f')}"
             f" | {fmt(ratio(r.peak_rss_gib, base and base.peak_rss_gib), '.2f')}"
             f" | {fmt(ratio(r.tokens_per_s, roofline), '.1%')} |"
         )
+    if any(len(r.round_tokens_per_s) > 1 for r in results):
+        print("\ntokens/s of each round (in the order run): " + "; ".join(
+            f"{r.name} {', '.join(f'{x:.1f}' for x in r.round_tokens_per_s)}" for r in results if r.round_tokens_per_s
+        ))
     nf4 = next((r for r in results if r.name == "ours" and r.status == "ok"), None)
     f32 = next((r for r in results if r.name == "ours-f32" and r.status == "ok"), None)
     if nf4 and f32:
         print(
-            f"\nours NF4 / ours f32: tokens/s {fmt(ratio(nf4.tokens_per_s, f32.tokens_per_s), '.2f')},"
+            f"\nours NF4 / ours f32: tokens/s {fmt(speed_ratio(nf4, f32), '.2f')},"
             f" peak RSS {fmt(ratio(nf4.peak_rss_gib, f32.peak_rss_gib), '.2f')}"
         )
 
@@ -675,17 +705,21 @@ def run_benchmark(args: argparse.Namespace) -> None:
         _, prep = run_worker("prepare", work)
         if prep is None:
             sys.exit("bench_vs_peft: the prepare step failed (see above)")
-        results = []
-        for name in order:
-            if name in skipped:
-                results.append(SystemResult(name, status=skipped[name]))
-                continue
-            if name.startswith("ours"):
-                run, log = run_ours(name, qlora, settings, work, load_in_4bit=(name != "ours-f32"),
-                                    budget_mib=args.ours_budget_mib if name == "ours-budget" else None)
-            else:
-                run, log = run_worker(name, work)
-            results.append(summarize(name, run, log, args.warmup))
+        rounds: dict[str, list[SystemResult]] = {name: [] for name in order}
+        for _ in range(args.rounds):
+            for name in order:
+                if name in skipped:
+                    continue
+                if name.startswith("ours"):
+                    run, log = run_ours(name, qlora, settings, work, load_in_4bit=(name != "ours-f32"),
+                                        budget_mib=args.ours_budget_mib if name == "ours-budget" else None)
+                else:
+                    run, log = run_worker(name, work)
+                rounds[name].append(summarize(name, run, log, args.warmup))
+        results = [
+            SystemResult(name, status=skipped[name]) if name in skipped else merge_rounds(rounds[name])
+            for name in order
+        ]
 
     data = report(results, gemm, flop_model(prep, args.seq), info, command)
     if args.json_out:

@@ -3,7 +3,8 @@
 //! `f32::exp` calls libm once per element (~6 ns here), which made softmax-style loops (cross-entropy over a 49k
 //! vocabulary, attention, SiLU) cost more than their matrix products. This is Cephes' `expf`: `2ⁿ·e^r` with
 //! `|r| ≤ ln2/2` and a degree-6 polynomial for `e^r` — within 2 ulp of the exact value over the float32 range,
-//! built only from operations SSE2 has, so a loop over a slice becomes SIMD code.
+//! built only from float and integer arithmetic and selects (no float-to-int conversion, which Rust saturates), so a
+//! loop over a slice becomes SIMD code of any width.
 
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split in a part exact in float32 and the rest (Cody–Waite reduction).

@@ -1,9 +1,10 @@
 //! SwiGLU gate `silu(gate) * up`: one op that keeps only its two inputs for the backward.
 
+use candle_core::{DType, Device, Result, Tensor};
+
 use super::autograd::{attach2, attach2_cpu};
 use super::gemm::{with_slice, GemmFloat};
 use super::vector::{map2, map3};
-use candle_core::{DType, Device, Result, Tensor};
 
 /// `silu(gate) * up`, element-wise, computed in float32 (f64 stays f64).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {

@@ -1,10 +1,11 @@
 //! Element-wise loops and reductions compiled for the CPU's widest vector instructions.
 //!
-//! The crate is built for the x86-64 baseline (SSE2), where a loop over `f32` runs four lanes at a time at best.
-//! [`simd`] compiles a closure again for AVX-512 or AVX2+FMA and picks the version the CPU has at run time, so
-//! the loops inlined into it run 8 or 16 lanes wide. Floating-point sums and maxima over a slice do not vectorize
-//! by themselves (the compiler may not reorder a sum), so [`sum`], [`dot`] and [`max`] keep one accumulator per
-//! lane. No multiply and add are fused into one rounding, so a result does not depend on the instruction set.
+//! The crate is built for x86-64-v3 (`.cargo/config.toml`), where a loop over `f32` runs eight lanes at a time.
+//! [`simd`] compiles a closure again for AVX-512 (and AVX2+FMA, for builds without that file) and picks the version
+//! the CPU has at run time, so the loops inlined into it run 16 lanes wide where they can. Floating-point sums and
+//! maxima over a slice do not vectorize by themselves (the compiler may not reorder a sum), so [`sum`], [`dot`],
+//! [`sum_zip`] and [`max`] keep one accumulator per lane. No multiply and add are fused into one rounding, so a
+//! result does not depend on the instruction set.
 
 use rayon::prelude::*;
 
