@@ -528,11 +528,12 @@ def merge_rounds(runs: list[SystemResult]) -> SystemResult:
     if failed:
         return failed
     speeds = [r.tokens_per_s for r in runs]
+    timed = None not in speeds
     return replace(
         runs[0],
-        tokens_per_s=statistics.median(speeds) if None not in speeds else None,
+        tokens_per_s=statistics.median(speeds) if timed else None,
         peak_rss_gib=max(r.peak_rss_gib for r in runs),
-        round_tokens_per_s=speeds if None not in speeds else [],
+        round_tokens_per_s=speeds if timed else [],
     )
 
 

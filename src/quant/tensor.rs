@@ -1,6 +1,8 @@
 //! [`Nf4Tensor`]: a weight quantized to 4 bits exactly as bitsandbytes does (NF4 or FP4, optional double
 //! quantization), with its statistics, and the way back to a dense tensor.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
 use super::config::{QuantConfig, QuantType, ALLOWED_BLOCKSIZES, NESTED_BLOCKSIZE};
@@ -272,16 +274,8 @@ impl Nf4Tensor {
     ) -> Result<Tensor> {
         let n = self.elem_count();
         let mut out = Vec::with_capacity(n);
-        let absmax = self.scales.to_f32();
-        cpu::dequantize_4bit(
-            &self.packed,
-            &absmax,
-            &self.code,
-            self.blocksize,
-            &mut out.spare_capacity_mut()[..n],
-            convert,
-        );
-        // SAFETY: `dequantize_4bit` wrote all `n` elements.
+        self.dequantize_to(&mut out.spare_capacity_mut()[..n], convert);
+        // SAFETY: `dequantize_to` wrote all `n` elements.
         unsafe { out.set_len(n) };
         Ok(Tensor::from_vec(out, self.shape.as_slice(), &Device::Cpu)?)
     }
@@ -295,18 +289,27 @@ impl Nf4Tensor {
                 self.elem_count()
             )));
         }
-        let absmax = self.scales.to_f32();
         // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and only initialized values are written through it.
-        let out = unsafe { &mut *(out as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+        let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        self.dequantize_to(out, |x| x);
+        Ok(())
+    }
+
+    /// Writes every element of `out` (`elem_count` long): the codes through the block scales, then `convert`.
+    fn dequantize_to<T: Copy + Send>(
+        &self,
+        out: &mut [MaybeUninit<T>],
+        convert: impl Fn(f32) -> T + Sync,
+    ) {
+        let absmax = self.scales.to_f32();
         cpu::dequantize_4bit(
             &self.packed,
             &absmax,
             &self.code,
             self.blocksize,
             out,
-            |x| x,
+            convert,
         );
-        Ok(())
     }
 
     /// The packed codes, `(n + 1) / 2` bytes.
