@@ -11,8 +11,11 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor, Var, D};
 
-use crate::ops::lora_linear::{dropout_mask, lora_linear, BranchDropout, OutputValue};
-use crate::ops::{frozen_linear, FrozenLinear};
+use crate::ops::lora_linear::{
+    dropout_mask, lora_linear, lora_linear_from_heads, lora_linear_to_heads, BranchDropout,
+    OutputValue,
+};
+use crate::ops::{frozen_linear, merge_heads, rope_split_heads, split_heads, FrozenLinear};
 use crate::rng::splitmix;
 
 /// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
@@ -144,11 +147,46 @@ impl LoraLinear {
         self.run(x, OutputValue::Skipped)
     }
 
+    /// [`LoraLinear::forward`] of `x: [b, t, in]` split into `heads` attention heads `[b, heads, t, d]`, rotated by
+    /// RoPE when `rope` (cos, sin) is given. With a LoRA adapter one fused op, so that the graph does not keep the
+    /// unsplit projection.
+    pub fn forward_to_heads(
+        &self,
+        x: &Tensor,
+        heads: usize,
+        rope: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Tensor> {
+        if let Some(ad) = self.plain_lora() {
+            let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
+            let dropout = ad.branch_dropout();
+            return lora_linear_to_heads(x, &self.base, a, b, ad.scaling, dropout, heads, rope);
+        }
+        let y = self.forward(x)?;
+        match rope {
+            Some((cos, sin)) => rope_split_heads(&y, heads, cos, sin),
+            None => split_heads(&y, heads),
+        }
+    }
+
+    /// [`LoraLinear::forward`] of attention heads `y: [b, h, t, d]` merged into `[b, t, h·d]`. With a LoRA adapter
+    /// one fused op, so that the graph does not keep the merged copy.
+    pub fn forward_from_heads(&self, y: &Tensor) -> Result<Tensor> {
+        match self.plain_lora() {
+            Some(ad) => {
+                let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
+                lora_linear_from_heads(y, &self.base, a, b, ad.scaling, ad.branch_dropout())
+            }
+            None => self.forward(&merge_heads(y)?),
+        }
+    }
+
+    /// The active adapter when it is plain LoRA (no DoRA magnitude): the case the fused op computes.
+    fn plain_lora(&self) -> Option<&Arc<LoraAdapter>> {
+        self.active_adapter().filter(|ad| ad.magnitude.is_none())
+    }
+
     fn run(&self, x: &Tensor, output: OutputValue) -> Result<Tensor> {
-        let Some(ad) = self.active_adapter() else {
-            return frozen_linear(x, &self.base);
-        };
-        if ad.magnitude.is_none() {
+        if let Some(ad) = self.plain_lora() {
             return lora_linear(
                 x,
                 &self.base,
@@ -159,6 +197,9 @@ impl LoraLinear {
                 output,
             );
         }
+        let Some(ad) = self.active_adapter() else {
+            return frozen_linear(x, &self.base);
+        };
         let base = frozen_linear(x, &self.base)?;
         let xd = ad.dropout(x)?;
         let delta = ad.delta(&xd)?;

@@ -171,20 +171,17 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 }
 
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
-/// graph hold them: each linear's output (LoRA runs as one fused op that saves nothing else), the norms, the
-/// rotated query/key heads and the value heads (split copies), the attention output and its merged copy, SwiGLU and
-/// the residual sums. On CUDA the query/key split is a copy of its own before the rotation.
+/// graph hold them: the norms, the rotated query/key heads and the value heads, the attention output, each MLP
+/// linear's output, SwiGLU and the residual sums (LoRA runs as one fused op that saves nothing but its inputs). On
+/// the CPU the query/key/value projections leave as heads and the output projection takes heads, inside their
+/// fused ops; on CUDA each projection's token-major output is kept too, the query/key split is a copy of its own
+/// before the rotation, and the attention output has a merged copy.
 pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
     let (h, hq, hkv, i) = widths(c);
-    // Output and rotated split (one fused op on the CPU); on CUDA also the split copy.
-    let copies = match device {
-        DeviceKind::Cpu => 2,
-        DeviceKind::Cuda => 3,
+    let (q, k, v, attention) = match device {
+        DeviceKind::Cpu => (hq, hkv, hkv, hq),
+        DeviceKind::Cuda => (3 * hq, 3 * hkv, 2 * hkv, 2 * hq),
     };
-    let q = copies * hq;
-    let k = copies * hkv;
-    let v = 2 * hkv;
-    let attention = 2 * hq; // output + transposed copy
     let mlp = 3 * i + h; // gate, up, SwiGLU, down
     let rest = h + 4 * h; // o_proj, two norms, two residual sums
     q + k + v + attention + mlp + rest

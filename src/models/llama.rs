@@ -8,8 +8,8 @@ use candle_core::{DType, Device, Result, Tensor, Var};
 
 use super::config::ModelConfig;
 use crate::ops::{
-    self, causal_attention, merge_heads, packed_causal_attention, rms_norm, rope_split_heads,
-    split_heads, swiglu, FrozenLinear, FrozenWeight, GradSink, Pass, RopeTables, Segments,
+    self, causal_attention, packed_causal_attention, rms_norm, swiglu, FrozenLinear, FrozenWeight,
+    GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -94,9 +94,13 @@ impl Attention {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
     ) -> Result<Tensor> {
-        let q = rope_split_heads(&self.q_proj.forward(x)?, self.n_head, cos, sin)?;
-        let k = rope_split_heads(&self.k_proj.forward(x)?, self.n_kv_head, cos, sin)?;
-        let v = split_heads(&self.v_proj.forward(x)?, self.n_kv_head)?;
+        let q = self
+            .q_proj
+            .forward_to_heads(x, self.n_head, Some((cos, sin)))?;
+        let k = self
+            .k_proj
+            .forward_to_heads(x, self.n_kv_head, Some((cos, sin)))?;
+        let v = self.v_proj.forward_to_heads(x, self.n_kv_head, None)?;
         let (k, v) = match cache {
             Some(slot) => {
                 let (k, v) = match slot.take() {
@@ -113,7 +117,7 @@ impl Attention {
             Some(segments) => packed_causal_attention(&q, &k, &v, scale, segments)?,
             None => causal_attention(&q, &k, &v, scale)?,
         };
-        self.o_proj.forward(&merge_heads(&y)?)
+        self.o_proj.forward_from_heads(&y)
     }
 }
 

@@ -66,7 +66,8 @@ fn slice_path(x: &Tensor) -> bool {
     x.device().is_cpu() && x.is_contiguous() && matches!(x.dtype(), DType::F32 | DType::F64)
 }
 
-fn copy_row<T: Copy>(o: &mut [T], x: &[T], _: usize, _: usize) {
+/// A [`permute_rows`] row that copies.
+pub(crate) fn copy_row<T: Copy>(o: &mut [T], x: &[T], _: usize, _: usize) {
     o.copy_from_slice(x);
 }
 

@@ -10,6 +10,7 @@
 //! paths are folded into the GEMMs, so each direction is its matrix products and nothing else. Other dtypes and
 //! devices compose Candle ops (same maths).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -17,6 +18,8 @@ use candle_core::{DType, Device, Result, Tensor};
 use super::autograd::{attach3, attach3_cpu};
 use super::frozen_linear::{FrozenLinear, FrozenWeight};
 use super::gemm::{matmul, matmul_into, with_slice, GemmFloat, Mat};
+use super::heads::{copy_row, merge_heads, permute_rows, split_heads, HeadDims};
+use super::rope::{rope_split_heads, RotatedRows};
 use crate::rng::uniform;
 
 /// The `n` values of the inverted-dropout mask (`0` or `1/(1−p)`) for stream `seed`.
@@ -77,9 +80,174 @@ pub fn lora_linear(
     output: OutputValue,
 ) -> Result<Tensor> {
     match slice_dtype(x, base, a, b) {
-        Some(DType::F32) => lora_linear_cpu::<f32>(x, base, a, b, scaling, dropout, output),
-        Some(DType::F64) => lora_linear_cpu::<f64>(x, base, a, b, scaling, dropout, output),
+        Some(DType::F32) => {
+            lora_linear_cpu::<f32>(x, base, a, b, scaling, dropout, output, Fused::Nothing)
+        }
+        Some(DType::F64) => {
+            lora_linear_cpu::<f64>(x, base, a, b, scaling, dropout, output, Fused::Nothing)
+        }
         _ => lora_linear_composed(x, base, a, b, scaling, dropout),
+    }
+}
+
+/// [`lora_linear`] of `x: [b, t, in]` with its output split into `heads` attention heads `[b, heads, t, d]` and
+/// rotated when `rope` (cos, sin) is given: equal to `rope_split_heads(lora_linear(x, ..), heads, cos, sin)` (or
+/// `split_heads`). On the CPU slice path this is one op, so the graph never keeps the token-major output.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear_to_heads(
+    x: &Tensor,
+    base: &Arc<FrozenLinear>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    dropout: Option<BranchDropout>,
+    heads: usize,
+    rope: Option<(&Tensor, &Tensor)>,
+) -> Result<Tensor> {
+    let (batch, t, _) = x.dims3()?;
+    let (out, _) = base.weight.dims2()?;
+    if heads == 0 || out % heads != 0 {
+        candle_core::bail!("lora-linear: {out} output features do not split into {heads} heads");
+    }
+    let dims = HeadDims {
+        b: batch,
+        t,
+        h: heads,
+        d: out / heads,
+    };
+    let computed = OutputValue::Computed;
+    match slice_dtype(x, base, a, b) {
+        Some(DType::F32) => {
+            if let Some(fused) = Fused::<f32>::output_heads(dims, x, rope)? {
+                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused);
+            }
+        }
+        Some(DType::F64) => {
+            if let Some(fused) = Fused::<f64>::output_heads(dims, x, rope)? {
+                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused);
+            }
+        }
+        _ => {}
+    }
+    let y = lora_linear(x, base, a, b, scaling, dropout, computed)?;
+    match rope {
+        Some((cos, sin)) => rope_split_heads(&y, heads, cos, sin),
+        None => split_heads(&y, heads),
+    }
+}
+
+/// [`lora_linear`] of attention heads `y: [b, h, t, d]` merged into `[b, t, h·d]`: equal to
+/// `lora_linear(merge_heads(y), ..)`. On the CPU slice path the merge happens inside the op, so the graph never
+/// keeps the merged copy.
+pub fn lora_linear_from_heads(
+    y: &Tensor,
+    base: &Arc<FrozenLinear>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    dropout: Option<BranchDropout>,
+) -> Result<Tensor> {
+    let (batch, h, t, d) = y.dims4()?;
+    let fused = HeadDims { b: batch, t, h, d };
+    let computed = OutputValue::Computed;
+    match slice_dtype(y, base, a, b) {
+        Some(DType::F32) => lora_linear_cpu::<f32>(
+            y,
+            base,
+            a,
+            b,
+            scaling,
+            dropout,
+            computed,
+            Fused::InputHeads(fused),
+        ),
+        Some(DType::F64) => lora_linear_cpu::<f64>(
+            y,
+            base,
+            a,
+            b,
+            scaling,
+            dropout,
+            computed,
+            Fused::InputHeads(fused),
+        ),
+        _ => lora_linear(&merge_heads(y)?, base, a, b, scaling, dropout, computed),
+    }
+}
+
+/// A layout change fused into the slice op, so that the token-major tensor exists only inside it.
+enum Fused<T> {
+    /// Input and output are token-major (`[..., in]` → `[..., out]`).
+    Nothing,
+    /// The input arrives as attention heads `[b, h, t, d]`, merged before the products; its gradient is split back.
+    InputHeads(HeadDims),
+    /// The output leaves as attention heads `[b, h, t, d]`, rotated by RoPE when tables are given.
+    OutputHeads(HeadDims, Option<RotatedRows<T>>),
+}
+
+impl<T: GemmFloat + Default> Fused<T> {
+    /// [`Fused::OutputHeads`] for a projection of `x`, or `None` when the RoPE tables do not fit the slice path.
+    fn output_heads(
+        dims: HeadDims,
+        x: &Tensor,
+        rope: Option<(&Tensor, &Tensor)>,
+    ) -> Result<Option<Self>> {
+        let Some((cos, sin)) = rope else {
+            return Ok(Some(Fused::OutputHeads(dims, None)));
+        };
+        let split = (dims.b, dims.h, dims.t, dims.d);
+        Ok(RotatedRows::for_heads(split, x, cos, sin)?
+            .map(|rows| Fused::OutputHeads(dims, Some(rows))))
+    }
+
+    /// The shapes of a call on `x` (heads counted as their merged rows), with the output's dims as the op returns it.
+    fn shapes(&self, x: &Tensor, base: &FrozenLinear) -> Result<CallShapes> {
+        let mut shapes = match self {
+            Fused::InputHeads(d) => {
+                let mut merged = CallShapes::of_dims(&[d.b, d.t, d.h * d.d], base)?;
+                merged.dims = x.dims().to_vec();
+                merged
+            }
+            _ => CallShapes::of_dims(x.dims(), base)?,
+        };
+        if let Fused::OutputHeads(d, _) = self {
+            shapes.out_dims = vec![d.b, d.h, d.t, d.d];
+        }
+        Ok(shapes)
+    }
+
+    /// The op's input as token-major rows.
+    fn input_rows<'a>(&self, x: &'a [T]) -> Cow<'a, [T]> {
+        match self {
+            Fused::InputHeads(dims) => Cow::Owned(permute_rows(x, *dims, false, copy_row)),
+            _ => Cow::Borrowed(x),
+        }
+    }
+
+    /// The input's gradient, from token-major rows to the input's layout.
+    fn input_gradient(&self, gx: Vec<T>) -> Vec<T> {
+        match self {
+            Fused::InputHeads(dims) => permute_rows(&gx, *dims, true, copy_row),
+            _ => gx,
+        }
+    }
+
+    /// The output, from token-major rows to the op's layout.
+    fn output(&self, y: Vec<T>) -> Result<Vec<T>> {
+        Ok(match self {
+            Fused::OutputHeads(dims, Some(rows)) => rows.permute(&y, *dims, true)?,
+            Fused::OutputHeads(dims, None) => permute_rows(&y, *dims, true, copy_row),
+            _ => y,
+        })
+    }
+
+    /// The output's gradient as token-major rows (the transpose of [`Fused::output`]).
+    fn output_gradient<'a>(&self, g: &'a [T]) -> Result<Cow<'a, [T]>> {
+        Ok(match self {
+            Fused::OutputHeads(dims, Some(rows)) => Cow::Owned(rows.permute(g, *dims, false)?),
+            Fused::OutputHeads(dims, None) => Cow::Owned(permute_rows(g, *dims, false, copy_row)),
+            _ => Cow::Borrowed(g),
+        })
     }
 }
 
@@ -121,7 +289,11 @@ struct CallShapes {
 
 impl CallShapes {
     fn of(x: &Tensor, base: &FrozenLinear) -> Result<Self> {
-        let dims = x.dims().to_vec();
+        Self::of_dims(x.dims(), base)
+    }
+
+    fn of_dims(dims: &[usize], base: &FrozenLinear) -> Result<Self> {
+        let dims = dims.to_vec();
         let inp = *dims.last().unwrap_or(&0);
         let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
         let (out, _) = base.weight.dims2()?;
@@ -139,8 +311,9 @@ impl CallShapes {
     }
 }
 
-/// [`lora_linear`] on CPU slices (see the module doc).
-fn lora_linear_cpu<T: GemmFloat>(
+/// [`lora_linear`] on CPU slices (see the module doc), with `fused`'s layout change on the way in or out.
+#[allow(clippy::too_many_arguments)]
+fn lora_linear_cpu<T: GemmFloat + Default>(
     x: &Tensor,
     base: &Arc<FrozenLinear>,
     a: &Tensor,
@@ -148,6 +321,7 @@ fn lora_linear_cpu<T: GemmFloat>(
     scaling: f64,
     dropout: Option<BranchDropout>,
     output: OutputValue,
+    fused: Fused<T>,
 ) -> Result<Tensor> {
     let CallShapes {
         dims,
@@ -155,7 +329,7 @@ fn lora_linear_cpu<T: GemmFloat>(
         rows,
         out,
         out_dims,
-    } = CallShapes::of(x, base)?;
+    } = fused.shapes(x, base)?;
     let r = a.dim(0)?;
     let bias: Option<Vec<T>> = match &base.bias {
         Some(bias) => Some(bias.to_dtype(T::DTYPE)?.to_vec1()?),
@@ -173,6 +347,7 @@ fn lora_linear_cpu<T: GemmFloat>(
         vec![T::zero(); rows * out]
     } else {
         with_slice::<T, _>(x, |xs| {
+            let xs = &*fused.input_rows(xs);
             with_slice::<T, _>(a, |av| {
                 with_slice::<T, _>(b, |bv| {
                     // y = bias + x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, accumulated in one buffer.
@@ -197,7 +372,7 @@ fn lora_linear_cpu<T: GemmFloat>(
                         scaling,
                         true,
                     );
-                    Ok(y)
+                    fused.output(y)
                 })
             })
         })?
@@ -212,9 +387,11 @@ fn lora_linear_cpu<T: GemmFloat>(
         out_dims.into(),
         Box::new(move |x, a, b, grad, needs| {
             with_slice::<T, _>(x, |xs| {
+                let xs = &*fused.input_rows(xs);
                 with_slice::<T, _>(a, |av| {
                     with_slice::<T, _>(b, |bv| {
                         with_slice::<T, _>(grad, |gs| {
+                            let gs = &*fused.output_gradient(gs)?;
                             let g = Mat::new(gs, rows, out);
                             let dropped = branch_input(xs);
                             let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
@@ -244,6 +421,7 @@ fn lora_linear_cpu<T: GemmFloat>(
                                     }
                                     None => matmul_into(&mut gx, gh_mat, a_mat, 1.0, true),
                                 }
+                                let gx = fused.input_gradient(gx);
                                 Some(Tensor::from_vec(gx, dims.as_slice(), &Device::Cpu)?)
                             } else {
                                 None
@@ -398,6 +576,77 @@ mod tests {
             ];
             check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
             // Frozen input (first layer of a frozen embedding): only A and B get gradients.
+            check(&f, &r, &inputs, &[false, true, true], 10, 1e-5, 1e-10);
+        }
+    }
+
+    #[test]
+    fn head_layouts_fused_in_equal_the_separate_ops() {
+        use crate::ops::{rope, RopeTables};
+        let tables = RopeTables::new(2, 8, 10000.0, None, &Device::Cpu).unwrap();
+        let shared = tables.range(1, 3).unwrap();
+        let positions = Tensor::new(&[[0u32, 1, 2], [4, 0, 1]], &Device::Cpu).unwrap();
+        let per_sequence = tables.gather(&positions).unwrap();
+        // 6 output features as 3 heads of 2; heads of 2 as the input of a 6 → 5 projection.
+        let to_heads = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[6, 4], 21)),
+            Some(rand_f64(&[6], 22)),
+        ));
+        let from_heads = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[5, 6], 23)),
+            None,
+        ));
+        for dropout in [None, Some(BranchDropout { p: 0.3, seed: 11 })] {
+            for tables in [None, Some(&shared), Some(&per_sequence)] {
+                let rope_of = move || tables.map(|(c, s)| (c, s));
+                let l = to_heads.clone();
+                let f = |xs: &[Tensor]| {
+                    lora_linear_to_heads(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout, 3, rope_of())
+                };
+                let r = |xs: &[Tensor]| {
+                    let y = lora_linear(
+                        &xs[0],
+                        &l,
+                        &xs[1],
+                        &xs[2],
+                        1.5,
+                        dropout,
+                        OutputValue::Computed,
+                    )?;
+                    let heads = split_heads(&y, 3)?;
+                    match rope_of() {
+                        Some((c, s)) => rope(&heads, c, s),
+                        None => Ok(heads),
+                    }
+                };
+                let inputs = [
+                    rand_f64(&[2, 3, 4], 3),
+                    rand_f64(&[2, 4], 4),
+                    rand_f64(&[6, 2], 5),
+                ];
+                check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
+            }
+            let l = from_heads.clone();
+            let f =
+                |xs: &[Tensor]| lora_linear_from_heads(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout);
+            let r = |xs: &[Tensor]| {
+                let merged = merge_heads(&xs[0])?;
+                lora_linear(
+                    &merged,
+                    &l,
+                    &xs[1],
+                    &xs[2],
+                    1.5,
+                    dropout,
+                    OutputValue::Computed,
+                )
+            };
+            let inputs = [
+                rand_f64(&[2, 3, 3, 2], 6),
+                rand_f64(&[2, 6], 7),
+                rand_f64(&[5, 2], 8),
+            ];
+            check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
             check(&f, &r, &inputs, &[false, true, true], 10, 1e-5, 1e-10);
         }
     }

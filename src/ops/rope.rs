@@ -195,43 +195,30 @@ pub fn rope_split_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) ->
         h: heads,
         d: width / heads,
     };
-    let split_shape = (b, heads, t, dims.d);
-    let layout = SliceLayout::of_dims(split_shape, x, cos, sin).filter(|_| x.is_contiguous());
-    match (layout, x.dtype()) {
-        (Some(layout), DType::F32) => rope_split_cpu::<f32>(x, dims, cos, sin, layout),
-        (Some(layout), DType::F64) => rope_split_cpu::<f64>(x, dims, cos, sin, layout),
-        _ => rope(&split_heads(x, heads)?, cos, sin),
+    let split = (b, heads, t, dims.d);
+    match x.dtype() {
+        DType::F32 => {
+            if let Some(rows) = RotatedRows::<f32>::for_heads(split, x, cos, sin)? {
+                return rope_split_cpu(x, dims, rows);
+            }
+        }
+        DType::F64 => {
+            if let Some(rows) = RotatedRows::<f64>::for_heads(split, x, cos, sin)? {
+                return rope_split_cpu(x, dims, rows);
+            }
+        }
+        _ => {}
     }
+    rope(&split_heads(x, heads)?, cos, sin)
 }
 
 fn rope_split_cpu<T: GemmFloat + Default>(
     x: &Tensor,
     dims: HeadDims,
-    cos: &Tensor,
-    sin: &Tensor,
-    layout: SliceLayout,
+    rows: RotatedRows<T>,
 ) -> Result<Tensor> {
-    let (cos, sin) = (cos.to_dtype(T::DTYPE)?, sin.to_dtype(T::DTYPE)?);
-    let (t, d) = (dims.t, dims.d);
-    // Row `(batch, position)` of the tables (one set for all sequences, or one per sequence).
-    let table = move |batch: usize, position: usize| {
-        let row = if layout.per_sequence { batch * t } else { 0 } + position;
-        row * d..(row + 1) * d
-    };
-    let run = move |x: &Tensor, to_heads: bool| -> Result<Vec<T>> {
-        with_slice::<T, _>(x, |xs| {
-            with_slice::<T, _>(&cos, |c| {
-                with_slice::<T, _>(&sin, |s| {
-                    Ok(permute_rows(xs, dims, to_heads, |o, x, batch, position| {
-                        let r = table(batch, position);
-                        rotate_row(o, x, &c[r.clone()], &s[r], !to_heads)
-                    }))
-                })
-            })
-        })
-    };
-    let value = run(x, true)?;
-    let HeadDims { b, h, .. } = dims;
+    let value = with_slice::<T, _>(x, |xs| rows.permute(xs, dims, true))?;
+    let HeadDims { b, h, t, d } = dims;
     attach1_cpu(
         "rope-split-heads",
         x,
@@ -239,10 +226,60 @@ fn rope_split_cpu<T: GemmFloat + Default>(
         (b, h, t, d).into(),
         Box::new(move |_, grad| {
             let grad = grad.contiguous()?;
-            let gx = run(&grad, false)?;
+            let gx = with_slice::<T, _>(&grad, |gs| rows.permute(gs, dims, false))?;
             Ok(Some(Tensor::from_vec(gx, (b, t, h * d), &Device::Cpu)?))
         }),
     )
+}
+
+/// RoPE tables in `T`, applied row by row while a projection is split into heads or its gradient merged back.
+pub(crate) struct RotatedRows<T> {
+    cos: Tensor,
+    sin: Tensor,
+    layout: SliceLayout,
+    element: std::marker::PhantomData<T>,
+}
+
+impl<T: GemmFloat + Default> RotatedRows<T> {
+    /// The tables for heads `[b, heads, t, d]` of `x`'s projection, when the slice path takes them (`x` contiguous on
+    /// the CPU, even `d`, cos/sin of `[1 or b, 1, t, d]`).
+    pub(crate) fn for_heads(
+        split: (usize, usize, usize, usize),
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<Option<Self>> {
+        match SliceLayout::of_dims(split, x, cos, sin).filter(|_| x.is_contiguous()) {
+            Some(layout) => Ok(Some(Self::new(cos, sin, layout)?)),
+            None => Ok(None),
+        }
+    }
+
+    fn new(cos: &Tensor, sin: &Tensor, layout: SliceLayout) -> Result<Self> {
+        Ok(RotatedRows {
+            cos: cos.to_dtype(T::DTYPE)?,
+            sin: sin.to_dtype(T::DTYPE)?,
+            layout,
+            element: std::marker::PhantomData,
+        })
+    }
+
+    /// `x: [b, t, h·d]` rotated into heads `[b, h, t, d]` (`to_heads`), or the transpose: heads rotated back by
+    /// `-sin` and merged (the gradient of the former).
+    pub(crate) fn permute(&self, x: &[T], dims: HeadDims, to_heads: bool) -> Result<Vec<T>> {
+        let (t, d) = (dims.t, dims.d);
+        let per_sequence = self.layout.per_sequence;
+        with_slice::<T, _>(&self.cos, |c| {
+            with_slice::<T, _>(&self.sin, |s| {
+                Ok(permute_rows(x, dims, to_heads, |o, x, batch, position| {
+                    // Row `(batch, position)` of the tables (one set for all sequences, or one per sequence).
+                    let row = if per_sequence { batch * t } else { 0 } + position;
+                    let r = row * d..(row + 1) * d;
+                    rotate_row(o, x, &c[r.clone()], &s[r], !to_heads)
+                }))
+            })
+        })
+    }
 }
 
 /// Shapes the slice path handles: `x: [b, h, t, d]` on the CPU with even `d`, and cos/sin of `[1 or b, 1, t, d]`.
