@@ -12,10 +12,10 @@ use std::sync::Arc;
 use candle_core::{Result, Tensor, Var, D};
 
 use crate::ops::lora_linear::{
-    dropout_mask, lora_linear, lora_linear_from_heads, lora_linear_to_heads, BranchDropout,
-    OutputValue,
+    dropout_mask, lora_linear, lora_linear_from_heads, lora_linear_plus, lora_linear_to_heads,
+    BranchDropout, OutputValue,
 };
-use crate::ops::{frozen_linear, merge_heads, rope_split_heads, split_heads, FrozenLinear};
+use crate::ops::{frozen_linear, merge_heads, rope_split_heads, split_heads, FrozenLinear, Pass};
 use crate::rng::splitmix;
 
 /// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
@@ -141,10 +141,22 @@ impl LoraLinear {
         self.run(x, OutputValue::Computed)
     }
 
-    /// [`LoraLinear::forward`] for a recomputation whose output is only differentiated (see
-    /// [`crate::ops::Pass::Recompute`]): same graph and gradients, but the fused LoRA op skips computing the output.
-    pub fn forward_for_backward(&self, x: &Tensor) -> Result<Tensor> {
-        self.run(x, OutputValue::Skipped)
+    /// `residual + forward(x)`: a residual connection around the projection. With a LoRA adapter one fused op, so
+    /// that the graph keeps no separate projection output. In a [`Pass::Recompute`] (whose output is only
+    /// differentiated) the fused op skips computing the value; the graph and the gradients are the same.
+    pub fn forward_plus(&self, x: &Tensor, residual: &Tensor, pass: Pass) -> Result<Tensor> {
+        let output = match pass {
+            Pass::Forward => OutputValue::Computed,
+            Pass::Recompute => OutputValue::Skipped,
+        };
+        match self.plain_lora() {
+            Some(ad) => {
+                let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
+                let dropout = ad.branch_dropout();
+                lora_linear_plus(x, &self.base, a, b, ad.scaling, dropout, output, residual)
+            }
+            None => residual + self.run(x, output)?,
+        }
     }
 
     /// [`LoraLinear::forward`] of `x: [b, t, in]` split into `heads` attention heads `[b, heads, t, d]`, rotated by
@@ -168,15 +180,16 @@ impl LoraLinear {
         }
     }
 
-    /// [`LoraLinear::forward`] of attention heads `y: [b, h, t, d]` merged into `[b, t, h·d]`. With a LoRA adapter
-    /// one fused op, so that the graph does not keep the merged copy.
-    pub fn forward_from_heads(&self, y: &Tensor) -> Result<Tensor> {
+    /// `residual + forward(merge_heads(y))` for attention heads `y: [b, h, t, d]`. With a LoRA adapter one fused
+    /// op, so that the graph keeps neither the merged copy nor a separate projection output.
+    pub fn forward_from_heads_plus(&self, y: &Tensor, residual: &Tensor) -> Result<Tensor> {
         match self.plain_lora() {
             Some(ad) => {
                 let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
-                lora_linear_from_heads(y, &self.base, a, b, ad.scaling, ad.branch_dropout())
+                let dropout = ad.branch_dropout();
+                lora_linear_from_heads(y, &self.base, a, b, ad.scaling, dropout, Some(residual))
             }
-            None => self.forward(&merge_heads(y)?),
+            None => residual + self.forward(&merge_heads(y)?)?,
         }
     }
 

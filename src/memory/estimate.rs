@@ -171,20 +171,20 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 }
 
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
-/// graph hold them: the norms, the rotated query/key heads and the value heads, the attention output, each MLP
-/// linear's output, SwiGLU and the residual sums (LoRA runs as one fused op that saves nothing but its inputs). On
-/// the CPU the query/key/value projections leave as heads and the output projection takes heads, inside their
-/// fused ops; on CUDA each projection's token-major output is kept too, the query/key split is a copy of its own
-/// before the rotation, and the attention output has a merged copy.
+/// graph hold them: the norms, the rotated query/key heads and the value heads, the attention output, the gate and
+/// up projections, SwiGLU and the residual sums (LoRA runs as one fused op that saves nothing but its inputs). On the
+/// CPU the query/key/value projections leave as heads, the output projection takes heads, and the output and down
+/// projections add their residual, all inside their fused ops; on CUDA each projection's token-major output is kept
+/// too, the query/key split is a copy of its own before the rotation, and the attention output has a merged copy.
 pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
     let (h, hq, hkv, i) = widths(c);
-    let (q, k, v, attention) = match device {
-        DeviceKind::Cpu => (hq, hkv, hkv, hq),
-        DeviceKind::Cuda => (3 * hq, 3 * hkv, 2 * hkv, 2 * hq),
+    let (q, k, v, attention, projection_outputs) = match device {
+        DeviceKind::Cpu => (hq, hkv, hkv, hq, 0),
+        DeviceKind::Cuda => (3 * hq, 3 * hkv, 2 * hkv, 2 * hq, 2 * h),
     };
-    let mlp = 3 * i + h; // gate, up, SwiGLU, down
-    let rest = h + 4 * h; // o_proj, two norms, two residual sums
-    q + k + v + attention + mlp + rest
+    let mlp = 3 * i; // gate, up, SwiGLU
+    let norms_and_sums = 4 * h;
+    q + k + v + attention + projection_outputs + mlp + norms_and_sums
 }
 
 /// How many of the last layers keep their activations under memory-aware checkpointing (see

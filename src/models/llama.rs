@@ -86,6 +86,7 @@ impl KvCache {
 }
 
 impl Attention {
+    /// `residual + attention(x)`.
     fn forward(
         &self,
         x: &Tensor,
@@ -93,6 +94,7 @@ impl Attention {
         sin: &Tensor,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
+        residual: &Tensor,
     ) -> Result<Tensor> {
         let q = self
             .q_proj
@@ -117,18 +119,16 @@ impl Attention {
             Some(segments) => packed_causal_attention(&q, &k, &v, scale, segments)?,
             None => causal_attention(&q, &k, &v, scale)?,
         };
-        self.o_proj.forward_from_heads(&y)
+        self.o_proj.forward_from_heads_plus(&y, residual)
     }
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor, pass: Pass) -> Result<Tensor> {
+    /// `residual + mlp(x)`; in a [`Pass::Recompute`] the last projection's value is not computed (only its graph is
+    /// differentiated).
+    fn forward(&self, x: &Tensor, residual: &Tensor, pass: Pass) -> Result<Tensor> {
         let hidden = swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
-        match pass {
-            Pass::Forward => self.down_proj.forward(&hidden),
-            // The block's output is only differentiated: its last projection's value is not needed.
-            Pass::Recompute => self.down_proj.forward_for_backward(&hidden),
-        }
+        self.down_proj.forward_plus(&hidden, residual, pass)
     }
 }
 
@@ -143,17 +143,20 @@ impl DecoderLayer {
         segments: Option<&Segments>,
         pass: Pass,
     ) -> Result<Tensor> {
-        let h = (x + self.self_attn.forward(
+        // Each residual sum is accumulated by the block's last projection (see `LoraLinear::forward_plus`).
+        let h = self.self_attn.forward(
             &rms_norm(x, &self.input_layernorm, self.eps)?,
             cos,
             sin,
             cache,
             segments,
-        )?)?;
-        &h + self.mlp.forward(
+            x,
+        )?;
+        self.mlp.forward(
             &rms_norm(&h, &self.post_attention_layernorm, self.eps)?,
+            &h,
             pass,
-        )?
+        )
     }
 
     /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...).

@@ -80,13 +80,54 @@ pub fn lora_linear(
     output: OutputValue,
 ) -> Result<Tensor> {
     match slice_dtype(x, base, a, b) {
+        Some(DType::F32) => lora_linear_cpu::<f32>(
+            x,
+            base,
+            a,
+            b,
+            scaling,
+            dropout,
+            output,
+            Fused::Nothing,
+            None,
+        ),
+        Some(DType::F64) => lora_linear_cpu::<f64>(
+            x,
+            base,
+            a,
+            b,
+            scaling,
+            dropout,
+            output,
+            Fused::Nothing,
+            None,
+        ),
+        _ => lora_linear_composed(x, base, a, b, scaling, dropout),
+    }
+}
+
+/// `residual + lora_linear(x, ..)` (a residual connection around the projection). On the CPU slice path one op that
+/// accumulates the product onto the residual, so that the graph keeps no separate projection output.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_linear_plus(
+    x: &Tensor,
+    base: &Arc<FrozenLinear>,
+    a: &Tensor,
+    b: &Tensor,
+    scaling: f64,
+    dropout: Option<BranchDropout>,
+    output: OutputValue,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    let res = Some(residual);
+    match slice_dtype(x, base, a, b) {
         Some(DType::F32) => {
-            lora_linear_cpu::<f32>(x, base, a, b, scaling, dropout, output, Fused::Nothing)
+            lora_linear_cpu::<f32>(x, base, a, b, scaling, dropout, output, Fused::Nothing, res)
         }
         Some(DType::F64) => {
-            lora_linear_cpu::<f64>(x, base, a, b, scaling, dropout, output, Fused::Nothing)
+            lora_linear_cpu::<f64>(x, base, a, b, scaling, dropout, output, Fused::Nothing, res)
         }
-        _ => lora_linear_composed(x, base, a, b, scaling, dropout),
+        _ => residual + lora_linear_composed(x, base, a, b, scaling, dropout)?,
     }
 }
 
@@ -119,12 +160,12 @@ pub fn lora_linear_to_heads(
     match slice_dtype(x, base, a, b) {
         Some(DType::F32) => {
             if let Some(fused) = Fused::<f32>::output_heads(dims, x, rope)? {
-                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused);
+                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused, None);
             }
         }
         Some(DType::F64) => {
             if let Some(fused) = Fused::<f64>::output_heads(dims, x, rope)? {
-                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused);
+                return lora_linear_cpu(x, base, a, b, scaling, dropout, computed, fused, None);
             }
         }
         _ => {}
@@ -136,9 +177,9 @@ pub fn lora_linear_to_heads(
     }
 }
 
-/// [`lora_linear`] of attention heads `y: [b, h, t, d]` merged into `[b, t, h·d]`: equal to
-/// `lora_linear(merge_heads(y), ..)`. On the CPU slice path the merge happens inside the op, so the graph never
-/// keeps the merged copy.
+/// [`lora_linear`] of attention heads `y: [b, h, t, d]` merged into `[b, t, h·d]`, plus `residual` when given: equal
+/// to `residual + lora_linear(merge_heads(y), ..)`. On the CPU slice path one op, so that the graph keeps neither
+/// the merged copy nor a separate projection output.
 pub fn lora_linear_from_heads(
     y: &Tensor,
     base: &Arc<FrozenLinear>,
@@ -146,32 +187,27 @@ pub fn lora_linear_from_heads(
     b: &Tensor,
     scaling: f64,
     dropout: Option<BranchDropout>,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let (batch, h, t, d) = y.dims4()?;
-    let fused = HeadDims { b: batch, t, h, d };
+    let heads = HeadDims { b: batch, t, h, d };
     let computed = OutputValue::Computed;
     match slice_dtype(y, base, a, b) {
-        Some(DType::F32) => lora_linear_cpu::<f32>(
-            y,
-            base,
-            a,
-            b,
-            scaling,
-            dropout,
-            computed,
-            Fused::InputHeads(fused),
-        ),
-        Some(DType::F64) => lora_linear_cpu::<f64>(
-            y,
-            base,
-            a,
-            b,
-            scaling,
-            dropout,
-            computed,
-            Fused::InputHeads(fused),
-        ),
-        _ => lora_linear(&merge_heads(y)?, base, a, b, scaling, dropout, computed),
+        Some(DType::F32) => {
+            let fused = Fused::InputHeads(heads);
+            lora_linear_cpu::<f32>(y, base, a, b, scaling, dropout, computed, fused, residual)
+        }
+        Some(DType::F64) => {
+            let fused = Fused::InputHeads(heads);
+            lora_linear_cpu::<f64>(y, base, a, b, scaling, dropout, computed, fused, residual)
+        }
+        _ => {
+            let merged = merge_heads(y)?;
+            match residual {
+                Some(res) => lora_linear_plus(&merged, base, a, b, scaling, dropout, computed, res),
+                None => lora_linear(&merged, base, a, b, scaling, dropout, computed),
+            }
+        }
     }
 }
 
@@ -322,6 +358,7 @@ fn lora_linear_cpu<T: GemmFloat + Default>(
     dropout: Option<BranchDropout>,
     output: OutputValue,
     fused: Fused<T>,
+    residual: Option<&Tensor>,
 ) -> Result<Tensor> {
     let CallShapes {
         dims,
@@ -331,9 +368,33 @@ fn lora_linear_cpu<T: GemmFloat + Default>(
         out_dims,
     } = fused.shapes(x, base)?;
     let r = a.dim(0)?;
+    if let Some(residual) = residual {
+        if residual.dims() != out_dims.as_slice() {
+            candle_core::bail!(
+                "lora-linear: residual of shape {:?} added to an output of shape {out_dims:?}",
+                residual.dims()
+            );
+        }
+    }
     let bias: Option<Vec<T>> = match &base.bias {
         Some(bias) => Some(bias.to_dtype(T::DTYPE)?.to_vec1()?),
         None => None,
+    };
+    // What the base product accumulates onto: the residual and the bias (each when there is one).
+    let start = |residual: Option<&Tensor>| -> Result<Option<Vec<T>>> {
+        let mut start = match residual {
+            Some(res) => Some(with_slice::<T, _>(res, |v| Ok(v.to_vec()))?),
+            None => None,
+        };
+        if let Some(bias) = &bias {
+            match &mut start {
+                Some(y) => y
+                    .chunks_mut(out)
+                    .for_each(|row| row.iter_mut().zip(bias).for_each(|(v, b)| *v += *b)),
+                None => start = Some(bias.repeat(rows)),
+            }
+        }
+        Ok(start)
     };
     // dropout(x), materialized only when there is dropout.
     let branch_input = move |xs: &[T]| -> Option<(Vec<T>, Vec<T>)> {
@@ -350,12 +411,12 @@ fn lora_linear_cpu<T: GemmFloat + Default>(
             let xs = &*fused.input_rows(xs);
             with_slice::<T, _>(a, |av| {
                 with_slice::<T, _>(b, |bv| {
-                    // y = bias + x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, accumulated in one buffer.
+                    // y = residual + bias + x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, accumulated in one buffer.
+                    let start = start(residual)?;
                     let mut y = with_weight::<T, _>(&base.weight, |w| {
                         let (x, wt) = (Mat::new(xs, rows, inp), Mat::new(w, out, inp).t());
-                        Ok(match &bias {
-                            Some(bias) => {
-                                let mut y = bias.repeat(rows);
+                        Ok(match start {
+                            Some(mut y) => {
                                 matmul_into(&mut y, x, wt, 1.0, true);
                                 y
                             }
@@ -378,65 +439,90 @@ fn lora_linear_cpu<T: GemmFloat + Default>(
         })?
     };
     let base = base.clone();
-    attach3_cpu(
-        "lora-linear",
-        x,
-        a,
-        b,
-        y,
-        out_dims.into(),
-        Box::new(move |x, a, b, grad, needs| {
-            with_slice::<T, _>(x, |xs| {
-                let xs = &*fused.input_rows(xs);
-                with_slice::<T, _>(a, |av| {
-                    with_slice::<T, _>(b, |bv| {
-                        with_slice::<T, _>(grad, |gs| {
-                            let gs = &*fused.output_gradient(gs)?;
-                            let g = Mat::new(gs, rows, out);
-                            let dropped = branch_input(xs);
-                            let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
-                            // dL/dh for h = dropout(x)·Aᵀ.
-                            let gh = matmul(g, Mat::new(bv, out, r), scaling);
-                            let gh_mat = Mat::new(&gh, rows, r);
-                            let ga =
-                                needs[1].then(|| matmul(gh_mat.t(), Mat::new(xm, rows, inp), 1.0));
-                            let gb = needs[2].then(|| {
-                                let h =
-                                    matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);
-                                matmul(g.t(), Mat::new(&h, rows, r), scaling)
-                            });
-                            let gx = if needs[0] {
-                                // g·W + dropout'(dL/dh·A): the base, then the branch added in (masked
-                                // first when there is dropout).
-                                let mut gx = with_weight::<T, _>(&base.weight, |w| {
-                                    Ok(matmul(g, Mat::new(w, out, inp), 1.0))
-                                })?;
-                                let a_mat = Mat::new(av, r, inp);
-                                match &dropped {
-                                    Some((_, mask)) => {
-                                        let branch = matmul(gh_mat, a_mat, 1.0);
-                                        gx.iter_mut()
-                                            .zip(branch.iter().zip(mask))
-                                            .for_each(|(v, (b, m))| *v += *b * *m);
-                                    }
-                                    None => matmul_into(&mut gx, gh_mat, a_mat, 1.0, true),
+    let backward = move |x: &Tensor, a: &Tensor, b: &Tensor, grad: &Tensor, needs: [bool; 3]| {
+        with_slice::<T, _>(x, |xs| {
+            let xs = &*fused.input_rows(xs);
+            with_slice::<T, _>(a, |av| {
+                with_slice::<T, _>(b, |bv| {
+                    with_slice::<T, _>(grad, |gs| {
+                        let gs = &*fused.output_gradient(gs)?;
+                        let g = Mat::new(gs, rows, out);
+                        let dropped = branch_input(xs);
+                        let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
+                        // dL/dh for h = dropout(x)·Aᵀ.
+                        let gh = matmul(g, Mat::new(bv, out, r), scaling);
+                        let gh_mat = Mat::new(&gh, rows, r);
+                        let ga = needs[1].then(|| matmul(gh_mat.t(), Mat::new(xm, rows, inp), 1.0));
+                        let gb = needs[2].then(|| {
+                            let h = matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);
+                            matmul(g.t(), Mat::new(&h, rows, r), scaling)
+                        });
+                        let gx = if needs[0] {
+                            // g·W + dropout'(dL/dh·A): the base, then the branch added in (masked
+                            // first when there is dropout).
+                            let mut gx = with_weight::<T, _>(&base.weight, |w| {
+                                Ok(matmul(g, Mat::new(w, out, inp), 1.0))
+                            })?;
+                            let a_mat = Mat::new(av, r, inp);
+                            match &dropped {
+                                Some((_, mask)) => {
+                                    let branch = matmul(gh_mat, a_mat, 1.0);
+                                    gx.iter_mut()
+                                        .zip(branch.iter().zip(mask))
+                                        .for_each(|(v, (b, m))| *v += *b * *m);
                                 }
-                                let gx = fused.input_gradient(gx);
-                                Some(Tensor::from_vec(gx, dims.as_slice(), &Device::Cpu)?)
-                            } else {
-                                None
-                            };
-                            let ga = ga
-                                .map(|v| Tensor::from_vec(v, (r, inp), &Device::Cpu))
-                                .transpose()?;
-                            let gb = gb
-                                .map(|v| Tensor::from_vec(v, (out, r), &Device::Cpu))
-                                .transpose()?;
-                            Ok((gx, ga, gb))
-                        })
+                                None => matmul_into(&mut gx, gh_mat, a_mat, 1.0, true),
+                            }
+                            let gx = fused.input_gradient(gx);
+                            Some(Tensor::from_vec(gx, dims.as_slice(), &Device::Cpu)?)
+                        } else {
+                            None
+                        };
+                        let ga = ga
+                            .map(|v| Tensor::from_vec(v, (r, inp), &Device::Cpu))
+                            .transpose()?;
+                        let gb = gb
+                            .map(|v| Tensor::from_vec(v, (out, r), &Device::Cpu))
+                            .transpose()?;
+                        Ok((gx, ga, gb))
                     })
                 })
             })
+        })
+    };
+    let Some(residual) = residual else {
+        return attach3_cpu(
+            "lora-linear",
+            x,
+            a,
+            b,
+            y,
+            out_dims.into(),
+            Box::new(backward),
+        );
+    };
+    // Candle's custom ops take three inputs: `A` and `B` enter as one small concatenation (whose own backward
+    // splits their gradient), the residual as the third, its gradient the output's.
+    let a_len = r * inp;
+    let ab = Tensor::cat(&[a.flatten_all()?, b.flatten_all()?], 0)?;
+    attach3_cpu(
+        "lora-linear-residual",
+        x,
+        &ab,
+        residual,
+        y,
+        out_dims.into(),
+        Box::new(move |x, ab, _, grad, needs| {
+            let a = ab.narrow(0, 0, a_len)?.reshape((r, inp))?;
+            let b = ab.narrow(0, a_len, out * r)?.reshape((out, r))?;
+            let (gx, ga, gb) = backward(x, &a, &b, grad, [needs[0], needs[1], needs[1]])?;
+            let gab = match (ga, gb) {
+                (Some(ga), Some(gb)) => {
+                    Some(Tensor::cat(&[ga.flatten_all()?, gb.flatten_all()?], 0)?)
+                }
+                _ => None,
+            };
+            Ok((gx, gab, needs[2].then(|| grad.clone())))
         }),
     )
 }
@@ -627,8 +713,9 @@ mod tests {
                 check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
             }
             let l = from_heads.clone();
-            let f =
-                |xs: &[Tensor]| lora_linear_from_heads(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout);
+            let f = |xs: &[Tensor]| {
+                lora_linear_from_heads(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout, None)
+            };
             let r = |xs: &[Tensor]| {
                 let merged = merge_heads(&xs[0])?;
                 lora_linear(
@@ -649,6 +736,56 @@ mod tests {
             check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
             check(&f, &r, &inputs, &[false, true, true], 10, 1e-5, 1e-10);
         }
+    }
+
+    #[test]
+    fn residuals_added_in_the_op_equal_a_separate_sum() {
+        let with_bias = Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[5, 6], 31)),
+            Some(rand_f64(&[5], 32)),
+        ));
+        let computed = OutputValue::Computed;
+        for dropout in [None, Some(BranchDropout { p: 0.3, seed: 13 })] {
+            let l = with_bias.clone();
+            let f = |xs: &[Tensor]| {
+                lora_linear_plus(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout, computed, &xs[3])
+            };
+            let r = |xs: &[Tensor]| {
+                &xs[3] + lora_linear(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout, computed)?
+            };
+            let inputs = [
+                rand_f64(&[2, 3, 6], 33),
+                rand_f64(&[2, 6], 34),
+                rand_f64(&[5, 2], 35),
+                rand_f64(&[2, 3, 5], 36),
+            ];
+            check(&f, &r, &inputs, &[true, true, true, true], 20, 1e-5, 1e-10);
+            // A frozen input, a frozen residual, a frozen B.
+            check(&f, &r, &inputs, &[false, true, true, true], 10, 1e-5, 1e-10);
+            check(&f, &r, &inputs, &[true, true, true, false], 10, 1e-5, 1e-10);
+            check(&f, &r, &inputs, &[true, true, false, true], 10, 1e-5, 1e-10);
+            let f = |xs: &[Tensor]| {
+                lora_linear_from_heads(&xs[0], &l, &xs[1], &xs[2], 1.5, dropout, Some(&xs[3]))
+            };
+            let r = |xs: &[Tensor]| {
+                let merged = merge_heads(&xs[0])?;
+                &xs[3] + lora_linear(&merged, &l, &xs[1], &xs[2], 1.5, dropout, computed)?
+            };
+            let inputs = [
+                rand_f64(&[2, 3, 3, 2], 37),
+                rand_f64(&[2, 6], 38),
+                rand_f64(&[5, 2], 39),
+                rand_f64(&[2, 3, 5], 40),
+            ];
+            check(&f, &r, &inputs, &[true, true, true, true], 20, 1e-5, 1e-10);
+        }
+        // A residual of the wrong shape is an error, not a panic.
+        let x = rand_f64(&[2, 3, 6], 41);
+        let (a, b) = (rand_f64(&[2, 6], 42), rand_f64(&[5, 2], 43));
+        let wrong = rand_f64(&[2, 3, 4], 44);
+        let err =
+            lora_linear_plus(&x, &with_bias, &a, &b, 1.5, None, computed, &wrong).unwrap_err();
+        assert!(err.to_string().contains("residual"), "{err}");
     }
 
     #[test]
