@@ -211,12 +211,21 @@ pub fn kept_layers(
 /// cross-entropy (on the CPU one `TOKEN_BLOCK` × vocabulary float32 logits block plus the hidden-state gradient;
 /// on CUDA logits, softmax and gradient blocks — 3.5 blocks live at its peak — the hidden-state gradient, and
 /// with a half-precision compute dtype float32 copies of the head and the hidden states), or the backward through
-/// one layer (with checkpointing the layer recomputed, plus half a layer of gradients in flight, plus the
-/// attention scores of one `QUERY_BLOCK` of queries).
+/// one layer (with checkpointing the layer recomputed, plus the gradients in flight, plus the attention scores of
+/// one `QUERY_BLOCK` of queries).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
-    let h = c.hidden_size as u64;
-    let layer = layer_elements_per_token(c, args.device) * tokens * dtype_bytes;
+    let (h, _, _, i) = widths(c);
+    let layer_elements = layer_elements_per_token(c, args.device);
+    let layer = layer_elements * tokens * dtype_bytes;
+    let gradients_in_flight = match args.device {
+        // The MLP's backward is the widest moment: the SwiGLU, gate and up gradients, each added by Candle into a
+        // zeroed accumulator of its own (one of which is live at a time), and three hidden-state gradients.
+        DeviceKind::Cpu => 4 * i + 3 * h,
+        // As measured on an H100, where the layer keeps each projection's output too.
+        DeviceKind::Cuda => layer_elements / 2,
+    } * tokens
+        * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
         let kept = kept_layers(
@@ -239,7 +248,7 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         * QUERY_BLOCK.min(args.seq) as u64
         * args.seq as u64
         * 4;
-    let layer_backward = recomputed + layer / 2 + 4 * scores;
+    let layer_backward = recomputed + gradients_in_flight + 4 * scores;
     let logits_block = TOKEN_BLOCK.min(args.batch * args.seq) as u64 * c.vocab_size as u64 * 4;
     let cross_entropy = match args.device {
         // The slice path: one logits block, turned into its gradient in place, and the hidden-state gradient.

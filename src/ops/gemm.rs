@@ -62,6 +62,18 @@ impl<'a, T> Mat<'a, T> {
         }
     }
 
+    /// The logical matrix copied into a new row-major vector (a transposed view comes out transposed in memory).
+    pub fn to_vec(&self) -> Vec<T>
+    where
+        T: Copy,
+    {
+        let (cs, rs) = self.strides();
+        let (cs, rs) = (cs as usize, rs as usize);
+        (0..self.rows)
+            .flat_map(|i| (0..self.cols).map(move |j| self.data[i * rs + j * cs]))
+            .collect()
+    }
+
     /// `(column stride, row stride)` of the logical matrix in its slice.
     fn strides(&self) -> (isize, isize) {
         if self.transposed {
@@ -223,6 +235,9 @@ mod tests {
                 .fold(0.0, f64::max);
             assert!(diff < 1e-12, "{diff}");
         }
+        // A view copied out row-major: the transpose's values in the transpose's order.
+        assert_eq!(Mat::new(&av, 5, 7).to_vec(), av);
+        assert_eq!(Mat::new(&atv, 7, 5).t().to_vec(), av);
         // Accumulation adds to what is there.
         let mut acc = vec![1.0f64; 15];
         matmul_into(

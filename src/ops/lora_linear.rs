@@ -455,7 +455,10 @@ fn lora_linear_cpu<T: GemmFloat + Default>(
                         let ga = needs[1].then(|| matmul(gh_mat.t(), Mat::new(xm, rows, inp), 1.0));
                         let gb = needs[2].then(|| {
                             let h = matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);
-                            matmul(g.t(), Mat::new(&h, rows, r), scaling)
+                            // gBᵀ = s·hᵀ·g, transposed after: gemm runs this product with `r` output rows
+                            // up to twice as fast as with `r` output columns.
+                            let gbt = matmul(Mat::new(&h, rows, r).t(), g, scaling);
+                            Mat::new(&gbt, r, out).t().to_vec()
                         });
                         let gx = if needs[0] {
                             // g·W + dropout'(dL/dh·A): the base, then the branch added in (masked
