@@ -7,6 +7,8 @@
 //!
 //! The backward is driven by `sum_all().backward()`, whose broadcast of ones into an output-sized gradient Candle
 //! builds too; that costs a few milliseconds more than a real step pays, and is inside the op's time.
+//! After criterion's own measurements, the summary table times op and GEMM alternately (`PAIRS` pairs) and prints
+//! the medians and the median of the pairs' ratios.
 //!
 //! `cargo bench --bench ops`
 
@@ -35,6 +37,28 @@ fn reference_gemm(flops: f64) -> impl Fn() {
     move || {
         black_box(a.matmul(&b).unwrap());
     }
+}
+
+/// Op and GEMM timed alternately `PAIRS` times: the medians of the op's and the GEMM's seconds and of the pairs'
+/// ratios. On a shared machine a slow minute then slows both halves of a pair instead of one side of the ratio.
+const PAIRS: usize = 9;
+
+fn interleaved(op: &dyn Fn(), gemm: &dyn Fn()) -> (f64, f64, f64) {
+    let time = |f: &dyn Fn()| {
+        let start = std::time::Instant::now();
+        f();
+        start.elapsed().as_secs_f64()
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let pairs: Vec<(f64, f64)> = (0..PAIRS).map(|_| (time(op), time(gemm))).collect();
+    (
+        median(pairs.iter().map(|p| p.0).collect()),
+        median(pairs.iter().map(|p| p.1).collect()),
+        median(pairs.iter().map(|p| p.0 / p.1).collect()),
+    )
 }
 
 struct Case {
@@ -124,42 +148,20 @@ fn main() {
     for case in [lora_case(), attention_case(), cross_entropy_case()] {
         let gemm = reference_gemm(case.flops);
         let mut group = c.benchmark_group(case.name);
-        let mut op_time = 0.0;
-        let mut gemm_time = 0.0;
-        group.bench_function("op", |b| {
-            b.iter_custom(|iters| {
-                let start = std::time::Instant::now();
-                for _ in 0..iters {
-                    (case.run)();
-                }
-                let e = start.elapsed();
-                op_time = e.as_secs_f64() / iters as f64;
-                e
-            })
-        });
-        group.bench_function("same_flops_gemm", |b| {
-            b.iter_custom(|iters| {
-                let start = std::time::Instant::now();
-                for _ in 0..iters {
-                    gemm();
-                }
-                let e = start.elapsed();
-                gemm_time = e.as_secs_f64() / iters as f64;
-                e
-            })
-        });
+        group.bench_function("op", |b| b.iter(&case.run));
+        group.bench_function("same_flops_gemm", |b| b.iter(&gemm));
         group.finish();
-        summary.push((case.name, case.flops, op_time, gemm_time));
+        let (op_time, gemm_time, ratio) = interleaved(&case.run, &gemm);
+        summary.push((case.name, case.flops, op_time, gemm_time, ratio));
     }
     println!("\n| op (forward + backward) | GFLOP | op ms | same-FLOPs GEMM ms | op / GEMM | op GFLOP/s |");
     println!("|---|---:|---:|---:|---:|---:|");
-    for (name, flops, op, gemm) in summary {
+    for (name, flops, op, gemm, ratio) in summary {
         println!(
-            "| {name} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1} |",
+            "| {name} | {:.2} | {:.1} | {:.1} | {ratio:.2} | {:.1} |",
             flops / 1e9,
             op * 1e3,
             gemm * 1e3,
-            op / gemm,
             flops / op / 1e9
         );
     }
