@@ -9,11 +9,10 @@
 
 use candle_core::DType;
 use candle_qlora::data::TokenizedExample;
-use candle_qlora::loading::source::{
-    cached_test_model, load_model, load_model_config, LoadOptions,
-};
+use candle_qlora::loading::{cached_test_model, load_model, load_model_config, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::memory::{estimate, human_bytes, DeviceKind, EstimateArgs};
+use candle_qlora::optim::OptimizerName;
 use candle_qlora::quant::QuantConfig;
 use candle_qlora::trainer::{IntervalStrategy, Trainer, TrainingArguments};
 
@@ -49,7 +48,7 @@ fn measure(model_path: &str, args: &EstimateArgs) -> (u64, u64) {
         output_dir: dir.path().display().to_string(),
         per_device_train_batch_size: args.batch,
         max_steps: 1,
-        optim: args.optim.clone(),
+        optim: args.optim,
         gradient_checkpointing: args.gradient_checkpointing,
         activation_memory_budget_mib: args.activation_memory_budget_mib,
         save_strategy: IntervalStrategy::No,
@@ -62,15 +61,9 @@ fn measure(model_path: &str, args: &EstimateArgs) -> (u64, u64) {
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
-    let mut trainer = Trainer::new(
-        model,
-        training,
-        &lora,
-        rows(args.batch, args.seq),
-        vec![],
-        model_path,
-    )
-    .expect("trainer");
+    let mut trainer =
+        Trainer::new(model, training, &lora, rows(args.batch, args.seq), vec![]).expect("trainer");
+    trainer.set_base_model_name(model_path);
     trainer.train(None).expect("train");
     let text = std::fs::read_to_string(dir.path().join("memory_timeline.json")).expect("timeline");
     let v: serde_json::Value = serde_json::from_str(&text).expect("json");
@@ -105,7 +98,7 @@ fn main() {
             batch,
             seq,
             lora_r: 16,
-            optim: "paged_adamw_8bit".into(),
+            optim: OptimizerName::PagedAdamW8bit,
             gradient_checkpointing: ckpt,
             activation_memory_budget_mib: budget,
             quantize: nf4,

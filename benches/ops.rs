@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_qlora::ops::attention::{causal_attention, QUERY_BLOCK};
-use candle_qlora::ops::lora_linear::{lora_linear, OutputValue};
 use candle_qlora::ops::{linear_cross_entropy, FrozenLinear, FrozenWeight};
+use candle_qlora::ops::{low_rank_linear, LowRank, OutputValue};
 use candle_qlora::quant::{Nf4Tensor, QuantConfig};
 use criterion::Criterion;
 
@@ -86,7 +86,13 @@ fn lora_case() -> Case {
         name: "lora_linear_nf4_fwd_bwd",
         flops,
         run: Box::new(move || {
-            let y = lora_linear(&x, &base, &a, &b, 2.0, None, OutputValue::Computed).unwrap();
+            let branch = LowRank {
+                a: a.as_tensor(),
+                b: b.as_tensor(),
+                scaling: 2.0,
+                dropout: None,
+            };
+            let y = low_rank_linear(&x, &base, &branch, OutputValue::Computed).unwrap();
             black_box(y.sum_all().unwrap().backward().unwrap());
         }),
     }

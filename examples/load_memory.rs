@@ -9,7 +9,7 @@
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use candle_qlora::loading::source::{cached_test_model, load_model, LoadOptions};
+use candle_qlora::loading::{cached_test_model, load_model, LoadOptions};
 use candle_qlora::memory::process_memory;
 use candle_qlora::quant::QuantConfig;
 

@@ -13,15 +13,15 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_qlora::adapter::load_adapter;
-use candle_qlora::data::{read_jsonl, DataFormat, TokenizedExample};
-use candle_qlora::eval::evaluate;
-use candle_qlora::loading::source::{cached_test_model, load_model, LoadOptions, LoadedModel};
+use candle_qlora::adapter::{load_adapter, Adapters};
+use candle_qlora::data::{DataConfig, Dataset};
+use candle_qlora::loading::{cached_test_model, load_model, LoadOptions, LoadedModel};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::memory::{human_bytes, process_memory};
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig, TextTokenizer};
+use candle_qlora::optim::{OptimizerName, SchedulerType};
 use candle_qlora::quant::QuantConfig;
-use candle_qlora::trainer::{IntervalStrategy, Trainer, TrainingArguments};
+use candle_qlora::trainer::{evaluate, IntervalStrategy, Trainer, TrainingArguments};
 
 /// Counts heap bytes so memory statistics and the timeline are exact.
 #[global_allocator]
@@ -73,19 +73,15 @@ fn resolve(model: Option<&str>, opts: &LoadOptions, work: &Path) -> Result<(Load
     ))
 }
 
-fn tokenize(
-    text: &str,
-    work: &Path,
-    name: &str,
-    tok: &TextTokenizer,
-) -> Result<Vec<TokenizedExample>> {
+/// The bundled JSONL `text`, written to `work/name` and read as the trainer reads data files.
+fn dataset(text: &str, work: &Path, name: &str, tok: &TextTokenizer) -> Result<Dataset> {
     let path = work.join(name);
     std::fs::write(&path, text)?;
-    let (examples, _) = read_jsonl(&path, DataFormat::Auto, false)?;
-    Ok(examples
-        .iter()
-        .map(|e| e.tokenize(tok, 128, false))
-        .collect::<candle_qlora::Result<_>>()?)
+    let config = DataConfig {
+        max_length: 128,
+        ..Default::default()
+    };
+    Ok(Dataset::from_jsonl(&path, tok, &config)?)
 }
 
 fn answer(
@@ -134,8 +130,8 @@ fn main() -> Result<()> {
     println!("model: {which}");
     let tok = loaded.tokenizer()?.clone();
     let source = loaded.source.clone();
-    let train = tokenize(TRAIN, &output, "train.jsonl", &tok)?;
-    let eval = tokenize(EVAL, &output, "eval.jsonl", &tok)?;
+    let train = dataset(TRAIN, &output, "train.jsonl", &tok)?;
+    let eval = dataset(EVAL, &output, "eval.jsonl", &tok)?;
     let question = "What is 12 plus 7?";
     let before = answer(&loaded.model, &tok, question)?;
 
@@ -154,8 +150,8 @@ fn main() -> Result<()> {
         learning_rate: 3e-4,
         max_steps: steps,
         warmup_steps: 0.1,
-        lr_scheduler_type: "cosine".into(),
-        optim: "paged_adamw_8bit".into(),
+        lr_scheduler_type: SchedulerType::Cosine,
+        optim: OptimizerName::PagedAdamW8bit,
         gradient_checkpointing: true,
         // Memory-aware checkpointing: layers whose activations fit in 512 MiB are not recomputed.
         activation_memory_budget_mib: Some(512.0),
@@ -163,14 +159,15 @@ fn main() -> Result<()> {
         save_strategy: IntervalStrategy::No,
         ..Default::default()
     };
-    let mut trainer = Trainer::new(loaded.model, args, &lora, train, eval.clone(), &source)?;
-    let eval_before = evaluate(&trainer.model, &eval, 8)?;
+    let mut trainer = Trainer::new(loaded.model, args, &lora, train, eval)?;
+    trainer.set_base_model_name(&source);
+    let eval_before = trainer.evaluate()?;
     println!(
         "eval loss before training: {:.4} ({} answer tokens)",
         eval_before.loss, eval_before.tokens
     );
     trainer.train(None)?;
-    let eval_after = evaluate(&trainer.model, &eval, 8)?;
+    let eval_after = trainer.evaluate()?;
     println!("eval loss after {steps} steps: {:.4}", eval_after.loss);
     let adapter_dir = PathBuf::from(&trainer.args().output_dir);
     let adapter_bytes: usize = trainer
@@ -183,7 +180,7 @@ fn main() -> Result<()> {
     // Reload: a fresh NF4 base plus the saved PEFT adapter gives the same eval loss.
     let mut fresh = load_model(&source, None, &opts)?.model;
     load_adapter(&mut fresh, &adapter_dir, "default")?;
-    let reloaded = evaluate(&fresh, &eval, 8)?;
+    let reloaded = evaluate(&fresh, &trainer.eval_dataset().rows, 8)?;
     println!(
         "reloaded adapter from {}: eval loss {:.4}",
         adapter_dir.display(),

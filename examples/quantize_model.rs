@@ -13,9 +13,9 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
+use candle_qlora::files::{candle_float_dtype, view_to_f32, MappedSafetensors};
 use candle_qlora::loading::bnb::is_quantizable_linear;
-use candle_qlora::loading::safetensors::{candle_float_dtype, view_to_f32, MappedSafetensors};
-use candle_qlora::loading::source::cached_test_model;
+use candle_qlora::loading::cached_test_model;
 use candle_qlora::quant::{Nf4Tensor, QuantConfig, QuantType};
 
 /// One weight to quantize: name, shape, float32 values.

@@ -96,5 +96,15 @@ impl Error {
     }
 }
 
+/// A serde error with the key it happened at: "`key`: message", or the message alone for the whole document.
+pub(crate) fn at_key<E: std::fmt::Display>(e: serde_path_to_error::Error<E>) -> String {
+    let key = e.path().to_string();
+    if key == "." {
+        e.into_inner().to_string()
+    } else {
+        format!("`{key}`: {}", e.into_inner())
+    }
+}
+
 /// The crate's result type.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -54,11 +54,12 @@
 pub mod adapter;
 pub mod data;
 pub mod error;
-pub mod eval;
+pub mod files;
 pub mod loading;
 pub mod lora;
 pub mod memory;
 pub mod models;
+mod names;
 pub mod ops;
 pub mod optim;
 pub mod plot;
@@ -76,9 +77,9 @@ static TEST_ALLOCATOR: memory::TrackingAllocator = memory::TrackingAllocator;
 
 /// The types most programs need.
 pub mod prelude {
-    pub use crate::adapter::{load_adapter, save_adapter};
+    pub use crate::adapter::{load_adapter, save_adapter, Adapters};
     pub use crate::error::{Error, Result};
-    pub use crate::loading::source::{load_model, LoadOptions, LoadedModel};
+    pub use crate::loading::{load_model, LoadOptions, LoadedModel};
     pub use crate::lora::{InitLoraWeights, LoraConfig, TargetModules};
     pub use crate::models::{generate, Checkpointing, GenerationConfig, LlamaModel, Positions};
     pub use crate::optim::{

@@ -1,4 +1,5 @@
-//! Autocast policy: which dtype activations and matmuls run in, the way PEFT + transformers' autocast behave.
+//! Floating-point types: their PyTorch names ([`TorchDtype`], as configs and checkpoints write them), and the
+//! autocast policy — which dtype activations and matmuls run in, the way PEFT + transformers' autocast behave.
 //!
 //! - `bf16` / `fp16`: frozen base weights are dequantized to that dtype and matmuls run in it; RMSNorm, softmax
 //!   and the loss are computed in float32 inside their ops; LoRA master weights and optimizer math stay float32.
@@ -10,6 +11,39 @@ use std::sync::Once;
 use candle_core::{DType, Device};
 
 use crate::error::{Error, Result};
+use crate::names::named_enum;
+
+named_enum! {
+    /// A float dtype by PyTorch's name (`torch_dtype`, `bnb_4bit_compute_dtype`, bitsandbytes' quant state).
+    pub enum TorchDtype ("dtype") {
+        /// `torch.bfloat16`.
+        BFloat16 = "bfloat16",
+        /// `torch.float16`.
+        Float16 = "float16",
+        /// `torch.float32`.
+        Float32 = "float32",
+    }
+}
+
+impl TorchDtype {
+    /// Candle's dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            TorchDtype::BFloat16 => DType::BF16,
+            TorchDtype::Float16 => DType::F16,
+            TorchDtype::Float32 => DType::F32,
+        }
+    }
+
+    /// The name of a Candle float dtype (anything else is written as float32, the dtype it is computed in).
+    pub fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::BF16 => TorchDtype::BFloat16,
+            DType::F16 => TorchDtype::Float16,
+            _ => TorchDtype::Float32,
+        }
+    }
+}
 
 /// The compute-dtype policy of a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,8 +65,15 @@ impl Precision {
         }
     }
 
-    /// The policy for `TrainingArguments`-style flags on `device`.
-    pub fn from_flags(bf16: bool, fp16: bool, device: &Device) -> Result<Self> {
+    /// The policy for `TrainingArguments`' `bf16`/`fp16` flags on `device`. Without either flag, a GPU computes
+    /// in `quant_compute` (`bnb_4bit_compute_dtype` of a 4-bit model) when given, as bitsandbytes' 4-bit layers
+    /// do; the CPU computes in float32.
+    pub fn from_flags(
+        bf16: bool,
+        fp16: bool,
+        quant_compute: Option<DType>,
+        device: &Device,
+    ) -> Result<Self> {
         let compute_dtype = match (bf16, fp16) {
             (true, true) => {
                 return Err(Error::InvalidInput(
@@ -41,7 +82,10 @@ impl Precision {
             }
             (true, false) => DType::BF16,
             (false, true) => DType::F16,
-            (false, false) => DType::F32,
+            (false, false) => match quant_compute {
+                Some(dtype) if !device.is_cpu() => dtype,
+                _ => DType::F32,
+            },
         };
         if device.is_cpu() && compute_dtype != DType::F32 {
             CPU_BF16_NOTE.call_once(|| {
@@ -63,24 +107,31 @@ mod tests {
     fn flags_map_to_compute_dtypes() {
         let cpu = Device::Cpu;
         assert_eq!(
-            Precision::from_flags(false, false, &cpu)
+            Precision::from_flags(false, false, None, &cpu)
                 .unwrap()
                 .compute_dtype,
             DType::F32
         );
         assert_eq!(
-            Precision::from_flags(true, false, &cpu)
+            Precision::from_flags(true, false, None, &cpu)
                 .unwrap()
                 .compute_dtype,
             DType::BF16
         );
         assert_eq!(
-            Precision::from_flags(false, true, &cpu)
+            Precision::from_flags(false, true, None, &cpu)
                 .unwrap()
                 .compute_dtype,
             DType::F16
         );
-        assert!(Precision::from_flags(true, true, &cpu)
+        // bnb_4bit_compute_dtype applies on a GPU only: the CPU stays in float32.
+        assert_eq!(
+            Precision::from_flags(false, false, Some(DType::BF16), &cpu)
+                .unwrap()
+                .compute_dtype,
+            DType::F32
+        );
+        assert!(Precision::from_flags(true, true, None, &cpu)
             .unwrap_err()
             .to_string()
             .contains("choose one"));

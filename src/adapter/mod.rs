@@ -1,7 +1,10 @@
-//! Adapters on a model: add, switch, disable and remove named LoRA adapters ([`registry`]), and read/write them
-//! in PEFT's file format ([`peft`]).
+//! Adapters on a model: add, switch, disable and remove named LoRA adapters ([`registry`]), read and write them in
+//! PEFT's file format ([`peft`]), and merge one into its base ([`merge`]).
 
+pub mod merge;
 pub mod peft;
 pub mod registry;
 
+pub use merge::{merge_to_folder, merged_weight, MergeOptions, MergeReport};
 pub use peft::{load_adapter, save_adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use registry::{peft_key, AdapterSlot, Adapters};

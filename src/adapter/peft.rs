@@ -8,8 +8,9 @@ use std::path::Path;
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device};
 
+use crate::adapter::Adapters;
 use crate::error::{Error, Result};
-use crate::loading::safetensors::{partial_path, write_safetensors, MappedSafetensors, RawTensor};
+use crate::files::{write_atomic, write_safetensors, MappedSafetensors, RawTensor};
 use crate::lora::LoraConfig;
 use crate::models::LlamaModel;
 
@@ -18,20 +19,23 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// File name of the adapter weights.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 
-/// Writes adapter `name` of `model` to `dir` in PEFT's format. `base_model_name_or_path` is recorded in the
-/// config. Each file is written next to its final name and renamed into place, so a crash leaves no half file.
+/// Writes adapter `name` of `model` to `dir` in PEFT's format. `base_model_name_or_path`, when given, is recorded
+/// in the config (otherwise the adapter's own value, if any, is kept). Each file is written next to its final name
+/// and renamed into place, so a crash leaves no half file.
 pub fn save_adapter(
     model: &LlamaModel,
     name: &str,
     dir: &Path,
-    base_model_name_or_path: &str,
+    base_model_name_or_path: Option<&str>,
 ) -> Result<()> {
     let mut config = model
         .adapter_configs
         .get(name)
         .ok_or_else(|| Error::InvalidInput(format!("no adapter named `{name}`")))?
         .clone();
-    config.base_model_name_or_path = Some(base_model_name_or_path.to_string());
+    if let Some(base) = base_model_name_or_path {
+        config.base_model_name_or_path = Some(base.to_string());
+    }
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
     let mut tensors = Vec::new();
     for (key, var) in model.adapter_parameters(name)? {
@@ -43,10 +47,7 @@ pub fn save_adapter(
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;
     let text = serde_json::to_string_pretty(&config.to_json())
         .map_err(|e| Error::InvalidInput(e.to_string()))?;
-    let path = dir.join(ADAPTER_CONFIG);
-    let tmp = partial_path(&path);
-    std::fs::write(&tmp, text).map_err(|e| Error::io("cannot write", &tmp, e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| Error::io("cannot move into place", &path, e))
+    write_atomic(&dir.join(ADAPTER_CONFIG), text)
 }
 
 /// Loads a PEFT adapter from `dir` into `model` under `name` and makes it active. Nothing changes unless the

@@ -1,5 +1,5 @@
-//! Several named adapters on one base model: add (freshly initialized or from given tensors), activate, disable,
-//! remove, and list their trainable tensors under PEFT's names.
+//! Several named adapters on one base model ([`Adapters`]): add (freshly initialized or from given tensors),
+//! activate, disable, remove, and list their trainable tensors under PEFT's names.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use crate::error::{Error, Result};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{InitLoraWeights, LoraAdapter, LoraConfig};
-use crate::models::LlamaModel;
+use crate::models::{LlamaModel, SavedModules};
 
 /// One module an adapter config selects, with its shapes.
 #[derive(Clone, Debug, PartialEq)]
@@ -52,9 +52,49 @@ fn random(n: usize, seed: u64, gaussian: Option<f64>, bound: f64) -> Vec<f32> {
         .collect()
 }
 
-impl LlamaModel {
+/// Named adapters on a model, as PEFT's `PeftModel` manages them: add (freshly initialized or from tensors),
+/// activate, disable, remove, and list their trainable tensors under PEFT's names.
+pub trait Adapters {
     /// The modules `config` adapts, with their shapes, rank and alpha. An error if it selects none.
-    pub fn adapter_slots(&self, config: &LoraConfig) -> Result<Vec<AdapterSlot>> {
+    fn adapter_slots(&self, config: &LoraConfig) -> Result<Vec<AdapterSlot>>;
+
+    /// Adds adapter `name` with freshly initialized weights (PEFT's init for `init_lora_weights`) and makes it
+    /// active. `seed` makes the initialization reproducible.
+    fn add_adapter(&mut self, name: &str, config: &LoraConfig, seed: u64) -> Result<()>;
+
+    /// PEFT keys and base tensors of the modules `config` trains in full (`lm_head`, `embed_tokens`).
+    fn saved_module_bases(&self, config: &LoraConfig) -> Result<Vec<(String, Tensor)>>;
+
+    /// Adds adapter `name` from PEFT-named tensors (all checked before anything changes: missing or unexpected
+    /// keys and wrong shapes are an error naming them). DoRA magnitudes missing from `tensors` are initialized
+    /// to the row norms of the merged weight when `init_missing_magnitude`.
+    fn insert_adapter(
+        &mut self,
+        name: &str,
+        config: &LoraConfig,
+        slots: &[AdapterSlot],
+        tensors: BTreeMap<String, Tensor>,
+        init_missing_magnitude: bool,
+    ) -> Result<()>;
+
+    /// Makes `name` the active adapter on every module (modules without it run the base alone).
+    fn set_adapter(&mut self, name: &str) -> Result<()>;
+
+    /// Runs the base model alone until [`Adapters::set_adapter`] is called again.
+    fn disable_adapters(&mut self);
+
+    /// Removes adapter `name` (PEFT's `delete_adapter`; `unload` when it is the only one).
+    fn delete_adapter(&mut self, name: &str) -> Result<()>;
+
+    /// Names of the loaded adapters.
+    fn adapter_names(&self) -> Vec<String>;
+
+    /// The trainable tensors of adapter `name` under PEFT's names, in name order.
+    fn adapter_parameters(&self, name: &str) -> Result<Vec<(String, Var)>>;
+}
+
+impl Adapters for LlamaModel {
+    fn adapter_slots(&self, config: &LoraConfig) -> Result<Vec<AdapterSlot>> {
         config.validate()?;
         let mut slots = Vec::new();
         for (module, lin) in self.linears() {
@@ -80,9 +120,7 @@ impl LlamaModel {
         Ok(slots)
     }
 
-    /// Adds adapter `name` with freshly initialized weights (PEFT's init for `init_lora_weights`) and makes it
-    /// active. `seed` makes the initialization reproducible.
-    pub fn add_adapter(&mut self, name: &str, config: &LoraConfig, seed: u64) -> Result<()> {
+    fn add_adapter(&mut self, name: &str, config: &LoraConfig, seed: u64) -> Result<()> {
         let slots = self.adapter_slots(config)?;
         let mut tensors = BTreeMap::new();
         for (i, s) in slots.iter().enumerate() {
@@ -122,8 +160,7 @@ impl LlamaModel {
         self.insert_adapter(name, config, &slots, tensors, true)
     }
 
-    /// PEFT keys and base tensors of the modules `config` trains in full (`lm_head`, `embed_tokens`).
-    pub fn saved_module_bases(&self, config: &LoraConfig) -> Result<Vec<(String, Tensor)>> {
+    fn saved_module_bases(&self, config: &LoraConfig) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for m in config.modules_to_save.iter().flatten() {
             match m.rsplit('.').next().unwrap_or(m) {
@@ -139,10 +176,7 @@ impl LlamaModel {
         Ok(out)
     }
 
-    /// Adds adapter `name` from PEFT-named tensors (all checked before anything changes: missing or unexpected
-    /// keys and wrong shapes are an error naming them). DoRA magnitudes missing from `tensors` are initialized
-    /// to the row norms of the merged weight when `init_missing_magnitude`.
-    pub fn insert_adapter(
+    fn insert_adapter(
         &mut self,
         name: &str,
         config: &LoraConfig,
@@ -240,7 +274,7 @@ impl LlamaModel {
             };
             built.insert(s.module.clone(), adapter);
         }
-        let mut saved = crate::models::SavedModules::default();
+        let mut saved = SavedModules::default();
         for (key, base) in self.saved_module_bases(config)? {
             if let Some(t) = take(&mut tensors, key.clone(), base.dims(), &mut problems) {
                 let var = Var::from_tensor(&t.to_device(self.device())?.to_dtype(DType::F32)?)?;
@@ -279,8 +313,7 @@ impl LlamaModel {
         self.set_adapter(name)
     }
 
-    /// Makes `name` the active adapter on every module (modules without it run the base alone).
-    pub fn set_adapter(&mut self, name: &str) -> Result<()> {
+    fn set_adapter(&mut self, name: &str) -> Result<()> {
         if !self.adapter_configs.contains_key(name) {
             return Err(Error::InvalidInput(format!(
                 "no adapter named `{name}`; loaded: {:?}",
@@ -294,16 +327,14 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// Runs the base model alone until [`LlamaModel::set_adapter`] is called again.
-    pub fn disable_adapters(&mut self) {
+    fn disable_adapters(&mut self) {
         for (_, lin) in self.linears_mut() {
             lin.active = None;
         }
         self.active_adapter = None;
     }
 
-    /// Removes adapter `name` (PEFT's `delete_adapter`; `unload` when it is the only one).
-    pub fn delete_adapter(&mut self, name: &str) -> Result<()> {
+    fn delete_adapter(&mut self, name: &str) -> Result<()> {
         if self.adapter_configs.remove(name).is_none() {
             return Err(Error::InvalidInput(format!("no adapter named `{name}`")));
         }
@@ -320,13 +351,11 @@ impl LlamaModel {
         Ok(())
     }
 
-    /// Names of the loaded adapters.
-    pub fn adapter_names(&self) -> Vec<String> {
+    fn adapter_names(&self) -> Vec<String> {
         self.adapter_configs.keys().cloned().collect()
     }
 
-    /// The trainable tensors of adapter `name` under PEFT's names, in name order.
-    pub fn adapter_parameters(&self, name: &str) -> Result<Vec<(String, Var)>> {
+    fn adapter_parameters(&self, name: &str) -> Result<Vec<(String, Var)>> {
         if !self.adapter_configs.contains_key(name) {
             return Err(Error::InvalidInput(format!("no adapter named `{name}`")));
         }

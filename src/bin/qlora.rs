@@ -1,4 +1,5 @@
-//! `qlora`: the command-line front end of candle-qlora (see DESIGN.md, "The command").
+//! `qlora`: the command-line front end of candle-qlora. Each subcommand parses its flags and calls the library;
+//! the subcommands and their flags are a stable interface (README, "The `qlora` command").
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,19 +8,16 @@ use std::io::Write;
 
 use anyhow::Context;
 use candle_core::DType;
-use candle_qlora::adapter::load_adapter;
-use candle_qlora::data::{pack, read_jsonl, DataFormat};
-use candle_qlora::eval::evaluate;
+use candle_qlora::adapter::{load_adapter, merge_to_folder, MergeOptions};
+use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset};
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
-use candle_qlora::loading::source::{load_model, load_model_config, LoadOptions, LoadedModel};
-use candle_qlora::lora::merge::{merge_to_folder, MergeOptions};
+use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
 use candle_qlora::memory::Regime;
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
-use candle_qlora::precision::Precision;
+use candle_qlora::optim::OptimizerName;
+use candle_qlora::precision::TorchDtype;
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
-use candle_qlora::trainer::{
-    latest_checkpoint, EarlyStoppingCallback, MemoryMonitorCallback, RunConfig, Trainer,
-};
+use candle_qlora::trainer::{evaluate, RunConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// Counts heap bytes so memory statistics and the timeline are exact.
@@ -86,7 +84,7 @@ struct EstimateCliArgs {
     lora_r: usize,
     /// Optimizer (TrainingArguments.optim name).
     #[arg(long, default_value = "paged_adamw_8bit")]
-    optim: String,
+    optim: OptimizerName,
     /// Per-layer gradient checkpointing.
     #[arg(long = "gradient-checkpointing")]
     gradient_checkpointing: bool,
@@ -113,7 +111,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         batch: args.batch,
         seq: args.seq,
         lora_r: args.lora_r,
-        optim: args.optim.clone(),
+        optim: args.optim,
         gradient_checkpointing: args.gradient_checkpointing,
         activation_memory_budget_mib: args.activation_memory_budget_mib,
         quantize: matches!(args.quantize, QuantizeArg::Nf4),
@@ -187,100 +185,12 @@ struct TrainArgs {
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
-    let cfg = RunConfig::load(&args.config, &args.set)?;
-    let device = cfg.training.device();
-    // bf16/fp16 as the training arguments ask (on CPU f32 is as fast and more precise, so it is the default).
-    let compute_dtype =
-        Precision::from_flags(cfg.training.bf16, cfg.training.fp16, &device)?.compute_dtype;
-    let opts = LoadOptions {
-        quantization: cfg.model.quantization,
-        compute_dtype,
-    };
-    let loaded = load_model(
-        &cfg.model.name_or_path,
-        cfg.model.revision.as_deref(),
-        &opts,
-    )
-    .with_context(|| format!("loading model `{}`", cfg.model.name_or_path))?;
-    let tokenizer = loaded.tokenizer()?.clone();
-    let format: DataFormat = cfg.data.format.parse()?;
-    let all_tokens = !cfg.data.completion_only_loss;
-    let tokenize =
-        |path: &std::path::Path| -> anyhow::Result<Vec<candle_qlora::data::TokenizedExample>> {
-            let (examples, read) = read_jsonl(path, format, cfg.data.skip_bad_lines)?;
-            for (line, reason) in &read.skipped {
-                eprintln!("warning: {}:{line}: skipped ({reason})", path.display());
-            }
-            let t = examples
-                .iter()
-                .map(|e| e.tokenize(&tokenizer, cfg.data.max_length, all_tokens))
-                .collect::<candle_qlora::Result<Vec<_>>>()?;
-            let truncated = t.iter().filter(|e| e.truncated).count();
-            if truncated > 0 {
-                eprintln!(
-                    "{}: {truncated} examples truncated to {} tokens",
-                    path.display(),
-                    cfg.data.max_length
-                );
-            }
-            Ok(t)
-        };
-    let mut train_set = tokenize(&cfg.data.train_file)?;
-    let eval_set = match (&cfg.data.eval_file, cfg.data.eval_split) {
-        (Some(f), _) => tokenize(f)?,
-        (None, Some(split)) if split > 0.0 => {
-            let n = ((train_set.len() as f64) * split).ceil() as usize;
-            train_set.split_off(train_set.len() - n.min(train_set.len() - 1))
-        }
-        _ => vec![],
-    };
-    eprintln!(
-        "{} training examples, {} evaluation examples",
-        train_set.len(),
-        eval_set.len()
-    );
-    if cfg.data.packing {
-        let examples = train_set.len();
-        train_set = pack(&train_set, cfg.data.max_length);
-        let tokens: usize = train_set.iter().map(|r| r.input_ids.len()).sum();
-        eprintln!(
-            "packed {examples} examples into {} rows of up to {} tokens ({:.1}% full)",
-            train_set.len(),
-            cfg.data.max_length,
-            100.0 * tokens as f64 / (train_set.len() * cfg.data.max_length).max(1) as f64
-        );
+    let mut config = RunConfig::load(&args.config, &args.set)?;
+    if let Some(resume) = args.resume {
+        config.training.resume_from_checkpoint = Some(resume);
     }
-    let output_dir = PathBuf::from(&cfg.training.output_dir);
-    let resume = match args.resume.as_deref() {
-        None => None,
-        Some("latest") => Some(latest_checkpoint(&output_dir).with_context(|| {
-            format!(
-                "--resume: no checkpoint-N folder with trainer_state.json in {}",
-                output_dir.display()
-            )
-        })?),
-        Some(p) => Some(PathBuf::from(p)),
-    };
-    let mut trainer = Trainer::new(
-        loaded.model.to_device(&device)?,
-        cfg.training.clone(),
-        &cfg.lora,
-        train_set,
-        eval_set,
-        &cfg.model.name_or_path,
-    )?;
-    trainer.set_run_config(cfg.resolved.clone());
-    if let Some(patience) = cfg.callbacks.early_stopping_patience {
-        trainer.add_callback(Box::new(EarlyStoppingCallback::new(
-            patience,
-            cfg.callbacks.early_stopping_threshold,
-        )));
-    }
-    if cfg.callbacks.memory_monitor {
-        trainer.add_callback(Box::new(
-            MemoryMonitorCallback::new(cfg.callbacks.memory_warn_fraction).on_device(&device),
-        ));
-    }
+    let resume = config.training.resume_checkpoint().context("--resume")?;
+    let mut trainer = Trainer::from_run_config(&config)?;
     trainer.train(resume.as_deref())?;
     Ok(())
 }
@@ -481,14 +391,21 @@ struct GenerateArgs {
 }
 
 fn eval(args: EvalArgs) -> anyhow::Result<()> {
-    let format = match args.format {
-        FormatArg::Auto => DataFormat::Auto,
-        FormatArg::Text => DataFormat::Text,
-        FormatArg::Alpaca => DataFormat::Alpaca,
-        FormatArg::Messages => DataFormat::Messages,
-        FormatArg::Sharegpt => DataFormat::ShareGpt,
+    let data = DataConfig {
+        format: match args.format {
+            FormatArg::Auto => DataFormat::Auto,
+            FormatArg::Text => DataFormat::Text,
+            FormatArg::Alpaca => DataFormat::Alpaca,
+            FormatArg::Messages => DataFormat::Messages,
+            FormatArg::Sharegpt => DataFormat::ShareGpt,
+        },
+        max_length: args.max_length,
+        completion_only_loss: !args.all_tokens,
+        skip_bad_lines: args.skip_bad_lines,
+        ..Default::default()
     };
-    let (examples, read) = read_jsonl(&args.data, format, args.skip_bad_lines)?;
+    // The file is read (and its bad lines reported) before the model loads.
+    let (examples, read) = read_jsonl(&args.data, data.format, data.skip_bad_lines)?;
     for (line, reason) in &read.skipped {
         eprintln!(
             "warning: {}:{line}: skipped ({reason})",
@@ -497,11 +414,8 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     }
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
-    let tokenized = examples
-        .iter()
-        .map(|e| e.tokenize(tokenizer, args.max_length, args.all_tokens))
-        .collect::<candle_qlora::Result<Vec<_>>>()?;
-    let report = evaluate(&loaded.model, &tokenized, args.batch_size)?;
+    let dataset = Dataset::tokenize(examples, tokenizer, &data)?;
+    let report = evaluate(&loaded.model, &dataset.rows, args.batch_size)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -610,8 +524,8 @@ struct QuantizeArgs {
     #[arg(long, value_enum, default_value = "cuda")]
     kernels: KernelsArg,
     /// bnb_4bit_compute_dtype written to config.json (bfloat16, float16, float32).
-    #[arg(long, default_value = "bfloat16", value_parser = ["bfloat16", "float16", "float32"])]
-    compute_dtype: String,
+    #[arg(long, default_value = "bfloat16")]
+    compute_dtype: TorchDtype,
     /// Replace an existing output (only once the new one is complete).
     #[arg(long)]
     overwrite: bool,

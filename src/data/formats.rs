@@ -16,37 +16,24 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::models::tokenizer::{ChatMessage, TextTokenizer};
+use crate::names::named_enum;
 use crate::ops::IGNORE_INDEX;
 
-/// The data format of a JSONL file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum DataFormat {
-    /// Detect per line from the keys.
-    #[default]
-    Auto,
-    /// `{"text": ...}`.
-    Text,
-    /// `{"instruction", "input"?, "output"}`.
-    Alpaca,
-    /// `{"messages": [...]}`.
-    Messages,
-    /// `{"conversations": [...]}`.
-    ShareGpt,
-}
-
-impl std::str::FromStr for DataFormat {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "auto" => Ok(DataFormat::Auto),
-            "text" => Ok(DataFormat::Text),
-            "alpaca" => Ok(DataFormat::Alpaca),
-            "messages" => Ok(DataFormat::Messages),
-            "sharegpt" => Ok(DataFormat::ShareGpt),
-            other => Err(Error::InvalidInput(format!(
-                "unknown data format `{other}`: use auto, text, alpaca, messages or sharegpt"
-            ))),
-        }
+named_enum! {
+    /// The data format of a JSONL file.
+    #[derive(Default)]
+    pub enum DataFormat ("data format") {
+        /// Detect per line from the keys.
+        #[default]
+        Auto = "auto",
+        /// `{"text": ...}`.
+        Text = "text",
+        /// `{"instruction", "input"?, "output"}`.
+        Alpaca = "alpaca",
+        /// `{"messages": [...]}`.
+        Messages = "messages",
+        /// `{"conversations": [...]}`.
+        ShareGpt = "sharegpt",
     }
 }
 

@@ -16,14 +16,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use candle_core::DType;
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::Deserialize;
 
-use super::safetensors::{
-    candle_float_dtype, partial_path, view_to_f32, write_safetensors, MappedSafetensors, RawTensor,
-};
 use crate::error::{Error, Result};
+use crate::files::{
+    candle_float_dtype, replace_dir, view_to_f32, write_safetensors, MappedSafetensors, RawTensor,
+};
+use crate::precision::TorchDtype;
 use crate::quant::{
     check_nested_blocksize, BlockScales, NestedAbsmax, Nf4Tensor, QuantConfig, QuantType,
 };
@@ -40,24 +40,6 @@ struct QuantStateJson {
     nested_blocksize: Option<usize>,
     nested_dtype: Option<String>,
     nested_offset: Option<f64>,
-}
-
-/// torch's dtype names as bitsandbytes writes them (`str(dtype).strip("torch.")`).
-fn torch_dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    }
-}
-
-fn dtype_from_torch_name(name: &str) -> Option<DType> {
-    match name {
-        "float32" => Some(DType::F32),
-        "float16" => Some(DType::F16),
-        "bfloat16" => Some(DType::BF16),
-        _ => None,
-    }
 }
 
 /// Formats a float like Python's `repr` (shortest round-trip digits; exponent form below 1e-4 or from 1e16).
@@ -95,7 +77,7 @@ fn quant_state_json(t: &Nf4Tensor) -> String {
         "{{\"quant_type\": \"{}\", \"blocksize\": {}, \"dtype\": \"{}\", \"shape\": [{}]",
         t.quant_type(),
         t.blocksize(),
-        torch_dtype_name(t.dtype()),
+        TorchDtype::of(t.dtype()),
         shape.join(", ")
     );
     if let BlockScales::Nested(n) = t.scales() {
@@ -211,12 +193,11 @@ pub fn read_bnb_weight(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<
             state.quant_type
         )));
     }
-    let dtype = dtype_from_torch_name(&state.dtype).ok_or_else(|| {
-        bad(format!(
-            "`{state_key}` has dtype `{}`; expected float32, float16 or bfloat16",
-            state.dtype
-        ))
-    })?;
+    let dtype = state
+        .dtype
+        .parse::<TorchDtype>()
+        .map_err(|e| bad(format!("`{state_key}`: {e}")))?
+        .dtype();
 
     let packed = get(name)?.data().to_vec();
     let code_view = get(&format!("{name}.quant_map"))?;
@@ -331,8 +312,8 @@ pub fn is_quantizable_linear(name: &str, shape: &[usize]) -> bool {
 pub struct QuantizeOptions {
     /// How to quantize each linear weight.
     pub config: QuantConfig,
-    /// `bnb_4bit_compute_dtype` written to a model folder's `config.json` (`bfloat16`, `float16`, `float32`).
-    pub compute_dtype: String,
+    /// `bnb_4bit_compute_dtype` written to a model folder's `config.json`.
+    pub compute_dtype: TorchDtype,
     /// Replace an existing output (it is only removed once the new output is complete).
     pub overwrite: bool,
 }
@@ -341,7 +322,7 @@ impl Default for QuantizeOptions {
     fn default() -> Self {
         QuantizeOptions {
             config: QuantConfig::nf4(),
-            compute_dtype: "bfloat16".into(),
+            compute_dtype: TorchDtype::BFloat16,
             overwrite: false,
         }
     }
@@ -488,7 +469,7 @@ pub fn quantize_model_dir(
     }
     config_obj.insert(
         "quantization_config".into(),
-        quantization_config_json(&options.config, &options.compute_dtype),
+        quantization_config_json(&options.config, options.compute_dtype),
     );
 
     let mut entries: Vec<PathBuf> = std::fs::read_dir(input)
@@ -508,10 +489,8 @@ pub fn quantize_model_dir(
         ));
     }
 
-    let staging = partial_path(output);
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
-    let result = (|| -> Result<QuantizeReport> {
+    // With --overwrite, the old output goes only once the new one is complete.
+    replace_dir(output, |staging| {
         let mut report = QuantizeReport::default();
         let mut weight_map = BTreeMap::new();
         let mut total_size = 0usize;
@@ -556,27 +535,14 @@ pub fn quantize_model_dir(
             }
         }
         Ok(report)
-    })();
-    let report = match result {
-        Ok(report) => report,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
-    if output.exists() {
-        // --overwrite: the old output goes only now that the new one is complete.
-        std::fs::remove_dir_all(output)
-            .or_else(|_| std::fs::remove_file(output))
-            .map_err(|e| Error::io("cannot replace", output, e))?;
-    }
-    std::fs::rename(&staging, output)
-        .map_err(|e| Error::io("cannot move into place", output, e))?;
-    Ok(report)
+    })
 }
 
 /// transformers' `BitsAndBytesConfig.to_dict()` for a 4-bit config with the given compute dtype name.
-pub fn quantization_config_json(config: &QuantConfig, compute_dtype: &str) -> serde_json::Value {
+pub fn quantization_config_json(
+    config: &QuantConfig,
+    compute_dtype: TorchDtype,
+) -> serde_json::Value {
     serde_json::json!({
         "_load_in_4bit": true,
         "_load_in_8bit": false,

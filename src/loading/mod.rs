@@ -1,10 +1,17 @@
 //! Reading and writing model files.
 //!
-//! - [`safetensors`]: memory-mapped safetensors files, raw tensors for writing, atomic file output.
-//! - [`source`]: where a model comes from (the cached test model for now).
+//! - [`model`]: [`load_model`] — a model and its tokenizer from a folder, a `.gguf` file or a Hub id, quantized on
+//!   load; [`load_model_config`] reads only the configuration.
+//! - [`source`]: what a `--model` argument names; [`hub`]: Hub downloads and the offline cache.
+//! - [`safetensors`]: a model folder's (sharded) safetensors weights; [`gguf`]: GGUF weights and metadata.
 //! - [`bnb`]: bitsandbytes' 4-bit checkpoint layout (`*-bnb-4bit` models) and quantizing files and model folders.
 
 pub mod bnb;
 pub mod gguf;
+pub mod hub;
+pub mod model;
 pub mod safetensors;
 pub mod source;
+
+pub use model::{load_model, load_model_config, LoadOptions, LoadedModel};
+pub use source::{cached_test_model, ModelSource, TEST_MODEL_FILE};

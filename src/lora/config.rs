@@ -1,13 +1,16 @@
-//! `LoraConfig` with PEFT's field names and defaults, read from and written to `adapter_config.json`.
+//! `LoraConfig` with PEFT's field names and defaults: a serde type read from `adapter_config.json` (every key PEFT
+//! writes is tolerated) or a run config's `[lora]` table, and written back as PEFT writes it.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use serde_json::{json, Map, Value};
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+use serde_json::{json, Value};
 
-use crate::error::{Error, Result};
+use crate::error::{at_key, Error, Result};
 
-/// Which modules get an adapter (`target_modules`).
+/// Which modules get an adapter (`target_modules`): a list of names, a regex string, or `"all-linear"`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TargetModules {
     /// Module names or name suffixes: `q_proj` matches `model.layers.0.self_attn.q_proj`.
@@ -18,10 +21,56 @@ pub enum TargetModules {
     AllLinear,
 }
 
-/// How adapter weights start (`init_lora_weights`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+impl Serialize for TargetModules {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            TargetModules::AllLinear => s.serialize_str("all-linear"),
+            TargetModules::Regex(r) => s.serialize_str(r),
+            // PEFT keeps target modules in a set and writes them sorted.
+            TargetModules::List(l) => {
+                let mut l = l.clone();
+                l.sort();
+                l.serialize(s)
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for TargetModules {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Targets;
+        impl<'de> Visitor<'de> for Targets {
+            type Value = TargetModules;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of module names, a regex string or \"all-linear\"")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> std::result::Result<TargetModules, E> {
+                Ok(if s == "all-linear" {
+                    TargetModules::AllLinear
+                } else {
+                    TargetModules::Regex(s.to_string())
+                })
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<TargetModules, A::Error> {
+                let mut names = Vec::new();
+                while let Some(name) = seq.next_element::<String>()? {
+                    names.push(name);
+                }
+                Ok(TargetModules::List(names))
+            }
+        }
+        d.deserialize_any(Targets)
+    }
+}
+
+/// How adapter weights start (`init_lora_weights`: `true`, `false` or `"gaussian"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum InitLoraWeights {
     /// `true`: A ~ kaiming-uniform(a=√5), B = 0 (the adapter starts as a no-op).
+    #[default]
     Default,
     /// `false`: A and B both random (for tests; the adapter is not a no-op).
     Random,
@@ -29,8 +78,47 @@ pub enum InitLoraWeights {
     Gaussian,
 }
 
+impl Serialize for InitLoraWeights {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            InitLoraWeights::Default => s.serialize_bool(true),
+            InitLoraWeights::Random => s.serialize_bool(false),
+            InitLoraWeights::Gaussian => s.serialize_str("gaussian"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for InitLoraWeights {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Init;
+        impl Visitor<'_> for Init {
+            type Value = InitLoraWeights;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("true, false or \"gaussian\"")
+            }
+            fn visit_bool<E: de::Error>(self, b: bool) -> std::result::Result<InitLoraWeights, E> {
+                Ok(if b {
+                    InitLoraWeights::Default
+                } else {
+                    InitLoraWeights::Random
+                })
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> std::result::Result<InitLoraWeights, E> {
+                match s {
+                    "gaussian" => Ok(InitLoraWeights::Gaussian),
+                    other => Err(E::custom(format!(
+                        "init_lora_weights \"{other}\" is not supported (true, false, \"gaussian\")"
+                    ))),
+                }
+            }
+        }
+        d.deserialize_any(Init)
+    }
+}
+
 /// PEFT's `LoraConfig`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct LoraConfig {
     /// Rank.
     pub r: usize,
@@ -86,40 +174,42 @@ impl Default for LoraConfig {
 /// PEFT's default `target_modules` for Llama-family models.
 pub const DEFAULT_LLAMA_TARGETS: [&str; 2] = ["q_proj", "v_proj"];
 
-fn bad(path: &Path, msg: String) -> Error {
-    Error::invalid_file(path, msg)
+/// The keys of `adapter_config.json` that describe features this implementation does not have: an adapter that
+/// uses one is refused rather than loaded wrong.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct PeftOnlyKeys {
+    peft_type: Option<String>,
+    fan_in_fan_out: bool,
+    lora_bias: bool,
+    layers_to_transform: Option<Value>,
+    layer_replication: Option<Value>,
+    trainable_token_indices: Option<Value>,
 }
 
-fn targets_from_json(v: &Value, key: &str, path: &Path) -> Result<Option<TargetModules>> {
-    match v {
-        Value::Null => Ok(None),
-        Value::String(s) if s == "all-linear" => Ok(Some(TargetModules::AllLinear)),
-        Value::String(s) => Ok(Some(TargetModules::Regex(s.clone()))),
-        Value::Array(a) => a
-            .iter()
-            .map(|x| {
-                x.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| bad(path, format!("`{key}` must list strings")))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(|l| Some(TargetModules::List(l))),
-        _ => Err(bad(
-            path,
-            format!("`{key}` must be a list, a regex string or \"all-linear\""),
-        )),
-    }
-}
-
-fn targets_to_json(t: &Option<TargetModules>) -> Value {
-    match t {
-        None => Value::Null,
-        Some(TargetModules::AllLinear) => json!("all-linear"),
-        Some(TargetModules::Regex(r)) => json!(r),
-        Some(TargetModules::List(l)) => {
-            let mut l = l.clone();
-            l.sort();
-            json!(l)
+impl PeftOnlyKeys {
+    fn check(&self) -> std::result::Result<(), String> {
+        if let Some(t) = self.peft_type.as_deref().filter(|t| *t != "LORA") {
+            return Err(format!(
+                "peft_type is `{t}`; only LORA adapters are supported"
+            ));
+        }
+        if self.fan_in_fan_out {
+            return Err(
+                "fan_in_fan_out = true (GPT-2 Conv1D layers) is not supported for Llama-family models".into(),
+            );
+        }
+        if self.lora_bias {
+            return Err("lora_bias = true is not supported".into());
+        }
+        let set = [
+            ("layers_to_transform", &self.layers_to_transform),
+            ("layer_replication", &self.layer_replication),
+            ("trainable_token_indices", &self.trainable_token_indices),
+        ];
+        match set.iter().find(|(_, v)| v.is_some()) {
+            Some((key, _)) => Err(format!("`{key}` is set; it is not supported yet")),
+            None => Ok(()),
         }
     }
 }
@@ -156,7 +246,7 @@ impl LoraConfig {
             return bad(format!("rank_pattern[{k:?}] must be at least 1"));
         }
         for key in self.rank_pattern.keys().chain(self.alpha_pattern.keys()) {
-            regex_lite_check(key)
+            regex::Regex::new(key)
                 .map_err(|e| Error::InvalidInput(format!("LoraConfig: pattern {key:?}: {e}")))?;
         }
         Ok(())
@@ -165,139 +255,33 @@ impl LoraConfig {
     /// Reads `adapter_config.json` (unknown keys are ignored, missing keys take PEFT's defaults).
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read", path, e))?;
-        let v: Value =
-            serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid_file(path, format!("not valid JSON: {e}")))?;
         Self::from_json(&v, path)
     }
 
     /// Parses an `adapter_config.json` object; `path` names it in errors.
     pub fn from_json(v: &Value, path: &Path) -> Result<Self> {
-        let obj = v
-            .as_object()
-            .ok_or_else(|| bad(path, "expected a JSON object".into()))?;
-        if let Some(t) = obj.get("peft_type").and_then(Value::as_str) {
-            if t != "LORA" {
-                return Err(bad(
-                    path,
-                    format!("peft_type is `{t}`; only LORA adapters are supported"),
-                ));
-            }
-        }
-        let d = LoraConfig::default();
-        let num = |k: &str, default: f64| -> Result<f64> {
-            match obj.get(k) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .ok_or_else(|| bad(path, format!("`{k}` must be a number"))),
-            }
+        let bad = |msg: String| Error::invalid_file(path, msg);
+        let Value::Object(obj) = v else {
+            return Err(bad("expected a JSON object".into()));
         };
-        let flag = |k: &str| -> Result<bool> {
-            match obj.get(k) {
-                None | Some(Value::Null) => Ok(false),
-                Some(x) => x
-                    .as_bool()
-                    .ok_or_else(|| bad(path, format!("`{k}` must be true or false"))),
-            }
-        };
-        let string = |k: &str| obj.get(k).and_then(Value::as_str).map(str::to_string);
-        let r = num("r", d.r as f64)?;
-        if r < 1.0 || r.fract() != 0.0 {
-            return Err(bad(
-                path,
-                format!("`r` must be a positive integer, got {r}"),
-            ));
-        }
-        let init_lora_weights = match obj.get("init_lora_weights") {
-            None | Some(Value::Null) | Some(Value::Bool(true)) => InitLoraWeights::Default,
-            Some(Value::Bool(false)) => InitLoraWeights::Random,
-            Some(Value::String(s)) if s == "gaussian" => InitLoraWeights::Gaussian,
-            Some(other) => {
-                return Err(bad(
-                    path,
-                    format!(
-                        "init_lora_weights {other} is not supported (true, false, \"gaussian\")"
-                    ),
-                ))
-            }
-        };
-        let rank_pattern = match obj.get("rank_pattern") {
-            Some(Value::Object(m)) => m
-                .iter()
-                .map(|(k, v)| {
-                    v.as_u64()
-                        .map(|r| (k.clone(), r as usize))
-                        .ok_or_else(|| bad(path, format!("rank_pattern[{k:?}] must be an integer")))
-                })
-                .collect::<Result<_>>()?,
-            _ => BTreeMap::new(),
-        };
-        let alpha_pattern = match obj.get("alpha_pattern") {
-            Some(Value::Object(m)) => m
-                .iter()
-                .map(|(k, v)| {
-                    v.as_f64()
-                        .map(|a| (k.clone(), a))
-                        .ok_or_else(|| bad(path, format!("alpha_pattern[{k:?}] must be a number")))
-                })
-                .collect::<Result<_>>()?,
-            _ => BTreeMap::new(),
-        };
-        if flag("fan_in_fan_out")? {
-            return Err(bad(path, "fan_in_fan_out = true (GPT-2 Conv1D layers) is not supported for Llama-family models".into()));
-        }
-        for unsupported in [
-            "layers_to_transform",
-            "layer_replication",
-            "trainable_token_indices",
-        ] {
-            if obj.get(unsupported).is_some_and(|v| !v.is_null()) {
-                return Err(bad(
-                    path,
-                    format!("`{unsupported}` is set; it is not supported yet"),
-                ));
-            }
-        }
-        if flag("lora_bias")? {
-            return Err(bad(path, "lora_bias = true is not supported".into()));
-        }
-        let config = LoraConfig {
-            r: r as usize,
-            lora_alpha: num("lora_alpha", d.lora_alpha)?,
-            lora_dropout: num("lora_dropout", 0.0)?,
-            target_modules: targets_from_json(
-                obj.get("target_modules").unwrap_or(&Value::Null),
-                "target_modules",
-                path,
-            )?,
-            exclude_modules: targets_from_json(
-                obj.get("exclude_modules").unwrap_or(&Value::Null),
-                "exclude_modules",
-                path,
-            )?,
-            bias: string("bias").unwrap_or_else(|| "none".into()),
-            use_rslora: flag("use_rslora")?,
-            rank_pattern,
-            alpha_pattern,
-            init_lora_weights,
-            use_dora: flag("use_dora")?,
-            modules_to_save: match obj.get("modules_to_save") {
-                Some(Value::Array(a)) => Some(
-                    a.iter()
-                        .filter_map(|x| x.as_str().map(str::to_string))
-                        .collect(),
-                ),
-                _ => None,
-            },
-            base_model_name_or_path: string("base_model_name_or_path"),
-            revision: string("revision"),
-        };
-        config.validate().map_err(|e| bad(path, e.to_string()))?;
+        // `null` means "PEFT's default", as a missing key does.
+        let mut obj = obj.clone();
+        obj.retain(|_, v| !v.is_null());
+        let obj = Value::Object(obj);
+        let extras: PeftOnlyKeys =
+            serde_path_to_error::deserialize(&obj).map_err(|e| bad(at_key(e)))?;
+        extras.check().map_err(bad)?;
+        let config: LoraConfig =
+            serde_path_to_error::deserialize(&obj).map_err(|e| bad(at_key(e)))?;
+        config.validate().map_err(|e| bad(e.to_string()))?;
         Ok(config)
     }
 
     /// `adapter_config.json` as PEFT 0.21 writes it: every key, sorted, `inference_mode: true`.
     pub fn to_json(&self) -> Value {
+        // Python writes an integral alpha as an integer.
         let number = |x: f64| {
             if x.fract() == 0.0 && x.abs() < 1e15 {
                 json!(x as i64)
@@ -305,7 +289,19 @@ impl LoraConfig {
                 json!(x)
             }
         };
-        let mut m = Map::new();
+        let Ok(Value::Object(mut m)) = serde_json::to_value(self) else {
+            unreachable!("a LoraConfig serializes to a JSON object")
+        };
+        m.insert("lora_alpha".into(), number(self.lora_alpha));
+        m.insert(
+            "alpha_pattern".into(),
+            Value::Object(
+                self.alpha_pattern
+                    .iter()
+                    .map(|(k, v)| (k.clone(), number(*v)))
+                    .collect(),
+            ),
+        );
         let nulls = [
             "alora_invocation_tokens",
             "arrow_config",
@@ -327,70 +323,22 @@ impl LoraConfig {
         for k in nulls {
             m.insert(k.into(), Value::Null);
         }
-        m.insert(
-            "alpha_pattern".into(),
-            Value::Object(
-                self.alpha_pattern
-                    .iter()
-                    .map(|(k, v)| (k.clone(), number(*v)))
-                    .collect(),
-            ),
-        );
-        m.insert(
-            "base_model_name_or_path".into(),
-            json!(self.base_model_name_or_path),
-        );
-        m.insert("bias".into(), json!(self.bias));
-        m.insert("ensure_weight_tying".into(), json!(false));
-        m.insert(
-            "exclude_modules".into(),
-            targets_to_json(&self.exclude_modules),
-        );
-        m.insert("fan_in_fan_out".into(), json!(false));
-        m.insert("inference_mode".into(), json!(true));
-        m.insert(
-            "init_lora_weights".into(),
-            match self.init_lora_weights {
-                InitLoraWeights::Default => json!(true),
-                InitLoraWeights::Random => json!(false),
-                InitLoraWeights::Gaussian => json!("gaussian"),
-            },
-        );
-        m.insert("loftq_config".into(), json!({}));
-        m.insert("lora_alpha".into(), number(self.lora_alpha));
-        m.insert("lora_bias".into(), json!(false));
-        m.insert("lora_dropout".into(), json!(self.lora_dropout));
-        m.insert("megatron_core".into(), json!("megatron.core"));
-        m.insert("modules_to_save".into(), json!(self.modules_to_save));
-        m.insert("peft_type".into(), json!("LORA"));
-        m.insert("peft_version".into(), json!("0.21.2"));
-        m.insert("qalora_group_size".into(), json!(16));
-        m.insert("r".into(), json!(self.r));
-        m.insert(
-            "rank_pattern".into(),
-            Value::Object(
-                self.rank_pattern
-                    .iter()
-                    .map(|(k, v)| (k.clone(), json!(v)))
-                    .collect(),
-            ),
-        );
-        m.insert("revision".into(), json!(self.revision));
-        m.insert(
-            "target_modules".into(),
-            targets_to_json(&self.target_modules),
-        );
-        m.insert("task_type".into(), json!("CAUSAL_LM"));
-        m.insert("use_dora".into(), json!(self.use_dora));
-        m.insert("use_qalora".into(), json!(false));
-        m.insert("use_rslora".into(), json!(self.use_rslora));
+        let constants = [
+            ("ensure_weight_tying", json!(false)),
+            ("fan_in_fan_out", json!(false)),
+            ("inference_mode", json!(true)),
+            ("loftq_config", json!({})),
+            ("lora_bias", json!(false)),
+            ("megatron_core", json!("megatron.core")),
+            ("peft_type", json!("LORA")),
+            ("peft_version", json!("0.21.2")),
+            ("qalora_group_size", json!(16)),
+            ("task_type", json!("CAUSAL_LM")),
+            ("use_qalora", json!(false)),
+        ];
+        for (k, v) in constants {
+            m.insert(k.into(), v);
+        }
         Value::Object(m)
     }
-}
-
-/// Checks that a pattern is a regex the matcher accepts.
-fn regex_lite_check(pattern: &str) -> std::result::Result<(), String> {
-    regex::Regex::new(pattern)
-        .map(|_| ())
-        .map_err(|e| e.to_string())
 }

@@ -11,11 +11,12 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor, Var, D};
 
-use crate::ops::lora_linear::{
-    dropout_mask, lora_linear, lora_linear_from_heads, lora_linear_plus, lora_linear_to_heads,
-    BranchDropout, OutputValue,
+use crate::ops::low_rank_linear::dropout_mask;
+use crate::ops::{
+    frozen_linear, low_rank_linear, low_rank_linear_from_heads, low_rank_linear_plus,
+    low_rank_linear_to_heads, merge_heads, rope_split_heads, split_heads, BranchDropout,
+    FrozenLinear, LowRank, OutputValue, Pass,
 };
-use crate::ops::{frozen_linear, merge_heads, rope_split_heads, split_heads, FrozenLinear, Pass};
 use crate::rng::splitmix;
 
 /// Training state shared by every adapter of a model: whether dropout is on, and the seed of the current step
@@ -84,6 +85,16 @@ impl LoraAdapter {
         })
     }
 
+    /// The adapter as the low-rank branch of the fused op.
+    fn branch(&self) -> LowRank<'_> {
+        LowRank {
+            a: self.a.as_tensor(),
+            b: self.b.as_tensor(),
+            scaling: self.scaling,
+            dropout: self.branch_dropout(),
+        }
+    }
+
     /// Inverted dropout of the adapter input (mask from [`dropout_mask`]).
     fn dropout(&self, x: &Tensor) -> Result<Tensor> {
         match self.branch_dropout() {
@@ -150,11 +161,7 @@ impl LoraLinear {
             Pass::Recompute => OutputValue::Skipped,
         };
         match self.plain_lora() {
-            Some(ad) => {
-                let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
-                let dropout = ad.branch_dropout();
-                lora_linear_plus(x, &self.base, a, b, ad.scaling, dropout, output, residual)
-            }
+            Some(ad) => low_rank_linear_plus(x, &self.base, &ad.branch(), output, residual),
             None => residual + self.run(x, output)?,
         }
     }
@@ -169,9 +176,7 @@ impl LoraLinear {
         rope: Option<(&Tensor, &Tensor)>,
     ) -> Result<Tensor> {
         if let Some(ad) = self.plain_lora() {
-            let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
-            let dropout = ad.branch_dropout();
-            return lora_linear_to_heads(x, &self.base, a, b, ad.scaling, dropout, heads, rope);
+            return low_rank_linear_to_heads(x, &self.base, &ad.branch(), heads, rope);
         }
         let y = self.forward(x)?;
         match rope {
@@ -184,11 +189,7 @@ impl LoraLinear {
     /// op, so that the graph keeps neither the merged copy nor a separate projection output.
     pub fn forward_from_heads_plus(&self, y: &Tensor, residual: &Tensor) -> Result<Tensor> {
         match self.plain_lora() {
-            Some(ad) => {
-                let (a, b) = (ad.a.as_tensor(), ad.b.as_tensor());
-                let dropout = ad.branch_dropout();
-                lora_linear_from_heads(y, &self.base, a, b, ad.scaling, dropout, Some(residual))
-            }
+            Some(ad) => low_rank_linear_from_heads(y, &self.base, &ad.branch(), Some(residual)),
             None => residual + self.forward(&merge_heads(y)?)?,
         }
     }
@@ -200,15 +201,7 @@ impl LoraLinear {
 
     fn run(&self, x: &Tensor, output: OutputValue) -> Result<Tensor> {
         if let Some(ad) = self.plain_lora() {
-            return lora_linear(
-                x,
-                &self.base,
-                ad.a.as_tensor(),
-                ad.b.as_tensor(),
-                ad.scaling,
-                ad.branch_dropout(),
-                output,
-            );
+            return low_rank_linear(x, &self.base, &ad.branch(), output);
         }
         let Some(ad) = self.active_adapter() else {
             return frozen_linear(x, &self.base);
@@ -242,7 +235,7 @@ impl LoraLinear {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
     use crate::ops::FrozenWeight;
     use candle_core::DType;
 

@@ -1,8 +1,8 @@
-//! LoRA the PEFT way: configuration (PEFT's field names), the adapted linear layer, target matching, and merging.
+//! LoRA the PEFT way: configuration (PEFT's field names), which modules it targets, and the adapted linear layer.
+//! Managing adapters on a model, their files and merging are [`crate::adapter`]'s.
 
 pub mod config;
 pub mod linear;
-pub mod merge;
 pub mod targets;
 
 pub use config::{InitLoraWeights, LoraConfig, TargetModules};

@@ -28,8 +28,8 @@ pub struct EstimateArgs {
     pub seq: usize,
     /// LoRA rank (every linear layer of the blocks).
     pub lora_r: usize,
-    /// Optimizer (`optim` name).
-    pub optim: String,
+    /// Optimizer.
+    pub optim: OptimizerName,
     /// Per-layer gradient checkpointing.
     pub gradient_checkpointing: bool,
     /// Memory-aware checkpointing: the last layers keep their activations while they fit in this many MiB
@@ -47,7 +47,7 @@ impl Default for EstimateArgs {
             batch: 1,
             seq: 2048,
             lora_r: 16,
-            optim: "paged_adamw_8bit".into(),
+            optim: OptimizerName::PagedAdamW8bit,
             gradient_checkpointing: false,
             activation_memory_budget_mib: None,
             quantize: true,
@@ -285,7 +285,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
 
 /// The configuration asked, as this library would run it.
 pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate> {
-    let optim: OptimizerName = args.optim.parse()?;
+    let optim = args.optim;
     let n = counts(c, args.lora_r);
     let e: u64 = match args.device {
         DeviceKind::Cpu => 4,
@@ -366,7 +366,7 @@ fn per_layer_nf4(c: &ModelConfig) -> u64 {
 /// (with the asked optimizer on the adapter), all at the asked batch, sequence and checkpointing, then the
 /// configuration asked as this library runs it.
 pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Estimate>> {
-    let optim: OptimizerName = args.optim.parse()?;
+    let optim = args.optim;
     let n = counts(c, args.lora_r);
     let p = n.block_linear + n.rest;
     let all: Vec<u64> = vec![p];

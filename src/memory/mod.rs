@@ -1,17 +1,15 @@
-//! Where training memory goes: measurement ([`stats`]), a per-phase timeline with a breakdown by category at the
-//! peak ([`timeline`]), prediction before a run ([`estimate`]), and the out-of-memory report ([`oom`]).
+//! Where training memory goes: the heap under CPU tensors ([`allocator`]), measurement ([`stats`]), a per-phase
+//! timeline with a breakdown by category at the peak ([`timeline`]), and prediction before a run ([`estimate`]).
 
+pub mod allocator;
 pub mod estimate;
-pub mod oom;
-pub mod reuse;
 pub mod stats;
 pub mod timeline;
 
+pub use allocator::{allocated, keep_freed_memory, tracking, TrackingAllocator};
 pub use estimate::{comparison, estimate, kept_layers, DeviceKind, Estimate, EstimateArgs, Regime};
-pub use oom::{is_out_of_memory, oom_report};
-pub use reuse::keep_freed_memory;
 pub use stats::{
-    allocated, human_bytes, process_memory, reset_device_peak, reset_peak, stats, tracking,
-    MemoryStats, ProcessMemory, TrackingAllocator,
+    human_bytes, is_out_of_memory, process_memory, reset_device_peak, reset_peak, stats,
+    MemoryStats, ProcessMemory,
 };
 pub use timeline::{Breakdown, MemoryTimeline, Phase, PhaseSample};

@@ -1,75 +1,18 @@
-//! Measured memory: heap bytes the process allocated (exact, when [`TrackingAllocator`] is the global allocator —
-//! Candle's CPU tensors live on the heap, so this is the library's accounting of tensor storage), and what the
-//! operating system says the process holds (resident set, its peak, the machine's total and available memory).
-//! Linux reads `/proc`; elsewhere those values are `None`.
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+//! Measured memory: heap bytes the process allocated (exact, when [`super::TrackingAllocator`] is the global
+//! allocator — Candle's CPU tensors live on the heap, so this is the library's accounting of tensor storage), what
+//! the operating system says the process holds (resident set, its peak, the machine's total and available memory;
+//! Linux reads `/proc`, elsewhere those values are `None`), and a CUDA device's memory pool.
 
 use candle_core::Device;
 
-static ALLOCATED: AtomicU64 = AtomicU64::new(0);
-static PEAK: AtomicU64 = AtomicU64::new(0);
-static TRACKING: AtomicBool = AtomicBool::new(false);
-
-/// The system allocator, counting live bytes and their peak. Install it in a binary to get exact CPU numbers:
-///
-/// ```ignore
-/// #[global_allocator]
-/// static ALLOC: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
-/// ```
-pub struct TrackingAllocator;
-
-fn added(bytes: usize) {
-    let now = ALLOCATED.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-fn removed(bytes: usize) {
-    ALLOCATED.fetch_sub(bytes as u64, Ordering::Relaxed);
-}
-
-// SAFETY: every call forwards to `System` with the caller's layout; the counters do not touch the memory.
-unsafe impl GlobalAlloc for TrackingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
-        if !p.is_null() {
-            added(layout.size());
-            TRACKING.store(true, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            added(layout.size());
-            TRACKING.store(true, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
-        removed(layout.size());
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            removed(layout.size());
-            added(new_size);
-        }
-        p
-    }
-}
+use super::allocator::{allocated, reset_heap_peak};
 
 /// Memory of a device, in bytes (`None` where it cannot be measured).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct MemoryStats {
     /// The device (`cpu`, `cuda:0`).
     pub device: String,
-    /// Bytes allocated now (CPU: heap bytes counted by [`TrackingAllocator`]).
+    /// Bytes allocated now (CPU: heap bytes counted by [`super::TrackingAllocator`]).
     pub allocated: Option<u64>,
     /// Peak of `allocated` since the start or the last [`reset_peak`].
     pub peak_allocated: Option<u64>,
@@ -81,21 +24,6 @@ pub struct MemoryStats {
     pub total: Option<u64>,
     /// Still available (CPU: `MemAvailable`).
     pub available: Option<u64>,
-}
-
-/// True when [`TrackingAllocator`] is the global allocator (it has counted an allocation).
-pub fn tracking() -> bool {
-    TRACKING.load(Ordering::Relaxed)
-}
-
-/// Heap bytes allocated now and their peak, when tracked.
-pub fn allocated() -> Option<(u64, u64)> {
-    tracking().then(|| {
-        (
-            ALLOCATED.load(Ordering::Relaxed),
-            PEAK.load(Ordering::Relaxed),
-        )
-    })
 }
 
 /// Memory statistics of `device`. On CPU: tracked heap bytes and the process' resident set. On CUDA (builds with
@@ -246,8 +174,16 @@ pub fn process_memory() -> ProcessMemory {
 /// Resets the tracked peak to the bytes allocated now. With `include_resident_set`, also the resident-set peak
 /// (Linux: writes 5 to `/proc/self/clear_refs`; returns false where that is not allowed).
 pub fn reset_peak(include_resident_set: bool) -> bool {
-    PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
+    reset_heap_peak();
     !include_resident_set || std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// True if `message` (an error's text) is an out-of-memory failure of a device allocator.
+pub fn is_out_of_memory(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("out of memory")
+        || m.contains("out_of_memory")
+        || m.contains("memory allocation failed")
 }
 
 /// `bytes` as a short human string (`1.23 GiB`, `512.0 MiB`).
@@ -269,6 +205,17 @@ pub fn human_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recognizes_allocator_failures() {
+        assert!(is_out_of_memory(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
+        ));
+        assert!(is_out_of_memory(
+            "CUDA out of memory. Tried to allocate 2.00 GiB"
+        ));
+        assert!(!is_out_of_memory("shape mismatch in matmul"));
+    }
 
     #[test]
     fn reads_this_process_and_formats_sizes() {

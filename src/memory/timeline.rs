@@ -8,7 +8,8 @@ use serde::Serialize;
 
 use candle_core::Device;
 
-use super::stats::{allocated, human_bytes, process_memory, reset_device_peak, stats};
+use super::allocator::allocated;
+use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{line_chart_svg, Series};
 

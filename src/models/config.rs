@@ -3,9 +3,10 @@
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
+use serde::Deserialize;
 use serde_json::Value;
 
-use crate::error::{Error, Result};
+use crate::error::{at_key, Error, Result};
 use crate::ops::rope::Llama3RopeScaling;
 
 /// The architectures this implementation covers (family differences are configuration).
@@ -85,12 +86,40 @@ fn bad(path: &Path, reason: String) -> Error {
     Error::invalid_file(path, reason)
 }
 
-fn get_usize(obj: &Value, key: &str, path: &Path) -> Result<usize> {
-    obj.get(key)
-        .ok_or_else(|| bad(path, format!("required key `{key}` is missing")))?
-        .as_u64()
-        .map(|v| v as usize)
-        .ok_or_else(|| bad(path, format!("`{key}` must be a non-negative integer")))
+/// The keys of a Hugging Face `config.json` this crate reads (the others are ignored; `null` is "not set").
+#[derive(Deserialize)]
+struct HfConfig {
+    model_type: String,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: usize,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<TokenIds>,
+}
+
+/// One token id or several (`eos_token_id`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl TokenIds {
+    fn into_vec(self) -> Vec<u32> {
+        match self {
+            TokenIds::One(id) => vec![id],
+            TokenIds::Many(ids) => ids,
+        }
+    }
 }
 
 fn opt_f64(obj: &Value, key: &str, path: &Path) -> Result<Option<f64>> {
@@ -100,17 +129,6 @@ fn opt_f64(obj: &Value, key: &str, path: &Path) -> Result<Option<f64>> {
             .as_f64()
             .map(Some)
             .ok_or_else(|| bad(path, format!("`{key}` must be a number"))),
-    }
-}
-
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
-    match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
-        _ => vec![],
     }
 }
 
@@ -159,51 +177,38 @@ impl ModelConfig {
 
     /// Parses a `config.json` object; `path` names it in errors.
     pub fn from_hf_config(obj: &Value, path: &Path) -> Result<Self> {
-        let model_type = obj
-            .get("model_type")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad(path, "required key `model_type` is missing".into()))?;
-        let architecture = Architecture::parse(model_type).ok_or_else(|| {
-            bad(path, format!("model_type `{model_type}` is not supported; supported: {SUPPORTED_MODEL_TYPES}"))
+        let hf: HfConfig =
+            serde_path_to_error::deserialize(obj).map_err(|e| bad(path, at_key(e)))?;
+        let architecture = Architecture::parse(&hf.model_type).ok_or_else(|| {
+            bad(
+                path,
+                format!(
+                    "model_type `{}` is not supported; supported: {SUPPORTED_MODEL_TYPES}",
+                    hf.model_type
+                ),
+            )
         })?;
-        let hidden_size = get_usize(obj, "hidden_size", path)?;
-        let num_attention_heads = get_usize(obj, "num_attention_heads", path)?;
-        let num_key_value_heads = match obj.get("num_key_value_heads") {
-            None | Some(Value::Null) => num_attention_heads,
-            Some(_) => get_usize(obj, "num_key_value_heads", path)?,
-        };
-        let head_dim = match obj.get("head_dim") {
-            None | Some(Value::Null) => hidden_size / num_attention_heads.max(1),
-            Some(_) => get_usize(obj, "head_dim", path)?,
-        };
         let (rope_theta, rope_scaling) = rope_settings(obj, path)?;
         let config = ModelConfig {
             architecture,
-            vocab_size: get_usize(obj, "vocab_size", path)?,
-            hidden_size,
-            intermediate_size: get_usize(obj, "intermediate_size", path)?,
-            num_hidden_layers: get_usize(obj, "num_hidden_layers", path)?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            rms_norm_eps: opt_f64(obj, "rms_norm_eps", path)?.unwrap_or(1e-6),
+            vocab_size: hf.vocab_size,
+            hidden_size: hf.hidden_size,
+            intermediate_size: hf.intermediate_size,
+            num_hidden_layers: hf.num_hidden_layers,
+            num_attention_heads: hf.num_attention_heads,
+            num_key_value_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
+            head_dim: hf
+                .head_dim
+                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: get_usize(obj, "max_position_embeddings", path)?,
-            tie_word_embeddings: obj
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
+            max_position_embeddings: hf.max_position_embeddings,
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             attention_bias: architecture == Architecture::Qwen2
-                || obj
-                    .get("attention_bias")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false),
-            bos_token_id: obj
-                .get("bos_token_id")
-                .and_then(Value::as_u64)
-                .map(|v| v as u32),
-            eos_token_ids: token_ids(obj.get("eos_token_id")),
+                || hf.attention_bias.unwrap_or(false),
+            bos_token_id: hf.bos_token_id,
+            eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         };
         config.validate(path)?;
         Ok(config)
@@ -351,7 +356,7 @@ mod tests {
         v.as_object_mut().unwrap().remove("hidden_size");
         let err = parse(v).unwrap_err().to_string();
         assert!(
-            err.contains("config.json") && err.contains("`hidden_size` is missing"),
+            err.contains("config.json") && err.contains("missing field `hidden_size`"),
             "{err}"
         );
         let mut v = llama();

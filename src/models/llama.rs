@@ -435,7 +435,7 @@ impl LlamaModel {
             x = if checkpointing.enabled && i < recomputed {
                 let (layer, cos, sin, segments) =
                     (layer.clone(), cos.clone(), sin.clone(), segments.clone());
-                let block: ops::checkpoint::Block = Arc::new(move |x: &Tensor, pass| {
+                let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
                     layer.run(x, &cos, &sin, None, segments.as_ref(), pass)
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?

@@ -7,5 +7,5 @@ pub mod tokenizer;
 
 pub use config::{Architecture, ModelConfig};
 pub use generate::{generate, GenerationConfig};
-pub use llama::{Checkpointing, KvCache, LlamaModel, Positions, SavedModules};
+pub use llama::{Checkpointing, KvCache, LayerWeights, LlamaModel, Positions, SavedModules};
 pub use tokenizer::{ChatMessage, TextTokenizer};

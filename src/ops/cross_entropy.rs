@@ -12,15 +12,55 @@
 use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
-use super::autograd::{attach1, attach2};
-use super::gemm::{matmul_into, with_slice, GemmFloat, Mat};
-use super::vector::{self, simd};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::gemm::{matmul_into, Mat};
+use super::cpu::vector::{self, simd};
+use super::cpu::{slice_dtype, with_slices, CpuFloat};
+use super::work_dtype;
 
 /// The label of tokens that do not count in the loss.
 pub const IGNORE_INDEX: i64 = -100;
 
 /// Tokens per block of logits.
 pub const TOKEN_BLOCK: usize = 256;
+
+/// Sum over tokens of `−log softmax(h·Wᵀ)[label]` for `hidden: [tokens, h]`, `labels: [tokens]` (i64, −100 to
+/// ignore) and the output head `weight: [vocab, h]`. Differentiable with respect to `hidden`, and to `weight` when
+/// it is trainable (e.g. `modules_to_save = ["lm_head"]`); a frozen head gets no gradient. Also returns the number
+/// of tokens that counted.
+pub fn linear_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+) -> Result<(Tensor, usize)> {
+    let (n, _) = hidden.dims2()?;
+    let labels: Vec<i64> = labels.to_dtype(DType::I64)?.to_vec1()?;
+    if labels.len() != n {
+        candle_core::bail!("{} labels for {n} hidden states", labels.len());
+    }
+    let vocab = weight.dim(0)?;
+    if let Some(bad) = labels
+        .iter()
+        .find(|l| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab))
+    {
+        candle_core::bail!(
+            "label {bad} is out of range for a vocabulary of {vocab} (use -100 to ignore a token)"
+        );
+    }
+    let counted = labels.iter().filter(|l| **l != IGNORE_INDEX).count();
+    let op = LinearCrossEntropy {
+        labels,
+        hidden_gradient: None,
+    };
+    Ok((op.apply([hidden, weight])?, counted))
+}
+
+/// The fused head + cross-entropy op (inputs `[hidden, weight]`).
+struct LinearCrossEntropy {
+    labels: Vec<i64>,
+    /// `d loss / d hidden`, computed in the forward by the slice path (see the module doc).
+    hidden_gradient: Option<Tensor>,
+}
 
 /// Logits of one block of tokens and their log-sum-exp.
 fn block_logits(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -35,136 +75,14 @@ fn block_logits(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
     Ok((logits, lse))
 }
 
-/// Sum over tokens of `−log softmax(h·Wᵀ)[label]` for `hidden: [tokens, h]`, `labels: [tokens]` (i64, −100 to
-/// ignore) and the output head `weight: [vocab, h]`. Differentiable with respect to `hidden`, and to `weight` when
-/// it is trainable (e.g. `modules_to_save = ["lm_head"]`); a frozen head gets no gradient. Also returns the number
-/// of tokens that counted.
-pub fn linear_cross_entropy(
-    hidden: &Tensor,
-    weight: &Tensor,
-    labels: &Tensor,
-) -> Result<(Tensor, usize)> {
-    let (n, _) = hidden.dims2()?;
-    let labels_vec: Vec<i64> = labels.to_dtype(DType::I64)?.to_vec1()?;
-    if labels_vec.len() != n {
-        candle_core::bail!("{} labels for {n} hidden states", labels_vec.len());
-    }
-    let work = if hidden.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let vocab = weight.dim(0)?;
-    if let Some(bad) = labels_vec
-        .iter()
-        .find(|l| **l != IGNORE_INDEX && (**l < 0 || **l as usize >= vocab))
-    {
-        candle_core::bail!(
-            "label {bad} is out of range for a vocabulary of {vocab} (use -100 to ignore a token)"
-        );
-    }
-    let counted = labels_vec.iter().filter(|l| **l != IGNORE_INDEX).count();
-    let slice_path =
-        hidden.device().is_cpu() && !weight.track_op() && hidden.dtype() == weight.dtype();
-    match hidden.dtype() {
-        DType::F32 if slice_path => {
-            return Ok((
-                cross_entropy_cpu::<f32>(hidden, weight, labels_vec)?,
-                counted,
-            ))
-        }
-        DType::F64 if slice_path => {
-            return Ok((
-                cross_entropy_cpu::<f64>(hidden, weight, labels_vec)?,
-                counted,
-            ))
-        }
-        _ => {}
-    }
-    let device = hidden.device().clone();
-    // Label index per token (ignored → 0) and a 0/1 weight, per block.
-    let block_targets = move |start: usize, len: usize| -> Result<(Tensor, Tensor)> {
-        let slice = &labels_vec[start..start + len];
-        let idx: Vec<u32> = slice
-            .iter()
-            .map(|l| if *l == IGNORE_INDEX { 0 } else { *l as u32 })
-            .collect();
-        let keep: Vec<f32> = slice
-            .iter()
-            .map(|l| if *l == IGNORE_INDEX { 0.0 } else { 1.0 })
-            .collect();
-        Ok((
-            Tensor::from_vec(idx, (len, 1), &device)?,
-            Tensor::from_vec(keep, (len, 1), &device)?.to_dtype(work)?,
-        ))
-    };
-    let value = {
-        let w = weight.detach().to_dtype(work)?;
-        let h = hidden.detach().to_dtype(work)?;
-        let mut total = Tensor::zeros((), work, hidden.device())?;
-        for start in (0..n).step_by(TOKEN_BLOCK) {
-            let len = TOKEN_BLOCK.min(n - start);
-            let (logits, lse) = block_logits(&h.narrow(0, start, len)?, &w)?;
-            let (idx, keep) = block_targets(start, len)?;
-            let picked = logits.gather(&idx, 1)?;
-            total = (total + ((lse - picked)? * keep)?.sum_all()?)?;
-        }
-        total
-    };
-    attach2(
-        "linear-cross-entropy",
-        hidden,
-        weight,
-        value,
-        Box::new(move |hidden, weight, grad, needs| {
-            let w = weight.to_dtype(work)?;
-            let h = hidden.to_dtype(work)?;
-            let g = grad.to_dtype(work)?;
-            let mut dh_blocks = Vec::new();
-            let mut dw: Option<Tensor> = None;
-            for start in (0..n).step_by(TOKEN_BLOCK) {
-                let len = TOKEN_BLOCK.min(n - start);
-                let hb = h.narrow(0, start, len)?;
-                let (logits, lse) = block_logits(&hb, &w)?;
-                let (idx, keep) = block_targets(start, len)?;
-                // d/dlogits = (softmax − onehot) · keep · grad
-                let probs = logits.broadcast_sub(&lse)?.exp()?;
-                let onehot = candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?
-                    .to_dtype(work)?;
-                let dlogits = (probs - onehot)?.broadcast_mul(&keep)?.broadcast_mul(&g)?;
-                if needs[0] {
-                    dh_blocks.push(dlogits.matmul(&w)?);
-                }
-                if needs[1] {
-                    let part = dlogits.t()?.matmul(&hb)?;
-                    dw = Some(match dw {
-                        Some(acc) => (acc + part)?,
-                        None => part,
-                    });
-                }
-            }
-            let dh = if needs[0] {
-                Some(Tensor::cat(&dh_blocks, 0)?.to_dtype(hidden.dtype())?)
-            } else {
-                None
-            };
-            Ok((dh, dw.map(|d| d.to_dtype(weight.dtype())).transpose()?))
-        }),
-    )
-    .map(|loss| (loss, counted))
-}
-
-/// [`linear_cross_entropy`] on CPU slices with a frozen head (see the module doc).
-fn cross_entropy_cpu<T: GemmFloat>(
-    hidden: &Tensor,
-    weight: &Tensor,
-    labels: Vec<i64>,
-) -> Result<Tensor> {
-    let (n, d) = hidden.dims2()?;
-    let vocab = weight.dim(0)?;
-    let with_grad = hidden.track_op();
-    let (total, dh) = with_slice::<T, _>(hidden, |h| {
-        with_slice::<T, _>(weight, |w| {
+impl LinearCrossEntropy {
+    /// The loss, and the hidden states' gradient when `hidden` needs one, block by block on CPU slices.
+    fn cpu_fwd<T: CpuFloat>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
+        let (n, d) = hidden.dims2()?;
+        let vocab = weight.dim(0)?;
+        let with_grad = hidden.track_op();
+        let labels = &self.labels;
+        let (total, dh) = with_slices([hidden, weight], |[h, w]| {
             let w = Mat::new(w, vocab, d);
             let mut logits = vec![T::zero(); TOKEN_BLOCK.min(n) * vocab];
             let mut dh = vec![T::zero(); if with_grad { n * d } else { 0 }];
@@ -191,24 +109,121 @@ fn cross_entropy_cpu<T: GemmFloat>(
                 }
             }
             Ok((total, dh))
-        })
-    })?;
-    let value = Tensor::new(T::from_f64(total), hidden.device())?;
-    if !with_grad {
-        return Ok(value);
+        })?;
+        if with_grad {
+            self.hidden_gradient = Some(Tensor::from_vec(dh, (n, d), hidden.device())?);
+        }
+        Ok(Value::Tensor(Tensor::new(
+            T::from_f64(total),
+            hidden.device(),
+        )?))
     }
-    let dh = Tensor::from_vec(dh, (n, d), hidden.device())?;
-    attach1(
-        "linear-cross-entropy",
-        hidden,
-        value,
-        Box::new(move |_, grad| Ok(Some(dh.broadcast_mul(grad)?))),
-    )
+
+    /// Label index per token (ignored → 0) and a 0/1 weight, for tokens `start..start+len`.
+    fn block_targets(&self, start: usize, len: usize, like: &Tensor) -> Result<(Tensor, Tensor)> {
+        let slice = &self.labels[start..start + len];
+        let idx: Vec<u32> = slice
+            .iter()
+            .map(|l| if *l == IGNORE_INDEX { 0 } else { *l as u32 })
+            .collect();
+        let keep: Vec<f32> = slice
+            .iter()
+            .map(|l| if *l == IGNORE_INDEX { 0.0 } else { 1.0 })
+            .collect();
+        Ok((
+            Tensor::from_vec(idx, (len, 1), like.device())?,
+            Tensor::from_vec(keep, (len, 1), like.device())?.to_dtype(like.dtype())?,
+        ))
+    }
+
+    /// Any dtype and device: Candle's ops, block by block (the backward recomputes each block).
+    fn composed_fwd(&self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
+        let work = work_dtype(hidden.dtype());
+        let n = hidden.dim(0)?;
+        let w = weight.detach().to_dtype(work)?;
+        let h = hidden.detach().to_dtype(work)?;
+        let mut total = Tensor::zeros((), work, hidden.device())?;
+        for start in (0..n).step_by(TOKEN_BLOCK) {
+            let len = TOKEN_BLOCK.min(n - start);
+            let (logits, lse) = block_logits(&h.narrow(0, start, len)?, &w)?;
+            let (idx, keep) = self.block_targets(start, len, &h)?;
+            let picked = logits.gather(&idx, 1)?;
+            total = (total + ((lse - picked)? * keep)?.sum_all()?)?;
+        }
+        Ok(Value::Tensor(total))
+    }
+
+    fn composed_bwd(
+        &self,
+        [hidden, weight]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let work = work_dtype(hidden.dtype());
+        let (n, vocab) = (hidden.dim(0)?, weight.dim(0)?);
+        let w = weight.to_dtype(work)?;
+        let h = hidden.to_dtype(work)?;
+        let g = grad.to_dtype(work)?;
+        let mut dh_blocks = Vec::new();
+        let mut dw: Option<Tensor> = None;
+        for start in (0..n).step_by(TOKEN_BLOCK) {
+            let len = TOKEN_BLOCK.min(n - start);
+            let hb = h.narrow(0, start, len)?;
+            let (logits, lse) = block_logits(&hb, &w)?;
+            let (idx, keep) = self.block_targets(start, len, &h)?;
+            // d/dlogits = (softmax − onehot) · keep · grad
+            let probs = logits.broadcast_sub(&lse)?.exp()?;
+            let onehot =
+                candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?.to_dtype(work)?;
+            let dlogits = (probs - onehot)?.broadcast_mul(&keep)?.broadcast_mul(&g)?;
+            if needs[0] {
+                dh_blocks.push(dlogits.matmul(&w)?);
+            }
+            if needs[1] {
+                let part = dlogits.t()?.matmul(&hb)?;
+                dw = Some(match dw {
+                    Some(acc) => (acc + part)?,
+                    None => part,
+                });
+            }
+        }
+        let dh = if needs[0] {
+            Some(Tensor::cat(&dh_blocks, 0)?.to_dtype(hidden.dtype())?)
+        } else {
+            None
+        };
+        Ok([dh, dw.map(|d| d.to_dtype(weight.dtype())).transpose()?])
+    }
+}
+
+impl Op<2> for LinearCrossEntropy {
+    const NAME: &'static str = "linear-cross-entropy";
+
+    fn fwd(&mut self, [hidden, weight]: [&Tensor; 2]) -> Result<Value> {
+        // The slice path computes the gradient in the forward, which needs a frozen head.
+        match slice_dtype(&[hidden, weight]).filter(|_| !weight.track_op()) {
+            Some(DType::F32) => self.cpu_fwd::<f32>(hidden, weight),
+            Some(DType::F64) => self.cpu_fwd::<f64>(hidden, weight),
+            _ => self.composed_fwd(hidden, weight),
+        }
+    }
+
+    fn bwd(
+        &self,
+        inputs: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        match &self.hidden_gradient {
+            Some(dh) => Ok([Some(dh.broadcast_mul(grad)?), None]),
+            None => self.composed_bwd(inputs, grad, needs),
+        }
+    }
 }
 
 /// The loss of one token from its logits `row`; with `with_grad`, `row` becomes `d loss / d logits`
 /// (`softmax − onehot`, zero for an ignored token).
-fn token_loss<T: GemmFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
+fn token_loss<T: CpuFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
     if label == IGNORE_INDEX {
         if with_grad {
             row.fill(T::zero());
@@ -234,7 +249,7 @@ fn token_loss<T: GemmFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     #[test]
     fn gradients_match_finite_differences_and_candle_cross_entropy() {

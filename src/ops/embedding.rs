@@ -22,7 +22,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     #[test]
     fn trainable_table_gradient_is_a_scatter_add() {

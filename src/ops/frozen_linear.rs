@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::autograd::attach1;
+use super::autograd::{Apply, Op, Value};
 use crate::quant::{DeviceNf4, Nf4Tensor};
 
 /// A frozen weight `[out_features, in_features]`.
@@ -128,41 +128,46 @@ fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// `x·Wᵀ (+ b)` with a frozen layer (see [`FrozenLinear`]).
 pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let value = {
+    FrozenLinearOp(layer.clone()).apply([x])
+}
+
+/// The frozen linear op (input `x`): Candle's matmul with the weight dense in `x`'s dtype, in both directions.
+struct FrozenLinearOp(Arc<FrozenLinear>);
+
+impl Op<1> for FrozenLinearOp {
+    const NAME: &'static str = "frozen-linear";
+
+    fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
+        let layer = &self.0;
+        let dtype = x.dtype();
         let w = layer.weight.to_dense(dtype)?;
         let y = matmul_t(&x.detach().contiguous()?, &w)?;
-        match &layer.bias {
+        Ok(Value::Tensor(match &layer.bias {
             Some(b) => y.broadcast_add(&b.to_dtype(dtype)?)?,
             None => y,
+        }))
+    }
+
+    fn bwd(&self, _: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        let w = self.0.weight.to_dense(grad.dtype())?;
+        let dims = grad.dims().to_vec();
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let gx = grad
+            .contiguous()?
+            .reshape((rows, dims[dims.len() - 1]))?
+            .matmul(&w)?;
+        let mut out = dims;
+        if let Some(last) = out.last_mut() {
+            *last = w.dim(1)?;
         }
-    };
-    let layer = layer.clone();
-    attach1(
-        "frozen-linear",
-        x,
-        value,
-        Box::new(move |_x, grad| {
-            let w = layer.weight.to_dense(grad.dtype())?;
-            let dims = grad.dims().to_vec();
-            let rows: usize = dims[..dims.len() - 1].iter().product();
-            let gx = grad
-                .contiguous()?
-                .reshape((rows, dims[dims.len() - 1]))?
-                .matmul(&w)?;
-            let mut out = dims;
-            if let Some(last) = out.last_mut() {
-                *last = w.dim(1)?;
-            }
-            Ok(Some(gx.reshape(out)?))
-        }),
-    )
+        Ok([Some(gx.reshape(out)?)])
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
     use crate::quant::QuantConfig;
 
     #[test]

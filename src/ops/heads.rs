@@ -4,11 +4,11 @@
 //! gradient (the transposed one strided). On the CPU each direction here is one pass and one node, its backward the
 //! other direction.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use rayon::prelude::*;
 
-use super::autograd::attach1_cpu;
-use super::gemm::{with_slice, GemmFloat};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::{with_slice, CpuFloat};
 
 /// The sizes of a `[b, t, h, d]` ↔ `[b, h, t, d]` permutation.
 #[derive(Clone, Copy, Debug)]
@@ -80,8 +80,8 @@ pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     }
     let dims = HeadDims { b, t, h: heads, d };
     match x.dtype() {
-        DType::F32 => permute_cpu::<f32>(x, dims, true),
-        _ => permute_cpu::<f64>(x, dims, true),
+        DType::F32 => PermuteHeads::<f32>::new(dims, true).apply([x]),
+        _ => PermuteHeads::<f64>::new(dims, true).apply([x]),
     }
 }
 
@@ -93,45 +93,61 @@ pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     }
     let dims = HeadDims { b, t, h: heads, d };
     match y.dtype() {
-        DType::F32 => permute_cpu::<f32>(y, dims, false),
-        _ => permute_cpu::<f64>(y, dims, false),
+        DType::F32 => PermuteHeads::<f32>::new(dims, false).apply([y]),
+        _ => PermuteHeads::<f64>::new(dims, false).apply([y]),
     }
 }
 
-fn permute_cpu<T: GemmFloat + Default>(
-    x: &Tensor,
+/// [`split_heads`] (`to_heads`) or [`merge_heads`] on CPU slices (input `x`); the backward is the other one.
+struct PermuteHeads<T> {
     dims: HeadDims,
     to_heads: bool,
-) -> Result<Tensor> {
-    let HeadDims { b, t, h, d } = dims;
-    let (shape, back): (Vec<usize>, Vec<usize>) = if to_heads {
-        (vec![b, h, t, d], vec![b, t, h * d])
-    } else {
-        (vec![b, t, h * d], vec![b, h, t, d])
-    };
-    let value = with_slice::<T, _>(x, |xs| Ok(permute_rows(xs, dims, to_heads, copy_row)))?;
-    attach1_cpu(
-        if to_heads {
-            "split-heads"
+    element: std::marker::PhantomData<T>,
+}
+
+impl<T> PermuteHeads<T> {
+    fn new(dims: HeadDims, to_heads: bool) -> Self {
+        PermuteHeads {
+            dims,
+            to_heads,
+            element: std::marker::PhantomData,
+        }
+    }
+
+    /// The dims of the output (`to_heads`) or of the input.
+    fn dims(&self, heads_layout: bool) -> Vec<usize> {
+        let HeadDims { b, t, h, d } = self.dims;
+        if heads_layout {
+            vec![b, h, t, d]
         } else {
-            "merge-heads"
-        },
-        x,
-        value,
-        shape.into(),
-        Box::new(move |_, grad| {
-            let grad = grad.contiguous()?;
-            let g =
-                with_slice::<T, _>(&grad, |gs| Ok(permute_rows(gs, dims, !to_heads, copy_row)))?;
-            Ok(Some(Tensor::from_vec(g, back.as_slice(), grad.device())?))
-        }),
-    )
+            vec![b, t, h * d]
+        }
+    }
+}
+
+impl<T: CpuFloat> Op<1> for PermuteHeads<T> {
+    const NAME: &'static str = "permute-heads";
+
+    fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
+        let value = with_slice::<T, _>(x, |xs| {
+            Ok(permute_rows(xs, self.dims, self.to_heads, copy_row))
+        })?;
+        Ok(Value::cpu(value, self.dims(self.to_heads)))
+    }
+
+    fn bwd(&self, _: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        let g = with_slice::<T, _>(grad, |gs| {
+            Ok(permute_rows(gs, self.dims, !self.to_heads, copy_row))
+        })?;
+        let dims = self.dims(!self.to_heads);
+        Ok([Some(Tensor::from_vec(g, dims, &Device::Cpu)?)])
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     #[test]
     fn split_and_merge_match_candle_and_their_gradients_check() {

@@ -1,37 +1,61 @@
-//! Differentiable ops for training on Candle 0.11, each with a forward and a hand-written backward.
+//! Differentiable ops for training on Candle, each with a forward and a hand-written backward.
 //!
 //! Candle's fused norm/softmax/rope ops drop gradients silently and its matmul backward computes gradients for
-//! frozen weights too (see `candle-0.11-training-notes.md` §0). Every op here computes its forward *without* a graph
-//! (on detached tensors, with Candle's fast kernels) and attaches a backward written for it ([`autograd`]), so the
-//! graph keeps only each op's inputs, frozen weights never get gradients, and constants never get dead gradients.
+//! frozen weights too. Every op here computes its forward without a graph and attaches a backward written for it
+//! ([`autograd`]), so the graph keeps only each op's inputs, frozen weights never get gradients, and constants never
+//! get dead gradients.
 //!
-//! Every backward is checked against central finite differences (f64) and against a composite of Candle primitives.
+//! Each op is one type with a CPU path on slices (f32 in training, f64 in gradient checks; the kernels in
+//! `cpu`) and a path composed of Candle's ops for every other dtype and device; the forward picks one and the
+//! backward follows it. Every backward is checked against central finite differences (f64) and a composite of
+//! Candle primitives.
+//!
+//! | op | computes |
+//! |---|---|
+//! | [`frozen_linear`] | `x·Wᵀ (+ b)`, `W` dense or 4-bit, gradient for `x` only |
+//! | [`low_rank_linear`] (and `_plus`, `_to_heads`, `_from_heads`) | frozen linear + `s·B·A·dropout(x)` |
+//! | [`rms_norm`] | RMSNorm in f32 |
+//! | [`rope`], [`rope_split_heads`] | rotary embeddings (Llama-3 scaling) |
+//! | [`split_heads`], [`merge_heads`] | `[b, t, h·d] ↔ [b, h, t, d]` |
+//! | [`causal_attention`], [`packed_causal_attention`] | grouped-query causal attention, query block by block |
+//! | [`swiglu`] | `silu(gate)·up` |
+//! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
+//! | [`embedding`] | row lookup |
+//! | [`checkpoint`] | a block recomputed in the backward |
 
 pub mod attention;
-mod attention_cpu;
 pub mod autograd;
-pub mod checkpoint;
+pub(crate) mod cpu;
 pub mod cross_entropy;
 pub mod embedding;
-pub mod fastmath;
 pub mod frozen_linear;
-pub mod gemm;
 pub mod heads;
-pub mod lora_linear;
+pub mod low_rank_linear;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
-pub mod vector;
 
-#[cfg(test)]
-pub(crate) mod gradcheck;
+use candle_core::DType;
 
 pub use attention::{causal_attention, packed_causal_attention, Segments};
-pub use checkpoint::{checkpoint, GradSink, Pass};
+pub use autograd::{checkpoint, Block, GradSink, Pass};
 pub use cross_entropy::{linear_cross_entropy, IGNORE_INDEX};
 pub use embedding::embedding;
 pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight};
 pub use heads::{merge_heads, split_heads};
+pub use low_rank_linear::{
+    low_rank_linear, low_rank_linear_from_heads, low_rank_linear_plus, low_rank_linear_to_heads,
+    BranchDropout, LowRank, OutputValue,
+};
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_split_heads, RopeTables};
 pub use swiglu::swiglu;
+
+/// The working dtype of the composed paths: f64 stays f64 (gradient checks), everything else runs in f32.
+pub(crate) fn work_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}

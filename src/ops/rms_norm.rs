@@ -2,20 +2,37 @@
 //!
 //! The weight may be trainable (a `Var`) or frozen; a frozen weight gets no gradient.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
-use super::autograd::{attach1, attach1_cpu, attach2};
-use super::gemm::{with_slice, GemmFloat};
-use super::vector::{self, simd};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::vector::{self, simd};
+use super::cpu::{gradient, slice_dtype, with_slice, with_slices, CpuFloat};
+use super::work_dtype;
 
-/// Working precision: f64 stays f64 (gradient checks), everything else is computed in f32.
-fn work_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
+/// RMSNorm over the last dimension of `x` with weight `w` (`[hidden]`).
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    RmsNorm {
+        eps,
+        path: Path::Composed,
     }
+    .apply([x, w])
+}
+
+/// The RMSNorm op (inputs `[x, w]`).
+struct RmsNorm {
+    eps: f64,
+    /// Chosen by the forward, followed by the backward.
+    path: Path,
+}
+
+/// How the op computes.
+#[derive(Clone, Copy)]
+enum Path {
+    /// On CPU slices, with the weight's values (the usual case: a frozen weight, which gets no gradient).
+    Slices(DType),
+    /// Candle's ops: any dtype, device, and a trainable weight.
+    Composed,
 }
 
 /// `(x̂, r)`: the normalized input and `r = 1/sqrt(mean(x²)+eps)` per row, in the working dtype.
@@ -25,138 +42,145 @@ fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     Ok((x.broadcast_mul(&r)?, r))
 }
 
-/// RMSNorm over the last dimension of `x` with weight `w` (`[hidden]`).
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    // The usual case — a frozen weight on the CPU — runs on slices.
-    if x.device().is_cpu() && !w.track_op() && x.rank() > 0 {
-        match dtype {
-            DType::F32 => return rms_norm_cpu::<f32>(x, w, eps),
-            DType::F64 => return rms_norm_cpu::<f64>(x, w, eps),
-            _ => {}
-        }
-    }
-    let value = {
-        let (xhat, _) = normalize(&x.detach(), eps)?;
-        xhat.broadcast_mul(&w.detach().to_dtype(xhat.dtype())?)?
-            .to_dtype(dtype)?
-    };
-    // dx = r * (g·w - x̂ * mean(g·w · x̂)),  dw = Σ_rows g · x̂
-    let grad_x = move |x: &Tensor, w: &Tensor, grad: &Tensor| -> Result<Tensor> {
-        let (xhat, r) = normalize(x, eps)?;
-        let gw = grad
-            .to_dtype(xhat.dtype())?
-            .broadcast_mul(&w.to_dtype(xhat.dtype())?)?;
-        let proj = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
-        (gw - xhat.broadcast_mul(&proj)?)?
-            .broadcast_mul(&r)?
-            .to_dtype(x.dtype())
-    };
-    let grad_w = move |x: &Tensor, w: &Tensor, grad: &Tensor| -> Result<Tensor> {
-        let (xhat, _) = normalize(x, eps)?;
-        let h = xhat.dim(D::Minus1)?;
-        (grad.to_dtype(xhat.dtype())? * xhat)?
-            .reshape(((), h))?
-            .sum(0)?
-            .to_dtype(w.dtype())
-    };
-    if w.track_op() {
-        attach2(
-            "rms-norm",
-            x,
-            w,
-            value,
-            Box::new(move |x, w, grad, needs| {
-                let gx = if needs[0] {
-                    Some(grad_x(x, w, grad)?)
-                } else {
-                    None
-                };
-                let gw = if needs[1] {
-                    Some(grad_w(x, w, grad)?)
-                } else {
-                    None
-                };
-                Ok((gx, gw))
-            }),
-        )
-    } else {
-        let w = w.detach();
-        attach1(
-            "rms-norm",
-            x,
-            value,
-            Box::new(move |x, grad| Ok(Some(grad_x(x, &w, grad)?))),
-        )
-    }
-}
-
 /// `1/sqrt(mean(x²) + eps)` of one row, accumulated in f64.
-fn inverse_rms<T: GemmFloat>(row: &[T], eps: f64) -> T {
+fn inverse_rms<T: CpuFloat>(row: &[T], eps: f64) -> T {
     let mean = vector::sum_zip(row, row, |v, _| v.to_f64() * v.to_f64()) / row.len() as f64;
     T::from_f64(1.0 / (mean + eps).sqrt())
 }
 
-/// [`rms_norm`] on CPU slices with a frozen weight: one pass per row each way.
-fn rms_norm_cpu<T: GemmFloat>(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let h = x.dim(D::Minus1)?;
-    let w: Vec<T> = w.to_dtype(T::DTYPE)?.to_vec1()?;
-    if w.len() != h {
-        candle_core::bail!("rms_norm: weight of {} for rows of {h}", w.len());
+impl RmsNorm {
+    /// The weight's values in `T`, checked against the rows of `x`.
+    fn weight_values<T: CpuFloat>(x: &Tensor, w: &Tensor) -> Result<(Vec<T>, usize)> {
+        let h = x.dim(D::Minus1)?;
+        let w: Vec<T> = w.to_dtype(T::DTYPE)?.to_vec1()?;
+        if w.len() != h {
+            candle_core::bail!("rms_norm: weight of {} for rows of {h}", w.len());
+        }
+        Ok((w, h))
     }
-    let value = with_slice::<T, _>(x, |xs| {
-        let mut y = vec![T::zero(); xs.len()];
-        y.par_chunks_mut(h)
-            .zip(xs.par_chunks(h))
-            .for_each(|(y, x)| {
-                simd(|| {
-                    let r = inverse_rms(x, eps);
-                    y.iter_mut()
-                        .zip(x.iter().zip(&w))
-                        .for_each(|(y, (&x, &w))| *y = x * r * w);
-                })
-            });
-        Ok(y)
-    })?;
-    let shape = x.shape().clone();
-    attach1_cpu(
-        "rms-norm",
-        x,
-        value,
-        shape.clone(),
-        Box::new(move |x, grad| {
-            // dx = r·(g⊙w − x̂·mean(g⊙w⊙x̂)) with x̂ = x·r.
-            let gx = with_slice::<T, _>(x, |xs| {
-                with_slice::<T, _>(grad, |gs| {
-                    let mut gx = vec![T::zero(); xs.len()];
-                    gx.par_chunks_mut(h)
-                        .zip(xs.par_chunks(h).zip(gs.par_chunks(h)))
-                        .for_each(|(gx, (x, g))| {
-                            simd(|| {
-                                let r = inverse_rms(x, eps);
-                                // g⊙w first, in the output row.
-                                gx.iter_mut()
-                                    .zip(g.iter().zip(&w))
-                                    .for_each(|(o, (&g, &w))| *o = g * w);
-                                let proj = vector::sum_zip(gx, x, |gw, x| (gw * x * r).to_f64());
-                                let proj = T::from_f64(proj / h as f64);
-                                gx.iter_mut()
-                                    .zip(x)
-                                    .for_each(|(o, &x)| *o = r * (*o - x * r * proj));
-                            })
-                        });
-                    Ok(gx)
-                })
-            })?;
-            Ok(Some(Tensor::from_vec(gx, &shape, &Device::Cpu)?))
-        }),
-    )
+
+    /// One pass per row.
+    fn cpu_fwd<T: CpuFloat>(&self, x: &Tensor, w: &Tensor) -> Result<Value> {
+        let (w, h) = Self::weight_values::<T>(x, w)?;
+        let eps = self.eps;
+        let value = with_slice::<T, _>(x, |xs| {
+            let mut y = vec![T::zero(); xs.len()];
+            y.par_chunks_mut(h)
+                .zip(xs.par_chunks(h))
+                .for_each(|(y, x)| {
+                    simd(|| {
+                        let r = inverse_rms(x, eps);
+                        y.iter_mut()
+                            .zip(x.iter().zip(&w))
+                            .for_each(|(y, (&x, &w))| *y = x * r * w);
+                    })
+                });
+            Ok(y)
+        })?;
+        Ok(Value::cpu(value, x.shape()))
+    }
+
+    /// `dx = r·(g⊙w − x̂·mean(g⊙w⊙x̂))` with `x̂ = x·r`, one pass per row.
+    fn cpu_bwd<T: CpuFloat>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let (w, h) = Self::weight_values::<T>(x, w)?;
+        let eps = self.eps;
+        let gx = with_slices([x, grad], |[xs, gs]| {
+            let mut gx = vec![T::zero(); xs.len()];
+            gx.par_chunks_mut(h)
+                .zip(xs.par_chunks(h).zip(gs.par_chunks(h)))
+                .for_each(|(gx, (x, g))| {
+                    simd(|| {
+                        let r = inverse_rms(x, eps);
+                        // g⊙w first, in the output row.
+                        gx.iter_mut()
+                            .zip(g.iter().zip(&w))
+                            .for_each(|(o, (&g, &w))| *o = g * w);
+                        let proj = vector::sum_zip(gx, x, |gw, x| (gw * x * r).to_f64());
+                        let proj = T::from_f64(proj / h as f64);
+                        gx.iter_mut()
+                            .zip(x)
+                            .for_each(|(o, &x)| *o = r * (*o - x * r * proj));
+                    })
+                });
+            Ok(gx)
+        })?;
+        gradient(Some(gx), x.shape())
+    }
+
+    fn composed_fwd(&self, x: &Tensor, w: &Tensor) -> Result<Value> {
+        let (xhat, _) = normalize(&x.detach(), self.eps)?;
+        let y = xhat.broadcast_mul(&w.detach().to_dtype(xhat.dtype())?)?;
+        Ok(Value::Tensor(y.to_dtype(x.dtype())?))
+    }
+
+    /// `dx = r * (g·w - x̂ * mean(g·w · x̂))`,  `dw = Σ_rows g · x̂`.
+    fn composed_bwd(
+        &self,
+        [x, w]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let (xhat, r) = normalize(x, self.eps)?;
+        let gx = if needs[0] {
+            let gw = grad
+                .to_dtype(xhat.dtype())?
+                .broadcast_mul(&w.to_dtype(xhat.dtype())?)?;
+            let proj = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
+            let gx = (gw - xhat.broadcast_mul(&proj)?)?.broadcast_mul(&r)?;
+            Some(gx.to_dtype(x.dtype())?)
+        } else {
+            None
+        };
+        let gw = if needs[1] {
+            let h = xhat.dim(D::Minus1)?;
+            let gw = (grad.to_dtype(xhat.dtype())? * xhat)?
+                .reshape(((), h))?
+                .sum(0)?;
+            Some(gw.to_dtype(w.dtype())?)
+        } else {
+            None
+        };
+        Ok([gx, gw])
+    }
+}
+
+impl Op<2> for RmsNorm {
+    const NAME: &'static str = "rms-norm";
+
+    fn fwd(&mut self, [x, w]: [&Tensor; 2]) -> Result<Value> {
+        // The slice path takes a frozen weight on the CPU (any dtype: its values are read in x's).
+        let slices = slice_dtype(&[x]).filter(|_| !w.track_op() && x.rank() > 0);
+        self.path = slices.map_or(Path::Composed, Path::Slices);
+        match self.path {
+            Path::Slices(DType::F32) => self.cpu_fwd::<f32>(x, w),
+            Path::Slices(_) => self.cpu_fwd::<f64>(x, w),
+            Path::Composed => self.composed_fwd(x, w),
+        }
+    }
+
+    fn bwd(
+        &self,
+        [x, w]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        match self.path {
+            Path::Slices(DType::F32) => Ok([self.cpu_bwd::<f32>(x, w, grad)?, None]),
+            Path::Slices(_) => Ok([self.cpu_bwd::<f64>(x, w, grad)?, None]),
+            Path::Composed => self.composed_bwd([x, w], grad, needs),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     fn reference(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         candle_nn::ops::rms_norm_slow(x, w, eps as f32)

@@ -1,13 +1,14 @@
 //! Rotary position embeddings in Hugging Face's half-split layout (`rotate_half`), with `rope_theta` and Llama-3
 //! `rope_scaling`. The backward rotates by `-sin`; cos/sin are constants and get no gradient.
 
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Shape, Tensor, D};
 
 use rayon::prelude::*;
 
-use super::autograd::{attach1, attach1_cpu};
-use super::gemm::{with_slice, GemmFloat};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::{with_slice, with_slices, CpuFloat};
 use super::heads::{permute_rows, split_heads, HeadDims};
+use super::work_dtype;
 
 /// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -154,34 +155,88 @@ fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
 /// Applies RoPE to `x` (`[batch, heads, seq, head_dim]`) with `cos`/`sin` broadcastable to it (from
 /// [`RopeTables::range`] or [`RopeTables::gather`]), computing in float32 (f64 stays f64).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let dtype = x.dtype();
-    if let Some(layout) = SliceLayout::of(x, cos, sin) {
-        match dtype {
-            DType::F32 => return rope_cpu::<f32>(x, cos, sin, layout),
-            DType::F64 => return rope_cpu::<f64>(x, cos, sin, layout),
-            _ => {}
+    Rope {
+        cos: cos.clone(),
+        sin: sin.clone(),
+        layout: None,
+    }
+    .apply([x])
+}
+
+/// The RoPE op (input `x`; the tables are constants).
+struct Rope {
+    /// In the working dtype once the forward ran.
+    cos: Tensor,
+    sin: Tensor,
+    /// Set when the forward ran on CPU slices (the backward follows).
+    layout: Option<SliceLayout>,
+}
+
+impl Rope {
+    /// Every row rotated (`transposed`: the backward's rotation by `-sin`) on CPU slices.
+    fn cpu_rotate<T: CpuFloat>(&self, x: &Tensor, transposed: bool) -> Result<Vec<T>> {
+        let layout = self
+            .layout
+            .ok_or_else(|| candle_core::Error::Msg("rope: no slice layout".into()))?;
+        with_slices([x, &self.cos, &self.sin], |[xs, c, s]| {
+            Ok(rotate(xs, c, s, layout, transposed))
+        })
+    }
+
+    /// One pass each way instead of a pass per Candle op.
+    fn cpu_fwd<T: CpuFloat>(&self, x: &Tensor) -> Result<Value> {
+        Ok(Value::cpu(self.cpu_rotate::<T>(x, false)?, x.shape()))
+    }
+
+    fn cpu_bwd<T: CpuFloat>(&self, grad: &Tensor) -> Result<Tensor> {
+        Tensor::from_vec(
+            self.cpu_rotate::<T>(grad, true)?,
+            grad.shape(),
+            &Device::Cpu,
+        )
+    }
+
+    fn composed_fwd(&self, x: &Tensor) -> Result<Value> {
+        let xw = x.detach().to_dtype(self.cos.dtype())?;
+        let y = (xw.broadcast_mul(&self.cos)? + rotate_half(&xw)?.broadcast_mul(&self.sin)?)?;
+        Ok(Value::Tensor(y.to_dtype(x.dtype())?))
+    }
+
+    fn composed_bwd(&self, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let g = grad.to_dtype(self.cos.dtype())?;
+        let gx = (g.broadcast_mul(&self.cos)? + rotate_half_t(&g.broadcast_mul(&self.sin)?)?)?;
+        gx.to_dtype(x.dtype())
+    }
+}
+
+impl Op<1> for Rope {
+    const NAME: &'static str = "rope";
+
+    fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
+        let dtype = x.dtype();
+        self.layout = SliceLayout::of(x, &self.cos, &self.sin)
+            .filter(|_| matches!(dtype, DType::F32 | DType::F64));
+        let tables = if self.layout.is_some() {
+            dtype
+        } else {
+            work_dtype(dtype)
+        };
+        (self.cos, self.sin) = (self.cos.to_dtype(tables)?, self.sin.to_dtype(tables)?);
+        match (self.layout, dtype) {
+            (Some(_), DType::F32) => self.cpu_fwd::<f32>(x),
+            (Some(_), _) => self.cpu_fwd::<f64>(x),
+            (None, _) => self.composed_fwd(x),
         }
     }
-    let work = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let (cos, sin) = (cos.to_dtype(work)?, sin.to_dtype(work)?);
-    let value = {
-        let x = x.detach().to_dtype(work)?;
-        (x.broadcast_mul(&cos)? + rotate_half(&x)?.broadcast_mul(&sin)?)?.to_dtype(dtype)?
-    };
-    attach1(
-        "rope",
-        x,
-        value,
-        Box::new(move |x, grad| {
-            let g = grad.to_dtype(work)?;
-            let gx = (g.broadcast_mul(&cos)? + rotate_half_t(&g.broadcast_mul(&sin)?)?)?;
-            Ok(Some(gx.to_dtype(x.dtype())?))
-        }),
-    )
+
+    fn bwd(&self, [x]: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        let gx = match (self.layout, x.dtype()) {
+            (Some(_), DType::F32) => self.cpu_bwd::<f32>(grad)?,
+            (Some(_), _) => self.cpu_bwd::<f64>(grad)?,
+            (None, _) => self.composed_bwd(x, grad)?,
+        };
+        Ok([Some(gx)])
+    }
 }
 
 /// RoPE on a projection's output split into heads: `x` (`[b, t, heads·d]`) → rotated `[b, heads, t, d]`, equal to
@@ -199,12 +254,12 @@ pub fn rope_split_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) ->
     match x.dtype() {
         DType::F32 => {
             if let Some(rows) = RotatedRows::<f32>::for_heads(split, x, cos, sin)? {
-                return rope_split_cpu(x, dims, rows);
+                return RopeSplitHeads { dims, rows }.apply([x]);
             }
         }
         DType::F64 => {
             if let Some(rows) = RotatedRows::<f64>::for_heads(split, x, cos, sin)? {
-                return rope_split_cpu(x, dims, rows);
+                return RopeSplitHeads { dims, rows }.apply([x]);
             }
         }
         _ => {}
@@ -212,24 +267,27 @@ pub fn rope_split_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) ->
     rope(&split_heads(x, heads)?, cos, sin)
 }
 
-fn rope_split_cpu<T: GemmFloat + Default>(
-    x: &Tensor,
+/// [`rope_split_heads`] on CPU slices (input `x`).
+struct RopeSplitHeads<T> {
     dims: HeadDims,
     rows: RotatedRows<T>,
-) -> Result<Tensor> {
-    let value = with_slice::<T, _>(x, |xs| rows.permute(xs, dims, true))?;
-    let HeadDims { b, h, t, d } = dims;
-    attach1_cpu(
-        "rope-split-heads",
-        x,
-        value,
-        (b, h, t, d).into(),
-        Box::new(move |_, grad| {
-            let grad = grad.contiguous()?;
-            let gx = with_slice::<T, _>(&grad, |gs| rows.permute(gs, dims, false))?;
-            Ok(Some(Tensor::from_vec(gx, (b, t, h * d), &Device::Cpu)?))
-        }),
-    )
+}
+
+impl<T: CpuFloat> Op<1> for RopeSplitHeads<T> {
+    const NAME: &'static str = "rope-split-heads";
+
+    fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
+        let value = with_slice::<T, _>(x, |xs| self.rows.permute(xs, self.dims, true))?;
+        let HeadDims { b, h, t, d } = self.dims;
+        Ok(Value::cpu(value, (b, h, t, d)))
+    }
+
+    fn bwd(&self, _: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        let gx = with_slice::<T, _>(grad, |gs| self.rows.permute(gs, self.dims, false))?;
+        let HeadDims { b, h, t, d } = self.dims;
+        let merged: Shape = (b, t, h * d).into();
+        Ok([Some(Tensor::from_vec(gx, merged, &Device::Cpu)?)])
+    }
 }
 
 /// RoPE tables in `T`, applied row by row while a projection is split into heads or its gradient merged back.
@@ -240,7 +298,7 @@ pub(crate) struct RotatedRows<T> {
     element: std::marker::PhantomData<T>,
 }
 
-impl<T: GemmFloat + Default> RotatedRows<T> {
+impl<T: CpuFloat> RotatedRows<T> {
     /// The tables for heads `[b, heads, t, d]` of `x`'s projection, when the slice path takes them (`x` contiguous on
     /// the CPU, even `d`, cos/sin of `[1 or b, 1, t, d]`).
     pub(crate) fn for_heads(
@@ -320,7 +378,7 @@ impl SliceLayout {
 }
 
 /// One `d`-row: `x⊙cos + rotate_half(x)⊙sin`, or with `transposed` the backward's `x⊙cos + rotate_halfᵀ(x⊙sin)`.
-fn rotate_row<T: GemmFloat>(o: &mut [T], x: &[T], c: &[T], s: &[T], transposed: bool) {
+fn rotate_row<T: CpuFloat>(o: &mut [T], x: &[T], c: &[T], s: &[T], transposed: bool) {
     let half = x.len() / 2;
     let (o1, o2) = o.split_at_mut(half);
     let (x1, x2) = x.split_at(half);
@@ -338,7 +396,7 @@ fn rotate_row<T: GemmFloat>(o: &mut [T], x: &[T], c: &[T], s: &[T], transposed: 
 }
 
 /// [`rotate_row`] for every row of every `[t, d]` head of `x` (one parallel task per head).
-fn rotate<T: GemmFloat>(
+fn rotate<T: CpuFloat>(
     x: &[T],
     cos: &[T],
     sin: &[T],
@@ -368,39 +426,10 @@ fn rotate<T: GemmFloat>(
     out
 }
 
-/// [`rope`] on CPU slices: one pass each way instead of a pass per Candle op.
-fn rope_cpu<T: GemmFloat>(
-    x: &Tensor,
-    cos: &Tensor,
-    sin: &Tensor,
-    layout: SliceLayout,
-) -> Result<Tensor> {
-    let (cos, sin) = (cos.to_dtype(T::DTYPE)?, sin.to_dtype(T::DTYPE)?);
-    let with_tables = move |x: &Tensor, transposed: bool| -> Result<Vec<T>> {
-        with_slice::<T, _>(x, |xs| {
-            with_slice::<T, _>(&cos, |c| {
-                with_slice::<T, _>(&sin, |s| Ok(rotate(xs, c, s, layout, transposed)))
-            })
-        })
-    };
-    let value = with_tables(x, false)?;
-    let shape = x.shape().clone();
-    attach1_cpu(
-        "rope",
-        x,
-        value,
-        shape.clone(),
-        Box::new(move |_, grad| {
-            let gx = with_tables(grad, true)?;
-            Ok(Some(Tensor::from_vec(gx, &shape, &Device::Cpu)?))
-        }),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     #[test]
     fn gradient_matches_finite_differences_and_rope_slow() {

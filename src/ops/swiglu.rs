@@ -1,105 +1,125 @@
 //! SwiGLU gate `silu(gate) * up`: one op that keeps only its two inputs for the backward.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
-use super::autograd::{attach2, attach2_cpu};
-use super::gemm::{with_slice, GemmFloat};
-use super::vector::{map2, map3};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::vector::{map2, map3};
+use super::cpu::{gradient, slice_dtype, with_slices, CpuFloat};
+use super::work_dtype;
 
 /// `silu(gate) * up`, element-wise, computed in float32 (f64 stays f64).
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let dtype = gate.dtype();
-    if gate.device().is_cpu() && up.dtype() == dtype && gate.dims() == up.dims() {
-        match dtype {
-            DType::F32 => return swiglu_cpu::<f32>(gate, up),
-            DType::F64 => return swiglu_cpu::<f64>(gate, up),
-            _ => {}
-        }
-    }
-    let work = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let value =
-        (gate.detach().to_dtype(work)?.silu()? * up.detach().to_dtype(work)?)?.to_dtype(dtype)?;
-    attach2(
-        "swiglu",
-        gate,
-        up,
-        value,
-        Box::new(move |gate, up, grad, needs| {
-            let (g, u, dy) = (
-                gate.to_dtype(work)?,
-                up.to_dtype(work)?,
-                grad.to_dtype(work)?,
-            );
-            let sig = candle_nn::ops::sigmoid(&g)?;
-            let silu = (&g * &sig)?;
-            let d_gate = if needs[0] {
-                // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
-                let dsilu = (&sig * ((&g * (1.0 - &sig)?)? + 1.0)?)?;
-                Some((&dy * &u)?.mul(&dsilu)?.to_dtype(gate.dtype())?)
-            } else {
-                None
-            };
-            let d_up = if needs[1] {
-                Some((&dy * &silu)?.to_dtype(up.dtype())?)
-            } else {
-                None
-            };
-            Ok((d_gate, d_up))
-        }),
-    )
+    Swiglu.apply([gate, up])
 }
+
+/// The SwiGLU op (inputs `[gate, up]`).
+struct Swiglu;
 
 /// `σ(g)`.
 #[inline(always)]
-fn sigmoid<T: GemmFloat>(g: T) -> T {
+fn sigmoid<T: CpuFloat>(g: T) -> T {
     T::one() / (T::one() + (T::zero() - g).exp())
 }
 
-/// [`swiglu`] on CPU slices: one parallel, vectorized pass each way.
-fn swiglu_cpu<T: GemmFloat>(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let value = with_slice::<T, _>(gate, |g| {
-        with_slice::<T, _>(up, |u| Ok(map2(g, u, |g, u| g * sigmoid(g) * u)))
-    })?;
-    let shape = gate.shape().clone();
-    attach2_cpu(
-        "swiglu",
-        gate,
-        up,
-        value,
-        shape.clone(),
-        Box::new(move |gate, up, grad, needs| {
-            let (dg, du) = with_slice::<T, _>(gate, |g| {
-                with_slice::<T, _>(up, |u| {
-                    with_slice::<T, _>(grad, |dy| {
-                        // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
-                        let dg = needs[0].then(|| {
-                            let dsilu = |g: T| {
-                                let s = sigmoid(g);
-                                s * (T::one() + g * (T::one() - s))
-                            };
-                            map3(g, u, dy, |g, u, dy| dy * u * dsilu(g))
-                        });
-                        let du = needs[1].then(|| map2(g, dy, |g, dy| dy * g * sigmoid(g)));
-                        Ok((dg, du))
-                    })
-                })
-            })?;
-            let cpu = Device::Cpu;
-            let tensor =
-                |x: Option<Vec<T>>| x.map(|x| Tensor::from_vec(x, &shape, &cpu)).transpose();
-            Ok((tensor(dg)?, tensor(du)?))
-        }),
-    )
+/// The element type of the slice path for these inputs, if it applies.
+fn slice_path(gate: &Tensor, up: &Tensor) -> Option<DType> {
+    slice_dtype(&[gate, up]).filter(|_| gate.dims() == up.dims())
+}
+
+impl Swiglu {
+    /// One parallel, vectorized pass.
+    fn cpu_fwd<T: CpuFloat>(gate: &Tensor, up: &Tensor) -> Result<Value> {
+        let value = with_slices([gate, up], |[g, u]| {
+            Ok(map2(g, u, |g, u: T| g * sigmoid(g) * u))
+        })?;
+        Ok(Value::cpu(value, gate.shape()))
+    }
+
+    fn cpu_bwd<T: CpuFloat>(
+        [gate, up]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let (dg, du) = with_slices([gate, up, grad], |[g, u, dy]| {
+            // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
+            let dg = needs[0].then(|| {
+                let dsilu = |g: T| {
+                    let s = sigmoid(g);
+                    s * (T::one() + g * (T::one() - s))
+                };
+                map3(g, u, dy, |g, u, dy| dy * u * dsilu(g))
+            });
+            let du = needs[1].then(|| map2(g, dy, |g, dy| dy * g * sigmoid(g)));
+            Ok((dg, du))
+        })?;
+        Ok([gradient(dg, gate.shape())?, gradient(du, up.shape())?])
+    }
+
+    /// Any dtype and device: Candle's ops.
+    fn composed_fwd(gate: &Tensor, up: &Tensor) -> Result<Value> {
+        let work = work_dtype(gate.dtype());
+        let value = (gate.detach().to_dtype(work)?.silu()? * up.detach().to_dtype(work)?)?;
+        Ok(Value::Tensor(value.to_dtype(gate.dtype())?))
+    }
+
+    fn composed_bwd(
+        [gate, up]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let work = work_dtype(gate.dtype());
+        let (g, u, dy) = (
+            gate.to_dtype(work)?,
+            up.to_dtype(work)?,
+            grad.to_dtype(work)?,
+        );
+        let sig = candle_nn::ops::sigmoid(&g)?;
+        let silu = (&g * &sig)?;
+        let d_gate = if needs[0] {
+            // silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
+            let dsilu = (&sig * ((&g * (1.0 - &sig)?)? + 1.0)?)?;
+            Some((&dy * &u)?.mul(&dsilu)?.to_dtype(gate.dtype())?)
+        } else {
+            None
+        };
+        let d_up = if needs[1] {
+            Some((&dy * &silu)?.to_dtype(up.dtype())?)
+        } else {
+            None
+        };
+        Ok([d_gate, d_up])
+    }
+}
+
+impl Op<2> for Swiglu {
+    const NAME: &'static str = "swiglu";
+
+    fn fwd(&mut self, [gate, up]: [&Tensor; 2]) -> Result<Value> {
+        match slice_path(gate, up) {
+            Some(DType::F32) => Self::cpu_fwd::<f32>(gate, up),
+            Some(DType::F64) => Self::cpu_fwd::<f64>(gate, up),
+            _ => Self::composed_fwd(gate, up),
+        }
+    }
+
+    fn bwd(
+        &self,
+        inputs: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        match slice_path(inputs[0], inputs[1]) {
+            Some(DType::F32) => Self::cpu_bwd::<f32>(inputs, grad, needs),
+            Some(DType::F64) => Self::cpu_bwd::<f64>(inputs, grad, needs),
+            _ => Self::composed_bwd(inputs, grad, needs),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
 
     #[test]
     fn gradients_match_finite_differences_and_composite() {

@@ -8,11 +8,17 @@
 //! | `sgd` | f32 momentum | `torch.optim.SGD` |
 //!
 //! Parameter groups follow the HF Trainer: no weight decay for biases and norm weights.
+//!
+//! "Paged" (`paged_adamw_8bit`, `paged_adamw_32bit`): bitsandbytes allocates the state of large tensors in CUDA
+//! managed memory so the driver can evict it to host RAM under memory pressure, and prefetches each parameter's
+//! pages before its update. Here every optimizer keeps its state in host memory and brings one parameter's values
+//! and gradient in for its update (one fused pass), then writes the parameter back — explicit host staging, the
+//! fallback bitsandbytes uses where managed memory is missing. The numbers are therefore identical to the non-paged
+//! optimizers on any device; the name only records what the user asked for (and is saved with the state).
 
 pub mod adamw;
 pub mod adamw8bit;
 pub mod clip;
-pub mod paged;
 pub mod schedule;
 pub mod sgd;
 
@@ -23,56 +29,37 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{Error, Result};
+use crate::files::partial_path;
+use crate::names::named_enum;
 use crate::quant::dynamic_map::{signed_map, unsigned_map};
 use adamw8bit::{Adam8bitState, Adam8bitStep};
 
 pub use clip::clip_grad_norm;
 pub use schedule::{Schedule, SchedulerType};
 
-/// The `optim` names of `TrainingArguments` this crate implements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OptimizerName {
-    /// `adamw_torch` (also `adamw_torch_fused`, transformers 5's default).
-    AdamWTorch,
-    /// `adamw_8bit` / `adamw_bnb_8bit`.
-    AdamW8bit,
-    /// `paged_adamw_8bit`.
-    PagedAdamW8bit,
-    /// `paged_adamw_32bit`.
-    PagedAdamW32bit,
-    /// `sgd`.
-    Sgd,
-}
-
-impl std::str::FromStr for OptimizerName {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "adamw_torch" | "adamw_torch_fused" => OptimizerName::AdamWTorch,
-            "adamw_8bit" | "adamw_bnb_8bit" => OptimizerName::AdamW8bit,
-            "paged_adamw_8bit" => OptimizerName::PagedAdamW8bit,
-            "paged_adamw_32bit" => OptimizerName::PagedAdamW32bit,
-            "sgd" => OptimizerName::Sgd,
-            other => {
-                return Err(Error::InvalidInput(format!(
-                    "optim `{other}` is not supported; use adamw_torch, adamw_8bit (adamw_bnb_8bit), paged_adamw_8bit, \
-                     paged_adamw_32bit or sgd"
-                )))
-            }
-        })
+named_enum! {
+    /// The `optim` names of `TrainingArguments` this crate implements.
+    pub enum OptimizerName ("optim") {
+        /// `adamw_torch` (also `adamw_torch_fused`, transformers 5's default).
+        AdamWTorch = "adamw_torch" | "adamw_torch_fused",
+        /// `adamw_8bit` / `adamw_bnb_8bit`.
+        AdamW8bit = "adamw_8bit" | "adamw_bnb_8bit",
+        /// `paged_adamw_8bit`.
+        PagedAdamW8bit = "paged_adamw_8bit",
+        /// `paged_adamw_32bit`.
+        PagedAdamW32bit = "paged_adamw_32bit",
+        /// `sgd`.
+        Sgd = "sgd",
     }
 }
 
 impl OptimizerName {
-    /// The canonical name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OptimizerName::AdamWTorch => "adamw_torch",
-            OptimizerName::AdamW8bit => "adamw_8bit",
-            OptimizerName::PagedAdamW8bit => "paged_adamw_8bit",
-            OptimizerName::PagedAdamW32bit => "paged_adamw_32bit",
-            OptimizerName::Sgd => "sgd",
-        }
+    /// Whether its moments are stored in 8 bits (bitsandbytes' blockwise quantization).
+    pub fn is_8bit(self) -> bool {
+        matches!(
+            self,
+            OptimizerName::AdamW8bit | OptimizerName::PagedAdamW8bit
+        )
     }
 }
 
@@ -307,7 +294,7 @@ impl Optimizer {
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
         let path = dir.join("optimizer.safetensors");
-        let tmp = crate::loading::safetensors::partial_path(&path);
+        let tmp = partial_path(&path);
         candle_core::safetensors::save(&tensors, &tmp)?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io("cannot move into place", &path, e))?;
         let meta = serde_json::json!({

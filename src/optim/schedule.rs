@@ -7,55 +7,30 @@ use std::f64::consts::PI;
 use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+use crate::names::named_enum;
 
-/// `lr_scheduler_type`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SchedulerType {
-    /// Linear warmup, then linear decay to 0.
-    Linear,
-    /// Linear warmup, then half a cosine (`num_cycles`, default 0.5) to 0.
-    Cosine,
-    /// Cosine with hard restarts (`num_cycles`, default 1).
-    CosineWithRestarts,
-    /// Polynomial decay to `lr_end` (default 1e-7) with `power` (default 1).
-    Polynomial,
-    /// Constant.
-    Constant,
-    /// Linear warmup, then constant.
-    ConstantWithWarmup,
-    /// Linear warmup, then `1/sqrt` decay (`timescale`, default the warmup or 10 000).
-    InverseSqrt,
-    /// Cosine to a floor (`min_lr` or `min_lr_rate`).
-    CosineWithMinLr,
-    /// Warmup, stable, decay (`num_decay_steps`, `num_stable_steps`, `warmup_type` (linear), `decay_type` (cosine),
-    /// `min_lr_ratio`).
-    WarmupStableDecay,
-}
-
-/// The names transformers accepts, for error messages.
-pub const SCHEDULER_NAMES: &str =
-    "linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup, \
-                                   inverse_sqrt, cosine_with_min_lr, warmup_stable_decay";
-
-impl std::str::FromStr for SchedulerType {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Ok(match s {
-            "linear" => SchedulerType::Linear,
-            "cosine" => SchedulerType::Cosine,
-            "cosine_with_restarts" => SchedulerType::CosineWithRestarts,
-            "polynomial" => SchedulerType::Polynomial,
-            "constant" => SchedulerType::Constant,
-            "constant_with_warmup" => SchedulerType::ConstantWithWarmup,
-            "inverse_sqrt" => SchedulerType::InverseSqrt,
-            "cosine_with_min_lr" => SchedulerType::CosineWithMinLr,
-            "warmup_stable_decay" => SchedulerType::WarmupStableDecay,
-            other => {
-                return Err(Error::InvalidInput(format!(
-                    "unknown lr_scheduler_type `{other}`; supported: {SCHEDULER_NAMES}"
-                )))
-            }
-        })
+named_enum! {
+    /// transformers' learning-rate schedules (`lr_scheduler_type`).
+    pub enum SchedulerType ("lr_scheduler_type") {
+        /// Linear warmup, then linear decay to 0.
+        Linear = "linear",
+        /// Linear warmup, then half a cosine (`num_cycles`, default 0.5) to 0.
+        Cosine = "cosine",
+        /// Cosine with hard restarts (`num_cycles`, default 1).
+        CosineWithRestarts = "cosine_with_restarts",
+        /// Polynomial decay to `lr_end` (default 1e-7) with `power` (default 1).
+        Polynomial = "polynomial",
+        /// Constant.
+        Constant = "constant",
+        /// Linear warmup, then constant.
+        ConstantWithWarmup = "constant_with_warmup",
+        /// Linear warmup, then `1/sqrt` decay (`timescale`, default the warmup or 10 000).
+        InverseSqrt = "inverse_sqrt",
+        /// Cosine to a floor (`min_lr` or `min_lr_rate`).
+        CosineWithMinLr = "cosine_with_min_lr",
+        /// Warmup, stable, decay (`num_decay_steps`, `num_stable_steps`, `warmup_type` (linear), `decay_type`
+        /// (cosine), `min_lr_ratio`).
+        WarmupStableDecay = "warmup_stable_decay",
     }
 }
 

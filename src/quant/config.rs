@@ -1,50 +1,25 @@
 //! What to quantize to: 4-bit type, blocksize, double quantization, and which bitsandbytes kernels to reproduce.
 
 use crate::error::{Error, Result};
+use crate::names::named_enum;
 
-/// The 4-bit data type (`bnb_4bit_quant_type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum QuantType {
-    /// 4-bit NormalFloat, the QLoRA data type.
-    Nf4,
-    /// 4-bit float (1 sign, 2 exponent, 1 mantissa bit).
-    Fp4,
+named_enum! {
+    /// The 4-bit data type (`bnb_4bit_quant_type`).
+    pub enum QuantType ("bnb_4bit_quant_type") {
+        /// 4-bit NormalFloat, the QLoRA data type.
+        Nf4 = "nf4",
+        /// 4-bit float (1 sign, 2 exponent, 1 mantissa bit).
+        Fp4 = "fp4",
+    }
 }
 
 impl QuantType {
-    /// The name bitsandbytes uses (`"nf4"`, `"fp4"`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QuantType::Nf4 => "nf4",
-            QuantType::Fp4 => "fp4",
-        }
-    }
-
     /// The 16 code values of this type, index = 4-bit code.
     pub fn code(self) -> &'static [f32; 16] {
         match self {
             QuantType::Nf4 => &super::nf4::NF4_CODE,
             QuantType::Fp4 => &super::fp4::FP4_CODE,
         }
-    }
-}
-
-impl std::str::FromStr for QuantType {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "nf4" => Ok(QuantType::Nf4),
-            "fp4" => Ok(QuantType::Fp4),
-            other => Err(Error::InvalidQuantConfig(format!(
-                "unknown quant type `{other}`: use `nf4` (QLoRA) or `fp4`"
-            ))),
-        }
-    }
-}
-
-impl std::fmt::Display for QuantType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

@@ -2,9 +2,14 @@
 //! noted), read from the `[training]` table of a TOML config. An unknown key is an error that names the closest
 //! valid one.
 
+use std::path::{Path, PathBuf};
+
 use serde::{Deserialize, Serialize};
 
+use super::checkpoint::latest_checkpoint;
+use super::config::read_section;
 use crate::error::{Error, Result};
+use crate::names::named_enum;
 use crate::optim::schedule::warmup_steps;
 use crate::optim::{OptimizerName, SchedulerType};
 
@@ -18,6 +23,18 @@ pub enum IntervalStrategy {
     Steps,
     /// At the end of each epoch.
     Epoch,
+}
+
+named_enum! {
+    /// The order micro-batches take (`train_sampling_strategy`).
+    pub enum SamplingStrategy ("train_sampling_strategy") {
+        /// A seeded shuffle per epoch.
+        Random = "random",
+        /// The data's order.
+        Sequential = "sequential",
+        /// Shuffled, then length-sorted within chunks of 50 batches (transformers' `LengthGroupedSampler`).
+        GroupByLength = "group_by_length",
+    }
 }
 
 /// transformers' `TrainingArguments`, the fields a QLoRA run sets.
@@ -44,8 +61,8 @@ pub struct TrainingArguments {
     pub warmup_steps: f64,
     /// Warmup ratio (transformers 4.x); used when `warmup_steps` is 0.
     pub warmup_ratio: f64,
-    /// Schedule name.
-    pub lr_scheduler_type: String,
+    /// The schedule.
+    pub lr_scheduler_type: SchedulerType,
     /// Schedule keyword arguments (e.g. `min_lr`, `num_cycles`, `power`).
     pub lr_scheduler_kwargs: Option<serde_json::Value>,
     /// Decoupled weight decay (not applied to biases and norms).
@@ -58,9 +75,9 @@ pub struct TrainingArguments {
     pub adam_beta2: f64,
     /// Adam ε.
     pub adam_epsilon: f64,
-    /// Optimizer name (`adamw_torch`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, `sgd`; transformers 5's
+    /// The optimizer (`adamw_torch`, `adamw_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`, `sgd`; transformers 5's
     /// default `adamw_torch_fused` means `adamw_torch` here).
-    pub optim: String,
+    pub optim: OptimizerName,
     /// Log every N steps (a value < 1 is a ratio of the total).
     pub logging_steps: f64,
     /// Also log the first step.
@@ -91,7 +108,8 @@ pub struct TrainingArguments {
     pub seed: u64,
     /// Seed of the data order (defaults to `seed`).
     pub data_seed: Option<u64>,
-    /// Resume from this checkpoint (or the latest with `true`).
+    /// Resume from this checkpoint folder, or from the latest in `output_dir` with `"true"` or `"latest"` (the
+    /// command's `--resume` sets it).
     pub resume_from_checkpoint: Option<String>,
     /// Integrations to report to (only `none` is supported; logs go to `output_dir`).
     pub report_to: String,
@@ -100,7 +118,7 @@ pub struct TrainingArguments {
     /// Batch examples of similar length (transformers 4.x name).
     pub group_by_length: bool,
     /// `random`, `sequential` or `group_by_length` (transformers 5 name).
-    pub train_sampling_strategy: String,
+    pub train_sampling_strategy: SamplingStrategy,
     /// Drop the last incomplete batch.
     pub dataloader_drop_last: bool,
     /// No progress bar (log lines instead), as in transformers.
@@ -128,14 +146,14 @@ impl Default for TrainingArguments {
             max_steps: -1,
             warmup_steps: 0.0,
             warmup_ratio: 0.0,
-            lr_scheduler_type: "linear".into(),
+            lr_scheduler_type: SchedulerType::Linear,
             lr_scheduler_kwargs: None,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             adam_beta1: 0.9,
             adam_beta2: 0.999,
             adam_epsilon: 1e-8,
-            optim: "adamw_torch".into(),
+            optim: OptimizerName::AdamWTorch,
             logging_steps: 500.0,
             logging_first_step: false,
             eval_strategy: IntervalStrategy::No,
@@ -154,7 +172,7 @@ impl Default for TrainingArguments {
             report_to: "none".into(),
             neftune_noise_alpha: None,
             group_by_length: false,
-            train_sampling_strategy: "random".into(),
+            train_sampling_strategy: SamplingStrategy::Random,
             dataloader_drop_last: false,
             disable_tqdm: false,
             metric_for_best_model: None,
@@ -162,73 +180,6 @@ impl Default for TrainingArguments {
             max_consecutive_nonfinite_losses: 5,
         }
     }
-}
-
-/// Field names of [`TrainingArguments`], for suggestions.
-pub const FIELDS: &[&str] = &[
-    "output_dir",
-    "overwrite_output_dir",
-    "per_device_train_batch_size",
-    "per_device_eval_batch_size",
-    "gradient_accumulation_steps",
-    "learning_rate",
-    "num_train_epochs",
-    "max_steps",
-    "warmup_steps",
-    "warmup_ratio",
-    "lr_scheduler_type",
-    "lr_scheduler_kwargs",
-    "weight_decay",
-    "max_grad_norm",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_epsilon",
-    "optim",
-    "logging_steps",
-    "logging_first_step",
-    "eval_strategy",
-    "eval_steps",
-    "save_strategy",
-    "save_steps",
-    "save_total_limit",
-    "bf16",
-    "fp16",
-    "gradient_checkpointing",
-    "gradient_checkpointing_kwargs",
-    "activation_memory_budget_mib",
-    "seed",
-    "data_seed",
-    "resume_from_checkpoint",
-    "report_to",
-    "neftune_noise_alpha",
-    "group_by_length",
-    "train_sampling_strategy",
-    "dataloader_drop_last",
-    "disable_tqdm",
-    "metric_for_best_model",
-    "use_cpu",
-    "max_consecutive_nonfinite_losses",
-];
-
-/// The valid name closest to `key`, if any is reasonably close.
-pub fn closest(key: &str, candidates: &[&str]) -> Option<String> {
-    candidates
-        .iter()
-        .map(|c| (strsim::jaro_winkler(key, c), *c))
-        .filter(|(score, _)| *score > 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, c)| c.to_string())
-}
-
-/// An error for unknown `key` in `section` of `path`, suggesting the closest of `candidates`.
-pub fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Error {
-    let hint = match closest(key, candidates) {
-        Some(c) => format!("did you mean `{c}`?"),
-        None => format!("valid keys: {}", candidates.join(", ")),
-    };
-    Error::InvalidInput(format!(
-        "{path}: unknown key `{key}` in [{section}]; {hint}"
-    ))
 }
 
 impl TrainingArguments {
@@ -248,27 +199,31 @@ impl TrainingArguments {
     }
 
     /// Reads the `[training]` table; `path` names the file in errors.
-    pub fn from_toml(table: &toml::Table, path: &str) -> Result<Self> {
-        if let Some(key) = table.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-            return Err(unknown_key(path, "training", key, FIELDS));
-        }
-        let args: TrainingArguments =
-            toml::Value::Table(table.clone())
-                .try_into()
-                .map_err(|e: toml::de::Error| {
-                    Error::InvalidInput(format!("{path}: [training]: {}", e.message()))
-                })?;
+    pub fn from_toml_value(value: &toml::Value, path: &str) -> Result<Self> {
+        let args: TrainingArguments = read_section(value, path, "training", &[])?;
         args.validate(path)?;
         Ok(args)
+    }
+
+    /// The checkpoint `resume_from_checkpoint` names: a folder, or the latest in `output_dir` for `"true"` or
+    /// `"latest"`; `None` when it is unset.
+    pub fn resume_checkpoint(&self) -> Result<Option<PathBuf>> {
+        let out = Path::new(&self.output_dir);
+        match self.resume_from_checkpoint.as_deref() {
+            None | Some("false") => Ok(None),
+            Some("true") | Some("latest") => latest_checkpoint(out).map(Some).ok_or_else(|| {
+                Error::InvalidInput(format!(
+                    "resume: no checkpoint-N folder with trainer_state.json in {}",
+                    out.display()
+                ))
+            }),
+            Some(dir) => Ok(Some(PathBuf::from(dir))),
+        }
     }
 
     /// Checks names and ranges.
     pub fn validate(&self, path: &str) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidInput(format!("{path}: [training]: {m}")));
-        self.optim_name()
-            .map_err(|e| Error::InvalidInput(format!("{path}: [training]: {e}")))?;
-        self.scheduler_type()
-            .map_err(|e| Error::InvalidInput(format!("{path}: [training]: {e}")))?;
         if self.per_device_train_batch_size == 0 || self.gradient_accumulation_steps == 0 {
             return bad(
                 "per_device_train_batch_size and gradient_accumulation_steps must be at least 1"
@@ -303,25 +258,16 @@ impl TrainingArguments {
         {
             return bad("neftune_noise_alpha must be a non-negative number".into());
         }
-        if !["random", "sequential", "group_by_length"]
-            .contains(&self.train_sampling_strategy.as_str())
-        {
-            return bad(format!(
-                "train_sampling_strategy `{}`: use random, sequential or group_by_length",
-                self.train_sampling_strategy
-            ));
-        }
         Ok(())
     }
 
-    /// The optimizer.
-    pub fn optim_name(&self) -> Result<OptimizerName> {
-        self.optim.parse()
-    }
-
-    /// The schedule type.
-    pub fn scheduler_type(&self) -> Result<SchedulerType> {
-        self.lr_scheduler_type.parse()
+    /// The order micro-batches take: `group_by_length` (transformers 4.x) or `train_sampling_strategy`.
+    pub fn sampling(&self) -> SamplingStrategy {
+        if self.group_by_length {
+            SamplingStrategy::GroupByLength
+        } else {
+            self.train_sampling_strategy
+        }
     }
 
     /// Warmup steps for `total` optimizer steps (`warmup_steps`, else `warmup_ratio`).
@@ -361,7 +307,7 @@ mod tests {
 
     fn parse(text: &str) -> Result<TrainingArguments> {
         let table: toml::Table = text.parse().unwrap();
-        TrainingArguments::from_toml(&table, "run.toml")
+        TrainingArguments::from_toml_value(&toml::Value::Table(table), "run.toml")
     }
 
     #[test]
@@ -389,7 +335,7 @@ mod tests {
              lr_scheduler_type = \"cosine\"\nbf16 = true\ngradient_checkpointing = true\neval_strategy = \"steps\"\n",
         )
         .unwrap();
-        assert_eq!(a.optim_name().unwrap(), OptimizerName::PagedAdamW8bit);
+        assert_eq!(a.optim, OptimizerName::PagedAdamW8bit);
         assert_eq!(a.warmup_for(100), 3);
         assert_eq!(a.eval_strategy, IntervalStrategy::Steps);
     }

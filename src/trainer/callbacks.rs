@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 
 use super::args::TrainingArguments;
+use super::evaluate::EvalReport;
 use super::state::{LogEntry, TrainerState};
 use crate::error::{Error, Result};
-use crate::eval::EvalReport;
 use crate::memory::{human_bytes, process_memory, stats};
 
 /// What callbacks may ask of the loop.

@@ -8,9 +8,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::args::TrainingArguments;
+use super::args::{SamplingStrategy, TrainingArguments};
 use super::state::TrainerState;
 use crate::error::{Error, Result};
+use crate::optim::SchedulerType;
 
 /// File names inside a checkpoint folder.
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -31,8 +32,8 @@ pub struct DataPosition {
     pub seed: u64,
     /// Seed of the data order.
     pub data_seed: u64,
-    /// `random`, `sequential` or `group_by_length`.
-    pub sampling: String,
+    /// The order of the micro-batches.
+    pub sampling: SamplingStrategy,
     /// Micro-batch size.
     pub per_device_train_batch_size: usize,
     /// Micro-batches per step.
@@ -57,8 +58,8 @@ impl DataPosition {
             ),
             (
                 "train_sampling_strategy",
-                self.sampling.clone(),
-                now.sampling.clone(),
+                self.sampling.to_string(),
+                now.sampling.to_string(),
             ),
             (
                 "per_device_train_batch_size",
@@ -95,7 +96,7 @@ impl DataPosition {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SchedulerState {
     /// `lr_scheduler_type`.
-    pub lr_scheduler_type: String,
+    pub lr_scheduler_type: SchedulerType,
     /// Peak learning rate.
     pub learning_rate: f64,
     /// Warmup steps.
@@ -227,7 +228,7 @@ mod tests {
         DataPosition {
             seed: 1,
             data_seed: 1,
-            sampling: "random".into(),
+            sampling: SamplingStrategy::Random,
             per_device_train_batch_size: 2,
             gradient_accumulation_steps: 1,
             train_rows: 10,
@@ -241,7 +242,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state = TrainerState::default();
         let scheduler = SchedulerState {
-            lr_scheduler_type: "linear".into(),
+            lr_scheduler_type: SchedulerType::Linear,
             learning_rate: 1e-3,
             warmup_steps: 0,
             total_steps: 10,

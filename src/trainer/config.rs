@@ -1,73 +1,88 @@
 //! A training config: a TOML file with `[model]` (name_or_path, revision, `[model.quantization]` =
-//! `BitsAndBytesConfig`), `[lora]` (`LoraConfig`), `[data]` and `[training]` (`TrainingArguments`), section and
-//! field names as in Python. `--set section.key=value` overrides any field. Unknown keys are errors that suggest
-//! the closest valid name.
+//! `BitsAndBytesConfig`), `[lora]` (`LoraConfig`), `[data]` ([`DataConfig`]), `[training]` (`TrainingArguments`)
+//! and `[callbacks]`, section and field names as in Python. `--set section.key=value` overrides any field.
+//!
+//! Every section is a serde type; [`read_section`] reads one, so an unknown key is an error that suggests the
+//! closest valid name, and a value of the wrong type names its key.
 
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::args::TrainingArguments;
+use crate::data::DataConfig;
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
+use crate::precision::TorchDtype;
 use crate::quant::{QuantConfig, QuantType};
 
-use super::args::{unknown_key, TrainingArguments};
-
 /// `[model]`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// Hub id, local folder or `.gguf` file.
     pub name_or_path: String,
     /// Hub revision.
+    #[serde(default)]
     pub revision: Option<String>,
-    /// `[model.quantization]` (`BitsAndBytesConfig`): `None` when `load_in_4bit` is false or absent.
-    pub quantization: Option<QuantConfig>,
-    /// `bnb_4bit_compute_dtype` (`bfloat16`, `float16`, `float32`).
-    pub compute_dtype: String,
+    /// `[model.quantization]` (`BitsAndBytesConfig`).
+    #[serde(default)]
+    pub quantization: Option<QuantizationSection>,
 }
 
-/// `[data]`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DataSection {
-    /// Training JSONL file.
-    pub train_file: PathBuf,
-    /// Evaluation JSONL file.
-    pub eval_file: Option<PathBuf>,
-    /// Fraction of the training file held out for evaluation when there is no `eval_file`.
-    pub eval_split: Option<f64>,
-    /// `auto`, `text`, `alpaca`, `messages` or `sharegpt`.
-    pub format: String,
-    /// Longest sequence in tokens.
-    pub max_length: usize,
-    /// Pack several examples per sequence.
-    pub packing: bool,
-    /// Loss on completions only (prompt labelled −100).
-    pub completion_only_loss: bool,
-    /// Loss on assistant turns only.
-    pub assistant_only_loss: bool,
-    /// Count bad lines instead of stopping.
-    pub skip_bad_lines: bool,
+/// `[model.quantization]`: transformers' `BitsAndBytesConfig` (4-bit fields).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuantizationSection {
+    /// Quantize the linear weights to 4 bits on load.
+    pub load_in_4bit: bool,
+    /// `nf4` or `fp4` (bitsandbytes' default).
+    pub bnb_4bit_quant_type: QuantType,
+    /// Quantize the block absmax values too.
+    pub bnb_4bit_use_double_quant: bool,
+    /// The dtype 4-bit layers compute in: on a GPU the compute dtype when `[training]` sets neither `bf16` nor
+    /// `fp16` (which win, as autocast does in transformers); the CPU computes in float32 unless they are set.
+    pub bnb_4bit_compute_dtype: TorchDtype,
+    /// How the packed codes are stored (bitsandbytes' `uint8`; accepted for compatibility).
+    pub bnb_4bit_quant_storage: Option<String>,
+    /// Elements per absmax block (bitsandbytes' `blocksize`; 64 for 4-bit).
+    pub bnb_4bit_blocksize: usize,
 }
 
-/// A whole training config.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RunConfig {
-    /// The file it was read from.
-    pub path: PathBuf,
-    /// `[model]`.
-    pub model: ModelSection,
-    /// `[lora]`.
-    pub lora: LoraConfig,
-    /// `[data]`.
-    pub data: DataSection,
-    /// `[training]`.
-    pub training: TrainingArguments,
-    /// `[callbacks]`.
-    pub callbacks: CallbackSection,
-    /// The config after `--set` overrides, as TOML (copied into checkpoints).
-    pub resolved: String,
+impl Default for QuantizationSection {
+    fn default() -> Self {
+        QuantizationSection {
+            load_in_4bit: false,
+            bnb_4bit_quant_type: QuantType::Fp4,
+            bnb_4bit_use_double_quant: false,
+            bnb_4bit_compute_dtype: TorchDtype::Float32,
+            bnb_4bit_quant_storage: None,
+            bnb_4bit_blocksize: 64,
+        }
+    }
+}
+
+impl QuantizationSection {
+    /// What to quantize to, or `None` when `load_in_4bit` is off.
+    pub fn quant_config(&self) -> Result<Option<QuantConfig>> {
+        if !self.load_in_4bit {
+            return Ok(None);
+        }
+        let config = QuantConfig {
+            quant_type: self.bnb_4bit_quant_type,
+            blocksize: self.bnb_4bit_blocksize,
+            double_quant: self.bnb_4bit_use_double_quant,
+            ..QuantConfig::nf4()
+        };
+        config.validate()?;
+        Ok(Some(config))
+    }
 }
 
 /// `[callbacks]`: the built-in callbacks a run uses.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct CallbackSection {
     /// Stop after this many evaluations without improvement (transformers' `early_stopping_patience`); off if
     /// absent.
@@ -91,98 +106,127 @@ impl Default for CallbackSection {
     }
 }
 
+/// A whole training config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// `[model]`.
+    pub model: ModelSection,
+    /// `[lora]`.
+    pub lora: LoraConfig,
+    /// `[data]`, with file names resolved against the config's folder.
+    pub data: DataConfig,
+    /// `[training]`.
+    pub training: TrainingArguments,
+    /// `[callbacks]`.
+    pub callbacks: CallbackSection,
+    /// The config after `--set` overrides, as TOML (copied into checkpoints).
+    pub resolved: String,
+}
+
+/// The sections of a run config.
 const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks"];
-const CALLBACK_KEYS: &[&str] = &[
-    "early_stopping_patience",
-    "early_stopping_threshold",
-    "memory_monitor",
-    "memory_warn_fraction",
-];
-const MODEL_KEYS: &[&str] = &["name_or_path", "revision", "quantization"];
-const QUANT_KEYS: &[&str] = &[
-    "load_in_4bit",
-    "bnb_4bit_quant_type",
-    "bnb_4bit_use_double_quant",
-    "bnb_4bit_compute_dtype",
-    "bnb_4bit_quant_storage",
-    "bnb_4bit_blocksize",
-];
-const LORA_KEYS: &[&str] = &[
-    "r",
-    "lora_alpha",
-    "lora_dropout",
-    "target_modules",
-    "exclude_modules",
-    "bias",
-    "use_rslora",
-    "rank_pattern",
-    "alpha_pattern",
-    "init_lora_weights",
-    "use_dora",
-    "modules_to_save",
-    "task_type",
-];
-const DATA_KEYS: &[&str] = &[
-    "train_file",
-    "eval_file",
-    "eval_split",
-    "format",
-    "max_length",
-    "packing",
-    "completion_only_loss",
-    "assistant_only_loss",
-    "skip_bad_lines",
-];
 
-fn check_keys(table: &toml::Table, path: &str, section: &str, keys: &[&str]) -> Result<()> {
-    match table.keys().find(|k| !keys.contains(&k.as_str())) {
-        Some(k) => Err(unknown_key(path, section, k, keys)),
-        None => Ok(()),
+/// PEFT keys `[lora]` accepts besides [`LoraConfig`]'s fields (its task is always causal LM).
+const LORA_EXTRA_KEYS: &[&str] = &["task_type"];
+
+/// The field names serde knows for struct `T` (its derived `Deserialize` lists them).
+pub fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+    use serde::de::{self, Visitor};
+
+    /// Carries the field list out of the probe.
+    #[derive(Debug)]
+    struct Fields(&'static [&'static str]);
+    impl std::fmt::Display for Fields {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "fields {:?}", self.0)
+        }
+    }
+    impl std::error::Error for Fields {}
+    impl de::Error for Fields {
+        fn custom<M: std::fmt::Display>(_: M) -> Self {
+            Fields(&[])
+        }
+    }
+    /// A deserializer that answers every request with an error, and a struct request with its field list.
+    struct Probe;
+    impl<'de> de::Deserializer<'de> for Probe {
+        type Error = Fields;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> std::result::Result<V::Value, Fields> {
+            Err(Fields(&[]))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> std::result::Result<V::Value, Fields> {
+            Err(Fields(fields))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes byte_buf option unit
+            unit_struct newtype_struct seq tuple tuple_struct map enum identifier ignored_any
+        }
+    }
+    match T::deserialize(Probe) {
+        Err(Fields(fields)) => fields,
+        Ok(_) => &[],
     }
 }
 
-fn section<'a>(root: &'a toml::Table, name: &str, path: &str) -> Result<&'a toml::Table> {
-    match root.get(name) {
-        Some(toml::Value::Table(t)) => Ok(t),
-        Some(_) => Err(Error::InvalidInput(format!(
-            "{path}: [{name}] must be a table"
-        ))),
-        None => Err(Error::InvalidInput(format!(
-            "{path}: the [{name}] section is missing"
-        ))),
+/// The valid name closest to `key`, if any is reasonably close.
+fn closest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    candidates
+        .iter()
+        .map(|c| (strsim::jaro_winkler(key, c), *c))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, c)| c)
+}
+
+/// An error for unknown `key` in `section` of `path`, suggesting the closest of `candidates`.
+fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Error {
+    let hint = match closest(key, candidates) {
+        Some(c) => format!("did you mean `{c}`?"),
+        None => format!("valid keys: {}", candidates.join(", ")),
+    };
+    Error::InvalidInput(format!(
+        "{path}: unknown key `{key}` in [{section}]; {hint}"
+    ))
+}
+
+/// Reads `[section]` of the config at `path` as `T`: an unknown key (other than `extra_keys`, accepted and
+/// ignored) is an error suggesting the closest field, a wrong value an error naming its key.
+pub fn read_section<T: DeserializeOwned>(
+    value: &toml::Value,
+    path: &str,
+    section: &str,
+    extra_keys: &[&str],
+) -> Result<T> {
+    let toml::Value::Table(table) = value else {
+        return Err(Error::InvalidInput(format!(
+            "{path}: [{section}] must be a table"
+        )));
+    };
+    let fields = field_names::<T>();
+    let mut table = table.clone();
+    for key in table.keys() {
+        if !fields.contains(&key.as_str()) && !extra_keys.contains(&key.as_str()) {
+            return Err(unknown_key(path, section, key, fields));
+        }
     }
-}
-
-/// The value of `key` in `[section]` converted by `convert`; an error naming both when it has another type.
-fn typed<'a, T>(
-    table: &'a toml::Table,
-    key: &str,
-    (path, section): (&str, &str),
-    want: &str,
-    convert: impl Fn(&'a toml::Value) -> Option<T>,
-) -> Result<Option<T>> {
-    match table.get(key) {
-        None => Ok(None),
-        Some(v) => convert(v).map(Some).ok_or_else(|| {
-            Error::InvalidInput(format!("{path}: [{section}] {key} = {v}: expected {want}"))
-        }),
-    }
-}
-
-fn as_bool(v: &toml::Value) -> Option<bool> {
-    v.as_bool()
-}
-
-fn as_str(v: &toml::Value) -> Option<&str> {
-    v.as_str()
-}
-
-fn as_count(v: &toml::Value) -> Option<usize> {
-    v.as_integer().and_then(|i| usize::try_from(i).ok())
-}
-
-fn as_number(v: &toml::Value) -> Option<f64> {
-    v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
+    table.retain(|key, _| fields.contains(&key));
+    serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        let key = e.path().to_string();
+        let message = e.into_inner().message().to_string();
+        let at = if key == "." {
+            String::new()
+        } else {
+            format!(" {key}")
+        };
+        Error::InvalidInput(format!("{path}: [{section}]{at}: {message}"))
+    })
 }
 
 /// Parses `value` of a `--set` as TOML (numbers, booleans, arrays), falling back to a string.
@@ -194,6 +238,31 @@ fn parse_value(text: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(text.into()))
 }
 
+/// Sets `section.key[.key…] = value` in `root` (a `--set` override).
+fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<()> {
+    let (key, value) = assignment.split_once('=').ok_or_else(|| {
+        Error::InvalidInput(format!("--set `{assignment}`: expected section.key=value"))
+    })?;
+    let mut parts: Vec<&str> = key.trim().split('.').collect();
+    let last = parts.pop().filter(|_| !parts.is_empty()).ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "--set `{assignment}`: the key needs a section, e.g. training.learning_rate"
+        ))
+    })?;
+    let mut table = root;
+    for p in parts {
+        table = table
+            .entry(p.to_string())
+            .or_insert_with(|| toml::Value::Table(Default::default()))
+            .as_table_mut()
+            .ok_or_else(|| {
+                Error::InvalidInput(format!("--set `{assignment}`: `{p}` is not a table"))
+            })?;
+    }
+    table.insert(last.to_string(), parse_value(value.trim()));
+    Ok(())
+}
+
 impl RunConfig {
     /// Reads `path` and applies `overrides` (`section.key=value`).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
@@ -203,175 +272,50 @@ impl RunConfig {
             Error::InvalidInput(format!("{}: {e}", path.display()))
         })?;
         for o in overrides {
-            let (key, value) = o.split_once('=').ok_or_else(|| {
-                Error::InvalidInput(format!("--set `{o}`: expected section.key=value"))
-            })?;
-            let mut parts: Vec<&str> = key.trim().split('.').collect();
-            let last = parts.pop().filter(|_| !parts.is_empty()).ok_or_else(|| {
-                Error::InvalidInput(format!(
-                    "--set `{o}`: the key needs a section, e.g. training.learning_rate"
-                ))
-            })?;
-            let mut table = &mut root;
-            for p in parts {
-                table = table
-                    .entry(p.to_string())
-                    .or_insert_with(|| toml::Value::Table(Default::default()))
-                    .as_table_mut()
-                    .ok_or_else(|| {
-                        Error::InvalidInput(format!("--set `{o}`: `{p}` is not a table"))
-                    })?;
-            }
-            table.insert(last.to_string(), parse_value(value.trim()));
+            apply_override(&mut root, o)?;
         }
         Self::from_table(&root, path)
     }
 
-    /// Builds a config from a parsed TOML document.
+    /// Builds a config from a parsed TOML document; `path` names it in errors and relative data files are resolved
+    /// against its folder.
     pub fn from_table(root: &toml::Table, path: &Path) -> Result<Self> {
         let p = path.display().to_string();
-        check_keys(root, &p, "top level", SECTIONS)?;
-        let base = path.parent().unwrap_or(Path::new("."));
-
-        let m = section(root, "model", &p)?;
-        check_keys(m, &p, "model", MODEL_KEYS)?;
-        let name_or_path = m
-            .get("name_or_path")
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| {
-                Error::InvalidInput(format!(
-                    "{p}: [model] needs name_or_path (a Hub id, folder or .gguf)"
-                ))
-            })?
-            .to_string();
-        let (quantization, compute_dtype) = match m.get("quantization") {
-            None => (None, "float32".to_string()),
-            Some(toml::Value::Table(q)) => {
-                check_keys(q, &p, "model.quantization", QUANT_KEYS)?;
-                let at = (p.as_str(), "model.quantization");
-                let get_bool = |k: &str, d: bool| -> Result<bool> {
-                    Ok(typed(q, k, at, "true or false", as_bool)?.unwrap_or(d))
-                };
-                let quant_type: QuantType =
-                    typed(q, "bnb_4bit_quant_type", at, "a string", as_str)?
-                        .unwrap_or("fp4")
-                        .parse()?;
-                let compute = typed(q, "bnb_4bit_compute_dtype", at, "a string", as_str)?
-                    .unwrap_or("float32")
-                    .to_string();
-                if !["bfloat16", "float16", "float32"].contains(&compute.as_str()) {
-                    return Err(Error::InvalidInput(format!(
-                        "{p}: bnb_4bit_compute_dtype `{compute}`: use bfloat16, float16 or float32"
-                    )));
-                }
-                let cfg = QuantConfig {
-                    quant_type,
-                    blocksize: typed(q, "bnb_4bit_blocksize", at, "an integer", as_count)?
-                        .unwrap_or(64),
-                    double_quant: get_bool("bnb_4bit_use_double_quant", false)?,
-                    ..QuantConfig::nf4()
-                };
-                cfg.validate()?;
-                (get_bool("load_in_4bit", false)?.then_some(cfg), compute)
-            }
-            Some(_) => {
-                return Err(Error::InvalidInput(format!(
-                    "{p}: [model.quantization] must be a table"
-                )))
-            }
-        };
-        let model = ModelSection {
-            name_or_path,
-            revision: typed(m, "revision", (&p, "model"), "a string", as_str)?.map(str::to_string),
-            quantization,
-            compute_dtype,
-        };
-
-        let l = section(root, "lora", &p)?;
-        check_keys(l, &p, "lora", LORA_KEYS)?;
-        let json = serde_json::to_value(l)
-            .map_err(|e| Error::InvalidInput(format!("{p}: [lora]: {e}")))?;
-        let lora = LoraConfig::from_json(&json, path)?;
-
-        let d = section(root, "data", &p)?;
-        check_keys(d, &p, "data", DATA_KEYS)?;
-        let at = (p.as_str(), "data");
-        let file = |k: &str| -> Result<Option<PathBuf>> {
-            Ok(typed(d, k, at, "a file path", as_str)?.map(|f| base.join(f)))
-        };
-        let flag = |k: &str, default: bool| -> Result<bool> {
-            Ok(typed(d, k, at, "true or false", as_bool)?.unwrap_or(default))
-        };
-        let data = DataSection {
-            train_file: file("train_file")?
-                .ok_or_else(|| Error::InvalidInput(format!("{p}: [data] needs train_file")))?,
-            eval_file: file("eval_file")?,
-            eval_split: typed(d, "eval_split", at, "a number", as_number)?,
-            format: typed(d, "format", at, "a string", as_str)?
-                .unwrap_or("auto")
-                .to_string(),
-            max_length: typed(d, "max_length", at, "a positive integer", as_count)?.unwrap_or(1024),
-            packing: flag("packing", false)?,
-            completion_only_loss: flag("completion_only_loss", true)?,
-            assistant_only_loss: flag("assistant_only_loss", false)?,
-            skip_bad_lines: flag("skip_bad_lines", false)?,
-        };
-        if data.max_length == 0 {
-            return Err(Error::InvalidInput(format!(
-                "{p}: [data] max_length must be at least 1"
-            )));
+        if let Some(key) = root.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
+            return Err(unknown_key(&p, "top level", key, SECTIONS));
         }
-        data.format.parse::<crate::data::DataFormat>()?;
+        let required = |name: &str| {
+            root.get(name)
+                .ok_or_else(|| Error::InvalidInput(format!("{p}: the [{name}] section is missing")))
+        };
+        let optional = |name: &str| {
+            root.get(name)
+                .cloned()
+                .unwrap_or(toml::Value::Table(Default::default()))
+        };
 
-        let training = match root.get("training") {
-            Some(toml::Value::Table(t)) => TrainingArguments::from_toml(t, &p)?,
-            Some(_) => {
-                return Err(Error::InvalidInput(format!(
-                    "{p}: [training] must be a table"
-                )))
-            }
-            None => TrainingArguments::default(),
-        };
-        let callbacks = match root.get("callbacks") {
-            None => CallbackSection::default(),
-            Some(toml::Value::Table(c)) => {
-                check_keys(c, &p, "callbacks", CALLBACK_KEYS)?;
-                let at = (p.as_str(), "callbacks");
-                let defaults = CallbackSection::default();
-                CallbackSection {
-                    early_stopping_patience: typed(
-                        c,
-                        "early_stopping_patience",
-                        at,
-                        "a positive integer",
-                        as_count,
-                    )?,
-                    early_stopping_threshold: typed(
-                        c,
-                        "early_stopping_threshold",
-                        at,
-                        "a number",
-                        as_number,
-                    )?
-                    .unwrap_or(defaults.early_stopping_threshold),
-                    memory_monitor: typed(c, "memory_monitor", at, "true or false", as_bool)?
-                        .unwrap_or(defaults.memory_monitor),
-                    memory_warn_fraction: typed(
-                        c,
-                        "memory_warn_fraction",
-                        at,
-                        "a number",
-                        as_number,
-                    )?
-                    .unwrap_or(defaults.memory_warn_fraction),
-                }
-            }
-            Some(_) => {
-                return Err(Error::InvalidInput(format!(
-                    "{p}: [callbacks] must be a table"
-                )))
-            }
-        };
+        let model: ModelSection = read_section(required("model")?, &p, "model", &[])?;
+        if let Some(q) = &model.quantization {
+            q.quant_config()
+                .map_err(|e| Error::InvalidInput(format!("{p}: [model.quantization]: {e}")))?;
+        }
+        let lora: LoraConfig = read_section(required("lora")?, &p, "lora", LORA_EXTRA_KEYS)?;
+        lora.validate()
+            .map_err(|e| Error::InvalidInput(format!("{p}: [lora]: {e}")))?;
+        let mut data: DataConfig = read_section(required("data")?, &p, "data", &[])?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        data.train_file = Some(
+            base.join(
+                data.train_file
+                    .as_ref()
+                    .ok_or_else(|| Error::InvalidInput(format!("{p}: [data] needs train_file")))?,
+            ),
+        );
+        data.eval_file = data.eval_file.map(|f| base.join(f));
+        data.validate()
+            .map_err(|e| Error::InvalidInput(format!("{p}: [data]: {e}")))?;
+        let training = TrainingArguments::from_toml_value(&optional("training"), &p)?;
+        let callbacks = read_section(&optional("callbacks"), &p, "callbacks", &[])?;
         Ok(RunConfig {
             path: path.to_path_buf(),
             model,
@@ -381,6 +325,23 @@ impl RunConfig {
             callbacks,
             resolved: root.to_string(),
         })
+    }
+
+    /// The 4-bit quantization `[model.quantization]` asks for, if any.
+    pub fn quant_config(&self) -> Result<Option<QuantConfig>> {
+        match &self.model.quantization {
+            Some(q) => q.quant_config(),
+            None => Ok(None),
+        }
+    }
+
+    /// `bnb_4bit_compute_dtype` when 4-bit loading is on.
+    pub fn quant_compute_dtype(&self) -> Option<TorchDtype> {
+        self.model
+            .quantization
+            .as_ref()
+            .filter(|q| q.load_in_4bit)
+            .map(|q| q.bnb_4bit_compute_dtype)
     }
 }
 
@@ -401,6 +362,7 @@ r = 16
 lora_alpha = 32
 lora_dropout = 0.05
 target_modules = "all-linear"
+task_type = "CAUSAL_LM"
 [data]
 train_file = "data/train.jsonl"
 max_length = 512
@@ -429,13 +391,13 @@ optim = "paged_adamw_8bit"
             ],
         )
         .unwrap();
-        assert_eq!(c.model.quantization, Some(QuantConfig::nf4()));
-        assert_eq!(c.model.compute_dtype, "bfloat16");
+        assert_eq!(c.quant_config().unwrap(), Some(QuantConfig::nf4()));
+        assert_eq!(c.quant_compute_dtype(), Some(TorchDtype::BFloat16));
         assert_eq!((c.lora.r, c.lora.lora_alpha), (8, 32.0));
         assert_eq!(c.training.learning_rate, 1e-4);
         assert!(c.data.packing);
         assert_eq!(
-            c.data.train_file,
+            c.data.train_file.unwrap(),
             p.parent().unwrap().join("data/train.jsonl")
         );
     }
@@ -461,12 +423,37 @@ optim = "paged_adamw_8bit"
         )
         .unwrap_err()
         .to_string();
-        assert!(err.contains("int4"), "{err}");
+        assert!(
+            err.contains("int4") && err.contains("bnb_4bit_quant_type"),
+            "{err}"
+        );
+        let err = RunConfig::load(&p, &["data.max_length=\"long\"".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("[data] max_length") && err.contains("invalid type"),
+            "{err}"
+        );
         let (_d, p) =
             write(&RECIPE.replace("[data]\ntrain_file = \"data/train.jsonl\"\n", "[data]\n"));
         assert!(RunConfig::load(&p, &[])
             .unwrap_err()
             .to_string()
             .contains("train_file"));
+    }
+
+    #[test]
+    fn field_names_come_from_serde() {
+        let fields = field_names::<CallbackSection>();
+        assert_eq!(
+            fields,
+            [
+                "early_stopping_patience",
+                "early_stopping_threshold",
+                "memory_monitor",
+                "memory_warn_fraction"
+            ]
+        );
+        assert!(field_names::<TrainingArguments>().contains(&"learning_rate"));
     }
 }

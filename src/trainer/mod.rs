@@ -1,23 +1,33 @@
-//! Training: `TrainingArguments` (transformers' names and defaults), TOML configs, and the `Trainer`.
+//! Training: `TrainingArguments` (transformers' names and defaults), TOML run configs, and the `Trainer`.
 //!
-//! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`run`]: the loop; [`checkpoint`]: checkpoint
-//!   files and resume; [`callbacks`]: hooks, early stopping, memory monitor; [`state`]: the log and
-//!   `trainer_state.json`; [`progress`]: what the user sees; [`neftune`]: embedding noise.
+//! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`pipeline`]: a `Trainer` built from a run config
+//!   (model, data, callbacks).
+//! - [`run`]: the `Trainer` and its loop; [`window`]: one accumulation window's forward and backward;
+//!   [`sampler`]: the data order; [`evaluate`]: the evaluation loss.
+//! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
+//!   hooks, early stopping, memory monitor; [`progress`]: what the user sees; [`oom`]: the out-of-memory report;
+//!   [`neftune`]: embedding noise.
 
 pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod config;
-pub mod neftune;
-pub mod progress;
+pub mod evaluate;
+mod neftune;
+mod oom;
+pub mod pipeline;
+mod progress;
 pub mod run;
+mod sampler;
 pub mod state;
+mod window;
 
-pub use args::{IntervalStrategy, TrainingArguments};
+pub use args::{IntervalStrategy, SamplingStrategy, TrainingArguments};
 pub use callbacks::{
     EarlyStoppingCallback, MemoryMonitorCallback, TrainerCallback, TrainerControl,
 };
 pub use checkpoint::latest_checkpoint;
 pub use config::RunConfig;
+pub use evaluate::{evaluate, EvalReport};
 pub use run::Trainer;
 pub use state::{LogEntry, TrainOutput, TrainerState};

@@ -3,10 +3,8 @@
 use std::collections::HashMap;
 
 use candle_core::DType;
+use candle_qlora::files::{view_to_f32, write_safetensors, MappedSafetensors, RawTensor};
 use candle_qlora::loading::bnb::{bnb_entries, read_bnb_file, write_bnb_file};
-use candle_qlora::loading::safetensors::{
-    view_to_f32, write_safetensors, MappedSafetensors, RawTensor,
-};
 use candle_qlora::quant::{BnbKernels, Nf4Tensor, QuantConfig, QuantType};
 
 use crate::common::{bytes, data_path, tensor_bytes};

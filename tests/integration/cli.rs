@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::process::Command;
 
+use candle_qlora::files::{write_safetensors, MappedSafetensors, RawTensor};
 use candle_qlora::loading::bnb::read_bnb_file;
-use candle_qlora::loading::safetensors::{write_safetensors, MappedSafetensors, RawTensor};
 
 fn qlora(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_qlora"))

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use candle_core::DType;
-use candle_qlora::loading::safetensors::MappedSafetensors;
+use candle_qlora::files::MappedSafetensors;
 use safetensors::tensor::TensorView;
 
 /// `tests/data/<rel>`.
@@ -73,7 +73,7 @@ pub fn diff_summary<T: PartialEq>(a: &[T], b: &[T]) -> Option<(usize, usize)> {
 /// The real test model (SmolLM2-135M GGUF). Fetches it with `scripts/fetch-test-model.sh` when it is not cached;
 /// with `CI` set, a missing model is a failure, otherwise the calling test is skipped with a message.
 pub fn test_model() -> Option<PathBuf> {
-    if let Some(p) = candle_qlora::loading::source::cached_test_model() {
+    if let Some(p) = candle_qlora::loading::cached_test_model() {
         return Some(p);
     }
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-test-model.sh");

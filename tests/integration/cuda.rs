@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_qlora::data::TokenizedExample;
-use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::memory::{reset_device_peak, stats};
 use candle_qlora::quant::{DeviceNf4, Nf4Tensor, QuantConfig};
@@ -98,7 +98,7 @@ fn tiny_trainer(
         max_steps: 6,
         logging_steps: 1.0,
         save_steps: 100.0,
-        optim: "adamw_torch".into(),
+        optim: OptimizerName::AdamWTorch,
         gradient_checkpointing: true,
         ..Default::default()
     };
@@ -257,8 +257,7 @@ fn the_estimate_predicts_the_gpu_peak() {
     let dev = gpu();
     let dir = tempfile::tempdir().unwrap();
     let folder = random_smollm2(dir.path());
-    let config =
-        candle_qlora::loading::source::load_model_config(folder.to_str().unwrap(), None).unwrap();
+    let config = candle_qlora::loading::load_model_config(folder.to_str().unwrap(), None).unwrap();
     let mut rows = Vec::new();
     for (batch, seq, checkpointing) in [
         (4, 512, true),
@@ -299,7 +298,7 @@ fn the_estimate_predicts_the_gpu_peak() {
             save_strategy: candle_qlora::trainer::IntervalStrategy::No,
             bf16: true,
             gradient_checkpointing: checkpointing,
-            optim: "paged_adamw_8bit".into(),
+            optim: OptimizerName::PagedAdamW8bit,
             ..Default::default()
         };
         let lora = LoraConfig {
@@ -325,7 +324,7 @@ fn the_estimate_predicts_the_gpu_peak() {
                 batch,
                 seq,
                 lora_r: 16,
-                optim: "paged_adamw_8bit".into(),
+                optim: OptimizerName::PagedAdamW8bit,
                 gradient_checkpointing: checkpointing,
                 activation_memory_budget_mib: None,
                 quantize: true,

@@ -5,6 +5,7 @@ mod cli;
 mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod layering;
 mod memory;
 mod model_cli;
 mod model_parity;

@@ -1,7 +1,7 @@
 //! Memory accounting: the NF4 model's weight bytes as predicted, the trainer's per-phase timeline and breakdown,
 //! and `qlora estimate`.
 
-use candle_qlora::loading::source::{load_model, load_model_config, LoadOptions};
+use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
 use candle_qlora::memory::{estimate, EstimateArgs};
 use candle_qlora::quant::QuantConfig;
 

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::loading::{load_model, LoadOptions};
 
 use crate::common::{data_path, test_model};
 
@@ -201,7 +201,7 @@ fn broken_models_are_clear_errors() {
     std::fs::write(d.join("config.json"), cfg.to_string()).unwrap();
     let err = load(&d);
     assert!(
-        err.contains("config.json") && err.contains("`num_hidden_layers` is missing"),
+        err.contains("config.json") && err.contains("missing field `num_hidden_layers`"),
         "{err}"
     );
 

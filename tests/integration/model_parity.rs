@@ -2,7 +2,8 @@
 //! composite-ops reference for whole-model gradients.
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::adapter::Adapters;
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::models::{generate, Checkpointing, GenerationConfig, LlamaModel, Positions};
 use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::{BnbKernels, QuantConfig};
@@ -348,7 +349,7 @@ fn bf16_compute_tracks_f32_and_trains() {
 /// bitsandbytes' layout loads without re-quantizing and gives transformers + bitsandbytes' NF4 logits.
 #[test]
 fn sharded_and_bitsandbytes_folders_load() {
-    use candle_qlora::loading::safetensors::{write_safetensors, MappedSafetensors, RawTensor};
+    use candle_qlora::files::{write_safetensors, MappedSafetensors, RawTensor};
     let g = golden("tiny-llama");
     let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
     let src = data_path("models/tiny-llama");

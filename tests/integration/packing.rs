@@ -2,9 +2,10 @@
 //! run one by one (positions restart, attention stays inside each example), with and without checkpointing.
 
 use candle_core::{DType, Device};
+use candle_qlora::adapter::Adapters;
+use candle_qlora::data::collate;
 use candle_qlora::data::{pack, Example, TokenizedExample};
-use candle_qlora::eval::collate;
-use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::models::{Checkpointing, LlamaModel};
 

@@ -3,9 +3,10 @@
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
+use candle_qlora::adapter::merge::merged_weight;
+use candle_qlora::adapter::Adapters;
 use candle_qlora::adapter::{load_adapter, save_adapter};
-use candle_qlora::loading::source::{load_model, LoadOptions};
-use candle_qlora::lora::merge::merged_weight;
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::models::LlamaModel;
 
 use crate::common::{data_path, max_abs_diff};
@@ -99,7 +100,13 @@ fn saved_adapters_round_trip_bit_identically_with_all_peft_keys() {
         let src = data_path(&format!("peft/{case}"));
         let config = load_adapter(&mut model, &src, "default").unwrap();
         let out = root.join(case);
-        save_adapter(&model, "default", &out, "tests/data/models/tiny-llama").unwrap();
+        save_adapter(
+            &model,
+            "default",
+            &out,
+            Some("tests/data/models/tiny-llama"),
+        )
+        .unwrap();
         if std::env::var_os("QLORA_PEFT_CHECK_DIR").is_some() {
             let g = golden(case);
             let mut expected = HashMap::new();
@@ -461,7 +468,7 @@ fn smollm2_adapter_round_trip_and_merged_generation() {
     };
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("adapter");
-    save_adapter(&model, "default", &saved, path).unwrap();
+    save_adapter(&model, "default", &saved, Some(path)).unwrap();
 
     let mut again = load_model(path, None, &nf4).unwrap().model;
     load_adapter(&mut again, &saved, "default").unwrap();
@@ -489,12 +496,12 @@ fn smollm2_adapter_round_trip_and_merged_generation() {
         .unwrap();
     let unmerged = generate(&again, &prompt, &GenerationConfig::greedy(12), |_| Ok(())).unwrap();
     let out = dir.path().join("merged");
-    let opts = candle_qlora::lora::merge::MergeOptions {
+    let opts = candle_qlora::adapter::merge::MergeOptions {
         dtype: DType::F32,
         requantize: None,
         overwrite: false,
     };
-    candle_qlora::lora::merge::merge_to_folder(&again, Some(&tok), None, &out, &opts).unwrap();
+    candle_qlora::adapter::merge::merge_to_folder(&again, Some(&tok), None, &out, &opts).unwrap();
     let merged = load_model(out.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
     assert_eq!(
         merged
@@ -599,7 +606,7 @@ fn modules_to_save_train_save_and_reload() {
         }
     }
     let dir = tempfile::tempdir().unwrap();
-    save_adapter(&model, "default", dir.path(), "tiny").unwrap();
+    save_adapter(&model, "default", dir.path(), Some("tiny")).unwrap();
     let mut again = base();
     load_adapter(&mut again, dir.path(), "default").unwrap();
     assert_eq!(

@@ -1,7 +1,7 @@
 //! Bit-exactness against bitsandbytes: golden files from `scripts/golden_quant.py`.
 
 use candle_core::DType;
-use candle_qlora::loading::safetensors::{candle_float_dtype, view_to_f32, MappedSafetensors};
+use candle_qlora::files::{candle_float_dtype, view_to_f32, MappedSafetensors};
 use candle_qlora::quant::reduce::torch_mean_f32;
 use candle_qlora::quant::{
     BlockScales, BnbKernels, NestedAbsmax, Nf4Tensor, QuantConfig, QuantType,

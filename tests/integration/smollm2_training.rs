@@ -3,12 +3,13 @@
 //! written for `scripts/golden_peft.py check-trained DIR`, which loads them in PEFT and compares the loss.
 
 use candle_core::DType;
-use candle_qlora::adapter::load_adapter;
-use candle_qlora::data::{read_jsonl, DataFormat, TokenizedExample};
-use candle_qlora::eval::evaluate;
-use candle_qlora::loading::source::{load_model, LoadOptions};
+use candle_qlora::adapter::{load_adapter, Adapters};
+use candle_qlora::data::{DataConfig, Dataset, TokenizedExample};
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
+use candle_qlora::optim::{OptimizerName, SchedulerType};
 use candle_qlora::quant::QuantConfig;
+use candle_qlora::trainer::evaluate;
 use candle_qlora::trainer::{Trainer, TrainingArguments};
 
 fn arithmetic(
@@ -19,12 +20,13 @@ fn arithmetic(
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("configs/data")
         .join(file);
-    let (examples, _) = read_jsonl(&path, DataFormat::Auto, false).unwrap();
-    examples
-        .iter()
-        .take(n)
-        .map(|e| e.tokenize(tok, 64, false).unwrap())
-        .collect()
+    let config = DataConfig {
+        max_length: 64,
+        ..Default::default()
+    };
+    let mut data = Dataset::from_jsonl(&path, tok, &config).unwrap();
+    data.rows.truncate(n);
+    data.rows
 }
 
 #[test]
@@ -54,8 +56,8 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
         gradient_accumulation_steps: 1,
         learning_rate: 2e-3,
         max_steps: 4,
-        lr_scheduler_type: "constant".into(),
-        optim: "paged_adamw_8bit".into(),
+        lr_scheduler_type: SchedulerType::Constant,
+        optim: OptimizerName::PagedAdamW8bit,
         gradient_checkpointing: true,
         logging_steps: 1.0,
         save_strategy: candle_qlora::trainer::IntervalStrategy::No,
@@ -69,7 +71,8 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
-    let mut trainer = Trainer::new(loaded.model, args, &lora, train, eval.clone(), path).unwrap();
+    let mut trainer = Trainer::new(loaded.model, args, &lora, train, eval.clone()).unwrap();
+    trainer.set_base_model_name(path);
     trainer.train(None).unwrap();
     let after = evaluate(&trainer.model, &eval, 8).unwrap().loss;
     assert!(after < before - 0.1, "eval loss {before} → {after}");

@@ -1,17 +1,9 @@
-//! The out-of-memory report: when an allocation fails (the CUDA allocator's `out of memory`), training stops with
-//! what was live by category, where it happened, and the changes that would fit, cheapest first.
+//! The out-of-memory report: when an allocation fails (the CUDA allocator's `out of memory`, recognized by
+//! [`crate::memory::is_out_of_memory`]), training stops with what was live by category, where it happened, and
+//! the changes to the `TrainingArguments` that would fit, cheapest first.
 
-use super::stats::human_bytes;
-use super::timeline::{Breakdown, Phase};
-use crate::trainer::TrainingArguments;
-
-/// True if `message` (an error's text) is an out-of-memory failure of a device allocator.
-pub fn is_out_of_memory(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    m.contains("out of memory")
-        || m.contains("out_of_memory")
-        || m.contains("memory allocation failed")
-}
+use super::args::TrainingArguments;
+use crate::memory::{human_bytes, Breakdown, Phase};
 
 /// The report: `live` bytes by category at the failure, the step and phase, and the next steps in order of cost
 /// (each says what it saves, estimated from the breakdown).
@@ -43,8 +35,7 @@ pub fn oom_report(live: &Breakdown, step: usize, phase: Phase, args: &TrainingAr
             human_bytes(live.activations)
         ));
     }
-    let optim_8bit = args.optim.contains("8bit");
-    if !optim_8bit && live.optimizer > 0 {
+    if !args.optim.is_8bit() && live.optimizer > 0 {
         suggest(format!(
             "optim = \"paged_adamw_8bit\" (8-bit moments: optimizer state {} → about {})",
             human_bytes(live.optimizer),
@@ -60,17 +51,7 @@ pub fn oom_report(live: &Breakdown, step: usize, phase: Phase, args: &TrainingAr
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn recognizes_allocator_failures() {
-        assert!(is_out_of_memory(
-            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
-        ));
-        assert!(is_out_of_memory(
-            "CUDA out of memory. Tried to allocate 2.00 GiB"
-        ));
-        assert!(!is_out_of_memory("shape mismatch in matmul"));
-    }
+    use crate::optim::OptimizerName;
 
     #[test]
     fn suggestions_come_cheapest_first_and_skip_what_is_already_on() {
@@ -85,7 +66,7 @@ mod tests {
         let args = TrainingArguments {
             per_device_train_batch_size: 8,
             gradient_accumulation_steps: 2,
-            optim: "adamw_torch".into(),
+            optim: OptimizerName::AdamWTorch,
             ..Default::default()
         };
         let r = oom_report(&live, 12, Phase::Backward, &args);
@@ -104,7 +85,7 @@ mod tests {
         let done = TrainingArguments {
             per_device_train_batch_size: 1,
             gradient_checkpointing: true,
-            optim: "paged_adamw_8bit".into(),
+            optim: OptimizerName::PagedAdamW8bit,
             ..Default::default()
         };
         let r = oom_report(&live, 1, Phase::Forward, &done);

@@ -1,6 +1,6 @@
 //! `exp` for float32 loops that the compiler can vectorize.
 //!
-//! `f32::exp` calls libm once per element (~6 ns here), which made softmax-style loops (cross-entropy over a 49k
+//! `f32::exp` calls libm once per element, which made softmax-style loops (cross-entropy over a 49k
 //! vocabulary, attention, SiLU) cost more than their matrix products. This is Cephes' `expf`: `2ⁿ·e^r` with
 //! `|r| ≤ ln2/2` and a degree-6 polynomial for `e^r` — within 2 ulp of the exact value over the float32 range,
 //! built only from float and integer arithmetic and selects (no float-to-int conversion, which Rust saturates), so a

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
-use super::autograd::attach2;
+use super::{Apply, Op, Value};
 
 /// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`].
 pub type Block = Arc<dyn Fn(&Tensor, Pass) -> Result<Tensor> + Send + Sync>;
@@ -62,52 +62,70 @@ impl GradSink {
     }
 }
 
+/// The checkpoint op: inputs `[x, anchor]` (the anchor is a parameter the block uses, so the block is
+/// differentiated even when `x` needs no gradient); the backward recomputes the block and differentiates it.
+struct Checkpoint {
+    block: Block,
+    params: Vec<Var>,
+    sink: GradSink,
+}
+
+impl Op<2> for Checkpoint {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
+        Ok(Value::Tensor(
+            (self.block)(&x.detach(), Pass::Forward)?.detach(),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        [x, _anchor]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let input = if needs[0] {
+            Some(Var::from_tensor(x)?)
+        } else {
+            None
+        };
+        let y = (self.block)(
+            input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
+            Pass::Recompute,
+        )?;
+        let grads = (y * grad)?.sum_all()?.backward()?;
+        for p in &self.params {
+            if let Some(g) = grads.get(p) {
+                self.sink.add(p, g)?;
+            }
+        }
+        let dx = input.and_then(|v| grads.get(&v).cloned());
+        Ok([dx, None])
+    }
+}
+
 /// Runs `block` on `x` checkpointed. `params` are the trainable variables the block uses; their gradients go to
 /// `sink`. `x` itself need not require a gradient (its gradient is returned only if it does).
 pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> Result<Tensor> {
-    let value = block(&x.detach(), Pass::Forward)?.detach();
     // The graph node hangs on a parameter, so the block is differentiated even when `x` needs no gradient.
     let anchor = match params.first() {
         Some(p) => p.as_tensor().clone(),
         None if x.track_op() => x.clone(),
-        None => return Ok(value),
+        None => return Ok(block(&x.detach(), Pass::Forward)?.detach()),
     };
-    let params = params.to_vec();
-    let sink = sink.clone();
-    attach2(
-        "checkpoint",
-        x,
-        &anchor,
-        value,
-        Box::new(move |x, _anchor, grad, needs| {
-            let input = if needs[0] {
-                Some(Var::from_tensor(x)?)
-            } else {
-                None
-            };
-            let y = block(
-                input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
-                Pass::Recompute,
-            )?;
-            let grads = (y * grad)?.sum_all()?.backward()?;
-            for p in &params {
-                if let Some(g) = grads.get(p) {
-                    sink.add(p, g)?;
-                }
-            }
-            let dx = match &input {
-                Some(v) => grads.get(v).cloned(),
-                None => None,
-            };
-            Ok((dx, None))
-        }),
-    )
+    Checkpoint {
+        block,
+        params: params.to_vec(),
+        sink: sink.clone(),
+    }
+    .apply([x, &anchor])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{max_abs_diff, rand_f64};
+    use crate::ops::autograd::gradcheck::{max_abs_diff, rand_f64};
     use crate::ops::{rms_norm, swiglu};
 
     fn block(a: Var, b: Var, norm: Tensor) -> Block {

@@ -2,9 +2,17 @@
 //! computed in float32 from the dequantized base — the recommended way to deploy a QLoRA adapter (one rounding,
 //! at the final dtype, instead of PEFT's dequantize → add → re-quantize).
 
+use std::path::Path;
+
 use candle_core::{DType, Result, Tensor};
 
-use super::linear::{LoraAdapter, LoraLinear};
+use crate::error::Error;
+use crate::files::{replace_dir, write_safetensors, RawTensor};
+use crate::loading::bnb::{bnb_entries, quantization_config_json};
+use crate::lora::{LoraAdapter, LoraLinear};
+use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
+use crate::precision::TorchDtype;
+use crate::quant::{Nf4Tensor, QuantConfig};
 
 /// The merged float32 weight `[out, in]` of `layer` with `adapter`.
 pub fn merged_weight(layer: &LoraLinear, adapter: &LoraAdapter) -> Result<Tensor> {
@@ -39,7 +47,7 @@ pub struct MergeOptions {
     /// Dtype of the written weights (bf16, f16 or f32).
     pub dtype: DType,
     /// Re-quantize the merged linear weights to 4 bits (bitsandbytes layout) instead of writing them dense.
-    pub requantize: Option<crate::quant::QuantConfig>,
+    pub requantize: Option<QuantConfig>,
     /// Replace an existing output folder (only once the new one is complete).
     pub overwrite: bool,
 }
@@ -55,20 +63,12 @@ pub struct MergeReport {
     pub tensors: usize,
 }
 
-fn torch_dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        _ => "float32",
-    }
-}
-
 /// A Hugging Face `config.json` for `config` (used when the source has none, e.g. a GGUF file).
-fn hf_config_json(config: &crate::models::ModelConfig, dtype: DType) -> serde_json::Value {
+fn hf_config_json(config: &ModelConfig, dtype: DType) -> serde_json::Value {
     let arch = match config.architecture {
-        crate::models::Architecture::Llama => "LlamaForCausalLM",
-        crate::models::Architecture::Mistral => "MistralForCausalLM",
-        crate::models::Architecture::Qwen2 => "Qwen2ForCausalLM",
+        Architecture::Llama => "LlamaForCausalLM",
+        Architecture::Mistral => "MistralForCausalLM",
+        Architecture::Qwen2 => "Qwen2ForCausalLM",
     };
     let mut v = serde_json::json!({
         "architectures": [arch],
@@ -85,7 +85,7 @@ fn hf_config_json(config: &crate::models::ModelConfig, dtype: DType) -> serde_js
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": "silu",
-        "torch_dtype": torch_dtype_name(dtype),
+        "torch_dtype": TorchDtype::of(dtype),
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_ids.first(),
     });
@@ -101,15 +101,12 @@ fn hf_config_json(config: &crate::models::ModelConfig, dtype: DType) -> serde_js
 /// `requantize`). 4-bit bases are dequantized before merging, so the merge itself adds no rounding but the final
 /// dtype's. `source_folder` supplies `config.json` and tokenizer files when the model came from a folder.
 pub fn merge_to_folder(
-    model: &crate::models::LlamaModel,
-    tokenizer: Option<&crate::models::TextTokenizer>,
-    source_folder: Option<&std::path::Path>,
-    output: &std::path::Path,
+    model: &LlamaModel,
+    tokenizer: Option<&TextTokenizer>,
+    source_folder: Option<&Path>,
+    output: &Path,
     options: &MergeOptions,
 ) -> crate::Result<MergeReport> {
-    use crate::error::Error;
-    use crate::loading::safetensors::{partial_path, write_safetensors, RawTensor};
-
     if output.exists() && !options.overwrite {
         return Err(Error::WouldOverwrite(format!(
             "`{}` already exists; choose another output or pass --overwrite to replace it",
@@ -203,12 +200,8 @@ pub fn merge_to_folder(
         let key = format!("{name}.weight");
         match &options.requantize {
             Some(cfg) => {
-                let q = crate::quant::Nf4Tensor::quantize_named(
-                    &w.to_dtype(options.dtype)?,
-                    cfg,
-                    &key,
-                )?;
-                tensors.extend(crate::loading::bnb::bnb_entries(&key, &q));
+                let q = Nf4Tensor::quantize_named(&w.to_dtype(options.dtype)?, cfg, &key)?;
+                tensors.extend(bnb_entries(&key, &q));
             }
             None => tensors.push((key, raw(&w)?)),
         }
@@ -218,10 +211,7 @@ pub fn merge_to_folder(
     }
     report.tensors = tensors.len();
 
-    let staging = partial_path(output);
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
-    let written = (|| -> crate::Result<()> {
+    replace_dir(output, |staging| {
         let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         write_safetensors(&staging.join("model.safetensors"), tensors, Some(meta))?;
         let mut config = match source_folder
@@ -239,14 +229,14 @@ pub fn merge_to_folder(
             if head_differs {
                 obj.insert("tie_word_embeddings".into(), false.into());
             }
-            obj.insert("torch_dtype".into(), torch_dtype_name(options.dtype).into());
+            obj.insert(
+                "torch_dtype".into(),
+                TorchDtype::of(options.dtype).as_str().into(),
+            );
             if let Some(cfg) = &options.requantize {
                 obj.insert(
                     "quantization_config".into(),
-                    crate::loading::bnb::quantization_config_json(
-                        cfg,
-                        torch_dtype_name(options.dtype),
-                    ),
+                    quantization_config_json(cfg, TorchDtype::of(options.dtype)),
                 );
             }
         }
@@ -273,18 +263,8 @@ pub fn merge_to_folder(
             }
         }
         if let (false, Some(tok)) = (have_tokenizer, tokenizer) {
-            tok.save_folder(&staging)?;
+            tok.save_folder(staging)?;
         }
-        Ok(())
-    })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
-    }
-    if output.exists() {
-        std::fs::remove_dir_all(output).map_err(|e| Error::io("cannot replace", output, e))?;
-    }
-    std::fs::rename(&staging, output)
-        .map_err(|e| Error::io("cannot move into place", output, e))?;
-    Ok(report)
+        Ok(report)
+    })
 }

@@ -1,4 +1,4 @@
-//! [`super::attention`]'s causal attention on CPU slices (f32/f64).
+//! Causal attention on CPU slices (f32/f64).
 //!
 //! One task per (sequence, kv head) runs on its own thread: the query heads of the group, block by block of
 //! queries, with single-threaded products — a block's matrices are too small to split further, and the tasks
@@ -8,9 +8,23 @@
 
 use rayon::prelude::*;
 
-use super::attention::{Dims, QUERY_BLOCK};
-use super::gemm::{matmul_into_serial, GemmFloat, Mat};
-use super::vector::{self, simd};
+use crate::ops::cpu::gemm::{matmul_into_serial, Mat};
+use crate::ops::cpu::vector::{self, simd};
+use crate::ops::cpu::CpuFloat;
+
+/// The sizes of a call: batch, kv heads, query heads per kv head, query length, key length, head dim; the score
+/// scale and the queries per block.
+#[derive(Clone, Copy)]
+pub(super) struct Params {
+    pub b: usize,
+    pub hkv: usize,
+    pub g: usize,
+    pub t: usize,
+    pub s: usize,
+    pub d: usize,
+    pub scale: f64,
+    pub query_block: usize,
+}
 
 /// Where key ranges start: nothing (plain causal) or, per sequence and position, the first token of its example.
 #[derive(Clone, Copy)]
@@ -31,7 +45,7 @@ impl KeyStarts<'_> {
 /// Softmax probabilities of queries `qb` (`c × d`) against the first `keys` rows of `kh`, into `p` (`c × keys`).
 /// Query `i` sits at absolute position `first_pos + i`.
 #[allow(clippy::too_many_arguments)]
-fn block_probs<T: GemmFloat>(
+fn block_probs<T: CpuFloat>(
     p: &mut [T],
     qb: &[T],
     kh: &[T],
@@ -64,25 +78,29 @@ fn block_probs<T: GemmFloat>(
 }
 
 /// The blocks of queries of a sequence of `t` queries: `(start, rows)`.
-fn query_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..t)
-        .step_by(QUERY_BLOCK)
-        .map(move |i0| (i0, QUERY_BLOCK.min(t - i0)))
+fn query_blocks(t: usize, block: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t).step_by(block).map(move |i0| (i0, block.min(t - i0)))
 }
 
 /// The attention output `[b, hq, t, d]` for `q: [b, hq, t, d]`, `k, v: [b, hkv, s, d]` (row-major).
-pub(super) fn forward<T: GemmFloat>(
+pub(super) fn forward<T: CpuFloat>(
     q: &[T],
     k: &[T],
     v: &[T],
-    dims: Dims,
-    scale: f64,
+    params: Params,
     starts: KeyStarts,
 ) -> Vec<T> {
-    let Dims {
-        hkv, g, t, s, d, ..
-    } = dims;
-    let mut out = vec![T::zero(); dims.b * hkv * g * t * d];
+    let Params {
+        hkv,
+        g,
+        t,
+        s,
+        d,
+        scale,
+        query_block,
+        ..
+    } = params;
+    let mut out = vec![T::zero(); params.b * hkv * g * t * d];
     out.par_chunks_mut(g * t * d)
         .enumerate()
         .for_each(|(bk, out_group)| {
@@ -91,10 +109,10 @@ pub(super) fn forward<T: GemmFloat>(
                 &k[bk * s * d..][..s * d],
                 &v[bk * s * d..][..s * d],
             );
-            let mut p = vec![T::zero(); QUERY_BLOCK.min(t) * s];
+            let mut p = vec![T::zero(); query_block.min(t) * s];
             for (h, out_head) in out_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
-                for (i0, c) in query_blocks(t) {
+                for (i0, c) in query_blocks(t, query_block) {
                     let first_pos = s - t + i0;
                     let keys = first_pos + c;
                     let pb = &mut p[..c * keys];
@@ -115,21 +133,27 @@ pub(super) fn forward<T: GemmFloat>(
 }
 
 /// Gradients `(dq, dk, dv)` of [`forward`] for the output gradient `grad: [b, hq, t, d]`.
-pub(super) fn backward<T: GemmFloat>(
+pub(super) fn backward<T: CpuFloat>(
     q: &[T],
     k: &[T],
     v: &[T],
     grad: &[T],
-    dims: Dims,
-    scale: f64,
+    params: Params,
     starts: KeyStarts,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
-    let Dims {
-        hkv, g, t, s, d, ..
-    } = dims;
-    let mut dq = vec![T::zero(); dims.b * hkv * g * t * d];
-    let mut dk = vec![T::zero(); dims.b * hkv * s * d];
-    let mut dv = vec![T::zero(); dims.b * hkv * s * d];
+    let Params {
+        hkv,
+        g,
+        t,
+        s,
+        d,
+        scale,
+        query_block,
+        ..
+    } = params;
+    let mut dq = vec![T::zero(); params.b * hkv * g * t * d];
+    let mut dk = vec![T::zero(); params.b * hkv * s * d];
+    let mut dv = vec![T::zero(); params.b * hkv * s * d];
     dq.par_chunks_mut(g * t * d)
         .zip(dk.par_chunks_mut(s * d))
         .zip(dv.par_chunks_mut(s * d))
@@ -140,12 +164,12 @@ pub(super) fn backward<T: GemmFloat>(
                 &k[bk * s * d..][..s * d],
                 &v[bk * s * d..][..s * d],
             );
-            let mut p = vec![T::zero(); QUERY_BLOCK.min(t) * s];
+            let mut p = vec![T::zero(); query_block.min(t) * s];
             let mut dp = p.clone();
             for (h, dq_head) in dq_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
                 let gh = &grad[(bk * g + h) * t * d..][..t * d];
-                for (i0, c) in query_blocks(t) {
+                for (i0, c) in query_blocks(t, query_block) {
                     let first_pos = s - t + i0;
                     let keys = first_pos + c;
                     let (pb, dpb) = (&mut p[..c * keys], &mut dp[..c * keys]);

@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use super::gemm::GemmFloat;
+use super::CpuFloat;
 
 /// Accumulators of a reduction: one 512-bit register of `f32`.
 const LANES: usize = 16;
@@ -25,19 +25,19 @@ pub fn simd<R>(f: impl FnOnce() -> R) -> R {
 
 /// `Σ xs` with one partial sum per lane, added up in a fixed order at the end.
 #[inline(always)]
-pub fn sum<T: GemmFloat>(xs: &[T]) -> T {
+pub fn sum<T: CpuFloat>(xs: &[T]) -> T {
     sum_zip(xs, xs, |x, _| x)
 }
 
 /// `Σ a[i]·b[i]` (lengths must match) with one partial sum per lane.
 #[inline(always)]
-pub fn dot<T: GemmFloat>(a: &[T], b: &[T]) -> T {
+pub fn dot<T: CpuFloat>(a: &[T], b: &[T]) -> T {
     sum_zip(a, b, |x, y| x * y)
 }
 
 /// `Σ f(a[i], b[i])` (lengths must match) in `S`, with one partial sum per lane.
 #[inline(always)]
-pub fn sum_zip<T: Copy, S: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> S) -> S {
+pub fn sum_zip<T: Copy, S: CpuFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> S) -> S {
     assert_eq!(a.len(), b.len(), "sum over unequal lengths");
     let mut acc = [S::zero(); LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -54,7 +54,7 @@ pub fn sum_zip<T: Copy, S: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> S) -
 /// The largest element of a non-empty slice, NaN only when `xs[0]` is (as a fold of `if x > m { x } else { m }`
 /// from `xs[0]`). A maximum does not round, so the lanes give the same value as that fold.
 #[inline(always)]
-pub fn max<T: GemmFloat>(xs: &[T]) -> T {
+pub fn max<T: CpuFloat>(xs: &[T]) -> T {
     let pick = |m: T, x: T| if x > m { x } else { m };
     let mut acc = [xs[0]; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -69,7 +69,7 @@ pub fn max<T: GemmFloat>(xs: &[T]) -> T {
 }
 
 /// `f(a[i], b[i])` for every `i`, in parallel chunks compiled by [`simd`].
-pub fn map2<T: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
+pub fn map2<T: CpuFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<T> {
     assert_eq!(a.len(), b.len(), "map2 over unequal lengths");
     let mut out = Vec::with_capacity(a.len());
     out.spare_capacity_mut()
@@ -88,7 +88,7 @@ pub fn map2<T: GemmFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec
 }
 
 /// `f(a[i], b[i], c[i])` for every `i`, in parallel chunks compiled by [`simd`].
-pub fn map3<T: GemmFloat>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> T + Sync) -> Vec<T> {
+pub fn map3<T: CpuFloat>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> T + Sync) -> Vec<T> {
     assert!(
         a.len() == b.len() && a.len() == c.len(),
         "map3 over unequal lengths"

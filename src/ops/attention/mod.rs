@@ -2,13 +2,16 @@
 //! in the forward and in the backward (which recomputes them, FlashAttention-2 style), and the causal mask is a
 //! constant that gets no gradient.
 
+mod cpu;
+
 use std::sync::Arc;
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Result, Shape, Tensor, D};
 
-use super::attention_cpu::{self, KeyStarts};
-use super::autograd::{attach3, attach3_cpu};
-use super::gemm::{with_slice, GemmFloat};
+use super::autograd::{Apply, Op, Value};
+use super::cpu::{gradient, slice_dtype, with_slices, CpuFloat};
+use super::work_dtype;
+use cpu::KeyStarts;
 
 /// Query rows per block: the score tensor is `[batch, heads, QUERY_BLOCK, keys]`.
 pub const QUERY_BLOCK: usize = 128;
@@ -84,7 +87,7 @@ fn attention_mask(
 
 /// Shapes of one call: batch, kv heads, query heads per kv head, query length, key length, head dim.
 #[derive(Clone, Copy)]
-pub(super) struct Dims {
+struct Dims {
     pub b: usize,
     pub hkv: usize,
     pub g: usize,
@@ -158,14 +161,6 @@ fn block_probs(
     Ok((p, keys))
 }
 
-fn work_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// Causal attention `softmax(q·kᵀ·scale + causal) · v` for `q: [b, hq, t, d]` and `k, v: [b, hkv, s, d]` with
 /// `hq` a multiple of `hkv` (grouped-query attention) and `s ≥ t` (the queries are the last `t` positions, so a KV
 /// cache works too). Softmax runs in float32 (f64 stays f64); the output has `q`'s dtype.
@@ -203,27 +198,99 @@ fn attention(
     segments: Option<Segments>,
 ) -> Result<Tensor> {
     let dims = Dims::of(q, k)?;
-    let dtype = q.dtype();
-    let on_cpu = q.device().is_cpu() && k.dtype() == dtype && v.dtype() == dtype;
-    match dtype {
-        DType::F32 if on_cpu => return attention_cpu::<f32>(q, k, v, dims, scale, segments),
-        DType::F64 if on_cpu => return attention_cpu::<f64>(q, k, v, dims, scale, segments),
-        _ => {}
+    CausalAttention {
+        dims,
+        scale,
+        segments,
     }
-    // Candle's CUDA kernels count elements in 32 bits: a larger score block would run on a truncated grid.
-    let scores = dims.b * dims.hkv * dims.g * QUERY_BLOCK.min(dims.t) * dims.t;
-    if !q.device().is_cpu() && scores > u32::MAX as usize {
-        candle_core::bail!(
-            "attention scores of this micro-batch ({} × {} heads × {} queries × {} keys) exceed the 2³² elements a \
-             GPU kernel can address; lower per_device_train_batch_size (raise gradient_accumulation_steps)",
-            dims.b,
-            dims.hkv * dims.g,
-            QUERY_BLOCK.min(dims.t),
-            dims.t
-        );
+    .apply([q, k, v])
+}
+
+/// The attention op (inputs `[q, k, v]`).
+struct CausalAttention {
+    dims: Dims,
+    scale: f64,
+    segments: Option<Segments>,
+}
+
+impl CausalAttention {
+    /// The key ranges of the segments for the slice kernels.
+    fn key_starts(&self) -> KeyStarts<'_> {
+        KeyStarts {
+            starts: self.segments.as_ref().map(|s| s.starts.as_slice()),
+            len: self.segments.as_ref().map_or(0, |s| s.len),
+        }
     }
-    let work = work_dtype(dtype);
-    let value = {
+
+    /// The slice kernels' parameters.
+    fn params(&self) -> cpu::Params {
+        let Dims { b, hkv, g, t, s, d } = self.dims;
+        cpu::Params {
+            b,
+            hkv,
+            g,
+            t,
+            s,
+            d,
+            scale: self.scale,
+            query_block: QUERY_BLOCK,
+        }
+    }
+
+    fn cpu_fwd<T: CpuFloat>(&self, [q, k, v]: [&Tensor; 3]) -> Result<Value> {
+        let out = with_slices([q, k, v], |[qs, ks, vs]| {
+            Ok(cpu::forward::<T>(
+                qs,
+                ks,
+                vs,
+                self.params(),
+                self.key_starts(),
+            ))
+        })?;
+        Ok(Value::cpu(out, q.shape()))
+    }
+
+    fn cpu_bwd<T: CpuFloat>(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        grad: &Tensor,
+        needs: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let (dq, dk, dv) = with_slices([q, k, v, grad], |[qs, ks, vs, gs]| {
+            Ok(cpu::backward::<T>(
+                qs,
+                ks,
+                vs,
+                gs,
+                self.params(),
+                self.key_starts(),
+            ))
+        })?;
+        let keep = |x: Vec<T>, i: usize, shape: &Shape| gradient(needs[i].then_some(x), shape);
+        Ok([
+            keep(dq, 0, q.shape())?,
+            keep(dk, 1, k.shape())?,
+            keep(dv, 2, v.shape())?,
+        ])
+    }
+
+    /// Candle's ops in f32 (f64 stays f64), query block by query block, with an additive mask.
+    fn composed_fwd(&self, [q, k, v]: [&Tensor; 3]) -> Result<Value> {
+        let dims = self.dims;
+        // Candle's CUDA kernels count elements in 32 bits: a larger score block would run on a truncated grid.
+        let scores = dims.b * dims.hkv * dims.g * QUERY_BLOCK.min(dims.t) * dims.t;
+        if !q.device().is_cpu() && scores > u32::MAX as usize {
+            candle_core::bail!(
+                "attention scores of this micro-batch ({} × {} heads × {} queries × {} keys) exceed the 2³² elements \
+                 a GPU kernel can address; lower per_device_train_batch_size (raise gradient_accumulation_steps)",
+                dims.b,
+                dims.hkv * dims.g,
+                QUERY_BLOCK.min(dims.t),
+                dims.t
+            );
+        }
+        let dtype = q.dtype();
+        let work = work_dtype(dtype);
         let (q, k, v) = (
             q.detach().to_dtype(work)?,
             k.detach().to_dtype(work)?,
@@ -233,130 +300,88 @@ fn attention(
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
             let qb = dims.query_block(&q, i0, c)?;
-            let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, segments.as_ref())?;
+            let (p, keys) = block_probs(&qb, &k, dims, i0, c, self.scale, self.segments.as_ref())?;
             let out = p.matmul(&v.narrow(2, 0, keys)?)?;
             blocks.push(dims.ungroup(&out, c)?);
         }
-        Tensor::cat(&blocks, 3)?
+        let value = Tensor::cat(&blocks, 3)?
             .reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?
-            .to_dtype(dtype)?
-    };
-    attach3(
-        "causal-attention",
-        q,
-        k,
-        v,
-        value,
-        Box::new(move |q, k, v, grad, needs| {
-            let dtypes = [q.dtype(), k.dtype(), v.dtype()];
-            let (q, k, v, grad) = (
-                q.to_dtype(work)?,
-                k.to_dtype(work)?,
-                v.to_dtype(work)?,
-                grad.to_dtype(work)?,
-            );
-            let mut dq_blocks = Vec::new();
-            let mut dk = Tensor::zeros((dims.b, dims.hkv, dims.s, dims.d), work, q.device())?;
-            let mut dv = dk.clone();
-            for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
-                let c = QUERY_BLOCK.min(dims.t - i0);
-                let qb = dims.query_block(&q, i0, c)?;
-                let gb = dims.query_block(&grad, i0, c)?;
-                let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, segments.as_ref())?;
-                let kb = k.narrow(2, 0, keys)?;
-                let vb = v.narrow(2, 0, keys)?;
-                let pad = |x: Tensor| x.pad_with_zeros(2, 0, dims.s - keys);
-                dv = (dv + pad(p.t()?.matmul(&gb)?)?)?;
-                let dp = gb.matmul(&vb.t()?)?;
-                let row = (&p * &dp)?.sum_keepdim(D::Minus1)?;
-                let ds = (p * dp.broadcast_sub(&row)?)?;
-                dq_blocks.push(dims.ungroup(&(ds.matmul(&kb)? * scale)?, c)?);
-                dk = (dk + pad((ds.t()?.matmul(&qb)? * scale)?)?)?;
-            }
-            let dq =
-                Tensor::cat(&dq_blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?;
-            let out = |x: Tensor, i: usize| -> Result<Option<Tensor>> {
-                if needs[i] {
-                    Ok(Some(x.to_dtype(dtypes[i])?))
-                } else {
-                    Ok(None)
-                }
-            };
-            Ok((out(dq, 0)?, out(dk, 1)?, out(dv, 2)?))
-        }),
-    )
-}
+            .to_dtype(dtype)?;
+        Ok(Value::Tensor(value))
+    }
 
-/// The key ranges of `segments` for the slice kernels.
-fn key_starts(segments: &Option<Segments>) -> KeyStarts<'_> {
-    KeyStarts {
-        starts: segments.as_ref().map(|s| s.starts.as_slice()),
-        len: segments.as_ref().map_or(0, |s| s.len),
+    /// The backward recomputes each block's probabilities (FlashAttention-2 style).
+    fn composed_bwd(
+        &self,
+        [q, k, v]: [&Tensor; 3],
+        grad: &Tensor,
+        needs: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let (dims, scale) = (self.dims, self.scale);
+        let work = work_dtype(q.dtype());
+        let dtypes = [q.dtype(), k.dtype(), v.dtype()];
+        let (q, k, v, grad) = (
+            q.to_dtype(work)?,
+            k.to_dtype(work)?,
+            v.to_dtype(work)?,
+            grad.to_dtype(work)?,
+        );
+        let mut dq_blocks = Vec::new();
+        let mut dk = Tensor::zeros((dims.b, dims.hkv, dims.s, dims.d), work, q.device())?;
+        let mut dv = dk.clone();
+        for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
+            let c = QUERY_BLOCK.min(dims.t - i0);
+            let qb = dims.query_block(&q, i0, c)?;
+            let gb = dims.query_block(&grad, i0, c)?;
+            let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, self.segments.as_ref())?;
+            let kb = k.narrow(2, 0, keys)?;
+            let vb = v.narrow(2, 0, keys)?;
+            let pad = |x: Tensor| x.pad_with_zeros(2, 0, dims.s - keys);
+            dv = (dv + pad(p.t()?.matmul(&gb)?)?)?;
+            let dp = gb.matmul(&vb.t()?)?;
+            let row = (&p * &dp)?.sum_keepdim(D::Minus1)?;
+            let ds = (p * dp.broadcast_sub(&row)?)?;
+            dq_blocks.push(dims.ungroup(&(ds.matmul(&kb)? * scale)?, c)?);
+            dk = (dk + pad((ds.t()?.matmul(&qb)? * scale)?)?)?;
+        }
+        let dq =
+            Tensor::cat(&dq_blocks, 3)?.reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?;
+        let out = |x: Tensor, i: usize| -> Result<Option<Tensor>> {
+            needs[i].then(|| x.to_dtype(dtypes[i])).transpose()
+        };
+        Ok([out(dq, 0)?, out(dk, 1)?, out(dv, 2)?])
     }
 }
 
-/// [`attention`] on CPU slices ([`super::attention_cpu`]).
-fn attention_cpu<T: GemmFloat>(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    dims: Dims,
-    scale: f64,
-    segments: Option<Segments>,
-) -> Result<Tensor> {
-    let out = with_slice::<T, _>(q, |qs| {
-        with_slice::<T, _>(k, |ks| {
-            with_slice::<T, _>(v, |vs| {
-                Ok(attention_cpu::forward(
-                    qs,
-                    ks,
-                    vs,
-                    dims,
-                    scale,
-                    key_starts(&segments),
-                ))
-            })
-        })
-    })?;
-    let q_shape = q.shape().clone();
-    let kv_shape = k.shape().clone();
-    attach3_cpu(
-        "causal-attention",
-        q,
-        k,
-        v,
-        out,
-        q_shape.clone(),
-        Box::new(move |q, k, v, grad, needs| {
-            let (dq, dk, dv) = with_slice::<T, _>(q, |qs| {
-                with_slice::<T, _>(k, |ks| {
-                    with_slice::<T, _>(v, |vs| {
-                        with_slice::<T, _>(grad, |gs| {
-                            let starts = key_starts(&segments);
-                            Ok(attention_cpu::backward(qs, ks, vs, gs, dims, scale, starts))
-                        })
-                    })
-                })
-            })?;
-            let cpu = candle_core::Device::Cpu;
-            let keep = |x: Vec<T>, i: usize, shape: &candle_core::Shape| {
-                needs[i]
-                    .then(|| Tensor::from_vec(x, shape, &cpu))
-                    .transpose()
-            };
-            Ok((
-                keep(dq, 0, &q_shape)?,
-                keep(dk, 1, &kv_shape)?,
-                keep(dv, 2, &kv_shape)?,
-            ))
-        }),
-    )
+impl Op<3> for CausalAttention {
+    const NAME: &'static str = "causal-attention";
+
+    fn fwd(&mut self, inputs: [&Tensor; 3]) -> Result<Value> {
+        match slice_dtype(&inputs) {
+            Some(DType::F32) => self.cpu_fwd::<f32>(inputs),
+            Some(DType::F64) => self.cpu_fwd::<f64>(inputs),
+            _ => self.composed_fwd(inputs),
+        }
+    }
+
+    fn bwd(
+        &self,
+        inputs: [&Tensor; 3],
+        grad: &Tensor,
+        needs: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        match slice_dtype(&inputs) {
+            Some(DType::F32) => self.cpu_bwd::<f32>(inputs, grad, needs),
+            Some(DType::F64) => self.cpu_bwd::<f64>(inputs, grad, needs),
+            _ => self.composed_bwd(inputs, grad, needs),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::gradcheck::{check, max_abs_diff, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, max_abs_diff, rand_f64};
 
     /// Composite attention from Candle primitives: repeat kv heads, full scores, masked softmax.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
@@ -469,7 +494,7 @@ mod tests {
 #[cfg(test)]
 mod bf16_tests {
     use super::*;
-    use crate::ops::gradcheck::rand_f64;
+    use crate::ops::autograd::gradcheck::rand_f64;
 
     #[test]
     fn half_precision_inputs_get_half_precision_gradients() {

@@ -4,27 +4,7 @@
 //! write into a buffer it owns and fold `dst + s·A·B` into one pass: scaling and accumulation cost nothing extra.
 //! Matrices are row-major slices; a transposed operand is described by strides, never copied.
 
-use candle_core::{Result, Storage, Tensor, WithDType};
-
-use super::fastmath::exp_f32;
-
-/// Element types the slice GEMM runs on (the ones `gemm` has kernels for that Candle trains in here).
-pub trait GemmFloat: WithDType + Copy + Send + Sync + 'static {
-    /// `e^self`: float32 through [`exp_f32`] (vectorizable), float64 through libm.
-    fn exp(self) -> Self;
-}
-impl GemmFloat for f32 {
-    #[inline(always)]
-    fn exp(self) -> Self {
-        exp_f32(self)
-    }
-}
-impl GemmFloat for f64 {
-    #[inline(always)]
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-}
+use super::CpuFloat;
 
 /// A read-only `rows × cols` matrix view of a row-major slice, possibly transposed.
 #[derive(Clone, Copy, Debug)]
@@ -63,7 +43,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// The logical matrix copied into a new row-major vector (a transposed view comes out transposed in memory).
-    pub fn to_vec(&self) -> Vec<T>
+    pub fn to_vec(self) -> Vec<T>
     where
         T: Copy,
     {
@@ -86,7 +66,7 @@ impl<'a, T> Mat<'a, T> {
 
 /// `dst = lhs·rhs · scale`, or `dst += lhs·rhs · scale` when `accumulate`; `dst` is row-major `lhs.rows × rhs.cols`.
 /// Runs on all of Candle's threads.
-pub fn matmul_into<T: GemmFloat>(
+pub fn matmul_into<T: CpuFloat>(
     dst: &mut [T],
     lhs: Mat<T>,
     rhs: Mat<T>,
@@ -97,14 +77,14 @@ pub fn matmul_into<T: GemmFloat>(
 }
 
 /// Candle's thread count, read once: `candle_core::utils::get_num_threads` parses `/proc/cpuinfo` on every call
-/// when no thread-count variable is set (≈0.2 ms, which added up to ~2% of a training step over its GEMMs).
+/// when no thread-count variable is set, which adds up over the thousands of GEMMs of a training step.
 fn candle_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(candle_core::utils::get_num_threads)
 }
 
 /// [`matmul_into`] on the calling thread only: for small products inside tasks that already run in parallel.
-pub fn matmul_into_serial<T: GemmFloat>(
+pub fn matmul_into_serial<T: CpuFloat>(
     dst: &mut [T],
     lhs: Mat<T>,
     rhs: Mat<T>,
@@ -114,7 +94,7 @@ pub fn matmul_into_serial<T: GemmFloat>(
     matmul_with(dst, lhs, rhs, scale, accumulate, 1);
 }
 
-fn matmul_with<T: GemmFloat>(
+fn matmul_with<T: CpuFloat>(
     dst: &mut [T],
     lhs: Mat<T>,
     rhs: Mat<T>,
@@ -174,7 +154,7 @@ fn matmul_with<T: GemmFloat>(
 }
 
 /// `lhs·rhs · scale` as a new row-major buffer (written once by the product, never zeroed first).
-pub fn matmul<T: GemmFloat>(lhs: Mat<T>, rhs: Mat<T>, scale: f64) -> Vec<T> {
+pub fn matmul<T: CpuFloat>(lhs: Mat<T>, rhs: Mat<T>, scale: f64) -> Vec<T> {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     if k == 0 {
         return vec![T::zero(); m * n];
@@ -192,24 +172,10 @@ pub fn matmul<T: GemmFloat>(lhs: Mat<T>, rhs: Mat<T>, scale: f64) -> Vec<T> {
     }
 }
 
-/// Runs `f` on the elements of a CPU tensor of element type `T`, made contiguous first (a no-op when it is).
-pub fn with_slice<T: GemmFloat, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else {
-        candle_core::bail!("slice GEMM: tensor is not on the CPU");
-    };
-    let all: &[T] = T::cpu_storage_as_slice(cpu)?;
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("slice GEMM: layout not contiguous".into()))?;
-    f(&all[start..end])
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, Tensor};
 
     #[test]
     fn products_of_transposed_views_equal_candle_matmul() {

@@ -1,0 +1,205 @@
+//! From examples to the rows a trainer consumes: [`DataConfig`] (the `[data]` section: files, format, length,
+//! which tokens carry the loss, packing) and [`Dataset`] (tokenized rows, from a JSONL file or from examples in
+//! memory, with what happened on the way).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::formats::{read_jsonl, DataFormat, Example, TokenizedExample};
+use super::packing::pack;
+use crate::error::{Error, Result};
+use crate::models::TextTokenizer;
+
+/// How data becomes training rows (TRL's `SFTConfig` names where it has them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// Training JSONL file (a run config needs one; code that builds a [`Dataset`] in memory does not).
+    pub train_file: Option<PathBuf>,
+    /// Evaluation JSONL file.
+    pub eval_file: Option<PathBuf>,
+    /// Fraction of the training rows held out for evaluation when there is no `eval_file`.
+    pub eval_split: Option<f64>,
+    /// `auto`, `text`, `alpaca`, `messages` or `sharegpt`.
+    pub format: DataFormat,
+    /// Longest sequence in tokens (longer examples are truncated and counted).
+    pub max_length: usize,
+    /// Pack several examples per row.
+    pub packing: bool,
+    /// Loss on completions only: the prompt of instruction examples (and everything but the assistant turns of
+    /// conversations) is labelled −100.
+    pub completion_only_loss: bool,
+    /// Loss on the assistant turns of conversations only, whatever `completion_only_loss` says.
+    pub assistant_only_loss: bool,
+    /// Count bad lines (and skip them) instead of stopping at the first.
+    pub skip_bad_lines: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            train_file: None,
+            eval_file: None,
+            eval_split: None,
+            format: DataFormat::Auto,
+            max_length: 1024,
+            packing: false,
+            completion_only_loss: true,
+            assistant_only_loss: false,
+            skip_bad_lines: false,
+        }
+    }
+}
+
+impl DataConfig {
+    /// Checks lengths and fractions.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_length == 0 {
+            return Err(Error::InvalidInput("max_length must be at least 1".into()));
+        }
+        if let Some(split) = self.eval_split {
+            if !(0.0..1.0).contains(&split) {
+                return Err(Error::InvalidInput(format!(
+                    "eval_split {split} must be a fraction in [0, 1)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every token of `example` carries the loss (not only its completion).
+    pub fn all_tokens(&self, example: &Example) -> bool {
+        match example {
+            Example::Text(_) => true,
+            Example::Instruction { .. } => !self.completion_only_loss,
+            Example::Chat(_) => !(self.completion_only_loss || self.assistant_only_loss),
+        }
+    }
+}
+
+/// Tokenized rows — one example each, or several when packed — and what happened on the way.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Dataset {
+    /// The rows.
+    pub rows: Vec<TokenizedExample>,
+    /// Bad lines skipped: `(line, reason)` (with `skip_bad_lines`).
+    pub skipped: Vec<(usize, String)>,
+    /// Examples cut to `max_length`.
+    pub truncated: usize,
+    /// Examples in the rows (more than the rows when packed).
+    pub examples: usize,
+}
+
+impl From<Vec<TokenizedExample>> for Dataset {
+    fn from(rows: Vec<TokenizedExample>) -> Self {
+        Dataset {
+            truncated: rows.iter().filter(|r| r.truncated).count(),
+            examples: rows.len(),
+            rows,
+            skipped: vec![],
+        }
+    }
+}
+
+impl Dataset {
+    /// Tokenizes `examples` (in memory: any iterator) with `tokenizer`, truncating to `config.max_length` and
+    /// labelling as `config` says.
+    pub fn tokenize(
+        examples: impl IntoIterator<Item = Example>,
+        tokenizer: &TextTokenizer,
+        config: &DataConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let rows = examples
+            .into_iter()
+            .map(|e| e.tokenize(tokenizer, config.max_length, config.all_tokens(&e)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Dataset::from(rows))
+    }
+
+    /// Reads and tokenizes a JSONL file (bad lines are errors naming the line, or skipped and recorded with
+    /// `skip_bad_lines`).
+    pub fn from_jsonl(path: &Path, tokenizer: &TextTokenizer, config: &DataConfig) -> Result<Self> {
+        let (examples, read) = read_jsonl(path, config.format, config.skip_bad_lines)?;
+        let mut dataset = Self::tokenize(examples, tokenizer, config)?;
+        dataset.skipped = read.skipped;
+        Ok(dataset)
+    }
+
+    /// The training and evaluation sets `config` names: `train_file`, and `eval_file` or the last `eval_split`
+    /// of the training rows (none without either). Packs the training rows with `packing`.
+    pub fn train_and_eval(tokenizer: &TextTokenizer, config: &DataConfig) -> Result<(Self, Self)> {
+        let train_file = config
+            .train_file
+            .as_ref()
+            .ok_or_else(|| Error::InvalidInput("the data config names no train_file".into()))?;
+        let mut train = Self::from_jsonl(train_file, tokenizer, config)?;
+        let eval = match (&config.eval_file, config.eval_split) {
+            (Some(file), _) => Self::from_jsonl(file, tokenizer, config)?,
+            (None, Some(split)) if split > 0.0 => train.split_off(split),
+            _ => Dataset::default(),
+        };
+        if config.packing {
+            train = train.pack(config.max_length);
+        }
+        Ok((train, eval))
+    }
+
+    /// Moves the last `ceil(len · fraction)` rows (keeping at least one) into a new data set.
+    pub fn split_off(&mut self, fraction: f64) -> Self {
+        let n = ((self.rows.len() as f64) * fraction).ceil() as usize;
+        let at = self.rows.len() - n.min(self.rows.len().saturating_sub(1));
+        let held_out = Dataset::from(self.rows.split_off(at));
+        self.truncated -= held_out.truncated;
+        self.examples -= held_out.examples;
+        held_out
+    }
+
+    /// The rows packed into rows of at most `max_length` tokens (see [`pack`]).
+    pub fn pack(self, max_length: usize) -> Self {
+        Dataset {
+            rows: pack(&self.rows, max_length),
+            ..self
+        }
+    }
+
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// True when there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Tokens in the rows.
+    pub fn tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.input_ids.len()).sum()
+    }
+
+    /// What a run prints about this data set: skipped lines, truncation and packing, one line each.
+    pub fn summary(&self, name: &str, max_length: usize) -> Vec<String> {
+        let mut lines: Vec<String> = self
+            .skipped
+            .iter()
+            .map(|(line, reason)| format!("warning: {name}:{line}: skipped ({reason})"))
+            .collect();
+        if self.truncated > 0 {
+            lines.push(format!(
+                "{name}: {} examples truncated to {max_length} tokens",
+                self.truncated
+            ));
+        }
+        if self.rows.len() < self.examples {
+            lines.push(format!(
+                "packed {} examples into {} rows of up to {max_length} tokens ({:.1}% full)",
+                self.examples,
+                self.rows.len(),
+                100.0 * self.tokens() as f64 / (self.rows.len() * max_length).max(1) as f64
+            ));
+        }
+        lines
+    }
+}

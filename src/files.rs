@@ -1,0 +1,206 @@
+//! Files the crate reads and writes: safetensors through a memory map, and writes that never leave a half-written
+//! file or folder behind (written next to the final name, then renamed into place).
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
+
+use crate::error::{Error, Result};
+
+/// A safetensors file mapped into memory.
+pub struct MappedSafetensors {
+    path: PathBuf,
+    mmap: memmap2::Mmap,
+}
+
+impl MappedSafetensors {
+    /// Maps `path` and checks its header.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let file = std::fs::File::open(&path).map_err(|e| Error::io("cannot open", &path, e))?;
+        // SAFETY: the file is opened read-only; like every mmap-based loader we assume no one truncates it while
+        // it is mapped.
+        let mmap =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("cannot map", &path, e))?;
+        let mapped = MappedSafetensors { path, mmap };
+        mapped.tensors()?;
+        Ok(mapped)
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The parsed file.
+    pub fn tensors(&self) -> Result<SafeTensors<'_>> {
+        SafeTensors::deserialize(&self.mmap).map_err(|e| {
+            Error::invalid_file(
+                &self.path,
+                format!("not a valid safetensors file ({e}); it may be truncated or not safetensors at all"),
+            )
+        })
+    }
+
+    /// The `__metadata__` map of the header, if any.
+    pub fn metadata(&self) -> Result<Option<HashMap<String, String>>> {
+        let (_, meta) = SafeTensors::read_metadata(&self.mmap).map_err(|e| {
+            Error::invalid_file(&self.path, format!("unreadable safetensors header: {e}"))
+        })?;
+        Ok(meta.metadata().clone())
+    }
+}
+
+/// A tensor to write: dtype, shape and bytes (borrowed from a mapped file or owned).
+#[derive(Clone, Debug)]
+pub struct RawTensor<'a> {
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Little-endian bytes.
+    pub data: Cow<'a, [u8]>,
+}
+
+impl<'a> RawTensor<'a> {
+    /// A borrowed copy of a tensor read from a file.
+    pub fn from_view(view: &TensorView<'a>) -> Self {
+        RawTensor {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data: Cow::Borrowed(view.data()),
+        }
+    }
+
+    /// A U8 tensor.
+    pub fn u8(shape: Vec<usize>, data: Vec<u8>) -> RawTensor<'static> {
+        RawTensor {
+            dtype: Dtype::U8,
+            shape,
+            data: Cow::Owned(data),
+        }
+    }
+
+    /// An F32 tensor.
+    pub fn f32(shape: Vec<usize>, values: &[f32]) -> RawTensor<'static> {
+        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        RawTensor {
+            dtype: Dtype::F32,
+            shape,
+            data: Cow::Owned(data),
+        }
+    }
+}
+
+impl View for RawTensor<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Reads a float tensor (F32, F16 or BF16) as float32 values; other dtypes give `None`.
+pub fn view_to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
+    let bytes = view.data();
+    let values = match view.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    };
+    Some(values)
+}
+
+/// The candle dtype of a float safetensors dtype.
+pub fn candle_float_dtype(dtype: Dtype) -> Option<candle_core::DType> {
+    match dtype {
+        Dtype::F32 => Some(candle_core::DType::F32),
+        Dtype::F16 => Some(candle_core::DType::F16),
+        Dtype::BF16 => Some(candle_core::DType::BF16),
+        _ => None,
+    }
+}
+
+/// A sibling path used while writing `path`: `dir/.name.partial-<pid>`.
+pub fn partial_path(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    path.with_file_name(format!(".{name}.partial-{}", std::process::id()))
+}
+
+/// Writes tensors to `path` atomically: into a temporary sibling first, then renamed over `path`, so a crash
+/// never leaves a file that looks complete. Tensors are written in name order (as safetensors requires).
+pub fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (String, RawTensor<'a>)>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let tmp = partial_path(path);
+    let result = safetensors::tensor::serialize_to_file(tensors, metadata, &tmp)
+        .map_err(|e| Error::invalid_file(path, format!("cannot serialize: {e}")))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|e| Error::io("cannot move into place", path, e))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Writes `bytes` to `path` atomically: into a temporary sibling, then renamed over `path`.
+pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
+    let tmp = partial_path(path);
+    let result = std::fs::write(&tmp, bytes)
+        .map_err(|e| Error::io("cannot write", &tmp, e))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|e| Error::io("cannot move into place", path, e))
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Builds a folder at `output` atomically: `build` fills a staging sibling, which replaces `output` (an existing
+/// folder or file there goes only once the new one is complete) or is removed when `build` fails.
+pub fn replace_dir<R>(output: &Path, build: impl FnOnce(&Path) -> Result<R>) -> Result<R> {
+    let staging = partial_path(output);
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
+    let result = match build(&staging) {
+        Ok(result) => result,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
+    if output.exists() {
+        std::fs::remove_dir_all(output)
+            .or_else(|_| std::fs::remove_file(output))
+            .map_err(|e| Error::io("cannot replace", output, e))?;
+    }
+    std::fs::rename(&staging, output)
+        .map_err(|e| Error::io("cannot move into place", output, e))?;
+    Ok(result)
+}

@@ -1,0 +1,283 @@
+//! Loading a model and its tokenizer: weights by Hugging Face name from safetensors (sharded, bitsandbytes 4-bit)
+//! or GGUF, checked against the configuration, quantized on load one tensor at a time.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::safetensors::Load;
+use candle_core::{DType, Device, Tensor};
+
+use super::bnb::read_bnb_weight;
+use super::gguf::GgufFile;
+use super::hub::{hub_fetcher, hub_required, hub_snapshot, HUB_FILES};
+use super::safetensors::ShardedSafetensors;
+use super::source::ModelSource;
+use crate::error::{Error, Result};
+use crate::lora::LoraLinear;
+use crate::models::{LayerWeights, LlamaModel, ModelConfig, TextTokenizer};
+use crate::ops::{FrozenLinear, FrozenWeight};
+use crate::quant::{Nf4Tensor, QuantConfig};
+
+/// How to load a model.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// Quantize the linear weights on load (one tensor at a time); `None` keeps them as stored.
+    pub quantization: Option<QuantConfig>,
+    /// Activation / matmul dtype.
+    pub compute_dtype: DType,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            quantization: None,
+            compute_dtype: DType::F32,
+        }
+    }
+}
+
+/// A model with its tokenizer.
+pub struct LoadedModel {
+    /// The model.
+    pub model: LlamaModel,
+    /// Its tokenizer (a folder without `tokenizer.json` has none).
+    pub tokenizer: Option<TextTokenizer>,
+    /// Where it came from (for messages and adapter configs).
+    pub source: String,
+}
+
+impl LoadedModel {
+    /// The tokenizer, or an error saying the model folder lacks one.
+    pub fn tokenizer(&self) -> Result<&TextTokenizer> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            Error::Model(format!(
+                "{} has no tokenizer.json; copy the tokenizer files into the model folder",
+                self.source
+            ))
+        })
+    }
+}
+
+/// Tensors by Hugging Face name from either file kind.
+enum Weights {
+    Safetensors(ShardedSafetensors),
+    Gguf(Box<(GgufFile, ModelConfig)>),
+}
+
+impl Weights {
+    fn where_(&self) -> String {
+        match self {
+            Weights::Safetensors(s) => s.folder().display().to_string(),
+            Weights::Gguf(g) => g.0.path().display().to_string(),
+        }
+    }
+
+    fn has(&self, name: &str) -> bool {
+        match self {
+            Weights::Safetensors(s) => s.file_of(name).is_some(),
+            Weights::Gguf(g) => g.0.has(name),
+        }
+    }
+
+    /// A dense tensor, checked against the shape the config implies.
+    fn dense(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = match self {
+            Weights::Safetensors(s) => {
+                let file = s.file_of(name).ok_or_else(|| {
+                    Error::Model(format!(
+                        "tensor `{name}` is missing from {}",
+                        s.folder().display()
+                    ))
+                })?;
+                let st = file.tensors()?;
+                let view = st
+                    .tensor(name)
+                    .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+                view.load(&Device::Cpu).map_err(|e| {
+                    Error::invalid_file(file.path(), format!("cannot read `{name}`: {e}"))
+                })?
+            }
+            Weights::Gguf(g) => {
+                g.0.tensor(name, g.1.num_attention_heads, g.1.num_key_value_heads)?
+            }
+        };
+        if t.dims() != shape {
+            return Err(Error::Model(format!(
+                "tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
+                self.where_(),
+                t.dims()
+            )));
+        }
+        Ok(t)
+    }
+
+    /// A bitsandbytes 4-bit weight, if stored that way.
+    fn nf4(&self, name: &str) -> Result<Option<Nf4Tensor>> {
+        let Weights::Safetensors(s) = self else {
+            return Ok(None);
+        };
+        let Some(file) = s.file_of(name) else {
+            return Ok(None);
+        };
+        let st = file.tensors()?;
+        let is_quantized = st
+            .names()
+            .iter()
+            .any(|k| k.starts_with(name) && k[name.len()..].starts_with(".quant_state."));
+        if !is_quantized {
+            return Ok(None);
+        }
+        read_bnb_weight(&st, name, file.path()).map(Some)
+    }
+
+    fn linear(
+        &self,
+        prefix: &str,
+        shape: [usize; 2],
+        bias: bool,
+        quant: Option<&QuantConfig>,
+    ) -> Result<LoraLinear> {
+        let wname = format!("{prefix}.weight");
+        let weight = match self.nf4(&wname)? {
+            Some(q) => {
+                if q.shape() != shape {
+                    return Err(Error::Model(format!(
+                        "4-bit tensor `{wname}` in {} has shape {:?}, but the config implies {shape:?}",
+                        self.where_(),
+                        q.shape()
+                    )));
+                }
+                FrozenWeight::Nf4(Arc::new(q))
+            }
+            None => {
+                let dense = self.dense(&wname, &shape)?;
+                match quant {
+                    Some(cfg) => {
+                        FrozenWeight::Nf4(Arc::new(Nf4Tensor::quantize_named(&dense, cfg, &wname)?))
+                    }
+                    None => FrozenWeight::Dense(dense),
+                }
+            }
+        };
+        let bias = if bias {
+            Some(
+                self.dense(&format!("{prefix}.bias"), &shape[..1])?
+                    .to_dtype(DType::F32)?,
+            )
+        } else {
+            None
+        };
+        Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
+    }
+}
+
+fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
+    let quant = opts.quantization.as_ref();
+    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q_out, kv_out) = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    );
+    let norm =
+        |name: &str| -> Result<Tensor> { Ok(weights.dense(name, &[h])?.to_dtype(DType::F32)?) };
+    let embed = weights.dense("model.embed_tokens.weight", &[v, h])?;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let bias = cfg.attention_bias;
+        layers.push(LayerWeights {
+            input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
+            post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            linears: [
+                weights.linear(&format!("{p}.self_attn.q_proj"), [q_out, h], bias, quant)?,
+                weights.linear(&format!("{p}.self_attn.k_proj"), [kv_out, h], bias, quant)?,
+                weights.linear(&format!("{p}.self_attn.v_proj"), [kv_out, h], bias, quant)?,
+                weights.linear(&format!("{p}.self_attn.o_proj"), [h, q_out], false, quant)?,
+                weights.linear(&format!("{p}.mlp.gate_proj"), [i, h], false, quant)?,
+                weights.linear(&format!("{p}.mlp.up_proj"), [i, h], false, quant)?,
+                weights.linear(&format!("{p}.mlp.down_proj"), [h, i], false, quant)?,
+            ],
+        });
+    }
+    // transformers keeps lm_head unquantized; so do we.
+    let lm_head = if cfg.tie_word_embeddings || !weights.has("lm_head.weight") {
+        FrozenLinear::new(FrozenWeight::Dense(embed.clone()), None)
+    } else {
+        FrozenLinear::new(
+            FrozenWeight::Dense(weights.dense("lm_head.weight", &[v, h])?),
+            None,
+        )
+    };
+    let final_norm = norm("model.norm.weight")?;
+    Ok(LlamaModel::new(
+        cfg,
+        embed,
+        layers,
+        final_norm,
+        Arc::new(lm_head),
+        opts.compute_dtype,
+    )?)
+}
+
+/// Loads a model and its tokenizer from a folder, a `.gguf` file or a Hub id (see [`ModelSource::parse`]).
+/// Linear weights are quantized one at a time when `opts.quantization` is set, so the full-precision model is
+/// never in memory at once; bitsandbytes 4-bit folders load without re-quantizing.
+pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Result<LoadedModel> {
+    match ModelSource::parse(spec, revision)? {
+        ModelSource::Folder(dir) => {
+            let cfg = ModelConfig::from_hf_config_file(&dir.join("config.json"))?;
+            let weights = Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?);
+            let model = build_model(&weights, cfg, opts)?;
+            let tokenizer = if dir.join("tokenizer.json").exists() {
+                Some(TextTokenizer::from_folder(&dir)?)
+            } else {
+                None
+            };
+            Ok(LoadedModel {
+                model,
+                tokenizer,
+                source: dir.display().to_string(),
+            })
+        }
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            let has_output = file.has("lm_head.weight");
+            let cfg = ModelConfig::from_gguf(file.content(), &path, has_output)?;
+            let tokenizer = Some(TextTokenizer::from_gguf(file.content(), &path)?);
+            let weights = Weights::Gguf(Box::new((file, cfg.clone())));
+            let model = build_model(&weights, cfg, opts)?;
+            Ok(LoadedModel {
+                model,
+                tokenizer,
+                source: path.display().to_string(),
+            })
+        }
+        ModelSource::Hub { id, revision } => {
+            let dir = hub_snapshot(&id, &revision)?;
+            let mut loaded = load_model(dir.to_str().unwrap_or_default(), None, opts)?;
+            loaded.source = format!("{id}@{revision}");
+            Ok(loaded)
+        }
+    }
+}
+
+/// The configuration of a model without loading its weights: from a folder's `config.json`, a `config.json` file,
+/// a `.gguf` file's metadata, or a Hub id (only `config.json` is fetched).
+pub fn load_model_config(spec: &str, revision: Option<&str>) -> Result<ModelConfig> {
+    let path = Path::new(spec);
+    if path.is_file() && path.extension().is_some_and(|e| e == "json") {
+        return ModelConfig::from_hf_config_file(path);
+    }
+    match ModelSource::parse(spec, revision)? {
+        ModelSource::Folder(dir) => ModelConfig::from_hf_config_file(&dir.join("config.json")),
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            ModelConfig::from_gguf(file.content(), &path, file.has("lm_head.weight"))
+        }
+        ModelSource::Hub { id, revision } => {
+            let fetch = hub_fetcher(&id, &revision)?;
+            let config = hub_required(&fetch, &id, &revision, HUB_FILES[0])?;
+            ModelConfig::from_hf_config_file(&config)
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! The heap under Candle's CPU tensors: counting its bytes ([`TrackingAllocator`]) and keeping freed memory for
+//! reuse instead of returning it to the operating system ([`keep_freed_memory`]).
+//!
+//! A training step allocates and frees the same activation-sized buffers (megabytes each) thousands of times.
+//! glibc's allocator serves such sizes with fresh `mmap`s and unmaps them on free, so every buffer costs a page fault
+//! per 4 KiB page and a zeroing of that page by the kernel — a sizeable share of a CPU step. Raising the mmap and
+//! trim thresholds keeps freed buffers in the heap, where the next step's allocations find them. The resident set
+//! then stays near the step's peak, which the process reaches anyway.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+static ALLOCATED: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+static TRACKING: AtomicBool = AtomicBool::new(false);
+
+/// The system allocator, counting live bytes and their peak. Install it in a binary to get exact CPU numbers:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: candle_qlora::memory::TrackingAllocator = candle_qlora::memory::TrackingAllocator;
+/// ```
+pub struct TrackingAllocator;
+
+fn added(bytes: usize) {
+    let now = ALLOCATED.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+fn removed(bytes: usize) {
+    ALLOCATED.fetch_sub(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every call forwards to `System` with the caller's layout; the counters do not touch the memory.
+unsafe impl GlobalAlloc for TrackingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc(layout);
+        if !p.is_null() {
+            added(layout.size());
+            TRACKING.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let p = System.alloc_zeroed(layout);
+        if !p.is_null() {
+            added(layout.size());
+            TRACKING.store(true, Ordering::Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        System.dealloc(ptr, layout);
+        removed(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = System.realloc(ptr, layout, new_size);
+        if !p.is_null() {
+            removed(layout.size());
+            added(new_size);
+        }
+        p
+    }
+}
+
+/// True when [`TrackingAllocator`] is the global allocator (it has counted an allocation).
+pub fn tracking() -> bool {
+    TRACKING.load(Ordering::Relaxed)
+}
+
+/// Heap bytes allocated now and their peak, when tracked.
+pub fn allocated() -> Option<(u64, u64)> {
+    tracking().then(|| {
+        (
+            ALLOCATED.load(Ordering::Relaxed),
+            PEAK.load(Ordering::Relaxed),
+        )
+    })
+}
+
+/// Resets the tracked peak to the bytes allocated now.
+pub(crate) fn reset_heap_peak() {
+    PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// The largest block glibc accepts as the mmap threshold (`DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit): 32 MiB.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const MMAP_THRESHOLD: libc::c_int = 32 << 20;
+
+/// Asks the C allocator to keep freed memory for reuse (see the module doc). Process-wide and idempotent; a no-op
+/// where the allocator is not glibc's. The trainer calls it when training starts.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `mallopt` only changes allocator tuning parameters; any value is accepted or rejected by glibc.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    }
+}

@@ -1,0 +1,101 @@
+//! Enums that users write by name — in configs, on the command line, in files other tools read — declared once
+//! with their names: [`named_enum!`] gives each `as_str`, `FromStr` (an error listing the valid names), `Display`,
+//! and serde as those strings.
+
+/// Declares an enum whose values are read and written by name (the first name of each variant is canonical, the
+/// others are accepted aliases). `$what` names the setting in errors (`optim`, `lr_scheduler_type`, ...).
+macro_rules! named_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident ($what:literal) {
+            $(
+                $(#[$vmeta:meta])*
+                $variant:ident = $canonical:literal $(| $alias:literal)*
+            ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        $vis enum $name {
+            $($(#[$vmeta])* $variant),+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The canonical name.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $canonical),+
+                }
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = $crate::error::Error;
+            fn from_str(s: &str) -> $crate::error::Result<Self> {
+                match s {
+                    $($canonical $(| $alias)* => Ok($name::$variant),)+
+                    other => {
+                        let names: Vec<&str> = $name::ALL.iter().map(|v| v.as_str()).collect();
+                        Err($crate::error::Error::InvalidInput(format!(
+                            "{} `{other}` is not supported; use {}",
+                            $what,
+                            names.join(", ")
+                        )))
+                    }
+                }
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = $crate::error::Error;
+            fn try_from(s: String) -> $crate::error::Result<Self> {
+                s.parse()
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.as_str().to_string()
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+pub(crate) use named_enum;
+
+#[cfg(test)]
+mod tests {
+    named_enum! {
+        /// A test enum.
+        enum Color ("color") {
+            /// Red.
+            Red = "red" | "rouge",
+            /// Blue.
+            Blue = "blue",
+        }
+    }
+
+    #[test]
+    fn names_round_trip_aliases_parse_and_errors_list_the_names() {
+        assert_eq!("rouge".parse::<Color>().unwrap(), Color::Red);
+        assert_eq!(Color::Red.to_string(), "red");
+        let json = serde_json::to_string(&Color::Blue).unwrap();
+        assert_eq!(json, "\"blue\"");
+        assert_eq!(serde_json::from_str::<Color>(&json).unwrap(), Color::Blue);
+        let err = "green".parse::<Color>().unwrap_err().to_string();
+        assert!(
+            err.contains("color `green`") && err.contains("red, blue"),
+            "{err}"
+        );
+    }
+}

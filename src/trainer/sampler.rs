@@ -1,0 +1,156 @@
+//! The order of the data: micro-batches per epoch as a pure function of (`data_seed`, epoch) — shuffled,
+//! sequential or grouped by length — and where a run stands in that stream.
+
+use super::args::{SamplingStrategy, TrainingArguments};
+use super::checkpoint::DataPosition;
+use crate::data::TokenizedExample;
+
+/// Micro-batches of example indices for `epoch` (seeded shuffle, or length-grouped).
+fn epoch_batches(
+    n: usize,
+    batch: usize,
+    seed: u64,
+    epoch: usize,
+    lengths: &[usize],
+    strategy: SamplingStrategy,
+    drop_last: bool,
+) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if strategy != SamplingStrategy::Sequential {
+        // Fisher–Yates with a counter-based generator: the order is a pure function of (seed, epoch).
+        let mut state = seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for i in (1..n).rev() {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let j = ((state >> 33) as usize) % (i + 1);
+            order.swap(i, j);
+        }
+    }
+    if strategy == SamplingStrategy::GroupByLength {
+        // Length-sorted within chunks of 50 batches, as transformers' LengthGroupedSampler does.
+        for chunk in order.chunks_mut(batch * 50) {
+            chunk.sort_by_key(|i| std::cmp::Reverse(lengths[*i]));
+        }
+    }
+    let mut batches: Vec<Vec<usize>> = order.chunks(batch).map(|c| c.to_vec()).collect();
+    if drop_last && batches.last().is_some_and(|b| b.len() < batch) {
+        batches.pop();
+    }
+    batches
+}
+
+/// How the data is walked: fixed once per run.
+pub(super) struct DataPlan {
+    lengths: Vec<usize>,
+    strategy: SamplingStrategy,
+    data_seed: u64,
+    /// Micro-batches in one epoch.
+    pub batches_per_epoch: usize,
+}
+
+impl DataPlan {
+    pub(super) fn new(train: &[TokenizedExample], args: &TrainingArguments) -> Self {
+        let lengths: Vec<usize> = train.iter().map(|e| e.input_ids.len()).collect();
+        let strategy = args.sampling();
+        let data_seed = args.data_seed.unwrap_or(args.seed);
+        let mut plan = DataPlan {
+            lengths,
+            strategy,
+            data_seed,
+            batches_per_epoch: 0,
+        };
+        plan.batches_per_epoch = plan.batches(0, args).len();
+        plan
+    }
+
+    /// The micro-batches of `epoch`.
+    pub(super) fn batches(&self, epoch: usize, args: &TrainingArguments) -> Vec<Vec<usize>> {
+        epoch_batches(
+            self.lengths.len(),
+            args.per_device_train_batch_size,
+            self.data_seed,
+            epoch,
+            &self.lengths,
+            self.strategy,
+            args.dataloader_drop_last,
+        )
+    }
+
+    /// Where the data stream stands after `micro_batches_done` micro-batches.
+    pub(super) fn position(
+        &self,
+        args: &TrainingArguments,
+        micro_batches_done: usize,
+    ) -> DataPosition {
+        DataPosition {
+            seed: args.seed,
+            data_seed: self.data_seed,
+            sampling: self.strategy,
+            per_device_train_batch_size: args.per_device_train_batch_size,
+            gradient_accumulation_steps: args.gradient_accumulation_steps,
+            train_rows: self.lengths.len(),
+            micro_batches_done,
+            epoch: micro_batches_done / self.batches_per_epoch.max(1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_cover_every_example_once_in_a_seeded_order() {
+        let lengths: Vec<usize> = (0..23).map(|i| (i * 7) % 31 + 1).collect();
+        for strategy in SamplingStrategy::ALL.iter().copied() {
+            let a = epoch_batches(23, 4, 9, 0, &lengths, strategy, false);
+            let mut all: Vec<usize> = a.iter().flatten().copied().collect();
+            all.sort();
+            assert_eq!(all, (0..23).collect::<Vec<_>>(), "{strategy}");
+            assert_eq!(a, epoch_batches(23, 4, 9, 0, &lengths, strategy, false));
+            if strategy == SamplingStrategy::Random {
+                assert_ne!(a, epoch_batches(23, 4, 9, 1, &lengths, strategy, false));
+            }
+        }
+        assert_eq!(
+            epoch_batches(23, 4, 9, 0, &lengths, SamplingStrategy::Random, true).len(),
+            5
+        );
+    }
+
+    #[test]
+    fn group_by_length_puts_similar_lengths_together() {
+        // 400 examples, lengths 1..=400 shuffled; a batch of 8 within a 400-example chunk is length-sorted, so
+        // neighbours differ little, unlike random batches.
+        let lengths: Vec<usize> = (0..400).map(|i| (i * 173) % 400 + 1).collect();
+        let spread = |batches: &[Vec<usize>]| -> f64 {
+            let total: usize = batches
+                .iter()
+                .map(|b| {
+                    let ls: Vec<usize> = b.iter().map(|i| lengths[*i]).collect();
+                    ls.iter().max().unwrap() - ls.iter().min().unwrap()
+                })
+                .sum();
+            total as f64 / batches.len() as f64
+        };
+        let grouped = epoch_batches(
+            400,
+            8,
+            3,
+            0,
+            &lengths,
+            SamplingStrategy::GroupByLength,
+            false,
+        );
+        let random = epoch_batches(400, 8, 3, 0, &lengths, SamplingStrategy::Random, false);
+        assert!(
+            spread(&grouped) * 10.0 < spread(&random),
+            "{} vs {}",
+            spread(&grouped),
+            spread(&random)
+        );
+        // The longest example comes first, as transformers' sampler puts it (out-of-memory shows up at once).
+        assert_eq!(lengths[grouped[0][0]], 400);
+    }
+}

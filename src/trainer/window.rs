@@ -1,0 +1,166 @@
+//! One optimizer step's work: the forward and backward of every micro-batch of an accumulation window, gradients
+//! summed and the loss normalized by the window's label tokens (transformers' `num_items_in_batch`), with the memory
+//! of each phase recorded.
+
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+
+use super::args::TrainingArguments;
+use super::neftune::neftune_noise;
+use super::oom::oom_report;
+use crate::data::{collate, TokenizedExample};
+use crate::error::{Error, Result};
+use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
+use crate::models::{Checkpointing, LlamaModel};
+use crate::ops::IGNORE_INDEX;
+
+/// Label tokens a batch contributes to the loss (after the shift).
+fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
+    examples
+        .iter()
+        .map(|e| {
+            e.labels
+                .iter()
+                .skip(1)
+                .filter(|l| **l != IGNORE_INDEX)
+                .count()
+        })
+        .sum()
+}
+
+/// The seed of micro-batch `index` (dropout masks, NEFTune noise).
+fn micro_batch_seed(seed: u64, index: usize) -> u64 {
+    seed ^ (index as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// Bytes of the accumulated gradients of `vars`.
+pub(super) fn gradient_bytes(vars: &[Var], grads: &GradStore) -> u64 {
+    vars.iter()
+        .filter_map(|v| grads.get(v))
+        .map(|g| (g.elem_count() * g.dtype().size_in_bytes()) as u64)
+        .sum()
+}
+
+/// The memory timeline of a run and what it needs to attribute bytes: the step being run and the optimizer's
+/// state size.
+pub(super) struct StepMemory {
+    /// The per-phase timeline.
+    pub timeline: MemoryTimeline,
+    /// The step being run.
+    pub step: usize,
+    /// Bytes of optimizer state on the training device.
+    pub optimizer_bytes: u64,
+}
+
+impl StepMemory {
+    /// Ends the current phase of micro-batch `micro_batch` with `gradients` bytes of gradients held.
+    pub(super) fn end_phase(&mut self, micro_batch: usize, gradients: u64) {
+        self.timeline
+            .end_phase(self.step, micro_batch, self.optimizer_bytes, gradients);
+    }
+
+    /// `error` turned into the out-of-memory report when it is an allocation failure.
+    pub(super) fn explain(&self, error: Error, args: &TrainingArguments) -> Error {
+        if !is_out_of_memory(&error.to_string()) {
+            return error;
+        }
+        let live = self
+            .timeline
+            .breakdown_at_phase_peak(self.optimizer_bytes, 0);
+        let phase = self.timeline.current_phase().unwrap_or(Phase::Forward);
+        // The device's words are the error's first line (a backtrace may follow).
+        let said = error.to_string();
+        Error::OutOfMemory(format!(
+            "{}\n(the device said: {})",
+            oom_report(&live, self.step, phase, args),
+            said.lines().next().unwrap_or_default()
+        ))
+    }
+}
+
+/// The outcome of one accumulation window.
+pub(super) struct Window {
+    /// Sum of the token losses.
+    pub loss_sum: f64,
+    /// Label tokens counted.
+    pub counted: usize,
+    /// Input tokens.
+    pub input_tokens: usize,
+    /// Gradients of the trainable variables, summed over the micro-batches.
+    pub grads: GradStore,
+}
+
+impl Window {
+    /// Forward and backward of every micro-batch of a window, gradients summed, the loss normalized by the
+    /// window's label tokens.
+    pub(super) fn run(
+        model: &LlamaModel,
+        rows: &[TokenizedExample],
+        args: &TrainingArguments,
+        window: &[Vec<usize>],
+        first_micro: usize,
+        vars: &[Var],
+        memory: &mut StepMemory,
+    ) -> Result<Self> {
+        let examples: Vec<Vec<&TokenizedExample>> = window
+            .iter()
+            .map(|b| b.iter().map(|i| &rows[*i]).collect())
+            .collect();
+        let counted: usize = examples.iter().map(|e| counted_tokens(e)).sum();
+        let mut grads = GradStore::default();
+        let mut loss_sum = 0f64;
+        model.lora_runtime.set_training(true);
+        for (k, ex) in examples.iter().enumerate() {
+            let seed = micro_batch_seed(args.seed, first_micro + k);
+            model.lora_runtime.set_step_seed(seed);
+            let batch = collate(ex, model.device())?;
+            let tokens = batch.ids.elem_count() as u64;
+            let ck = Checkpointing {
+                enabled: args.gradient_checkpointing,
+                kept_layers: kept_layers(
+                    model.config(),
+                    if model.device().is_cpu() {
+                        DeviceKind::Cpu
+                    } else {
+                        DeviceKind::Cuda
+                    },
+                    tokens,
+                    model.compute_dtype().size_in_bytes() as u64,
+                    args.activation_memory_budget_mib,
+                ),
+                params: vars.to_vec(),
+                ..Default::default()
+            };
+            memory.timeline.start_phase(Phase::Forward);
+            let mut embeds = model.embed(&batch.ids)?;
+            if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
+                embeds = neftune_noise(&embeds, alpha, seed)?;
+            }
+            let hidden = model.forward_embeds(&embeds, &batch.positions, &ck)?;
+            let (sum, _) = model.loss_from_hidden(&hidden, &batch.labels)?;
+            loss_sum += sum.to_scalar::<f32>()? as f64;
+            memory.end_phase(k, gradient_bytes(vars, &grads));
+            memory.timeline.start_phase(Phase::Backward);
+            let mut g = (sum / counted.max(1) as f64)?.backward()?;
+            ck.sink.merge_into(&mut g)?;
+            for v in vars {
+                if let Some(gv) = g.get(v) {
+                    let acc = match grads.get(v) {
+                        Some(old) => (old + gv)?,
+                        None => gv.clone(),
+                    };
+                    grads.insert(v, acc);
+                }
+            }
+            drop(g);
+            memory.end_phase(k, gradient_bytes(vars, &grads));
+        }
+        model.lora_runtime.set_training(false);
+        Ok(Window {
+            loss_sum,
+            counted,
+            input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),
+            grads,
+        })
+    }
+}
