@@ -74,6 +74,17 @@ impl<'a> RawTensor<'a> {
         }
     }
 
+    /// A tensor's elements as they are (on the CPU, row-major), in its dtype.
+    pub fn from_tensor(t: &candle_core::Tensor) -> Result<RawTensor<'static>> {
+        // Candle's own `View` writes the bytes; on a contiguous CPU tensor it cannot fail.
+        let t = t.to_device(&candle_core::Device::Cpu)?.contiguous()?;
+        Ok(RawTensor {
+            dtype: View::dtype(&t),
+            shape: t.dims().to_vec(),
+            data: Cow::Owned(View::data(&t).into_owned()),
+        })
+    }
+
     /// A U8 tensor.
     pub fn u8(shape: Vec<usize>, data: Vec<u8>) -> RawTensor<'static> {
         RawTensor {

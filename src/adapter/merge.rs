@@ -113,40 +113,7 @@ pub fn merge_to_folder(
             output.display()
         )));
     }
-    let raw = |t: &Tensor| -> crate::Result<RawTensor<'static>> {
-        let t = t.to_dtype(options.dtype)?.contiguous()?;
-        let (dtype, bytes) = match options.dtype {
-            DType::BF16 => (
-                safetensors::Dtype::BF16,
-                t.flatten_all()?
-                    .to_vec1::<half::bf16>()?
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
-            ),
-            DType::F16 => (
-                safetensors::Dtype::F16,
-                t.flatten_all()?
-                    .to_vec1::<half::f16>()?
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
-            ),
-            _ => (
-                safetensors::Dtype::F32,
-                t.flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect(),
-            ),
-        };
-        Ok(RawTensor {
-            dtype,
-            shape: t.dims().to_vec(),
-            data: std::borrow::Cow::Owned(bytes),
-        })
-    };
+    let raw = |t: &Tensor| RawTensor::from_tensor(&t.to_dtype(options.dtype)?);
     let mut tensors: Vec<(String, RawTensor<'static>)> = Vec::new();
     let mut report = MergeReport {
         merged_modules: 0,

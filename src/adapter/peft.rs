@@ -39,9 +39,8 @@ pub fn save_adapter(
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
     let mut tensors = Vec::new();
     for (key, var) in model.adapter_parameters(name)? {
-        let t = var.as_tensor().to_dtype(DType::F32)?;
-        let values: Vec<f32> = t.flatten_all()?.to_vec1()?;
-        tensors.push((key, RawTensor::f32(t.dims().to_vec(), &values)));
+        let t = RawTensor::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?;
+        tensors.push((key, t));
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;

@@ -1,5 +1,7 @@
 //! `qlora`: the command-line front end of candle-qlora. Each subcommand parses its flags and calls the library;
 //! the subcommands and their flags are a stable interface (README, "The `qlora` command").
+// Doc comments below are the command's help text (clap), not rustdoc: `[model]` is a TOML section, not a link.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;

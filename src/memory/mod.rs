@@ -1,5 +1,5 @@
-//! Where training memory goes: the heap under CPU tensors ([`allocator`]), measurement ([`stats`]), a per-phase
-//! timeline with a breakdown by category at the peak ([`timeline`]), and prediction before a run ([`estimate`]).
+//! Where training memory goes: the heap under CPU tensors ([`allocator`]), measurement ([`mod@stats`]), a per-phase
+//! timeline with a breakdown by category at the peak ([`timeline`]), and prediction before a run ([`mod@estimate`]).
 
 pub mod allocator;
 pub mod estimate;

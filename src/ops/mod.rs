@@ -12,16 +12,16 @@
 //!
 //! | op | computes |
 //! |---|---|
-//! | [`frozen_linear`] | `x·Wᵀ (+ b)`, `W` dense or 4-bit, gradient for `x` only |
-//! | [`low_rank_linear`] (and `_plus`, `_to_heads`, `_from_heads`) | frozen linear + `s·B·A·dropout(x)` |
-//! | [`rms_norm`] | RMSNorm in f32 |
-//! | [`rope`], [`rope_split_heads`] | rotary embeddings (Llama-3 scaling) |
+//! | [`frozen_linear()`] | `x·Wᵀ (+ b)`, `W` dense or 4-bit, gradient for `x` only |
+//! | [`low_rank_linear()`] (and `_plus`, `_to_heads`, `_from_heads`) | frozen linear + `s·B·A·dropout(x)` |
+//! | [`rms_norm()`] | RMSNorm in f32 |
+//! | [`rope()`], [`rope_split_heads`] | rotary embeddings (Llama-3 scaling) |
 //! | [`split_heads`], [`merge_heads`] | `[b, t, h·d] ↔ [b, h, t, d]` |
 //! | [`causal_attention`], [`packed_causal_attention`] | grouped-query causal attention, query block by block |
-//! | [`swiglu`] | `silu(gate)·up` |
+//! | [`swiglu()`] | `silu(gate)·up` |
 //! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
-//! | [`embedding`] | row lookup |
-//! | [`checkpoint`] | a block recomputed in the backward |
+//! | [`embedding()`] | row lookup |
+//! | [`checkpoint()`] | a block recomputed in the backward |
 
 pub mod attention;
 pub mod autograd;

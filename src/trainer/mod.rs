@@ -2,11 +2,11 @@
 //!
 //! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`pipeline`]: a `Trainer` built from a run config
 //!   (model, data, callbacks).
-//! - [`run`]: the `Trainer` and its loop; [`window`]: one accumulation window's forward and backward;
-//!   [`sampler`]: the data order; [`evaluate`]: the evaluation loss.
+//! - [`run`]: the `Trainer` and its loop; `window`: one accumulation window's forward and backward; `sampler`:
+//!   the data order; [`mod@evaluate`]: the evaluation loss.
 //! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
-//!   hooks, early stopping, memory monitor; [`progress`]: what the user sees; [`oom`]: the out-of-memory report;
-//!   [`neftune`]: embedding noise.
+//!   hooks, early stopping, memory monitor; `progress`: what the user sees; `oom`: the out-of-memory report;
+//!   `neftune`: embedding noise.
 
 pub mod args;
 pub mod callbacks;

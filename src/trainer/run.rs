@@ -1,9 +1,9 @@
 //! The `Trainer`: gradient accumulation with token-level loss normalization over the whole window, the schedule,
 //! clipping, the optimizer, evaluation, logging and checkpoints on schedule, callbacks, and resume.
 //!
-//! `train` is three parts: [`Trainer::setup`] (output folder, schedule, optimizer, resume), one optimizer step per
-//! accumulation window ([`Trainer::step`], on [`super::window`]), and what follows a step on schedule
-//! ([`Trainer::after_step`]: log, evaluate, callbacks, checkpoint). Data order depends only on (`data_seed`, epoch),
+//! `train` is three parts: `setup` (output folder, schedule, optimizer, resume), one optimizer `step` per
+//! accumulation window (on the `window` module), and what follows a step on schedule (`after_step`: log, evaluate,
+//! callbacks, checkpoint). Data order depends only on (`data_seed`, epoch),
 //! and dropout masks and NEFTune noise only on (`seed`, micro-batch index), so a resumed run replays the same
 //! batches, masks and noise as an uninterrupted one.
 

@@ -12,16 +12,21 @@ use crate::ops::cpu::gemm::{matmul_into_serial, Mat};
 use crate::ops::cpu::vector::{self, simd};
 use crate::ops::cpu::CpuFloat;
 
-/// The sizes of a call: batch, kv heads, query heads per kv head, query length, key length, head dim; the score
-/// scale and the queries per block.
+/// The sizes of a call: batch, kv heads, query heads per kv head, query length, key length, head dim.
 #[derive(Clone, Copy)]
-pub(super) struct Params {
+pub(super) struct Dims {
     pub b: usize,
     pub hkv: usize,
     pub g: usize,
     pub t: usize,
     pub s: usize,
     pub d: usize,
+}
+
+/// A call's sizes, its score scale and the queries per block.
+#[derive(Clone, Copy)]
+pub(super) struct Params {
+    pub dims: Dims,
     pub scale: f64,
     pub query_block: usize,
 }
@@ -91,16 +96,13 @@ pub(super) fn forward<T: CpuFloat>(
     starts: KeyStarts,
 ) -> Vec<T> {
     let Params {
-        hkv,
-        g,
-        t,
-        s,
-        d,
+        dims: Dims {
+            hkv, g, t, s, d, ..
+        },
         scale,
         query_block,
-        ..
     } = params;
-    let mut out = vec![T::zero(); params.b * hkv * g * t * d];
+    let mut out = vec![T::zero(); params.dims.b * hkv * g * t * d];
     out.par_chunks_mut(g * t * d)
         .enumerate()
         .for_each(|(bk, out_group)| {
@@ -142,18 +144,15 @@ pub(super) fn backward<T: CpuFloat>(
     starts: KeyStarts,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let Params {
-        hkv,
-        g,
-        t,
-        s,
-        d,
+        dims: Dims {
+            hkv, g, t, s, d, ..
+        },
         scale,
         query_block,
-        ..
     } = params;
-    let mut dq = vec![T::zero(); params.b * hkv * g * t * d];
-    let mut dk = vec![T::zero(); params.b * hkv * s * d];
-    let mut dv = vec![T::zero(); params.b * hkv * s * d];
+    let mut dq = vec![T::zero(); params.dims.b * hkv * g * t * d];
+    let mut dk = vec![T::zero(); params.dims.b * hkv * s * d];
+    let mut dv = vec![T::zero(); params.dims.b * hkv * s * d];
     dq.par_chunks_mut(g * t * d)
         .zip(dk.par_chunks_mut(s * d))
         .zip(dv.par_chunks_mut(s * d))

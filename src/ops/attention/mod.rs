@@ -11,7 +11,7 @@ use candle_core::{DType, Result, Shape, Tensor, D};
 use super::autograd::{Apply, Op, Value};
 use super::cpu::{gradient, slice_dtype, with_slices, CpuFloat};
 use super::work_dtype;
-use cpu::KeyStarts;
+use cpu::{Dims, KeyStarts};
 
 /// Query rows per block: the score tensor is `[batch, heads, QUERY_BLOCK, keys]`.
 pub const QUERY_BLOCK: usize = 128;
@@ -85,50 +85,38 @@ fn attention_mask(
     Tensor::from_vec(m, (batch, 1, groups * rows, keys), device)?.to_dtype(dtype)
 }
 
-/// Shapes of one call: batch, kv heads, query heads per kv head, query length, key length, head dim.
-#[derive(Clone, Copy)]
-struct Dims {
-    pub b: usize,
-    pub hkv: usize,
-    pub g: usize,
-    pub t: usize,
-    pub s: usize,
-    pub d: usize,
+/// The sizes of a call on `q: [b, hq, t, d]` and `k: [b, hkv, s, d]`, checked.
+fn dims_of(q: &Tensor, k: &Tensor) -> Result<Dims> {
+    let (b, hq, t, d) = q.dims4()?;
+    let (bk, hkv, s, dk) = k.dims4()?;
+    if bk != b || dk != d || hkv == 0 || hq % hkv != 0 || s < t {
+        candle_core::bail!(
+            "attention shapes do not fit: q {:?}, k {:?}",
+            q.dims(),
+            k.dims()
+        );
+    }
+    Ok(Dims {
+        b,
+        hkv,
+        g: hq / hkv,
+        t,
+        s,
+        d,
+    })
 }
 
-impl Dims {
-    fn of(q: &Tensor, k: &Tensor) -> Result<Self> {
-        let (b, hq, t, d) = q.dims4()?;
-        let (bk, hkv, s, dk) = k.dims4()?;
-        if bk != b || dk != d || hkv == 0 || hq % hkv != 0 || s < t {
-            candle_core::bail!(
-                "attention shapes do not fit: q {:?}, k {:?}",
-                q.dims(),
-                k.dims()
-            );
-        }
-        Ok(Dims {
-            b,
-            hkv,
-            g: hq / hkv,
-            t,
-            s,
-            d,
-        })
-    }
+/// Query rows `i0..i0+c` of `q` as `[b, hkv, g*c, d]` (grouped under their kv head).
+fn query_rows(dims: Dims, q: &Tensor, i0: usize, c: usize) -> Result<Tensor> {
+    q.reshape((dims.b, dims.hkv, dims.g, dims.t, dims.d))?
+        .narrow(3, i0, c)?
+        .contiguous()?
+        .reshape((dims.b, dims.hkv, dims.g * c, dims.d))
+}
 
-    /// Query rows `i0..i0+c` of `q` as `[b, hkv, g*c, d]` (grouped under their kv head).
-    fn query_block(&self, q: &Tensor, i0: usize, c: usize) -> Result<Tensor> {
-        q.reshape((self.b, self.hkv, self.g, self.t, self.d))?
-            .narrow(3, i0, c)?
-            .contiguous()?
-            .reshape((self.b, self.hkv, self.g * c, self.d))
-    }
-
-    /// `[b, hkv, g*c, d]` back to `[b, hkv, g, c, d]`.
-    fn ungroup(&self, x: &Tensor, c: usize) -> Result<Tensor> {
-        x.reshape((self.b, self.hkv, self.g, c, self.d))
-    }
+/// `[b, hkv, g*c, d]` back to `[b, hkv, g, c, d]`.
+fn ungroup(dims: Dims, x: &Tensor, c: usize) -> Result<Tensor> {
+    x.reshape((dims.b, dims.hkv, dims.g, c, dims.d))
 }
 
 /// Softmax probabilities of one query block: `[b, hkv, g*c, keys]` in the working dtype.
@@ -177,7 +165,7 @@ pub fn packed_causal_attention(
     scale: f64,
     segments: &Segments,
 ) -> Result<Tensor> {
-    let dims = Dims::of(q, k)?;
+    let dims = dims_of(q, k)?;
     if (dims.b, dims.t, dims.s) != (segments.batch, segments.len, segments.len) {
         candle_core::bail!(
             "packed attention: q {:?} / k {:?} do not cover the segments' [{}, {}]",
@@ -197,7 +185,7 @@ fn attention(
     scale: f64,
     segments: Option<Segments>,
 ) -> Result<Tensor> {
-    let dims = Dims::of(q, k)?;
+    let dims = dims_of(q, k)?;
     CausalAttention {
         dims,
         scale,
@@ -224,14 +212,8 @@ impl CausalAttention {
 
     /// The slice kernels' parameters.
     fn params(&self) -> cpu::Params {
-        let Dims { b, hkv, g, t, s, d } = self.dims;
         cpu::Params {
-            b,
-            hkv,
-            g,
-            t,
-            s,
-            d,
+            dims: self.dims,
             scale: self.scale,
             query_block: QUERY_BLOCK,
         }
@@ -299,10 +281,10 @@ impl CausalAttention {
         let mut blocks = Vec::new();
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
-            let qb = dims.query_block(&q, i0, c)?;
+            let qb = query_rows(dims, &q, i0, c)?;
             let (p, keys) = block_probs(&qb, &k, dims, i0, c, self.scale, self.segments.as_ref())?;
             let out = p.matmul(&v.narrow(2, 0, keys)?)?;
-            blocks.push(dims.ungroup(&out, c)?);
+            blocks.push(ungroup(dims, &out, c)?);
         }
         let value = Tensor::cat(&blocks, 3)?
             .reshape((dims.b, dims.hkv * dims.g, dims.t, dims.d))?
@@ -331,8 +313,8 @@ impl CausalAttention {
         let mut dv = dk.clone();
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
-            let qb = dims.query_block(&q, i0, c)?;
-            let gb = dims.query_block(&grad, i0, c)?;
+            let qb = query_rows(dims, &q, i0, c)?;
+            let gb = query_rows(dims, &grad, i0, c)?;
             let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, self.segments.as_ref())?;
             let kb = k.narrow(2, 0, keys)?;
             let vb = v.narrow(2, 0, keys)?;
@@ -341,7 +323,7 @@ impl CausalAttention {
             let dp = gb.matmul(&vb.t()?)?;
             let row = (&p * &dp)?.sum_keepdim(D::Minus1)?;
             let ds = (p * dp.broadcast_sub(&row)?)?;
-            dq_blocks.push(dims.ungroup(&(ds.matmul(&kb)? * scale)?, c)?);
+            dq_blocks.push(ungroup(dims, &(ds.matmul(&kb)? * scale)?, c)?);
             dk = (dk + pad((ds.t()?.matmul(&qb)? * scale)?)?)?;
         }
         let dq =

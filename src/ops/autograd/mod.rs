@@ -1,9 +1,9 @@
-//! The plumbing every op shares: an [`Op`] computes its forward without a graph and brings its own backward; its
-//! [`Apply::apply`] turns the two into one node of Candle's graph.
+//! The plumbing every op shares: an `Op` computes its forward without a graph and brings its own backward; its
+//! `Apply::apply` turns the two into one node of Candle's graph.
 //!
 //! The forward runs once, on the inputs' values; the graph node only hands that value over (a CPU buffer is moved
 //! into the graph without a copy). When no input needs a gradient the value is returned as is, with no graph.
-//! [`checkpoint`] recomputes a block in the backward instead of keeping its graph; [`gradcheck`] (tests only)
+//! [`checkpoint()`] recomputes a block in the backward instead of keeping its graph; `gradcheck` (tests only)
 //! checks an op's gradients against finite differences and a composite reference.
 
 pub mod checkpoint;

@@ -7,7 +7,7 @@
 //! form keeps the base output, both low-rank products, the scaled update and their sum — four activation-sized
 //! tensors per layer — and runs three extra element-wise passes in each direction.
 //!
-//! On the CPU in f32/f64 the op runs on slices ([`cpu`]): the bias, the scaling, a residual and the sum of the two
+//! On the CPU in f32/f64 the op runs on slices (its `cpu` module): the bias, the scaling, a residual and the sum of the two
 //! paths are folded into the GEMMs, and a change of layout to or from attention heads (with RoPE) is fused in, so
 //! each direction is its matrix products and one pass. Other dtypes and devices compose Candle's ops (same maths).
 
