@@ -193,6 +193,17 @@ pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
     result
 }
 
+/// An error when `output` exists and may not be replaced (`overwrite` off): nothing a user wrote is lost.
+pub fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
+    if output.exists() && !overwrite {
+        return Err(Error::WouldOverwrite(format!(
+            "`{}` already exists; choose another output or pass --overwrite to replace it",
+            output.display()
+        )));
+    }
+    Ok(())
+}
+
 /// Builds a folder at `output` atomically: `build` fills a staging sibling, which replaces `output` (an existing
 /// folder or file there goes only once the new one is complete) or is removed when `build` fails.
 pub fn replace_dir<R>(output: &Path, build: impl FnOnce(&Path) -> Result<R>) -> Result<R> {

@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::{DType, Result, Tensor};
 
 use crate::error::Error;
-use crate::files::{replace_dir, write_safetensors, RawTensor};
+use crate::files::{refuse_existing, replace_dir, write_safetensors, RawTensor};
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
 use crate::lora::{LoraAdapter, LoraLinear};
 use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
@@ -107,12 +107,7 @@ pub fn merge_to_folder(
     output: &Path,
     options: &MergeOptions,
 ) -> crate::Result<MergeReport> {
-    if output.exists() && !options.overwrite {
-        return Err(Error::WouldOverwrite(format!(
-            "`{}` already exists; choose another output or pass --overwrite to replace it",
-            output.display()
-        )));
-    }
+    refuse_existing(output, options.overwrite)?;
     let raw = |t: &Tensor| RawTensor::from_tensor(&t.to_dtype(options.dtype)?);
     let mut tensors: Vec<(String, RawTensor<'static>)> = Vec::new();
     let mut report = MergeReport {

@@ -191,7 +191,7 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     if let Some(resume) = args.resume {
         config.training.resume_from_checkpoint = Some(resume);
     }
-    let resume = config.training.resume_checkpoint().context("--resume")?;
+    let resume = config.training.resume_checkpoint()?;
     let mut trainer = Trainer::from_run_config(&config)?;
     trainer.train(resume.as_deref())?;
     Ok(())

@@ -203,3 +203,71 @@ impl Dataset {
         lines
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::ChatMessage;
+
+    fn row(len: usize, truncated: bool) -> TokenizedExample {
+        TokenizedExample {
+            input_ids: vec![1; len],
+            labels: vec![1; len],
+            truncated,
+            segments: vec![],
+        }
+    }
+
+    #[test]
+    fn loss_tokens_follow_completion_and_assistant_only() {
+        let instruction = Example::Instruction {
+            prompt: "q".into(),
+            response: "a".into(),
+        };
+        let chat = Example::Chat(vec![ChatMessage {
+            role: "assistant".into(),
+            content: "a".into(),
+        }]);
+        let text = Example::Text("t".into());
+        let config = |completion_only_loss, assistant_only_loss| DataConfig {
+            completion_only_loss,
+            assistant_only_loss,
+            ..Default::default()
+        };
+        // (completion_only, assistant_only) → all tokens of (instruction, chat)?
+        for ((c, a), want) in [
+            ((true, false), (false, false)),
+            ((false, false), (true, true)),
+            ((false, true), (true, false)),
+            ((true, true), (false, false)),
+        ] {
+            let cfg = config(c, a);
+            assert_eq!((cfg.all_tokens(&instruction), cfg.all_tokens(&chat)), want);
+            assert!(cfg.all_tokens(&text));
+        }
+    }
+
+    #[test]
+    fn split_off_holds_out_the_last_rows_and_keeps_one() {
+        let mut data = Dataset::from(vec![
+            row(3, true),
+            row(4, false),
+            row(5, true),
+            row(6, false),
+        ]);
+        let eval = data.split_off(0.25);
+        assert_eq!((data.len(), eval.len()), (3, 1));
+        assert_eq!((data.truncated, eval.truncated), (2, 0));
+        assert_eq!(eval.rows[0].input_ids.len(), 6);
+        let mut one = Dataset::from(vec![row(2, false)]);
+        assert!(one.split_off(0.5).is_empty() && one.len() == 1);
+        let summary = data.summary("train.jsonl", 4);
+        assert_eq!(summary, ["train.jsonl: 2 examples truncated to 4 tokens"]);
+        assert!(DataConfig {
+            eval_split: Some(1.5),
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+    }
+}

@@ -21,7 +21,8 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::files::{
-    candle_float_dtype, replace_dir, view_to_f32, write_safetensors, MappedSafetensors, RawTensor,
+    candle_float_dtype, refuse_existing, replace_dir, view_to_f32, write_safetensors,
+    MappedSafetensors, RawTensor,
 };
 use crate::precision::TorchDtype;
 use crate::quant::{
@@ -363,16 +364,6 @@ pub fn quantize_path(
     }
 }
 
-fn refuse_existing(output: &Path, options: &QuantizeOptions) -> Result<()> {
-    if output.exists() && !options.overwrite {
-        return Err(Error::WouldOverwrite(format!(
-            "`{}` already exists; choose another output or pass --overwrite to replace it",
-            output.display()
-        )));
-    }
-    Ok(())
-}
-
 /// Quantizes every linear weight of one safetensors file into bitsandbytes' layout and copies the other tensors.
 pub fn quantize_file(
     input: &Path,
@@ -380,7 +371,7 @@ pub fn quantize_file(
     options: &QuantizeOptions,
 ) -> Result<QuantizeReport> {
     options.config.validate()?;
-    refuse_existing(output, options)?;
+    refuse_existing(output, options.overwrite)?;
     let mut report = QuantizeReport::default();
     quantize_one_file(input, output, options, &mut report)?;
     Ok(report)
@@ -452,7 +443,7 @@ pub fn quantize_model_dir(
     options: &QuantizeOptions,
 ) -> Result<QuantizeReport> {
     options.config.validate()?;
-    refuse_existing(output, options)?;
+    refuse_existing(output, options.overwrite)?;
     let config_path = input.join("config.json");
     let config_text = std::fs::read_to_string(&config_path)
         .map_err(|e| Error::io("cannot read", &config_path, e))?;

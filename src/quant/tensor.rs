@@ -134,13 +134,6 @@ impl Nf4Tensor {
         config: &QuantConfig,
         name: &str,
     ) -> Result<Self> {
-        config.validate()?;
-        if shape.iter().product::<usize>() != values.len() {
-            return Err(Error::Quantize {
-                name: name.into(),
-                reason: format!("shape {shape:?} does not hold {} values", values.len()),
-            });
-        }
         Self::quantize_slice(values, |x| x, shape, dtype, config, name)
     }
 

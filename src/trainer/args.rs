@@ -213,7 +213,7 @@ impl TrainingArguments {
             None | Some("false") => Ok(None),
             Some("true") | Some("latest") => latest_checkpoint(out).map(Some).ok_or_else(|| {
                 Error::InvalidInput(format!(
-                    "resume: no checkpoint-N folder with trainer_state.json in {}",
+                    "no checkpoint-N folder with trainer_state.json in {} to resume from",
                     out.display()
                 ))
             }),

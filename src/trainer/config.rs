@@ -2,7 +2,7 @@
 //! `BitsAndBytesConfig`), `[lora]` (`LoraConfig`), `[data]` ([`DataConfig`]), `[training]` (`TrainingArguments`)
 //! and `[callbacks]`, section and field names as in Python. `--set section.key=value` overrides any field.
 //!
-//! Every section is a serde type; [`read_section`] reads one, so an unknown key is an error that suggests the
+//! Every section is a serde type; `read_section` reads one, so an unknown key is an error that suggests the
 //! closest valid name, and a value of the wrong type names its key.
 
 use std::path::{Path, PathBuf};
@@ -132,7 +132,7 @@ const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks"];
 const LORA_EXTRA_KEYS: &[&str] = &["task_type"];
 
 /// The field names serde knows for struct `T` (its derived `Deserialize` lists them).
-pub fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+pub(crate) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
     use serde::de::{self, Visitor};
 
     /// Carries the field list out of the probe.
@@ -198,7 +198,7 @@ fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Err
 
 /// Reads `[section]` of the config at `path` as `T`: an unknown key (other than `extra_keys`, accepted and
 /// ignored) is an error suggesting the closest field, a wrong value an error naming its key.
-pub fn read_section<T: DeserializeOwned>(
+pub(crate) fn read_section<T: DeserializeOwned>(
     value: &toml::Value,
     path: &str,
     section: &str,

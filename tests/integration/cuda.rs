@@ -7,6 +7,7 @@ use candle_qlora::data::TokenizedExample;
 use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::memory::{reset_device_peak, stats};
+use candle_qlora::optim::OptimizerName;
 use candle_qlora::quant::{DeviceNf4, Nf4Tensor, QuantConfig};
 use candle_qlora::trainer::{Trainer, TrainingArguments};
 use candle_qlora::Error;
@@ -110,7 +111,9 @@ fn tiny_trainer(
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
-    Trainer::new(model, args, &lora, data, vec![], "tiny-llama").unwrap()
+    let mut trainer = Trainer::new(model, args, &lora, data, vec![]).unwrap();
+    trainer.set_base_model_name("tiny-llama");
+    trainer
 }
 
 /// Float32 compute on both devices: the same losses (to float32 reduction-order noise) and the same adapter.
@@ -308,7 +311,7 @@ fn the_estimate_predicts_the_gpu_peak() {
             target_modules: Some(TargetModules::AllLinear),
             ..Default::default()
         };
-        Trainer::new(model, args, &lora, data, vec![], "random-smollm2")
+        Trainer::new(model, args, &lora, data, vec![])
             .unwrap()
             .train(None)
             .unwrap();
