@@ -41,7 +41,7 @@
 //! let data = DataConfig { max_length: 32, ..Default::default() };
 //! let train = Dataset::tokenize(examples, loaded.tokenizer()?, &data)?;
 //! let lora = LoraConfig { r: 4, lora_alpha: 8.0, target_modules: Some(TargetModules::AllLinear), ..Default::default() };
-//! let out = std::env::temp_dir().join("candle-qlora-doc-train");
+//! let out = std::env::temp_dir().join(format!("candle-qlora-doc-train-{}", std::process::id()));
 //! let args = TrainingArguments {
 //!     output_dir: out.display().to_string(),
 //!     overwrite_output_dir: true,
@@ -123,6 +123,8 @@
 //! ```
 
 pub mod adapter;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 pub mod data;
 pub mod error;
 pub mod files;

@@ -25,6 +25,19 @@ macro_rules! named_enum {
             /// Every value, in declaration order.
             pub const ALL: &'static [$name] = &[$($name::$variant),+];
 
+            /// Every name with its aliases, for error messages: `a (alias), b`.
+            fn names_with_aliases() -> String {
+                let names: Vec<String> = vec![$({
+                    let aliases: Vec<&str> = vec![$($alias),*];
+                    if aliases.is_empty() {
+                        $canonical.to_string()
+                    } else {
+                        format!("{} ({})", $canonical, aliases.join(", "))
+                    }
+                }),+];
+                names.join(", ")
+            }
+
             /// The canonical name.
             pub fn as_str(self) -> &'static str {
                 match self {
@@ -38,14 +51,11 @@ macro_rules! named_enum {
             fn from_str(s: &str) -> $crate::error::Result<Self> {
                 match s {
                     $($canonical $(| $alias)* => Ok($name::$variant),)+
-                    other => {
-                        let names: Vec<&str> = $name::ALL.iter().map(|v| v.as_str()).collect();
-                        Err($crate::error::Error::InvalidInput(format!(
-                            "{} `{other}` is not supported; use {}",
-                            $what,
-                            names.join(", ")
-                        )))
-                    }
+                    other => Err($crate::error::Error::InvalidInput(format!(
+                        "{} `{other}` is not supported; use {}",
+                        $what,
+                        $name::names_with_aliases()
+                    ))),
                 }
             }
         }
@@ -88,13 +98,14 @@ mod tests {
     #[test]
     fn names_round_trip_aliases_parse_and_errors_list_the_names() {
         assert_eq!("rouge".parse::<Color>().unwrap(), Color::Red);
+        assert_eq!(Color::ALL, [Color::Red, Color::Blue]);
         assert_eq!(Color::Red.to_string(), "red");
         let json = serde_json::to_string(&Color::Blue).unwrap();
         assert_eq!(json, "\"blue\"");
         assert_eq!(serde_json::from_str::<Color>(&json).unwrap(), Color::Blue);
         let err = "green".parse::<Color>().unwrap_err().to_string();
         assert!(
-            err.contains("color `green`") && err.contains("red, blue"),
+            err.contains("color `green`") && err.contains("red (rouge), blue"),
             "{err}"
         );
     }

@@ -30,7 +30,8 @@ pub struct DataConfig {
     /// Loss on completions only: the prompt of instruction examples (and everything but the assistant turns of
     /// conversations) is labelled −100.
     pub completion_only_loss: bool,
-    /// Loss on the assistant turns of conversations only, whatever `completion_only_loss` says.
+    /// Loss on the assistant turns of conversations only (TRL's name), also when `completion_only_loss` is off;
+    /// instruction examples follow `completion_only_loss`.
     pub assistant_only_loss: bool,
     /// Count bad lines (and skip them) instead of stopping at the first.
     pub skip_bad_lines: bool,
@@ -179,28 +180,30 @@ impl Dataset {
         self.rows.iter().map(|r| r.input_ids.len()).sum()
     }
 
-    /// What a run prints about this data set: skipped lines, truncation and packing, one line each.
-    pub fn summary(&self, name: &str, max_length: usize) -> Vec<String> {
+    /// What a run prints about the file `name` this data set was read from: its skipped lines and how many of its
+    /// examples were truncated (`truncated`, which counts rows split off since), one line each.
+    pub fn file_notes(&self, name: &str, truncated: usize, max_length: usize) -> Vec<String> {
         let mut lines: Vec<String> = self
             .skipped
             .iter()
             .map(|(line, reason)| format!("warning: {name}:{line}: skipped ({reason})"))
             .collect();
-        if self.truncated > 0 {
+        if truncated > 0 {
             lines.push(format!(
-                "{name}: {} examples truncated to {max_length} tokens",
-                self.truncated
-            ));
-        }
-        if self.rows.len() < self.examples {
-            lines.push(format!(
-                "packed {} examples into {} rows of up to {max_length} tokens ({:.1}% full)",
-                self.examples,
-                self.rows.len(),
-                100.0 * self.tokens() as f64 / (self.rows.len() * max_length).max(1) as f64
+                "{name}: {truncated} examples truncated to {max_length} tokens"
             ));
         }
         lines
+    }
+
+    /// How full the rows are: "packed N examples into R rows of up to L tokens (F% full)".
+    pub fn packing_note(&self, max_length: usize) -> String {
+        format!(
+            "packed {} examples into {} rows of up to {max_length} tokens ({:.1}% full)",
+            self.examples,
+            self.rows.len(),
+            100.0 * self.tokens() as f64 / (self.rows.len() * max_length).max(1) as f64
+        )
     }
 }
 
@@ -261,8 +264,8 @@ mod tests {
         assert_eq!(eval.rows[0].input_ids.len(), 6);
         let mut one = Dataset::from(vec![row(2, false)]);
         assert!(one.split_off(0.5).is_empty() && one.len() == 1);
-        let summary = data.summary("train.jsonl", 4);
-        assert_eq!(summary, ["train.jsonl: 2 examples truncated to 4 tokens"]);
+        let notes = data.file_notes("train.jsonl", data.truncated, 4);
+        assert_eq!(notes, ["train.jsonl: 2 examples truncated to 4 tokens"]);
         assert!(DataConfig {
             eval_split: Some(1.5),
             ..Default::default()

@@ -75,6 +75,12 @@ pub(crate) fn copy_row<T: Copy>(o: &mut [T], x: &[T], _: usize, _: usize) {
 pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, t, width) = x.dims3()?;
     let d = width / heads;
+    #[cfg(feature = "cuda")]
+    if super::rows_cuda::applies(x) {
+        use super::rows_cuda::{move_rows, RowLayout};
+        let dims = HeadDims { b, t, h: heads, d };
+        return move_rows(x, dims, None, RowLayout::TokenMajor, RowLayout::HeadMajor);
+    }
     if !slice_path(x) {
         return x.reshape((b, t, heads, d))?.transpose(1, 2)?.contiguous();
     }
@@ -88,6 +94,12 @@ pub fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
 /// `y` (`[b, heads, t, d]`) as `[b, t, heads·d]`, contiguous.
 pub fn merge_heads(y: &Tensor) -> Result<Tensor> {
     let (b, heads, t, d) = y.dims4()?;
+    #[cfg(feature = "cuda")]
+    if super::rows_cuda::applies(y) {
+        use super::rows_cuda::{move_rows, RowLayout};
+        let dims = HeadDims { b, t, h: heads, d };
+        return move_rows(y, dims, None, RowLayout::HeadMajor, RowLayout::TokenMajor);
+    }
     if !slice_path(y) {
         return y.transpose(1, 2)?.contiguous()?.reshape((b, t, heads * d));
     }

@@ -5,10 +5,10 @@
 //! ([`autograd`]), so the graph keeps only each op's inputs, frozen weights never get gradients, and constants never
 //! get dead gradients.
 //!
-//! Each op is one type with a CPU path on slices (f32 in training, f64 in gradient checks; the kernels in
-//! `cpu`) and a path composed of Candle's ops for every other dtype and device; the forward picks one and the
-//! backward follows it. Every backward is checked against central finite differences (f64) and a composite of
-//! Candle primitives.
+//! Each op is one type implementing `autograd::Op`: where it has a CPU path on slices (f32 in training, f64 in
+//! gradient checks; the kernels in `cpu`), that runs on the CPU and a path composed of Candle's ops runs for every
+//! other dtype and device, the backward following the forward's choice. Every backward is checked against central
+//! finite differences (f64) and a composite of Candle primitives.
 //!
 //! | op | computes |
 //! |---|---|
@@ -33,6 +33,8 @@ pub mod heads;
 pub mod low_rank_linear;
 pub mod rms_norm;
 pub mod rope;
+#[cfg(feature = "cuda")]
+mod rows_cuda;
 pub mod swiglu;
 
 use candle_core::DType;

@@ -31,6 +31,9 @@ struct RmsNorm {
 enum Path {
     /// On CPU slices, with the weight's values (the usual case: a frozen weight, which gets no gradient).
     Slices(DType),
+    /// By `kernels/norm.cu` on a CUDA device (a frozen weight).
+    #[cfg(feature = "cuda")]
+    Cuda,
     /// Candle's ops: any dtype, device, and a trainable weight.
     Composed,
 }
@@ -149,6 +152,54 @@ impl RmsNorm {
     }
 }
 
+#[cfg(feature = "cuda")]
+impl RmsNorm {
+    /// Whether the kernels take these inputs: a frozen weight, a float input on a CUDA device.
+    fn cuda_applies(x: &Tensor, w: &Tensor) -> bool {
+        x.device().is_cuda()
+            && !w.track_op()
+            && x.rank() > 0
+            && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// Kernel `which` (`rms_norm_fwd` or `rms_norm_bwd`) over the rows of `x`; `grad` for the backward.
+    fn cuda_run(
+        &self,
+        which: &str,
+        x: &Tensor,
+        w: &Tensor,
+        grad: Option<&Tensor>,
+    ) -> Result<Value> {
+        use crate::cuda::{
+            alloc, device_of, hold, kernel, rows_grid, run, storage, suffix, with_float_type, NORM,
+        };
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let h = x.dim(D::Minus1)?;
+        let rows = (x.elem_count() / h.max(1)) as u64;
+        let (x, w) = (x.contiguous()?, w.to_dtype(DType::F32)?.contiguous()?);
+        let grad = grad.map(|g| g.contiguous()).transpose()?;
+        let device = device_of(&x)?;
+        let (eps, width) = (self.eps as f32, h as u64);
+        let name = format!("{which}{}", suffix(x.dtype())?);
+        with_float_type!(x.dtype(), T => {
+            let mut out = alloc::<T>(&device, x.elem_count())?;
+            let (xh, wh) = (hold(&x)?, hold(&w)?);
+            let (xv, wv) = (xh.view::<T>()?, wh.view::<f32>()?);
+            let gh = grad.as_ref().map(hold).transpose()?;
+            let gv = gh.as_ref().map(|g| g.view::<T>()).transpose()?;
+            let func = kernel(&device, &NORM, &name)?;
+            let mut args = func.builder();
+            args.arg(&xv).arg(&wv);
+            if let Some(gv) = &gv {
+                args.arg(gv);
+            }
+            args.arg(&eps).arg(&rows).arg(&width).arg(&mut out);
+            run(&mut args, rows_grid(rows))?;
+            Ok(Value::Cuda(storage(out, &device), x.shape().clone()))
+        })
+    }
+}
+
 impl Op<2> for RmsNorm {
     const NAME: &'static str = "rms-norm";
 
@@ -156,9 +207,15 @@ impl Op<2> for RmsNorm {
         // The slice path takes a frozen weight on the CPU (any dtype: its values are read in x's).
         let slices = slice_dtype(&[x]).filter(|_| !w.track_op() && x.rank() > 0);
         self.path = slices.map_or(Path::Composed, Path::Slices);
+        #[cfg(feature = "cuda")]
+        if Self::cuda_applies(x, w) {
+            self.path = Path::Cuda;
+        }
         match self.path {
             Path::Slices(DType::F32) => self.cpu_fwd::<f32>(x, w),
             Path::Slices(_) => self.cpu_fwd::<f64>(x, w),
+            #[cfg(feature = "cuda")]
+            Path::Cuda => self.cuda_run("rms_norm_fwd", x, w, None),
             Path::Composed => self.composed_fwd(x, w),
         }
     }
@@ -172,6 +229,11 @@ impl Op<2> for RmsNorm {
         match self.path {
             Path::Slices(DType::F32) => Ok([self.cpu_bwd::<f32>(x, w, grad)?, None]),
             Path::Slices(_) => Ok([self.cpu_bwd::<f64>(x, w, grad)?, None]),
+            #[cfg(feature = "cuda")]
+            Path::Cuda => {
+                let dx = self.cuda_run("rms_norm_bwd", x, w, Some(grad))?;
+                Ok([Some(dx.into_tensor()?), None])
+            }
             Path::Composed => self.composed_bwd([x, w], grad, needs),
         }
     }

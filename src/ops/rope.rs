@@ -155,6 +155,14 @@ fn rotate_half_t(g: &Tensor) -> Result<Tensor> {
 /// Applies RoPE to `x` (`[batch, heads, seq, head_dim]`) with `cos`/`sin` broadcastable to it (from
 /// [`RopeTables::range`] or [`RopeTables::gather`]), computing in float32 (f64 stays f64).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::rows_cuda::applies(x) {
+        use super::rows_cuda::{move_rows, RowLayout};
+        let (b, h, t, d) = x.dims4()?;
+        let dims = HeadDims { b, t, h, d };
+        let head_major = RowLayout::HeadMajor;
+        return move_rows(x, dims, Some((cos, sin)), head_major, head_major);
+    }
     Rope {
         cos: cos.clone(),
         sin: sin.clone(),
@@ -250,6 +258,17 @@ pub fn rope_split_heads(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) ->
         h: heads,
         d: width / heads,
     };
+    #[cfg(feature = "cuda")]
+    if super::rows_cuda::applies(x) {
+        use super::rows_cuda::{move_rows, RowLayout};
+        return move_rows(
+            x,
+            dims,
+            Some((cos, sin)),
+            RowLayout::TokenMajor,
+            RowLayout::HeadMajor,
+        );
+    }
     let split = (b, heads, t, dims.d);
     match x.dtype() {
         DType::F32 => {

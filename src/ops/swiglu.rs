@@ -91,10 +91,83 @@ impl Swiglu {
     }
 }
 
+/// Whether the kernels take these inputs: one float dtype and shape on a CUDA device.
+#[cfg(feature = "cuda")]
+fn cuda_path(gate: &Tensor, up: &Tensor) -> bool {
+    gate.device().is_cuda()
+        && gate.dtype() == up.dtype()
+        && gate.dims() == up.dims()
+        && matches!(gate.dtype(), DType::F32 | DType::BF16 | DType::F16)
+}
+
+#[cfg(feature = "cuda")]
+impl Swiglu {
+    /// `kernels/swiglu.cu`, one pass each way.
+    fn cuda_fwd(gate: &Tensor, up: &Tensor) -> Result<Value> {
+        use crate::cuda::{
+            alloc, device_of, grid, hold, kernel, run, storage, suffix, with_float_type, SWIGLU,
+        };
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let (gate, up) = (gate.contiguous()?, up.contiguous()?);
+        let device = device_of(&gate)?;
+        let n = gate.elem_count() as u64;
+        let func = kernel(
+            &device,
+            &SWIGLU,
+            &format!("swiglu_fwd{}", suffix(gate.dtype())?),
+        )?;
+        with_float_type!(gate.dtype(), T => {
+            let mut y = alloc::<T>(&device, gate.elem_count())?;
+            let (gh, uh) = (hold(&gate)?, hold(&up)?);
+            let (gv, uv) = (gh.view::<T>()?, uh.view::<T>()?);
+            let mut args = func.builder();
+            args.arg(&gv).arg(&uv).arg(&n).arg(&mut y);
+            run(&mut args, grid(n))?;
+            Ok(Value::Cuda(storage(y, &device), gate.shape().clone()))
+        })
+    }
+
+    fn cuda_bwd(
+        [gate, up]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        use crate::cuda::{
+            alloc, device_of, grid, hold, kernel, run, suffix, tensor, with_float_type, SWIGLU,
+        };
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let (gate, up, grad) = (gate.contiguous()?, up.contiguous()?, grad.contiguous()?);
+        let device = device_of(&gate)?;
+        let (len, n) = (gate.elem_count(), gate.elem_count() as u64);
+        let which = needs[0] as i32 | (needs[1] as i32) << 1;
+        let func = kernel(
+            &device,
+            &SWIGLU,
+            &format!("swiglu_bwd{}", suffix(gate.dtype())?),
+        )?;
+        with_float_type!(gate.dtype(), T => {
+            // A gradient that is not asked for gets a one-element placeholder the kernel never writes.
+            let mut d_gate = alloc::<T>(&device, if needs[0] { len } else { 1 })?;
+            let mut d_up = alloc::<T>(&device, if needs[1] { len } else { 1 })?;
+            let (gh, uh, dh) = (hold(&gate)?, hold(&up)?, hold(&grad)?);
+            let (gv, uv, dv) = (gh.view::<T>()?, uh.view::<T>()?, dh.view::<T>()?);
+            let mut args = func.builder();
+            args.arg(&gv).arg(&uv).arg(&dv).arg(&n).arg(&which).arg(&mut d_gate).arg(&mut d_up);
+            run(&mut args, grid(n))?;
+            let keep = |slice, need: bool| need.then(|| tensor(slice, &device, gate.shape().clone()));
+            Ok([keep(d_gate, needs[0]), keep(d_up, needs[1])])
+        })
+    }
+}
+
 impl Op<2> for Swiglu {
     const NAME: &'static str = "swiglu";
 
     fn fwd(&mut self, [gate, up]: [&Tensor; 2]) -> Result<Value> {
+        #[cfg(feature = "cuda")]
+        if cuda_path(gate, up) {
+            return Self::cuda_fwd(gate, up);
+        }
         match slice_path(gate, up) {
             Some(DType::F32) => Self::cpu_fwd::<f32>(gate, up),
             Some(DType::F64) => Self::cpu_fwd::<f64>(gate, up),
@@ -108,6 +181,10 @@ impl Op<2> for Swiglu {
         grad: &Tensor,
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
+        #[cfg(feature = "cuda")]
+        if cuda_path(inputs[0], inputs[1]) {
+            return Self::cuda_bwd(inputs, grad, needs);
+        }
         match slice_path(inputs[0], inputs[1]) {
             Some(DType::F32) => Self::cpu_bwd::<f32>(inputs, grad, needs),
             Some(DType::F64) => Self::cpu_bwd::<f64>(inputs, grad, needs),

@@ -1,10 +1,10 @@
-//! [`DeviceNf4`]: a 4-bit weight whose codes and statistics live on a device (a CUDA GPU), dequantized there with
-//! tensor ops.
+//! [`DeviceNf4`]: a 4-bit weight whose codes and statistics live on a device (a CUDA GPU), dequantized there — by
+//! one kernel (`kernels/dequant.cu`) on CUDA, by tensor ops elsewhere.
 //!
 //! The dequantization is the CPU kernel's arithmetic, step for step: `code[c] · absmax` in float32 (with a nested
 //! absmax first rebuilt as `map[c8] · absmax₂ + offset`), then rounded to the compute dtype. Each step is one
-//! float32 multiply or add, so the result is bit-identical to [`Nf4Tensor::dequantize`] on any device (tested on
-//! the CPU, where both run).
+//! float32 multiply or add, so the result is bit-identical to [`Nf4Tensor::dequantize`] on any device (the tensor-op
+//! form is tested on the CPU, where both run; the kernel in the `cuda` tests).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -33,6 +33,9 @@ enum DeviceScales {
 pub struct DeviceNf4 {
     /// Packed codes, u8 `[ceil(n / 2)]`.
     packed: Tensor,
+    /// The 16 float32 code values (the dequantization kernel's table).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    code: Tensor,
     /// For every byte value, the two float32 values of its codes: `[256, 2]` (high nibble first).
     pairs: Tensor,
     scales: DeviceScales,
@@ -81,6 +84,7 @@ impl DeviceNf4 {
         };
         Ok(DeviceNf4 {
             packed: Tensor::from_slice(q.packed(), q.packed().len(), device)?,
+            code: Tensor::from_slice(code, 16, device)?,
             pairs: Tensor::from_vec(pairs, (256, 2), device)?,
             scales,
             shape: q.shape().to_vec(),
@@ -91,6 +95,15 @@ impl DeviceNf4 {
 
     /// The dense weight as `dtype` (f32, f16 or bf16) on the device, bit-identical to [`Nf4Tensor::dequantize`].
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.packed.device().is_cuda() {
+            return match dtype {
+                DType::F32 => self.dequantize_cuda::<f32>(dtype),
+                DType::BF16 => self.dequantize_cuda::<half::bf16>(dtype),
+                DType::F16 => self.dequantize_cuda::<half::f16>(dtype),
+                other => Ok(self.dequantize_cuda::<f32>(DType::F32)?.to_dtype(other)?),
+            };
+        }
         let n: usize = self.shape.iter().product();
         let absmax = match &self.scales {
             DeviceScales::Plain(a) => a.clone(),
@@ -117,6 +130,77 @@ impl DeviceNf4 {
         };
         let dense = scale_blocks(&values, &absmax, self.blocksize)?;
         Ok(dense.reshape(self.shape.as_slice())?.to_dtype(dtype)?)
+    }
+
+    /// [`DeviceNf4::dequantize`] by one kernel, into a new buffer of `T`.
+    #[cfg(feature = "cuda")]
+    fn dequantize_cuda<T>(&self, dtype: DType) -> Result<Tensor>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        use crate::cuda::{alloc, device_of, grid, hold, kernel, run, suffix, tensor, DEQUANT};
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+
+        let n: usize = self.shape.iter().product();
+        let device = device_of(&self.packed)?;
+        let mut out = alloc::<T>(&device, n)?;
+        let (packed, code) = (hold(&self.packed)?, hold(&self.code)?);
+        let (packed, code) = (packed.view::<u8>()?, code.view::<f32>()?);
+        let (blocksize, count) = (self.blocksize as u64, n as u64);
+        let cfg = grid(count.div_ceil(2));
+        match &self.scales {
+            DeviceScales::Plain(absmax) => {
+                let absmax = hold(absmax)?;
+                let absmax = absmax.view::<f32>()?;
+                let func = kernel(
+                    &device,
+                    &DEQUANT,
+                    &format!("dequant_4bit_plain{}", suffix(dtype)?),
+                )?;
+                let mut args = func.builder();
+                args.arg(&packed)
+                    .arg(&code)
+                    .arg(&absmax)
+                    .arg(&blocksize)
+                    .arg(&count)
+                    .arg(&mut out);
+                run(&mut args, cfg)?;
+            }
+            DeviceScales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+                blocksize: nested_blocksize,
+            } => {
+                let (codes, absmax, map) = (hold(codes)?, hold(absmax)?, hold(map)?);
+                let (codes, absmax, map) = (
+                    codes.view::<u8>()?,
+                    absmax.view::<f32>()?,
+                    map.view::<f32>()?,
+                );
+                let nested_blocksize = *nested_blocksize as u64;
+                let func = kernel(
+                    &device,
+                    &DEQUANT,
+                    &format!("dequant_4bit_nested{}", suffix(dtype)?),
+                )?;
+                let mut args = func.builder();
+                args.arg(&packed)
+                    .arg(&code)
+                    .arg(&absmax)
+                    .arg(&codes)
+                    .arg(&map)
+                    .arg(offset)
+                    .arg(&blocksize)
+                    .arg(&nested_blocksize)
+                    .arg(&count)
+                    .arg(&mut out);
+                run(&mut args, cfg)?;
+            }
+        }
+        Ok(tensor(out, &device, self.shape.as_slice()))
     }
 
     /// `[out_features, in_features]`.

@@ -64,11 +64,8 @@ impl Default for QuantizationSection {
 }
 
 impl QuantizationSection {
-    /// What to quantize to, or `None` when `load_in_4bit` is off.
+    /// What to quantize to (checked), or `None` when `load_in_4bit` is off.
     pub fn quant_config(&self) -> Result<Option<QuantConfig>> {
-        if !self.load_in_4bit {
-            return Ok(None);
-        }
         let config = QuantConfig {
             quant_type: self.bnb_4bit_quant_type,
             blocksize: self.bnb_4bit_blocksize,
@@ -76,7 +73,7 @@ impl QuantizationSection {
             ..QuantConfig::nf4()
         };
         config.validate()?;
-        Ok(Some(config))
+        Ok(self.load_in_4bit.then_some(config))
     }
 }
 
@@ -196,6 +193,24 @@ fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Err
     ))
 }
 
+/// An error for the first key of `table` that is neither a field of `T` nor one of `extra_keys`, suggesting the
+/// closest field.
+fn check_keys<T: DeserializeOwned>(
+    table: &toml::Table,
+    path: &str,
+    section: &str,
+    extra_keys: &[&str],
+) -> Result<()> {
+    let fields = field_names::<T>();
+    match table
+        .keys()
+        .find(|k| !fields.contains(&k.as_str()) && !extra_keys.contains(&k.as_str()))
+    {
+        Some(key) => Err(unknown_key(path, section, key, fields)),
+        None => Ok(()),
+    }
+}
+
 /// Reads `[section]` of the config at `path` as `T`: an unknown key (other than `extra_keys`, accepted and
 /// ignored) is an error suggesting the closest field, a wrong value an error naming its key.
 pub(crate) fn read_section<T: DeserializeOwned>(
@@ -209,13 +224,9 @@ pub(crate) fn read_section<T: DeserializeOwned>(
             "{path}: [{section}] must be a table"
         )));
     };
+    check_keys::<T>(table, path, section, extra_keys)?;
     let fields = field_names::<T>();
     let mut table = table.clone();
-    for key in table.keys() {
-        if !fields.contains(&key.as_str()) && !extra_keys.contains(&key.as_str()) {
-            return Err(unknown_key(path, section, key, fields));
-        }
-    }
     table.retain(|key, _| fields.contains(&key));
     serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
         let key = e.path().to_string();
@@ -294,7 +305,11 @@ impl RunConfig {
                 .unwrap_or(toml::Value::Table(Default::default()))
         };
 
-        let model: ModelSection = read_section(required("model")?, &p, "model", &[])?;
+        let model_table = required("model")?;
+        if let Some(toml::Value::Table(q)) = model_table.get("quantization") {
+            check_keys::<QuantizationSection>(q, &p, "model.quantization", &[])?;
+        }
+        let model: ModelSection = read_section(model_table, &p, "model", &[])?;
         if let Some(q) = &model.quantization {
             q.quant_config()
                 .map_err(|e| Error::InvalidInput(format!("{p}: [model.quantization]: {e}")))?;
@@ -425,6 +440,17 @@ optim = "paged_adamw_8bit"
         .to_string();
         assert!(
             err.contains("int4") && err.contains("bnb_4bit_quant_type"),
+            "{err}"
+        );
+        let err = RunConfig::load(
+            &p,
+            &["model.quantization.bnb_4bit_quant_typ=\"nf4\"".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("[model.quantization]")
+                && err.contains("did you mean `bnb_4bit_quant_type`"),
             "{err}"
         );
         let err = RunConfig::load(&p, &["data.max_length=\"long\"".into()])

@@ -5,7 +5,7 @@ use super::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use super::config::RunConfig;
 use super::run::Trainer;
 use crate::data::Dataset;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::loading::{load_model, LoadOptions};
 use crate::precision::Precision;
 
@@ -23,30 +23,43 @@ impl Trainer {
             quantization: config.quant_config()?,
             compute_dtype: precision.compute_dtype,
         };
-        let name = &config.model.name_or_path;
-        let loaded = load_model(name, config.model.revision.as_deref(), &options)
-            .map_err(|e| Error::Model(format!("loading model `{name}`: {e}")))?;
+        let model_name = &config.model.name_or_path;
+        let loaded = load_model(model_name, config.model.revision.as_deref(), &options)?;
         let tokenizer = loaded.tokenizer()?;
-        let (train, eval) = Dataset::train_and_eval(tokenizer, &config.data)?;
         let data = &config.data;
-        let files = [
-            (&train, data.train_file.as_ref()),
-            (&eval, data.eval_file.as_ref().or(data.train_file.as_ref())),
-        ];
-        for (set, file) in files {
-            let name = file.map(|f| f.display().to_string()).unwrap_or_default();
-            for line in set.summary(&name, data.max_length) {
-                eprintln!("{line}");
+        let (train, eval) = Dataset::train_and_eval(tokenizer, data)?;
+        // Each file's skipped lines and truncation (a held-out split counts with its file), then the sizes.
+        let name =
+            |f: Option<&std::path::PathBuf>| f.map(|f| f.display().to_string()).unwrap_or_default();
+        let mut notes = match &data.eval_file {
+            Some(file) => {
+                let mut notes = train.file_notes(
+                    &name(data.train_file.as_ref()),
+                    train.truncated,
+                    data.max_length,
+                );
+                notes.extend(eval.file_notes(&name(Some(file)), eval.truncated, data.max_length));
+                notes
             }
-        }
-        eprintln!(
+            None => {
+                let truncated = train.truncated + eval.truncated;
+                train.file_notes(&name(data.train_file.as_ref()), truncated, data.max_length)
+            }
+        };
+        notes.push(format!(
             "{} training examples, {} evaluation examples",
             train.examples,
             eval.len()
-        );
+        ));
+        if data.packing {
+            notes.push(train.packing_note(data.max_length));
+        }
+        for note in notes {
+            eprintln!("{note}");
+        }
         let model = loaded.model.to_device(&device)?;
         let mut trainer = Trainer::new(model, args.clone(), &config.lora, train, eval)?;
-        trainer.set_base_model_name(name);
+        trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());
         let callbacks = &config.callbacks;
         if let Some(patience) = callbacks.early_stopping_patience {

@@ -63,6 +63,8 @@ struct Intervals {
 
 /// What [`Trainer::setup`] prepares for a run and every step uses.
 struct Run {
+    /// The arguments, as the run started (callbacks see `Trainer::args`, the same values).
+    args: TrainingArguments,
     out: PathBuf,
     log_path: PathBuf,
     plan: DataPlan,
@@ -201,25 +203,23 @@ impl Trainer {
     /// `output_dir` with the log, a loss plot and `train_results.json`, and prints a summary.
     pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
         let mut run = self.setup(resume)?;
-        let accumulation = self.args.gradient_accumulation_steps;
+        let accumulation = run.args.gradient_accumulation_steps;
         let windows = run.plan.batches_per_epoch.div_ceil(accumulation);
         let mut micro = 0usize;
-        let mut step = self.state.global_step;
         'epochs: for epoch in 0.. {
-            if step >= run.total || run.control.should_training_stop {
+            if self.state.global_step >= run.total || run.control.should_training_stop {
                 break;
             }
-            let batches = run.plan.batches(epoch, &self.args);
+            let batches = run.plan.batches(epoch, &run.args);
             for (w, window) in batches.chunks(accumulation).enumerate() {
                 let first_micro = micro;
                 micro += window.len();
-                if epoch * windows + w < step {
+                if epoch * windows + w < self.state.global_step {
                     continue; // done before the checkpoint this run resumed from
                 }
-                if step >= run.total {
+                if self.state.global_step >= run.total {
                     break 'epochs;
                 }
-                step += 1;
                 let epoch_done = epoch as f64 + (w + 1) as f64 / windows as f64;
                 let entry = self.step(&mut run, window, first_micro, epoch_done)?;
                 self.after_step(&mut run, entry, micro, w + 1 == windows)?;
@@ -236,7 +236,7 @@ impl Trainer {
             self.base_model_name.as_deref(),
         )?;
         run.memory.timeline.write(&run.out)?;
-        let output = self.finish(&run, step < run.total)?;
+        let output = self.finish(&run, self.state.global_step < run.total)?;
         self.each_callback(|cb, a, s| cb.on_train_end(a, s))?;
         Ok(output)
     }
@@ -317,6 +317,8 @@ impl Trainer {
         std::fs::write(&log_path, history).map_err(|e| Error::io("cannot write", &log_path, e))?;
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
+            progress: Progress::new(total, self.state.global_step, args.disable_tqdm),
+            args,
             out,
             log_path,
             plan,
@@ -327,7 +329,6 @@ impl Trainer {
             optimizer,
             memory,
             every,
-            progress: Progress::new(total, self.state.global_step, args.disable_tqdm),
             started: Instant::now(),
             tokens_at_start: self.state.num_input_tokens_seen,
             control: TrainerControl::default(),
@@ -343,7 +344,7 @@ impl Trainer {
         first_micro: usize,
         epoch: f64,
     ) -> Result<LogEntry> {
-        let args = &self.args;
+        let args = &run.args;
         let step = self.state.global_step + 1;
         let step_started = Instant::now();
         run.memory.step = step;
@@ -425,11 +426,11 @@ impl Trainer {
         micro: usize,
         last_window: bool,
     ) -> Result<()> {
-        let args = self.args.clone();
-        let step = entry.step;
-        if Self::log_now(run, &args, step) || entry.skipped {
+        let (step, lr) = (entry.step, entry.learning_rate.unwrap_or_default());
+        if Self::log_now(run, &run.args, step) || entry.skipped {
             self.log(&run.log_path, entry)?;
         }
+        let args = &run.args;
         let limit = args.max_consecutive_nonfinite_losses;
         if limit > 0 && self.state.consecutive_nonfinite_losses >= limit {
             return Err(Error::Diverged(format!(
@@ -447,7 +448,7 @@ impl Trainer {
             self.evaluate_and_log(&run.log_path, &run.progress, &mut run.control)?;
         }
         for cb in &mut self.callbacks {
-            cb.on_step_end(&args, &self.state, &mut run.control)?;
+            cb.on_step_end(args, &self.state, &mut run.control)?;
         }
         let save_now = match args.save_strategy {
             IntervalStrategy::Steps => step % run.every.save == 0,
@@ -455,14 +456,14 @@ impl Trainer {
             IntervalStrategy::No => false,
         };
         if save_now && step < run.total && !run.control.should_training_stop {
-            let data = run.plan.position(&args, micro);
+            let data = run.plan.position(args, micro);
             let scheduler = SchedulerState {
                 lr_scheduler_type: args.lr_scheduler_type,
                 learning_rate: args.learning_rate,
                 warmup_steps: run.warmup,
                 total_steps: run.total,
                 last_step: step,
-                last_lr: run.schedule.lr_for_update(step),
+                last_lr: lr,
             };
             self.save_checkpoint(&run.out, &run.optimizer, &data, &scheduler)?;
         }
@@ -476,11 +477,7 @@ impl Trainer {
         progress: &Progress,
         control: &mut TrainerControl,
     ) -> Result<EvalReport> {
-        let report = evaluate(
-            &self.model,
-            &self.eval.rows,
-            self.args.per_device_eval_batch_size,
-        )?;
+        let report = self.evaluate()?;
         let step = self.state.global_step;
         progress.println(&format!(
             "step {step}: eval_loss {:.4}  perplexity {:.3}",

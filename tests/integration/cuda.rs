@@ -50,22 +50,67 @@ fn pool_statistics_follow_allocations() {
     );
 }
 
+/// Float32 bits of a tensor (any float dtype, any device), for bit-for-bit comparisons.
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// The dequantization kernel equals the CPU kernel bit for bit: NF4 and FP4, plain and nested scales, element
+/// counts that end in a partial block and a half byte, every output dtype.
 #[test]
-fn nf4_dequantizes_on_the_gpu_bit_for_bit() {
+fn four_bit_weights_dequantize_on_the_gpu_bit_for_bit() {
+    use candle_qlora::quant::QuantType;
     let dev = gpu();
-    let w = Tensor::randn(0f32, 1.0, (576, 1536), &Device::Cpu).unwrap();
-    let q = Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap();
-    let on_gpu = DeviceNf4::new(&q, &dev).unwrap();
-    for dtype in [DType::F32, DType::BF16] {
-        let want = q.dequantize(dtype).unwrap().to_dtype(DType::F32).unwrap();
-        let got = on_gpu.dequantize(dtype).unwrap();
-        assert!(got.device().is_cuda());
-        let got = got
-            .to_device(&Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap();
-        assert_eq!(crate::common::max_abs_diff(&want, &got), 0.0, "{dtype:?}");
+    for (quant_type, double_quant, shape) in [
+        (QuantType::Nf4, true, (576, 1536)),
+        (QuantType::Nf4, false, (3, 333)),
+        (QuantType::Fp4, true, (7, 4097)),
+        (QuantType::Fp4, false, (1, 64)),
+    ] {
+        let w = Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap();
+        let config = QuantConfig {
+            quant_type,
+            double_quant,
+            ..QuantConfig::nf4()
+        };
+        let q = Nf4Tensor::quantize(&w, &config).unwrap();
+        let on_gpu = DeviceNf4::new(&q, &dev).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let got = on_gpu.dequantize(dtype).unwrap();
+            assert!(got.device().is_cuda() && got.dtype() == dtype);
+            assert_eq!(
+                bits(&got),
+                bits(&q.dequantize(dtype).unwrap()),
+                "{quant_type:?} double={double_quant} {shape:?} {dtype:?}"
+            );
+        }
+    }
+}
+
+/// Dropout masks made on the GPU equal the CPU's bit for bit, so a checkpointed layer or a resumed run replays
+/// the same masks on either device.
+#[test]
+fn dropout_masks_are_made_on_the_gpu_bit_for_bit() {
+    use candle_qlora::ops::low_rank_linear::dropout_mask;
+    let dev = gpu();
+    for (seed, p) in [(7u64, 0.05), (0x1234_5678_9abc, 0.5), (u64::MAX, 0.1)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let dims = [3, 1001];
+            let cpu = dropout_mask(seed, p, &dims, dtype, &Device::Cpu).unwrap();
+            let gpu_mask = dropout_mask(seed, p, &dims, dtype, &dev).unwrap();
+            assert!(gpu_mask.device().is_cuda());
+            assert_eq!(bits(&gpu_mask), bits(&cpu), "seed {seed} p {p} {dtype:?}");
+        }
     }
 }
 

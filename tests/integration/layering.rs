@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &["error"],
     &["names", "rng"],
-    &["files", "plot", "precision"],
+    &["cuda", "files", "plot", "precision"],
     &["quant"],
     &["ops"],
     &["lora"],

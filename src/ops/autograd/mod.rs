@@ -53,6 +53,9 @@ pub(crate) enum Value {
     Tensor(Tensor),
     /// A row-major CPU buffer and its shape.
     Cpu(CpuStorage, Shape),
+    /// A device buffer a CUDA kernel wrote, and its shape (handed to the graph without a copy).
+    #[cfg(feature = "cuda")]
+    Cuda(candle_core::CudaStorage, Shape),
 }
 
 impl Value {
@@ -62,11 +65,18 @@ impl Value {
     }
 
     /// The value as a tensor (when no graph is built).
-    fn into_tensor(self) -> Result<Tensor> {
+    pub(crate) fn into_tensor(self) -> Result<Tensor> {
         match self {
             Value::Tensor(t) => Ok(t),
             Value::Cpu(storage, shape) => Ok(Tensor::from_storage(
                 Storage::Cpu(storage),
+                shape,
+                BackpropOp::none(),
+                false,
+            )),
+            #[cfg(feature = "cuda")]
+            Value::Cuda(storage, shape) => Ok(Tensor::from_storage(
+                Storage::Cuda(storage),
                 shape,
                 BackpropOp::none(),
                 false,
@@ -102,6 +112,8 @@ impl<O> Node<O> {
         let value = match self.take(name)? {
             Value::Cpu(storage, shape) => return Ok((storage, shape)),
             Value::Tensor(t) => t,
+            #[cfg(feature = "cuda")]
+            Value::Cuda(..) => candle_core::bail!("{name}: a CUDA value on a CPU graph node"),
         };
         let (storage, layout) = value.storage_and_layout();
         match &*storage {
@@ -113,8 +125,10 @@ impl<O> Node<O> {
     /// The value's device storage, for a graph node on a CUDA device (one device-to-device copy).
     #[cfg(feature = "cuda")]
     fn take_cuda(&self, name: &str) -> Result<(candle_core::CudaStorage, Shape)> {
-        let Value::Tensor(value) = self.take(name)? else {
-            candle_core::bail!("{name}: a CPU value on a CUDA graph node")
+        let value = match self.take(name)? {
+            Value::Cuda(storage, shape) => return Ok((storage, shape)),
+            Value::Tensor(value) => value,
+            Value::Cpu(..) => candle_core::bail!("{name}: a CPU value on a CUDA graph node"),
         };
         // Cloning a CUDA storage copies all of it: start from a tensor that is exactly its storage.
         let value = if value.is_contiguous() && value.layout().start_offset() == 0 {

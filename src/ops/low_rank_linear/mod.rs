@@ -72,7 +72,8 @@ fn mask_values<T: candle_core::WithDType>(seed: u64, p: f64, n: usize) -> Vec<T>
         .collect()
 }
 
-/// The inverted-dropout mask (`0` or `1/(1−p)`) of `dims` for stream `seed`: a pure function of its arguments.
+/// The inverted-dropout mask (`0` or `1/(1−p)`) of `dims` for stream `seed`: a pure function of its arguments,
+/// made where it is used (on a CUDA device by a kernel, bit-identical to the CPU's).
 pub fn dropout_mask(
     seed: u64,
     p: f64,
@@ -81,7 +82,40 @@ pub fn dropout_mask(
     device: &Device,
 ) -> Result<Tensor> {
     let n: usize = dims.iter().product();
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return match dtype {
+            DType::F32 => cuda_mask::<f32>(cuda, seed, p, dims, dtype),
+            DType::BF16 => cuda_mask::<half::bf16>(cuda, seed, p, dims, dtype),
+            DType::F16 => cuda_mask::<half::f16>(cuda, seed, p, dims, dtype),
+            other => cuda_mask::<f32>(cuda, seed, p, dims, DType::F32)?.to_dtype(other),
+        };
+    }
     Tensor::from_vec(mask_values::<f32>(seed, p, n), dims, device)?.to_dtype(dtype)
+}
+
+/// [`dropout_mask`] made on a CUDA device (`kernels/dropout.cu`).
+#[cfg(feature = "cuda")]
+fn cuda_mask<T>(
+    device: &candle_core::CudaDevice,
+    seed: u64,
+    p: f64,
+    dims: &[usize],
+    dtype: DType,
+) -> Result<Tensor>
+where
+    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+{
+    use crate::cuda::{alloc, grid, kernel, run, suffix, tensor, DROPOUT};
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    let n: usize = dims.iter().product();
+    let (keep, count) = (1.0 - p, n as u64);
+    let mut out = alloc::<T>(device, n)?;
+    let func = kernel(device, &DROPOUT, &format!("dropout_mask{}", suffix(dtype)?))?;
+    let mut args = func.builder();
+    args.arg(&seed).arg(&keep).arg(&count).arg(&mut out);
+    run(&mut args, grid(count))?;
+    Ok(tensor(out, device, dims))
 }
 
 /// `x·Wᵀ (+ b) + scaling·(dropout(x)·Aᵀ)·Bᵀ` for `x: [..., in]`; gradients flow to `x`, `A` and `B`. The branch

@@ -1,0 +1,22 @@
+// LoRA dropout on the device, bit-identical to `ops::low_rank_linear::dropout_mask` on the CPU: element i is kept
+// when `uniform(seed, i) < keep`, and a kept element is scaled by `(float)(1 / keep)` (then rounded to the dtype).
+#include "common.cuh"
+
+// The mask values themselves.
+template <typename T> __device__ void mask(u64 seed, double keep, u64 n, T *out) {
+    const T kept = from_float<T>((float)(1.0 / keep));
+    const T dropped = from_float<T>(0.0f);
+    FOR_EACH(i, n) { out[i] = uniform(seed, i) < keep ? kept : dropped; }
+}
+
+// `x ⊙ mask` without materializing the mask (the product rounds as `x * mask` does in T).
+template <typename T> __device__ void apply(u64 seed, double keep, u64 n, const T *x, T *out) {
+    const float kept = to_float(from_float<T>((float)(1.0 / keep)));
+    FOR_EACH(i, n) { out[i] = uniform(seed, i) < keep ? from_float<T>(to_float(x[i]) * kept) : from_float<T>(0.0f); }
+}
+
+#define MASK(T) (u64 seed, double keep, u64 n, T *out)
+#define APPLY(T) (u64 seed, double keep, u64 n, const T *x, T *out)
+
+FOR_FLOAT_TYPES(dropout_mask, mask, MASK, (seed, keep, n, out))
+FOR_FLOAT_TYPES(dropout_apply, apply, APPLY, (seed, keep, n, x, out))

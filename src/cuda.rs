@@ -1,0 +1,208 @@
+//! Launching the crate's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs`; built with the `cuda`
+//! feature only).
+//!
+//! A kernel module is loaded once per device (Candle caches it by name). Kernels read contiguous tensors through
+//! [`Held`] (the storage stays locked for the launch), write into buffers allocated here ([`alloc`]), and those
+//! buffers become tensors without a copy ([`tensor`], [`storage`]). Every kernel indexes with 64-bit integers and loops grid-stride, so a
+//! tensor of more than 2³² elements is covered whole.
+
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+/// A kernel module: the name Candle caches it under, and its PTX.
+pub(crate) struct Module {
+    name: &'static str,
+    ptx: &'static str,
+}
+
+macro_rules! module {
+    ($file:literal) => {
+        Module {
+            name: concat!("candle_qlora_", $file),
+            ptx: include_str!(concat!(env!("OUT_DIR"), "/", $file, ".ptx")),
+        }
+    };
+}
+
+/// `kernels/dequant.cu`: 4-bit dequantization.
+pub(crate) const DEQUANT: Module = module!("dequant");
+/// `kernels/dropout.cu`: dropout masks from the counter-based generator.
+pub(crate) const DROPOUT: Module = module!("dropout");
+/// `kernels/norm.cu`: RMSNorm forward and backward.
+pub(crate) const NORM: Module = module!("norm");
+/// `kernels/swiglu.cu`: SwiGLU forward and backward.
+pub(crate) const SWIGLU: Module = module!("swiglu");
+/// `kernels/rope.cu`: rotary embeddings while moving rows between token-major and head-major layouts.
+pub(crate) const ROPE: Module = module!("rope");
+
+/// `$body` with the type `$T` bound to the Rust element type of float dtype `$dtype` (f32, bf16 or f16); another
+/// dtype is an error.
+macro_rules! with_float_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            candle_core::DType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            candle_core::DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            other => {
+                candle_core::bail!("no CUDA kernel for {other:?} (float32, bfloat16 or float16)")
+            }
+        }
+    };
+}
+pub(crate) use with_float_type;
+
+/// The kernel-name suffix of a float dtype (`_f32`, `_bf16`, `_f16`).
+pub(crate) fn suffix(dtype: DType) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "_f32",
+        DType::BF16 => "_bf16",
+        DType::F16 => "_f16",
+        other => candle_core::bail!("no CUDA kernel for {other:?} (float32, bfloat16 or float16)"),
+    })
+}
+
+/// The CUDA device of `t`.
+pub(crate) fn device_of(t: &Tensor) -> Result<CudaDevice> {
+    Ok(t.device().as_cuda_device()?.clone())
+}
+
+/// A tensor's storage, locked for a kernel launch. The tensor must be contiguous.
+pub(crate) struct Held<G> {
+    storage: G,
+    layout: Layout,
+}
+
+/// Locks `t`'s storage (a contiguous CUDA tensor) for reading in a launch.
+pub(crate) fn hold(t: &Tensor) -> Result<Held<impl Deref<Target = Storage> + '_>> {
+    if !t.is_contiguous() {
+        candle_core::bail!("CUDA kernel: a strided input (make it contiguous first)");
+    }
+    let (storage, layout) = t.storage_and_layout();
+    Ok(Held {
+        storage,
+        layout: layout.clone(),
+    })
+}
+
+impl<G: Deref<Target = Storage>> Held<G> {
+    /// The elements as a device view of `T`.
+    pub(crate) fn view<T: CudaDType>(&self) -> Result<CudaView<'_, T>> {
+        let Storage::Cuda(cuda) = &*self.storage else {
+            candle_core::bail!("CUDA kernel: the input is not on a CUDA device");
+        };
+        let slice: &CudaSlice<T> = cuda.as_cuda_slice::<T>()?;
+        let start = self.layout.start_offset();
+        Ok(slice.slice(start..start + self.layout.shape().elem_count()))
+    }
+}
+
+/// One block of 256 threads per row (grid-stride over rows beyond the grid).
+pub(crate) fn rows_grid(rows: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, 65_535 * 4) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A grid-stride launch over `n` items: 256 threads a block, at most 65 535 · 4 blocks.
+pub(crate) fn grid(n: u64) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, 65_535 * 4) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A loaded kernel and the device's stream it runs on.
+pub(crate) struct Kernel {
+    stream: Arc<CudaStream>,
+    func: CudaFunction,
+}
+
+impl Kernel {
+    /// A launch of this kernel: push its arguments, in the kernel's order, then [`run`] it.
+    pub(crate) fn builder(&self) -> LaunchArgs<'_> {
+        self.stream.launch_builder(&self.func)
+    }
+}
+
+/// Kernel `name` of `module` on `device`; the module is loaded once per device.
+pub(crate) fn kernel(device: &CudaDevice, module: &Module, name: &str) -> Result<Kernel> {
+    type Loaded = Mutex<HashMap<(DeviceId, &'static str), Arc<CudaModule>>>;
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    let stream = device.cuda_stream();
+    let loaded = {
+        let mut modules = LOADED
+            .get_or_init(Default::default)
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("CUDA module cache poisoned".into()))?;
+        match modules.get(&(device.id(), module.name)) {
+            Some(m) => m.clone(),
+            None => {
+                let m = stream
+                    .context()
+                    .load_module(Ptx::from_src(module.ptx))
+                    .map_err(candle_core::Error::wrap)?;
+                modules.insert((device.id(), module.name), m.clone());
+                m
+            }
+        }
+    };
+    let func = loaded
+        .load_function(name)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(Kernel { stream, func })
+}
+
+/// Launches a kernel with its arguments pushed.
+pub(crate) fn run(args: &mut LaunchArgs<'_>, cfg: LaunchConfig) -> Result<()> {
+    // SAFETY: each caller pushes the arguments its kernel declares, in order, and sizes the buffers it writes to
+    // cover every index the kernel reaches for the counts it passes.
+    unsafe { args.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
+/// A new device buffer of `len` elements, uninitialized: the kernel that fills it must write every element.
+pub(crate) fn alloc<T: DeviceRepr>(device: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: callers launch a kernel that writes all `len` elements before the buffer is read.
+    unsafe { device.alloc::<T>(len) }
+}
+
+/// `slice` as the storage of a tensor on `device`.
+pub(crate) fn storage<T: CudaDType>(slice: CudaSlice<T>, device: &CudaDevice) -> CudaStorage {
+    CudaStorage::wrap_cuda_slice(slice, device.clone())
+}
+
+/// `slice` as a tensor of `shape` on `device`, without a copy.
+pub(crate) fn tensor<T: CudaDType>(
+    slice: CudaSlice<T>,
+    device: &CudaDevice,
+    shape: impl Into<Shape>,
+) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(storage(slice, device)),
+        shape,
+        BackpropOp::none(),
+        false,
+    )
+}
