@@ -20,3 +20,16 @@ template <typename T> __device__ void apply(u64 seed, double keep, u64 n, const 
 
 FOR_FLOAT_TYPES(dropout_mask, mask, MASK, (seed, keep, n, out))
 FOR_FLOAT_TYPES(dropout_apply, apply, APPLY, (seed, keep, n, x, out))
+
+// `out += x ⊙ mask`: a dropped-out gradient added into another (the LoRA branch's input gradient into the base's).
+template <typename T> __device__ void accumulate(u64 seed, double keep, u64 n, const T *x, T *out) {
+    const float kept = to_float(from_float<T>((float)(1.0 / keep)));
+    FOR_EACH(i, n) {
+        if (uniform(seed, i) < keep) {
+            out[i] = from_float<T>(to_float(out[i]) + to_float(from_float<T>(to_float(x[i]) * kept)));
+        }
+    }
+}
+
+#define ACCUMULATE(T) (u64 seed, double keep, u64 n, const T *x, T *out)
+FOR_FLOAT_TYPES(dropout_accumulate, accumulate, ACCUMULATE, (seed, keep, n, x, out))

@@ -43,6 +43,12 @@ pub(crate) const NORM: Module = module!("norm");
 pub(crate) const SWIGLU: Module = module!("swiglu");
 /// `kernels/rope.cu`: rotary embeddings while moving rows between token-major and head-major layouts.
 pub(crate) const ROPE: Module = module!("rope");
+/// `kernels/attention.cu`: causal grouped-query attention on tensor cores, forward and backward.
+pub(crate) const ATTENTION: Module = module!("attention");
+/// `kernels/adamw.cu`: the optimizers' updates.
+pub(crate) const ADAMW: Module = module!("adamw");
+/// `kernels/cross_entropy.cu`: token losses and logit gradients of the fused linear cross-entropy.
+pub(crate) const CROSS_ENTROPY: Module = module!("cross_entropy");
 
 /// `$body` with the type `$T` bound to the Rust element type of float dtype `$dtype` (f32, bf16 or f16); another
 /// dtype is an error.
@@ -144,6 +150,11 @@ impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }
+
+    /// The CUDA function (for its attributes).
+    pub(crate) fn function(&self) -> &CudaFunction {
+        &self.func
+    }
 }
 
 /// Kernel `name` of `module` on `device`; the module is loaded once per device.
@@ -205,4 +216,136 @@ pub(crate) fn tensor<T: CudaDType>(
         BackpropOp::none(),
         false,
     )
+}
+
+/// A matrix on the device for [`gemm`]: its first element's address and its element dtype (f32, bf16 or f16).
+#[derive(Clone, Copy)]
+pub(crate) struct Matrix {
+    ptr: u64,
+    dtype: DType,
+}
+
+impl Matrix {
+    /// The matrix whose elements `view` holds. Keep the second value (the access record) alive until the launch that
+    /// reads the matrix has been queued.
+    pub(crate) fn of<'a, T: DeviceRepr>(
+        view: &'a CudaView<'_, T>,
+        stream: &'a CudaStream,
+        dtype: DType,
+    ) -> (Self, impl Drop + 'a) {
+        use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+        let (ptr, record) = view.device_ptr(stream);
+        (Matrix { ptr, dtype }, record)
+    }
+
+    /// The matrix a kernel or GEMM writes into `slice` (see [`Matrix::of`]).
+    pub(crate) fn of_mut<'a, T: DeviceRepr>(
+        slice: &'a mut CudaSlice<T>,
+        stream: &'a CudaStream,
+        dtype: DType,
+    ) -> (Self, impl Drop + 'a) {
+        use candle_core::cuda_backend::cudarc::driver::DevicePtrMut;
+        let (ptr, record) = slice.device_ptr_mut(stream);
+        (Matrix { ptr, dtype }, record)
+    }
+
+    /// The matrix `offset` elements further on (a block of rows).
+    pub(crate) fn offset(self, offset: usize) -> Self {
+        Matrix {
+            ptr: self.ptr + (offset * self.dtype.size_in_bytes()) as u64,
+            ..self
+        }
+    }
+}
+
+/// The shape of a [`gemm`]: `c [m, n] = alpha · op(a) · op(b) + beta · c`, row-major, where `a` is stored
+/// `[m, k]` (`[k, m]` when `a_t`, and `op(a)` its transpose) and `b` is stored `[k, n]` (`[n, k]` when `b_t`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a_t: bool,
+    pub b_t: bool,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+/// cuBLAS's name of a float dtype.
+fn cublas_type(
+    dtype: DType,
+) -> Result<candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType> {
+    use candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t as T;
+    Ok(match dtype {
+        DType::F32 => T::CUDA_R_32F,
+        DType::BF16 => T::CUDA_R_16BF,
+        DType::F16 => T::CUDA_R_16F,
+        other => candle_core::bail!("cuBLAS GEMM: no {other:?} matrices"),
+    })
+}
+
+/// `c = alpha · op(a) · op(b) + beta · c` (see [`GemmShape`]) by cuBLAS on `device`'s stream, accumulating in
+/// float32 whatever the matrices' dtypes (`a` and `b` share one; `c` has it or is float32).
+pub(crate) fn gemm(
+    device: &CudaDevice,
+    shape: GemmShape,
+    a: Matrix,
+    b: Matrix,
+    c: Matrix,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas::{result::gemm_ex, sys};
+    use std::ffi::{c_int, c_void};
+    let GemmShape {
+        m,
+        n,
+        k,
+        a_t,
+        b_t,
+        alpha,
+        beta,
+    } = shape;
+    let int = |x: usize| {
+        c_int::try_from(x).map_err(|_| {
+            candle_core::Error::Msg(format!("cuBLAS GEMM: dimension {x} exceeds 2^31 - 1"))
+        })
+    };
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: cuBLAS gets B first. A row-major stored matrix
+    // read column-major is its transpose, so the operations keep their flags and the leading dimensions are the
+    // stored rows' lengths.
+    let (ldb, lda) = (if b_t { k } else { n }, if a_t { m } else { k });
+    let handle = *device.cublas_handle().handle();
+    // SAFETY: the pointers address live device buffers of the sizes the shape implies (callers build them from
+    // views and buffers of those sizes, and keep their access records alive across this call); alpha and beta
+    // are host floats, as the default pointer mode reads them.
+    unsafe {
+        gemm_ex(
+            handle,
+            op(b_t),
+            op(a_t),
+            int(n)?,
+            int(m)?,
+            int(k)?,
+            (&alpha as *const f32).cast::<c_void>(),
+            b.ptr as *const c_void,
+            cublas_type(b.dtype)?,
+            int(ldb)?,
+            a.ptr as *const c_void,
+            cublas_type(a.dtype)?,
+            int(lda)?,
+            (&beta as *const f32).cast::<c_void>(),
+            c.ptr as *mut c_void,
+            cublas_type(c.dtype)?,
+            int(n)?,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(candle_core::Error::wrap)
 }

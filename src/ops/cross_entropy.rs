@@ -196,10 +196,107 @@ impl LinearCrossEntropy {
     }
 }
 
+/// Bytes of float32 logits a CUDA block of tokens may hold (`[tokens, vocab]`).
+#[cfg(feature = "cuda")]
+const CUDA_LOGITS_BYTES: usize = 256 << 20;
+
+#[cfg(feature = "cuda")]
+impl LinearCrossEntropy {
+    /// Whether the CUDA path takes these inputs: a frozen head in the hidden states' float dtype, on a GPU.
+    fn cuda_applies(hidden: &Tensor, weight: &Tensor) -> bool {
+        hidden.device().is_cuda()
+            && !weight.track_op()
+            && hidden.dtype() == weight.dtype()
+            && matches!(hidden.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// Block by block of tokens: float32 logits from the head in its own dtype (cuBLAS, no float32 copy of the
+    /// head), the token losses and, when `hidden` needs it, the logits' gradient in the storage dtype
+    /// (`kernels/cross_entropy.cu`), then the hidden states' gradient `dlogits · W` — all on the device.
+    fn cuda_fwd(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
+        use crate::cuda::{
+            alloc, device_of, gemm, hold, kernel, rows_grid, run, suffix, tensor, with_float_type,
+            GemmShape, Matrix, CROSS_ENTROPY,
+        };
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+
+        let (n, h) = hidden.dims2()?;
+        let vocab = weight.dim(0)?;
+        let with_grad = hidden.track_op();
+        if n == 0 {
+            return Ok(Value::Tensor(Tensor::zeros(
+                (),
+                DType::F32,
+                hidden.device(),
+            )?));
+        }
+        let (hidden, weight) = (hidden.contiguous()?, weight.contiguous()?);
+        let dtype = hidden.dtype();
+        let device = device_of(&hidden)?;
+        let stream = device.cuda_stream();
+        let labels = Tensor::new(self.labels.as_slice(), hidden.device())?;
+        let chunk = (CUDA_LOGITS_BYTES / (vocab * 4).max(1)).clamp(1, n);
+        let func = kernel(
+            &device,
+            &CROSS_ENTROPY,
+            &format!("ce_rows{}", suffix(dtype)?),
+        )?;
+        let mut logits = alloc::<f32>(&device, chunk * vocab)?;
+        let mut losses = alloc::<f32>(&device, n)?;
+        let (vocab_u, grad_flag) = (vocab as u64, with_grad as i32);
+        with_float_type!(dtype, T => {
+            let mut dlogits = alloc::<T>(&device, if with_grad { chunk * vocab } else { 1 })?;
+            let mut dh = alloc::<T>(&device, if with_grad { n * h } else { 1 })?;
+            let (hh, wh, lh) = (hold(&hidden)?, hold(&weight)?, hold(&labels)?);
+            let (hv, wv, lv) = (hh.view::<T>()?, wh.view::<T>()?, lh.view::<i64>()?);
+            for start in (0..n).step_by(chunk) {
+                let len = chunk.min(n - start);
+                {
+                    let (a, _a) = Matrix::of(&hv, &stream, dtype);
+                    let (b, _b) = Matrix::of(&wv, &stream, dtype);
+                    let (c, _c) = Matrix::of_mut(&mut logits, &stream, DType::F32);
+                    let shape = GemmShape { m: len, n: vocab, k: h, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
+                    gemm(&device, shape, a.offset(start * h), b, c)?;
+                }
+                {
+                    let len_u = len as u64;
+                    let labels_block = lv.slice(start..start + len);
+                    let mut losses_block = losses.slice_mut(start..start + len);
+                    let mut args = func.builder();
+                    args.arg(&logits)
+                        .arg(&labels_block)
+                        .arg(&len_u)
+                        .arg(&vocab_u)
+                        .arg(&grad_flag)
+                        .arg(&mut losses_block)
+                        .arg(&mut dlogits);
+                    run(&mut args, rows_grid(len_u))?;
+                }
+                if with_grad {
+                    let dl = dlogits.slice(0..len * vocab);
+                    let (a, _a) = Matrix::of(&dl, &stream, dtype);
+                    let (b, _b) = Matrix::of(&wv, &stream, dtype);
+                    let (c, _c) = Matrix::of_mut(&mut dh, &stream, dtype);
+                    let shape = GemmShape { m: len, n: h, k: vocab, a_t: false, b_t: false, alpha: 1.0, beta: 0.0 };
+                    gemm(&device, shape, a, b, c.offset(start * h))?;
+                }
+            }
+            if with_grad {
+                self.hidden_gradient = Some(tensor(dh, &device, (n, h)));
+            }
+        });
+        Ok(Value::Tensor(tensor(losses, &device, n).sum_all()?))
+    }
+}
+
 impl Op<2> for LinearCrossEntropy {
     const NAME: &'static str = "linear-cross-entropy";
 
     fn fwd(&mut self, [hidden, weight]: [&Tensor; 2]) -> Result<Value> {
+        #[cfg(feature = "cuda")]
+        if Self::cuda_applies(hidden, weight) {
+            return self.cuda_fwd(hidden, weight);
+        }
         // The slice path computes the gradient in the forward, which needs a frozen head.
         match slice_dtype(&[hidden, weight]).filter(|_| !weight.track_op()) {
             Some(DType::F32) => self.cpu_fwd::<f32>(hidden, weight),
@@ -215,7 +312,7 @@ impl Op<2> for LinearCrossEntropy {
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
         match &self.hidden_gradient {
-            Some(dh) => Ok([Some(dh.broadcast_mul(grad)?), None]),
+            Some(dh) => Ok([Some(dh.broadcast_mul(&grad.to_dtype(dh.dtype())?)?), None]),
             None => self.composed_bwd(inputs, grad, needs),
         }
     }

@@ -30,6 +30,37 @@ pub fn bias_corrections(step: u64, lr: f32, b1: f32, b2: f32) -> (f32, f32) {
     (correction2, step_size)
 }
 
+/// bitsandbytes' scalars for one step of its 32-bit and 8-bit Adam kernels, in float32 (the host loops and the
+/// CUDA kernels share them, so both round alike).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BnbStep {
+    /// `beta1`.
+    pub b1: f32,
+    /// `beta2`.
+    pub b2: f32,
+    /// `-lr · sqrt(1 - beta2^step) / (1 - beta1^step)`.
+    pub step_size: f32,
+    /// `eps · sqrt(1 - beta2^step)`, added to `sqrt(v)`.
+    pub denom_eps: f32,
+    /// `1 - lr · weight_decay`, applied after the step when there is weight decay.
+    pub decay: Option<f32>,
+}
+
+impl BnbStep {
+    /// The scalars of update `step` (from 1).
+    pub fn new(step: u64, lr: f32, betas: (f32, f32), eps: f32, weight_decay: f32) -> Self {
+        let (b1, b2) = betas;
+        let (correction2, step_size) = bias_corrections(step, lr, b1, b2);
+        BnbStep {
+            b1,
+            b2,
+            step_size,
+            denom_eps: correction2 * eps,
+            decay: (weight_decay > 0.0).then_some(1.0 - lr * weight_decay),
+        }
+    }
+}
+
 /// The 8-bit state of one parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Adam8bitState {
@@ -82,10 +113,13 @@ pub struct Adam8bitStep<'a> {
 
 /// One 8-bit AdamW update of `p` with gradient `g`, in one pass per 256-block.
 pub fn adamw8bit_update(p: &mut [f32], g: &[f32], state: &mut Adam8bitState, h: &Adam8bitStep<'_>) {
-    let (b1, b2) = h.betas;
-    let (correction2, step_size) = bias_corrections(h.step, h.lr, b1, b2);
-    let denom_eps = correction2 * h.eps;
-    let decay = 1.0 - h.lr * h.weight_decay;
+    let BnbStep {
+        b1,
+        b2,
+        step_size,
+        denom_eps,
+        decay,
+    } = BnbStep::new(h.step, h.lr, h.betas, h.eps, h.weight_decay);
     let (q1, q2) = (h.qmap1, h.qmap2);
     // Blocks are independent: update them in parallel (the result does not depend on the thread count).
     p.par_chunks_mut(BLOCK)
@@ -128,7 +162,7 @@ pub fn adamw8bit_update(p: &mut [f32], g: &[f32], state: &mut Adam8bitState, h: 
             for j in 0..len {
                 if g[j].is_finite() {
                     p[j] += step_size * (s1[j] / (s2[j].sqrt() + denom_eps));
-                    if h.weight_decay > 0.0 {
+                    if let Some(decay) = decay {
                         p[j] *= decay;
                     }
                 }

@@ -9,19 +9,27 @@
 //!
 //! Parameter groups follow the HF Trainer: no weight decay for biases and norm weights.
 //!
+//! Where the updates run: for float32 parameters on a CUDA device the AdamW state lives in device memory and one
+//! kernel per parameter updates it in place (`cuda`); otherwise the state is in host memory and each parameter is
+//! brought to the host for its update (one fused pass) and written back. Both run the same float32 operations in the
+//! same order, so the numbers do not depend on where the update ran. SGD always updates on the host.
+//!
 //! "Paged" (`paged_adamw_8bit`, `paged_adamw_32bit`): bitsandbytes allocates the state of large tensors in CUDA
-//! managed memory so the driver can evict it to host RAM under memory pressure, and prefetches each parameter's
-//! pages before its update. Here every optimizer keeps its state in host memory and brings one parameter's values
-//! and gradient in for its update (one fused pass), then writes the parameter back — explicit host staging, the
-//! fallback bitsandbytes uses where managed memory is missing. The numbers are therefore identical to the non-paged
-//! optimizers on any device; the name only records what the user asked for (and is saved with the state).
+//! managed memory so the driver can evict it to host RAM under memory pressure. Here, on a GPU, a paged state lives
+//! in pinned host memory and each parameter's state is copied into a device staging buffer for its update and back
+//! (asynchronous copies on the compute stream), so the device holds only the largest parameter's state — never
+//! managed memory, which can oversubscribe the card. The numbers are those of the non-paged optimizer; the name is
+//! saved with the state.
 
 pub mod adamw;
 pub mod adamw8bit;
 pub mod clip;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod schedule;
 pub mod sgd;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -54,6 +62,14 @@ named_enum! {
 }
 
 impl OptimizerName {
+    /// Whether its state is paged: kept in host memory and brought to the GPU for each update.
+    pub fn is_paged(self) -> bool {
+        matches!(
+            self,
+            OptimizerName::PagedAdamW8bit | OptimizerName::PagedAdamW32bit
+        )
+    }
+
     /// Whether its moments are stored in 8 bits (bitsandbytes' blockwise quantization).
     pub fn is_8bit(self) -> bool {
         matches!(
@@ -122,11 +138,83 @@ pub enum ParamState {
     Sgd(Option<Vec<f32>>),
 }
 
+impl ParamState {
+    /// Bytes of state.
+    fn bytes(&self) -> usize {
+        match self {
+            ParamState::Adam32 { m, v } => 4 * (m.len() + v.len()),
+            ParamState::Adam8(st) => st.size_in_bytes(),
+            ParamState::Sgd(b) => b.as_ref().map(|b| 4 * b.len()).unwrap_or(0),
+        }
+    }
+}
+
+/// Which state a parameter of `n` elements gets under `config`.
+#[derive(Clone, Copy, PartialEq)]
+enum StateKind {
+    Adam32,
+    Adam8,
+    Sgd,
+}
+
+impl StateKind {
+    fn of(config: &OptimizerConfig, n: usize) -> Self {
+        match config.name {
+            OptimizerName::Sgd => StateKind::Sgd,
+            name if name.is_8bit() && n >= config.min_8bit_size => StateKind::Adam8,
+            _ => StateKind::Adam32,
+        }
+    }
+
+    /// The initial (zero) state for `n` elements.
+    fn zeros(self, n: usize) -> ParamState {
+        match self {
+            StateKind::Sgd => ParamState::Sgd(None),
+            StateKind::Adam8 => ParamState::Adam8(Adam8bitState::zeros(n)),
+            StateKind::Adam32 => ParamState::Adam32 {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
+        }
+    }
+}
+
+/// Where a parameter's state lives.
+enum Placed {
+    Host(ParamState),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::CudaState),
+}
+
+impl Placed {
+    /// `state` placed for updates on the device of `var` where they run there (`paged`: in pinned host memory
+    /// staged through the device), else on the host.
+    fn new(state: ParamState, var: &Var, paged: bool) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(on_cuda) = cuda::CudaState::place(&state, var, paged)? {
+            return Ok(Placed::Cuda(on_cuda));
+        }
+        let _ = (var, paged);
+        Ok(Placed::Host(state))
+    }
+}
+
 struct Slot {
     name: String,
     var: Var,
     weight_decay: f64,
-    state: ParamState,
+    state: Placed,
+}
+
+impl Slot {
+    /// The state, copied to the host if it is placed for a device.
+    fn host_state(&self) -> Result<Cow<'_, ParamState>> {
+        match &self.state {
+            Placed::Host(s) => Ok(Cow::Borrowed(s)),
+            #[cfg(feature = "cuda")]
+            Placed::Cuda(s) => Ok(Cow::Owned(s.download(self.var.device().as_cuda_device()?)?)),
+        }
+    }
 }
 
 /// An optimizer over named trainable variables.
@@ -134,44 +222,39 @@ pub struct Optimizer {
     config: OptimizerConfig,
     slots: Vec<Slot>,
     step: u64,
+    /// The device buffers paged states are updated in.
+    #[cfg(feature = "cuda")]
+    staging: cuda::Staging,
 }
 
 impl Optimizer {
     /// An optimizer for `params` (name, variable); biases and norm weights get no weight decay.
     pub fn new(params: Vec<(String, Var)>, config: OptimizerConfig) -> Result<Self> {
+        let paged = config.name.is_paged();
         let slots = params
             .into_iter()
             .map(|(name, var)| {
                 let n = var.elem_count();
-                let state = match config.name {
-                    OptimizerName::Sgd => ParamState::Sgd(None),
-                    OptimizerName::AdamW8bit | OptimizerName::PagedAdamW8bit
-                        if n >= config.min_8bit_size =>
-                    {
-                        ParamState::Adam8(Adam8bitState::zeros(n))
-                    }
-                    _ => ParamState::Adam32 {
-                        m: vec![0.0; n],
-                        v: vec![0.0; n],
-                    },
-                };
+                let state = Placed::new(StateKind::of(&config, n).zeros(n), &var, paged)?;
                 let weight_decay = if decays(&name) {
                     config.weight_decay
                 } else {
                     0.0
                 };
-                Slot {
+                Ok(Slot {
                     name,
                     var,
                     weight_decay,
                     state,
-                }
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(Optimizer {
             config,
             slots,
             step: 0,
+            #[cfg(feature = "cuda")]
+            staging: cuda::Staging::default(),
         })
     }
 
@@ -184,6 +267,16 @@ impl Optimizer {
             let Some(g) = grads.get(&slot.var) else {
                 continue;
             };
+            let wd = slot.weight_decay;
+            let state = match &mut slot.state {
+                Placed::Host(state) => state,
+                #[cfg(feature = "cuda")]
+                Placed::Cuda(state) => {
+                    let staging = &mut self.staging;
+                    cuda::update(&slot.var, g, state, staging, c, self.step, lr, wd)?;
+                    continue;
+                }
+            };
             let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
             let mut p: Vec<f32> = slot
                 .var
@@ -191,8 +284,7 @@ impl Optimizer {
                 .to_dtype(DType::F32)?
                 .flatten_all()?
                 .to_vec1()?;
-            let wd = slot.weight_decay;
-            match (&mut slot.state, c.name) {
+            match (state, c.name) {
                 (ParamState::Adam32 { m, v }, OptimizerName::AdamWTorch) => {
                     adamw::adamw_torch_update(
                         &mut p,
@@ -250,19 +342,23 @@ impl Optimizer {
         &self.config
     }
 
-    /// The state of parameter `name`.
-    pub fn state(&self, name: &str) -> Option<&ParamState> {
-        self.slots.iter().find(|s| s.name == name).map(|s| &s.state)
+    /// A copy of the state of parameter `name` (from the device, where it lives there).
+    pub fn state(&self, name: &str) -> Result<Option<ParamState>> {
+        self.slots
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| Ok(s.host_state()?.into_owned()))
+            .transpose()
     }
 
-    /// Bytes of optimizer state.
+    /// Bytes of optimizer state (host or device).
     pub fn state_bytes(&self) -> usize {
         self.slots
             .iter()
             .map(|s| match &s.state {
-                ParamState::Adam32 { m, v } => 4 * (m.len() + v.len()),
-                ParamState::Adam8(st) => st.size_in_bytes(),
-                ParamState::Sgd(b) => b.as_ref().map(|b| 4 * b.len()).unwrap_or(0),
+                Placed::Host(st) => st.bytes(),
+                #[cfg(feature = "cuda")]
+                Placed::Cuda(st) => st.bytes(),
             })
             .sum()
     }
@@ -275,7 +371,7 @@ impl Optimizer {
         for s in &self.slots {
             let f = |v: &[f32]| Tensor::from_slice(v, v.len(), &dev);
             let u = |v: &[u8]| Tensor::from_slice(v, v.len(), &dev);
-            match &s.state {
+            match &*s.host_state()? {
                 ParamState::Adam32 { m, v } => {
                     tensors.insert(format!("{}.exp_avg", s.name), f(m)?);
                     tensors.insert(format!("{}.exp_avg_sq", s.name), f(v)?);
@@ -362,18 +458,18 @@ impl Optimizer {
         let mut restored = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             let n = s.var.elem_count();
-            restored.push(match &s.state {
-                ParamState::Adam32 { .. } => ParamState::Adam32 {
+            restored.push(match StateKind::of(&self.config, n) {
+                StateKind::Adam32 => ParamState::Adam32 {
                     m: get_f(format!("{}.exp_avg", s.name), n)?,
                     v: get_f(format!("{}.exp_avg_sq", s.name), n)?,
                 },
-                ParamState::Adam8(_) => ParamState::Adam8(Adam8bitState {
+                StateKind::Adam8 => ParamState::Adam8(Adam8bitState {
                     state1: get_u(format!("{}.state1", s.name), n)?,
                     state2: get_u(format!("{}.state2", s.name), n)?,
                     absmax1: get_f(format!("{}.absmax1", s.name), n.div_ceil(adamw8bit::BLOCK))?,
                     absmax2: get_f(format!("{}.absmax2", s.name), n.div_ceil(adamw8bit::BLOCK))?,
                 }),
-                ParamState::Sgd(_) => {
+                StateKind::Sgd => {
                     let k = format!("{}.momentum_buffer", s.name);
                     ParamState::Sgd(if tensors.contains_key(&k) {
                         Some(get_f(k, n)?)
@@ -384,7 +480,7 @@ impl Optimizer {
             });
         }
         for (s, st) in self.slots.iter_mut().zip(restored) {
-            s.state = st;
+            s.state = Placed::new(st, &s.var, self.config.name.is_paged())?;
         }
         self.step = meta["step"].as_u64().unwrap_or(0);
         Ok(())

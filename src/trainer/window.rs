@@ -3,7 +3,7 @@
 //! of each phase recorded.
 
 use candle_core::backprop::GradStore;
-use candle_core::Var;
+use candle_core::{DType, Tensor, Var};
 
 use super::args::TrainingArguments;
 use super::neftune::neftune_noise;
@@ -108,7 +108,8 @@ impl Window {
             .collect();
         let counted: usize = examples.iter().map(|e| counted_tokens(e)).sum();
         let mut grads = GradStore::default();
-        let mut loss_sum = 0f64;
+        // The loss sums stay on the device until the window ends (one read, not one per micro-batch).
+        let mut loss_sum: Option<Tensor> = None;
         model.lora_runtime.set_training(true);
         for (k, ex) in examples.iter().enumerate() {
             let seed = micro_batch_seed(args.seed, first_micro + k);
@@ -138,7 +139,11 @@ impl Window {
             }
             let hidden = model.forward_embeds(&embeds, &batch.positions, &ck)?;
             let (sum, _) = model.loss_from_hidden(&hidden, &batch.labels)?;
-            loss_sum += sum.to_scalar::<f32>()? as f64;
+            let sum_f64 = sum.to_dtype(DType::F64)?;
+            loss_sum = Some(match loss_sum {
+                Some(total) => (total + sum_f64)?,
+                None => sum_f64,
+            });
             memory.end_phase(k, gradient_bytes(vars, &grads));
             memory.timeline.start_phase(Phase::Backward);
             let mut g = (sum / counted.max(1) as f64)?.backward()?;
@@ -157,7 +162,10 @@ impl Window {
         }
         model.lora_runtime.set_training(false);
         Ok(Window {
-            loss_sum,
+            loss_sum: match loss_sum {
+                Some(t) => t.to_scalar::<f64>()?,
+                None => 0.0,
+            },
             counted,
             input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),
             grads,

@@ -114,6 +114,396 @@ fn dropout_masks_are_made_on_the_gpu_bit_for_bit() {
     }
 }
 
+/// An input of an op comparison: its values (float32, on the CPU), its dtype on the GPU, and whether it is trained.
+struct Input {
+    values: Tensor,
+    gpu_dtype: DType,
+    trained: bool,
+}
+
+fn input(values: Tensor, gpu_dtype: DType, trained: bool) -> Input {
+    Input {
+        values,
+        gpu_dtype,
+        trained,
+    }
+}
+
+/// Runs `op` on the CPU in float32 and on the GPU (each input in its GPU dtype), and requires the outputs and the
+/// gradients of the trained inputs (of `Σ y · r` for a fixed random `r`) to agree within `tol` relative to the
+/// largest CPU value — the GPU runs bf16/f16 math, so `tol` is that dtype's precision, not a reduction-order noise.
+fn compare_op(
+    name: &str,
+    op: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Input],
+    tol: f64,
+) {
+    let dev = gpu();
+    // One set of random output weights for both devices, shaped by a first CPU forward.
+    let cpu_inputs: Vec<Tensor> = inputs.iter().map(|i| i.values.clone()).collect();
+    let r = Tensor::randn(0f32, 1.0, op(&cpu_inputs).unwrap().dims(), &Device::Cpu).unwrap();
+    let run = |device: &Device| {
+        let vars: Vec<candle_core::Var> = inputs
+            .iter()
+            .map(|i| {
+                let dtype = if device.is_cpu() {
+                    DType::F32
+                } else {
+                    i.gpu_dtype
+                };
+                candle_core::Var::from_tensor(
+                    &i.values.to_device(device).unwrap().to_dtype(dtype).unwrap(),
+                )
+                .unwrap()
+            })
+            .collect();
+        let xs: Vec<Tensor> = vars
+            .iter()
+            .zip(inputs)
+            .map(|(v, i)| {
+                if i.trained {
+                    v.as_tensor().clone()
+                } else {
+                    v.as_detached_tensor()
+                }
+            })
+            .collect();
+        let y = op(&xs).unwrap();
+        let weights = r.to_device(device).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * weights)
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let gradients: Vec<Option<Tensor>> = vars
+            .iter()
+            .zip(inputs)
+            .map(|(v, i)| i.trained.then(|| grads.get(v).expect("a gradient").clone()))
+            .collect();
+        (y, gradients)
+    };
+    let (cpu_y, cpu_g) = run(&Device::Cpu);
+    let (gpu_y, gpu_g) = run(&dev);
+    let close = |what: &str, cpu: &Tensor, gpu: &Tensor| {
+        assert!(
+            gpu.device().is_cuda(),
+            "{name} {what}: not computed on the GPU"
+        );
+        let gpu = gpu
+            .to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap();
+        let scale = cpu
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .max(1e-6) as f64;
+        let diff = crate::common::max_abs_diff(cpu, &gpu);
+        assert!(
+            diff <= tol * scale,
+            "{name} {what}: differs by {diff} (largest value {scale})"
+        );
+    };
+    close("output", &cpu_y, &gpu_y);
+    for (k, (c, g)) in cpu_g.iter().zip(&gpu_g).enumerate() {
+        if let (Some(c), Some(g)) = (c, g) {
+            close(&format!("gradient {k}"), c, g);
+        }
+    }
+}
+
+fn randn(dims: &[usize], std: f32) -> Tensor {
+    Tensor::randn(0f32, std, dims, &Device::Cpu).unwrap()
+}
+
+/// RMSNorm, SwiGLU, RoPE and the head moves by their kernels against the CPU ops, in bf16 and f16.
+#[test]
+fn elementwise_kernels_match_the_cpu_ops() {
+    use candle_qlora::ops::{
+        merge_heads, rms_norm, rope, rope_split_heads, split_heads, swiglu, RopeTables,
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        let w = (randn(&[576], 0.1) + 1.0).unwrap();
+        let x = randn(&[2, 9, 576], 1.0);
+        compare_op(
+            "rms_norm",
+            |xs| rms_norm(&xs[0], &xs[1], 1e-5),
+            &[input(x.clone(), dtype, true), input(w, DType::F32, false)],
+            2e-2,
+        );
+        compare_op(
+            "swiglu",
+            |xs| swiglu(&xs[0], &xs[1]),
+            &[
+                input(randn(&[3, 1537], 2.0), dtype, true),
+                input(randn(&[3, 1537], 1.0), dtype, true),
+            ],
+            2e-2,
+        );
+        let tables = RopeTables::new(64, 32, 10000.0, None, &Device::Cpu).unwrap();
+        let positions = Tensor::new(
+            &[
+                [0u32, 1, 2, 3, 0, 1, 2, 3, 4],
+                [5, 6, 7, 8, 9, 10, 11, 12, 13],
+            ],
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (cos, sin) in [
+            tables.range(3, 9).unwrap(),
+            tables.gather(&positions).unwrap(),
+        ] {
+            let on_gpu = |t: &Tensor| t.to_device(&gpu()).unwrap();
+            let (gc, gs) = (on_gpu(&cos), on_gpu(&sin));
+            let pick = |xs: &[Tensor]| {
+                if xs[0].device().is_cuda() {
+                    (gc.clone(), gs.clone())
+                } else {
+                    (cos.clone(), sin.clone())
+                }
+            };
+            compare_op(
+                "rope",
+                |xs| {
+                    let (c, s) = pick(xs);
+                    rope(&xs[0], &c, &s)
+                },
+                &[input(randn(&[2, 3, 9, 64], 1.0), dtype, true)],
+                2e-2,
+            );
+            compare_op(
+                "rope_split_heads",
+                |xs| {
+                    let (c, s) = pick(xs);
+                    rope_split_heads(&xs[0], 3, &c, &s)
+                },
+                &[input(randn(&[2, 9, 192], 1.0), dtype, true)],
+                2e-2,
+            );
+        }
+        compare_op(
+            "split_heads",
+            |xs| split_heads(&xs[0], 3),
+            &[input(randn(&[2, 9, 192], 1.0), dtype, true)],
+            1e-2,
+        );
+        compare_op(
+            "merge_heads",
+            |xs| merge_heads(&xs[0]),
+            &[input(randn(&[2, 3, 9, 64], 1.0), dtype, true)],
+            1e-2,
+        );
+    }
+}
+
+/// The fused linear cross-entropy (bf16 head, float32 logits in blocks, gradient in the forward) against the CPU.
+#[test]
+fn cross_entropy_kernel_matches_the_cpu_op() {
+    use candle_qlora::ops::linear_cross_entropy;
+    let labels: Vec<i64> = (0..300)
+        .map(|i| {
+            if i % 7 == 0 {
+                -100
+            } else {
+                (i * 37 % 1000) as i64
+            }
+        })
+        .collect();
+    for dtype in [DType::BF16, DType::F16] {
+        let labels = labels.clone();
+        compare_op(
+            "linear_cross_entropy",
+            move |xs| {
+                let l = Tensor::new(labels.as_slice(), xs[0].device())?;
+                Ok(linear_cross_entropy(&xs[0], &xs[1], &l)?.0)
+            },
+            &[
+                input(randn(&[300, 64], 1.0), dtype, true),
+                input(randn(&[1000, 64], 0.5), dtype, false),
+            ],
+            2e-2,
+        );
+    }
+}
+
+/// The LoRA projection (NF4 or dense base, cuBLAS GEMMs, device dropout, the update added with beta = 1) against
+/// the CPU op: output and the gradients of x, A and B.
+#[test]
+fn low_rank_linear_kernel_matches_the_cpu_op() {
+    use candle_qlora::ops::{
+        low_rank_linear, BranchDropout, FrozenLinear, FrozenWeight, LowRank, OutputValue,
+    };
+    use std::sync::Arc;
+    let w = randn(&[192, 128], 0.05);
+    let q = Arc::new(Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap());
+    let bases = [FrozenWeight::Nf4(q), FrozenWeight::Dense(w.clone())];
+    for base in bases {
+        for dropout in [None, Some(BranchDropout { p: 0.1, seed: 11 })] {
+            for dtype in [DType::BF16, DType::F16] {
+                let cpu_base = Arc::new(FrozenLinear::new(base.clone(), Some(randn(&[192], 0.1))));
+                let gpu_base = Arc::new(cpu_base.to_device(&gpu()).unwrap());
+                compare_op(
+                    "low_rank_linear",
+                    |xs| {
+                        let layer = if xs[0].device().is_cuda() {
+                            &gpu_base
+                        } else {
+                            &cpu_base
+                        };
+                        let branch = LowRank {
+                            a: &xs[1],
+                            b: &xs[2],
+                            scaling: 2.0,
+                            dropout,
+                        };
+                        low_rank_linear(&xs[0], layer, &branch, OutputValue::Computed)
+                    },
+                    &[
+                        input(randn(&[2, 9, 128], 1.0), dtype, true),
+                        input(randn(&[8, 128], 0.1), DType::F32, true),
+                        input(randn(&[192, 8], 0.1), DType::F32, true),
+                    ],
+                    3e-2,
+                );
+            }
+        }
+    }
+}
+
+/// Attention on tensor cores against the CPU op: grouped-query heads of 64 and 128, sequences across several
+/// tiles, queries after cached keys, and packed rows.
+#[test]
+fn attention_kernels_match_the_cpu_op() {
+    use candle_qlora::ops::{causal_attention, packed_causal_attention, Segments};
+    for dtype in [DType::BF16, DType::F16] {
+        for (d, t, s) in [(64, 77, 77), (128, 130, 130), (64, 5, 70)] {
+            compare_op(
+                "causal_attention",
+                |xs| causal_attention(&xs[0], &xs[1], &xs[2], 1.0 / (d as f64).sqrt()),
+                &[
+                    input(randn(&[2, 8, t, d], 1.0), dtype, true),
+                    input(randn(&[2, 2, s, d], 1.0), dtype, true),
+                    input(randn(&[2, 2, s, d], 1.0), dtype, true),
+                ],
+                3e-2,
+            );
+        }
+        let positions: Vec<u32> = (0..2 * 70).map(|i| (i % 70 % 23) as u32).collect();
+        let positions = Tensor::from_vec(positions, (2, 70), &Device::Cpu).unwrap();
+        let cpu_segments = Segments::from_positions(&positions).unwrap();
+        let gpu_segments = Segments::from_positions(&positions.to_device(&gpu()).unwrap()).unwrap();
+        compare_op(
+            "packed_causal_attention",
+            |xs| {
+                let segments = if xs[0].device().is_cuda() {
+                    &gpu_segments
+                } else {
+                    &cpu_segments
+                };
+                packed_causal_attention(&xs[0], &xs[1], &xs[2], 0.125, segments)
+            },
+            &[
+                input(randn(&[2, 4, 70, 64], 1.0), dtype, true),
+                input(randn(&[2, 2, 70, 64], 1.0), dtype, true),
+                input(randn(&[2, 2, 70, 64], 1.0), dtype, true),
+            ],
+            3e-2,
+        );
+    }
+}
+
+/// The optimizers' device kernels keep the parameters and states of the host updates bit for bit — torch AdamW,
+/// bitsandbytes' 32-bit and 8-bit AdamW, resident and paged (with a tensor below `min_8bit_size` on the 32-bit
+/// kernel, a partial absmax block, weight decay, a non-finite gradient element) — and a state saved on the GPU
+/// resumes on the CPU.
+#[test]
+fn optimizer_updates_on_the_gpu_match_the_cpu_bit_for_bit() {
+    use candle_core::backprop::GradStore;
+    use candle_core::Var;
+    use candle_qlora::optim::{Optimizer, OptimizerConfig};
+    let dev = gpu();
+    let sizes = [
+        ("big.weight", 5000usize),
+        ("small.weight", 300),
+        ("x.bias", 4099),
+    ];
+    for name in [
+        OptimizerName::AdamWTorch,
+        OptimizerName::PagedAdamW32bit,
+        OptimizerName::AdamW8bit,
+        OptimizerName::PagedAdamW8bit,
+    ] {
+        let config = OptimizerConfig {
+            name,
+            weight_decay: 0.01,
+            ..Default::default()
+        };
+        let make = |device: &Device| -> (Vec<Var>, Optimizer) {
+            let vars: Vec<Var> = sizes
+                .iter()
+                .enumerate()
+                .map(|(k, (_, n))| {
+                    let init: Vec<f32> = (0..*n).map(|i| ((i + k) as f32 * 0.37).sin()).collect();
+                    Var::from_vec(init, *n, device).unwrap()
+                })
+                .collect();
+            let named = sizes
+                .iter()
+                .zip(&vars)
+                .map(|((s, _), v)| (s.to_string(), v.clone()))
+                .collect();
+            (vars, Optimizer::new(named, config.clone()).unwrap())
+        };
+        let step = |vars: &[Var], opt: &mut Optimizer, k: usize| {
+            let mut grads = GradStore::default();
+            for (v, (_, n)) in vars.iter().zip(&sizes) {
+                let mut g: Vec<f32> = (0..*n)
+                    .map(|i| ((i as f32 + k as f32) * 1.3).cos() * 0.1)
+                    .collect();
+                if k == 2 {
+                    g[17] = f32::NAN;
+                }
+                grads.insert(v, Tensor::from_vec(g, *n, v.device()).unwrap());
+            }
+            opt.step(&grads, 1e-3).unwrap();
+        };
+        let (cpu_vars, mut cpu_opt) = make(&Device::Cpu);
+        let (gpu_vars, mut gpu_opt) = make(&dev);
+        for k in 1..=4 {
+            step(&cpu_vars, &mut cpu_opt, k);
+            step(&gpu_vars, &mut gpu_opt, k);
+        }
+        for ((s, _), (c, g)) in sizes.iter().zip(cpu_vars.iter().zip(&gpu_vars)) {
+            assert!(g.device().is_cuda());
+            assert_eq!(bits(g.as_tensor()), bits(c.as_tensor()), "{name:?} {s}");
+            assert_eq!(
+                gpu_opt.state(s).unwrap(),
+                cpu_opt.state(s).unwrap(),
+                "{name:?} {s} state"
+            );
+        }
+        assert_eq!(gpu_opt.state_bytes(), cpu_opt.state_bytes());
+        // Saved from the GPU, resumed on the CPU: the next step agrees with the CPU's own.
+        let dir = tempfile::tempdir().unwrap();
+        gpu_opt.save(dir.path()).unwrap();
+        let (resumed_vars, mut resumed) = make(&Device::Cpu);
+        for (r, g) in resumed_vars.iter().zip(&gpu_vars) {
+            r.set(&g.as_tensor().to_device(&Device::Cpu).unwrap())
+                .unwrap();
+        }
+        resumed.load(dir.path()).unwrap();
+        step(&cpu_vars, &mut cpu_opt, 5);
+        step(&resumed_vars, &mut resumed, 5);
+        for (c, r) in cpu_vars.iter().zip(&resumed_vars) {
+            assert_eq!(bits(r.as_tensor()), bits(c.as_tensor()), "{name:?} resumed");
+        }
+    }
+}
+
 /// The tiny Llama in NF4 with LoRA r=4 (and `lora_dropout`) on `device`, trained with `edit` applied to its
 /// arguments.
 fn tiny_trainer(

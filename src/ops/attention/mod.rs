@@ -3,6 +3,8 @@
 //! constant that gets no gradient.
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use std::sync::Arc;
 
@@ -190,6 +192,8 @@ fn attention(
         dims,
         scale,
         segments,
+        #[cfg(feature = "cuda")]
+        lse: None,
     }
     .apply([q, k, v])
 }
@@ -199,6 +203,9 @@ struct CausalAttention {
     dims: Dims,
     scale: f64,
     segments: Option<Segments>,
+    /// Each query row's log-sum-exp, when the CUDA kernels ran the forward (their backward reads it).
+    #[cfg(feature = "cuda")]
+    lse: Option<Tensor>,
 }
 
 impl CausalAttention {
@@ -339,6 +346,13 @@ impl Op<3> for CausalAttention {
     const NAME: &'static str = "causal-attention";
 
     fn fwd(&mut self, inputs: [&Tensor; 3]) -> Result<Value> {
+        #[cfg(feature = "cuda")]
+        if cuda::applies(inputs[0], inputs[1], inputs[2], self.dims) {
+            let (value, lse) =
+                cuda::forward(inputs, self.dims, self.scale, self.segments.as_ref())?;
+            self.lse = Some(lse);
+            return Ok(value);
+        }
         match slice_dtype(&inputs) {
             Some(DType::F32) => self.cpu_fwd::<f32>(inputs),
             Some(DType::F64) => self.cpu_fwd::<f64>(inputs),
@@ -357,6 +371,24 @@ impl Op<3> for CausalAttention {
             Some(DType::F64) => self.cpu_bwd::<f64>(inputs, grad, needs),
             _ => self.composed_bwd(inputs, grad, needs),
         }
+    }
+
+    fn bwd_with_output(
+        &self,
+        inputs: [&Tensor; 3],
+        output: &Tensor,
+        grad: &Tensor,
+        needs: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        #[cfg(feature = "cuda")]
+        if let Some(lse) = &self.lse {
+            let segments = self.segments.as_ref();
+            return cuda::backward(
+                inputs, output, grad, lse, self.dims, self.scale, segments, needs,
+            );
+        }
+        let _ = output;
+        self.bwd(inputs, grad, needs)
     }
 }
 

@@ -39,6 +39,18 @@ pub(crate) trait Op<const N: usize>: Send + Sync + Sized + 'static {
         grad: &Tensor,
         needs: [bool; N],
     ) -> Result<[Option<Tensor>; N]>;
+
+    /// [`Op::bwd`] for an op that also reads its own output (attention's `Δ = rowsum(dO ⊙ O)`); the default
+    /// ignores it.
+    fn bwd_with_output(
+        &self,
+        inputs: [&Tensor; N],
+        _output: &Tensor,
+        grad: &Tensor,
+        needs: [bool; N],
+    ) -> Result<[Option<Tensor>; N]> {
+        self.bwd(inputs, grad, needs)
+    }
 }
 
 /// Runs an [`Op`]: its forward, with its backward attached when an input needs a gradient.
@@ -177,8 +189,10 @@ impl<O: Op<1>> CustomOp1 for Node<O> {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         self.take_cuda(O::NAME)
     }
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let [gx] = self.op.bwd([&x.detach()], &grad.detach(), [true])?;
+    fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let [gx] = self
+            .op
+            .bwd_with_output([&x.detach()], &res.detach(), &grad.detach(), [true])?;
         Ok(gx)
     }
 }
@@ -210,13 +224,14 @@ impl<O: Op<2>> CustomOp2 for Node<O> {
         &self,
         a: &Tensor,
         b: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let needs = [a.track_op(), b.track_op()];
+        let inputs = [&a.detach(), &b.detach()];
         let [ga, gb] = self
             .op
-            .bwd([&a.detach(), &b.detach()], &grad.detach(), needs)?;
+            .bwd_with_output(inputs, &res.detach(), &grad.detach(), needs)?;
         Ok((ga, gb))
     }
 }
@@ -253,12 +268,14 @@ impl<O: Op<3>> CustomOp3 for Node<O> {
         a: &Tensor,
         b: &Tensor,
         c: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let needs = [a.track_op(), b.track_op(), c.track_op()];
         let inputs = [&a.detach(), &b.detach(), &c.detach()];
-        let [ga, gb, gc] = self.op.bwd(inputs, &grad.detach(), needs)?;
+        let [ga, gb, gc] = self
+            .op
+            .bwd_with_output(inputs, &res.detach(), &grad.detach(), needs)?;
         Ok((ga, gb, gc))
     }
 }

@@ -12,6 +12,8 @@
 //! each direction is its matrix products and one pass. Other dtypes and devices compose Candle's ops (same maths).
 
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use std::sync::Arc;
 
@@ -314,13 +316,25 @@ impl CallShapes {
     }
 }
 
-/// [`low_rank_linear`] composed of Candle's ops: any dtype and device.
+/// [`low_rank_linear`] off the CPU slice path: by the CUDA kernels and cuBLAS on a GPU, else composed of Candle's
+/// ops (any dtype and device).
 fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Tensor> {
+    let shapes = CallShapes::of_dims(x.dims(), base)?;
+    #[cfg(feature = "cuda")]
+    if cuda::applies(x, branch.a, branch.b) {
+        return cuda::LowRankCuda {
+            base: base.clone(),
+            scaling: branch.scaling,
+            dropout: branch.dropout,
+            shapes,
+        }
+        .apply([x, branch.a, branch.b]);
+    }
     LowRankComposed {
         base: base.clone(),
         scaling: branch.scaling,
         dropout: branch.dropout,
-        shapes: CallShapes::of_dims(x.dims(), base)?,
+        shapes,
     }
     .apply([x, branch.a, branch.b])
 }

@@ -1,0 +1,191 @@
+//! Causal attention on a CUDA device: `kernels/attention.cu` (tensor cores, FlashAttention-2 style) for bf16/f16
+//! heads of 64 or 128, with the causal and packed-row masks computed in the kernels.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    result::DriverError, sys::CUfunction_attribute, LaunchConfig, PushKernelArg,
+};
+use candle_core::{DType, Result, Tensor};
+
+use super::{Dims, Segments};
+use crate::cuda::{alloc, device_of, grid, hold, kernel, run, storage, suffix, tensor, ATTENTION};
+use crate::ops::autograd::Value;
+
+/// Threads per block of the attention kernels (4 warps).
+const THREADS: u32 = 128;
+/// Query rows per forward block, keys per backward block (16 per warp); queries per backward tile.
+const FWD_ROWS: usize = 64;
+const FWD_KEYS: usize = 32;
+const BWD_KEYS: usize = 64;
+const BWD_QUERIES: usize = 32;
+
+/// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128.
+pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
+    q.device().is_cuda()
+        && matches!(q.dtype(), DType::BF16 | DType::F16)
+        && k.dtype() == q.dtype()
+        && v.dtype() == q.dtype()
+        && matches!(dims.d, 64 | 128)
+}
+
+/// Dynamic shared memory of the forward kernel for head dim `d` (the layout at the top of `attn_fwd`).
+fn fwd_shared_bytes(d: usize) -> usize {
+    (FWD_ROWS * d + 2 * FWD_KEYS * d) * 2 + FWD_ROWS * FWD_KEYS * 4 + FWD_ROWS * FWD_KEYS * 2
+}
+
+/// Dynamic shared memory of the backward kernel for head dim `d` (the layout at the top of `attn_bwd`).
+fn bwd_shared_bytes(d: usize) -> usize {
+    let halves = 2 * BWD_KEYS * d + 2 * BWD_QUERIES * d + 2 * BWD_KEYS * BWD_QUERIES;
+    let floats = 4 * 16 * BWD_QUERIES + 2 * BWD_QUERIES + BWD_QUERIES * d;
+    halves * 2 + floats * 4
+}
+
+/// The segment starts on the device (u32 `[b · len]`), or a one-element placeholder without segments.
+fn starts_on(segments: Option<&Segments>, like: &Tensor) -> Result<(Tensor, i32)> {
+    Ok(match segments {
+        Some(s) => (Tensor::new(s.starts.as_slice(), like.device())?, 1),
+        None => (Tensor::zeros(1, DType::U32, like.device())?, 0),
+    })
+}
+
+/// Allows a kernel `bytes` of dynamic shared memory (above the 48 KiB default where needed).
+fn allow_shared(func: &crate::cuda::Kernel, bytes: usize) -> Result<()> {
+    func.function()
+        .set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e: DriverError| candle_core::Error::wrap(e))
+}
+
+/// The attention output and each query row's log-sum-exp (float32 `[b, hq, t]`).
+pub(super) fn forward(
+    [q, k, v]: [&Tensor; 3],
+    dims: Dims,
+    scale: f64,
+    segments: Option<&Segments>,
+) -> Result<(Value, Tensor)> {
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let device = device_of(&q)?;
+    let Dims { b, hkv, g, t, s, d } = dims;
+    let hq = hkv * g;
+    let (starts, has_starts) = starts_on(segments, &q)?;
+    let name = format!("attn_fwd{}_d{d}", suffix(q.dtype())?);
+    let func = kernel(&device, &ATTENTION, &name)?;
+    let shared = fwd_shared_bytes(d);
+    allow_shared(&func, shared)?;
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(FWD_ROWS) as u32, hq as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let (hq_u, hkv_u, t_u, s_u, scale) = (hq as u64, hkv as u64, t as u64, s as u64, scale as f32);
+    let mut lse = alloc::<f32>(&device, b * hq * t)?;
+    let out = crate::cuda::with_float_type!(q.dtype(), T => {
+        let mut out = alloc::<T>(&device, q.elem_count())?;
+        let held = [hold(&q)?, hold(&k)?, hold(&v)?];
+        let [qv, kv, vv] = [0, 1, 2].map(|i| held[i].view::<T>());
+        let (qv, kv, vv) = (qv?, kv?, vv?);
+        let sh = hold(&starts)?;
+        let sv = sh.view::<u32>()?;
+        let mut args = func.builder();
+        args.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&sv)
+            .arg(&has_starts)
+            .arg(&hq_u)
+            .arg(&hkv_u)
+            .arg(&t_u)
+            .arg(&s_u)
+            .arg(&scale)
+            .arg(&mut out)
+            .arg(&mut lse);
+        run(&mut args, cfg)?;
+        storage(out, &device)
+    });
+    Ok((
+        Value::Cuda(out, q.shape().clone()),
+        tensor(lse, &device, (b, hq, t)),
+    ))
+}
+
+/// Gradients of q, k and v (each when `needs` it) from the output `out`, its gradient and the saved log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    [q, k, v]: [&Tensor; 3],
+    out: &Tensor,
+    grad: &Tensor,
+    lse: &Tensor,
+    dims: Dims,
+    scale: f64,
+    segments: Option<&Segments>,
+    needs: [bool; 3],
+) -> Result<[Option<Tensor>; 3]> {
+    let dtype = q.dtype();
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (out, grad) = (out.contiguous()?, grad.to_dtype(dtype)?.contiguous()?);
+    let device = device_of(&q)?;
+    let Dims { b, hkv, g, t, s, d } = dims;
+    let hq = hkv * g;
+    let (starts, has_starts) = starts_on(segments, &q)?;
+    let (rows, d_u) = ((b * hq * t) as u64, d as u64);
+    let (hq_u, hkv_u, t_u, s_u, scale) = (hq as u64, hkv as u64, t as u64, s as u64, scale as f32);
+    let delta_fn = kernel(
+        &device,
+        &ATTENTION,
+        &format!("attn_delta{}", suffix(dtype)?),
+    )?;
+    let bwd_fn = kernel(
+        &device,
+        &ATTENTION,
+        &format!("attn_bwd{}_d{d}", suffix(dtype)?),
+    )?;
+    let shared = bwd_shared_bytes(d);
+    allow_shared(&bwd_fn, shared)?;
+    let cfg = LaunchConfig {
+        grid_dim: (s.div_ceil(BWD_KEYS) as u32, hkv as u32, b as u32),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let mut delta = alloc::<f32>(&device, b * hq * t)?;
+    let mut dq = device.alloc_zeros::<f32>(q.elem_count())?;
+    let (dk, dv) = crate::cuda::with_float_type!(dtype, T => {
+        let mut dk = alloc::<T>(&device, k.elem_count())?;
+        let mut dv = alloc::<T>(&device, v.elem_count())?;
+        let held = [hold(&q)?, hold(&k)?, hold(&v)?, hold(&out)?, hold(&grad)?];
+        let [qv, kv, vv, ov, gv] = [0, 1, 2, 3, 4].map(|i| held[i].view::<T>());
+        let (qv, kv, vv, ov, gv) = (qv?, kv?, vv?, ov?, gv?);
+        {
+            let mut args = delta_fn.builder();
+            args.arg(&gv).arg(&ov).arg(&rows).arg(&d_u).arg(&mut delta);
+            run(&mut args, grid(rows))?;
+        }
+        let (lh, sh) = (hold(lse)?, hold(&starts)?);
+        let (lv, sv) = (lh.view::<f32>()?, sh.view::<u32>()?);
+        let mut args = bwd_fn.builder();
+        args.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&gv)
+            .arg(&lv)
+            .arg(&delta)
+            .arg(&sv)
+            .arg(&has_starts)
+            .arg(&hq_u)
+            .arg(&hkv_u)
+            .arg(&t_u)
+            .arg(&s_u)
+            .arg(&scale)
+            .arg(&mut dq)
+            .arg(&mut dk)
+            .arg(&mut dv);
+        run(&mut args, cfg)?;
+        (tensor(dk, &device, k.shape().clone()), tensor(dv, &device, v.shape().clone()))
+    });
+    let dq = tensor(dq, &device, q.shape().clone()).to_dtype(dtype)?;
+    Ok([
+        needs[0].then_some(dq),
+        needs[1].then_some(dk),
+        needs[2].then_some(dv),
+    ])
+}
