@@ -1,5 +1,6 @@
-// LoRA dropout on the device, bit-identical to `ops::low_rank_linear::dropout_mask` on the CPU: element i is kept
-// when `uniform(seed, i) < keep`, and a kept element is scaled by `(float)(1 / keep)` (then rounded to the dtype).
+// Random numbers on the device from `src/rng.rs`'s generator. LoRA dropout, bit-identical to
+// `ops::low_rank_linear::dropout_mask` on the CPU: element i is kept when `uniform(seed, i) < keep`, and a kept
+// element is scaled by `(float)(1 / keep)` (then rounded to the dtype).
 #include "common.cuh"
 
 // The mask values themselves.
@@ -33,3 +34,9 @@ template <typename T> __device__ void accumulate(u64 seed, double keep, u64 n, c
 
 #define ACCUMULATE(T) (u64 seed, double keep, u64 n, const T *x, T *out)
 FOR_FLOAT_TYPES(dropout_accumulate, accumulate, ACCUMULATE, (seed, keep, n, x, out))
+
+// NEFTune's noise (`trainer::neftune`): `(float)((2 · uniform(seed, i) − 1) · magnitude)`, in double as the host
+// computes it, so the noise is the same on either device.
+extern "C" __global__ void uniform_noise(u64 seed, double magnitude, u64 n, float *out) {
+    FOR_EACH(i, n) { out[i] = (float)((2.0 * uniform(seed, i) - 1.0) * magnitude); }
+}

@@ -4,7 +4,8 @@
 # folder; the driver library (libcuda, which only a GPU machine has) is replaced at link time by a stub with its
 # SONAME, so the binaries load the real driver where they run.
 #
-#   scripts/build-cuda.sh            # the release `qlora` and the integration-test binary, then how to carry them
+#   scripts/build-cuda.sh            # the release `qlora`, the integration-test binary and the transfer counter
+#                                    # (scripts/count_transfers.c), then how to carry them
 #   scripts/build-cuda.sh check      # compile-check only: every kernel to PTX, `cargo clippy --features cuda` (CI)
 #   eval "$(scripts/build-cuda.sh env)"  # CUDA_HOME, PATH, … for this shell
 #
@@ -15,11 +16,13 @@ set -euo pipefail
 mode="${1:-build}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache="${QLORA_CUDA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/candle-qlora/cuda-13.0}"
+target="${CARGO_TARGET_DIR:-$root/target}"
 
 # The toolkit for compiling (and checking) the crate; the libraries for linking binaries.
 compile_wheels=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88
   nvidia-nvvm==13.0.88 nvidia-cuda-cccl==13.0.85)
-link_wheels=(nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88)
+link_wheels=(nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88
+  nvidia-cuda-cupti==13.0.85)
 
 # Downloads and unpacks `wheels` into the cache (each once).
 fetch() {
@@ -32,7 +35,7 @@ fetch() {
   if [ ${#missing[@]} -gt 0 ]; then
     echo "fetching ${missing[*]}" >&2
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
-      --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_25_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       --platform manylinux_2_12_x86_64 --platform manylinux2010_x86_64 -d "$cache/wheels" "${missing[@]}"
     for w in "${missing[@]}"; do
       local name="${w%%==*}" version="${w##*==}"
@@ -66,7 +69,7 @@ setup_link() {
   mkdir -p "$cache/stubs"
   if [ ! -e "$cache/stubs/libcuda.so" ]; then
     local rlib
-    rlib="$(ls -t "$root"/target/release/deps/libcudarc-*.rlib 2>/dev/null | head -1)"
+    rlib="$(ls -t "$target"/release/deps/libcudarc-*.rlib 2>/dev/null | head -1)"
     if [ -z "$rlib" ]; then
       echo "no cudarc rlib yet: build the library first" >&2
       exit 1
@@ -103,13 +106,17 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "integration":
         print(m["executable"])' | tail -1)"
     mkdir -p "$root/.gpu"
-    cp target/release/qlora "$root/.gpu/qlora"
+    cp "$target/release/qlora" "$root/.gpu/qlora"
     cp "$test_bin" "$root/.gpu/integration"
+    cc -shared -fPIC -O2 -Wall -I"$CUDA_HOME/include" scripts/count_transfers.c -o "$root/.gpu/libcount_transfers.so" \
+      -L"$CUDA_HOME/lib" -l:libcupti.so.13
     cat <<EOF
-built .gpu/qlora and .gpu/integration (CUDA 13.0, PTX for sm_$CUDA_COMPUTE_CAP; they need driver 580+ / CUDA 13).
-On the GPU machine, with the repository as the working directory (the tests read tests/data/):
+built .gpu/qlora, .gpu/integration and .gpu/libcount_transfers.so (CUDA 13.0, PTX for sm_$CUDA_COMPUTE_CAP; they
+need driver 580+ / CUDA 13). On the GPU machine, with the repository as the working directory (the tests read
+tests/data/):
   export LD_LIBRARY_PATH="\$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__))')/cu13/lib:\${LD_LIBRARY_PATH:-}"
   .gpu/integration cuda:: --test-threads 1
+  CUDA_INJECTION64_PATH=.gpu/libcount_transfers.so .gpu/qlora train ...   # prints the host<->device copies at exit
 Carry the folder .gpu (ignored by git) with the working tree, e.g. the device tool's carry: [".gpu"].
 EOF
     ;;

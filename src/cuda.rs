@@ -35,7 +35,7 @@ macro_rules! module {
 
 /// `kernels/dequant.cu`: 4-bit dequantization.
 pub(crate) const DEQUANT: Module = module!("dequant");
-/// `kernels/dropout.cu`: dropout masks from the counter-based generator.
+/// `kernels/dropout.cu`: dropout masks and NEFTune noise from the counter-based generator.
 pub(crate) const DROPOUT: Module = module!("dropout");
 /// `kernels/norm.cu`: RMSNorm forward and backward.
 pub(crate) const NORM: Module = module!("norm");

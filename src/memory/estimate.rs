@@ -5,8 +5,8 @@
 use serde::Serialize;
 
 use crate::models::ModelConfig;
-use crate::ops::attention::QUERY_BLOCK;
-use crate::ops::cross_entropy::TOKEN_BLOCK;
+use crate::ops::attention::{CUDA_HEAD_DIMS, QUERY_BLOCK};
+use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
 use crate::optim::OptimizerName;
 
 /// Where the run happens: decides the compute dtype (CPU float32, CUDA bfloat16).
@@ -209,13 +209,13 @@ pub fn kept_layers(
 /// Activation bytes at the peak of a training step of this library. Saved for the backward: every layer's
 /// tensors, or with checkpointing only each layer's input. On top of that, the larger of two moments: the fused
 /// cross-entropy (on the CPU one `TOKEN_BLOCK` × vocabulary float32 logits block plus the hidden-state gradient;
-/// on CUDA logits, softmax and gradient blocks — 3.5 blocks live at its peak — the hidden-state gradient, and
-/// with a half-precision compute dtype float32 copies of the head and the hidden states), or the backward through
-/// one layer (with checkpointing the layer recomputed, plus the gradients in flight, plus the attention scores of
-/// one `QUERY_BLOCK` of queries).
+/// on CUDA one `CUDA_LOGITS_BYTES` block of float32 logits, its gradient in the compute dtype, the hidden-state
+/// gradient and a contiguous copy of the hidden states), or the backward through one layer (with checkpointing
+/// the layer recomputed, plus the gradients in flight, plus the attention's working memory: the float32 scores of
+/// one `QUERY_BLOCK` of queries, or, with the CUDA kernels, their float32 query-gradient accumulator).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
-    let (h, _, _, i) = widths(c);
+    let (h, hq, _, i) = widths(c);
     let layer_elements = layer_elements_per_token(c, args.device);
     let layer = layer_elements * tokens * dtype_bytes;
     let gradients_in_flight = match args.device {
@@ -244,24 +244,27 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         (layers * layer, 0)
     };
     let embeddings_and_final_norm = 2 * tokens * h * dtype_bytes;
-    let scores = (args.batch * c.num_attention_heads) as u64
-        * QUERY_BLOCK.min(args.seq) as u64
-        * args.seq as u64
-        * 4;
-    let layer_backward = recomputed + gradients_in_flight + 4 * scores;
-    let logits_block = TOKEN_BLOCK.min(args.batch * args.seq) as u64 * c.vocab_size as u64 * 4;
+    let attention_kernels =
+        args.device == DeviceKind::Cuda && dtype_bytes == 2 && CUDA_HEAD_DIMS.contains(&c.head_dim);
+    let attention = if attention_kernels {
+        tokens * hq * 4
+    } else {
+        4 * (args.batch * c.num_attention_heads) as u64
+            * QUERY_BLOCK.min(args.seq) as u64
+            * args.seq as u64
+            * 4
+    };
+    let layer_backward = recomputed + gradients_in_flight + attention;
+    let vocab = c.vocab_size as u64;
     let cross_entropy = match args.device {
         // The slice path: one logits block, turned into its gradient in place, and the hidden-state gradient.
-        DeviceKind::Cpu => logits_block + tokens * h * 4,
-        // The composed path: logits, softmax and gradient blocks (3.5 blocks live at its peak, as measured on an
-        // H100), the hidden-state gradient, and the float32 working copies of the head and the hidden states.
+        DeviceKind::Cpu => {
+            TOKEN_BLOCK.min(args.batch * args.seq) as u64 * vocab * 4 + tokens * h * 4
+        }
         DeviceKind::Cuda => {
-            let float32_copies = if dtype_bytes == 4 {
-                0
-            } else {
-                (c.vocab_size as u64 + tokens) * h * 4
-            };
-            7 * logits_block / 2 + tokens * h * 4 + float32_copies
+            let block_tokens =
+                (CUDA_LOGITS_BYTES as u64 / (vocab * 4).max(1)).clamp(1, tokens.max(1));
+            block_tokens * vocab * (4 + dtype_bytes) + 2 * tokens * h * dtype_bytes
         }
     };
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
@@ -313,7 +316,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         },
         format!("optimizer {} on the adapter", args.optim),
         format!(
-            "activations: micro-batch {} × {} tokens, {}, attention in {}-query blocks, cross-entropy in {}-token blocks",
+            "activations: micro-batch {} × {} tokens, {}, {}",
             args.batch,
             args.seq,
             match (args.gradient_checkpointing, args.activation_memory_budget_mib) {
@@ -331,8 +334,16 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
                     )
                 ),
             },
-            QUERY_BLOCK,
-            TOKEN_BLOCK
+            match args.device {
+                DeviceKind::Cpu => format!(
+                    "attention in {QUERY_BLOCK}-query blocks, cross-entropy in {TOKEN_BLOCK}-token blocks"
+                ),
+                DeviceKind::Cuda => format!(
+                    "attention by the CUDA kernels (bf16/f16, heads of {CUDA_HEAD_DIMS:?}; otherwise in \
+                     {QUERY_BLOCK}-query blocks), cross-entropy in {} MiB blocks of float32 logits",
+                    CUDA_LOGITS_BYTES >> 20
+                ),
+            }
         ),
         match args.device {
             DeviceKind::Cpu => "other: the process' runtime, tokenizer and data are not counted (tens of MiB)".into(),

@@ -197,8 +197,8 @@ impl LinearCrossEntropy {
 }
 
 /// Bytes of float32 logits a CUDA block of tokens may hold (`[tokens, vocab]`).
-#[cfg(feature = "cuda")]
-const CUDA_LOGITS_BYTES: usize = 256 << 20;
+/// Bytes of float32 logits per block of tokens on CUDA (the block's token count follows from the vocabulary).
+pub const CUDA_LOGITS_BYTES: usize = 256 << 20;
 
 #[cfg(feature = "cuda")]
 impl LinearCrossEntropy {

@@ -3,7 +3,9 @@
 
 use candle_core::{Result, Tensor};
 
-/// Rows of `table` (`[vocab, hidden]`) for `ids` (`[batch, seq]`, u32): `[batch, seq, hidden]`.
+/// Rows of `table` (`[vocab, hidden]`) for `ids` (`[batch, seq]`, u32): `[batch, seq, hidden]`, on the table's
+/// device. The ids are range-checked where they are — give them on the host to spare a GPU table a read back — and
+/// then moved to the table's device.
 pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     let (b, t) = ids.dims2()?;
     let hidden = table.dim(1)?;
@@ -16,6 +18,7 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     {
         candle_core::bail!("token id {bad} is out of range for a vocabulary of {vocab}");
     }
+    let flat = flat.to_device(table.device())?;
     table.index_select(&flat, 0)?.reshape((b, t, hidden))
 }
 

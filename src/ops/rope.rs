@@ -125,10 +125,10 @@ impl RopeTables {
         Ok((c, s))
     }
 
-    /// cos/sin for explicit positions `[batch, len]` (u32), shaped `[batch, 1, len, head_dim]`.
+    /// cos/sin for explicit positions `[batch, len]` (u32, on any device), shaped `[batch, 1, len, head_dim]`.
     pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t) = positions.dims2()?;
-        let flat = positions.flatten_all()?;
+        let flat = positions.flatten_all()?.to_device(self.cos.device())?;
         let d = self.cos.dim(1)?;
         let c = self.cos.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
         let s = self.sin.index_select(&flat, 0)?.reshape((b, 1, t, d))?;

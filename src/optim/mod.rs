@@ -268,7 +268,8 @@ impl Optimizer {
                 continue;
             };
             let wd = slot.weight_decay;
-            #[allow(clippy::infallible_destructuring_match)] // a second variant with the `cuda` feature
+            #[allow(clippy::infallible_destructuring_match)]
+            // a second variant with the `cuda` feature
             let state = match &mut slot.state {
                 Placed::Host(state) => state,
                 #[cfg(feature = "cuda")]

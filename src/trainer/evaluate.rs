@@ -1,7 +1,7 @@
 //! Evaluation: the token-level mean loss over a whole data set (total NLL / total label tokens, not a mean of
 //! per-example means), and its perplexity.
 
-use candle_core::DType;
+use candle_core::{DType, Device};
 
 use crate::data::{collate, TokenizedExample};
 use crate::error::Result;
@@ -28,14 +28,14 @@ pub fn evaluate(
     examples: &[TokenizedExample],
     batch_size: usize,
 ) -> Result<EvalReport> {
-    let device = model.device().clone();
     let mut total = 0f64;
     let mut tokens = 0usize;
     // Sort by length so batches pad little; the result does not depend on the order.
     let mut order: Vec<&TokenizedExample> = examples.iter().collect();
     order.sort_by_key(|e| e.input_ids.len());
     for batch in order.chunks(batch_size.max(1)) {
-        let b = collate(batch, &device)?;
+        // Built on the host: the model uploads the ids and reads the labels where they are (no readback).
+        let b = collate(batch, &Device::Cpu)?;
         let (sum, n) =
             model.loss_sum(&b.ids, &b.labels, &b.positions, &Checkpointing::default())?;
         total += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;

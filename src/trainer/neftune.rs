@@ -10,12 +10,36 @@ use crate::rng::uniform;
 pub fn neftune_noise(embeds: &Tensor, alpha: f64, seed: u64) -> Result<Tensor> {
     let (_, seq, hidden) = embeds.dims3()?;
     let magnitude = alpha / ((seq * hidden) as f64).sqrt();
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(device) = embeds.device() {
+        return embeds
+            + cuda_noise(device, seed, magnitude, embeds.dims())?.to_dtype(embeds.dtype())?;
+    }
     let noise: Vec<f32> = (0..embeds.elem_count() as u64)
         .map(|i| ((2.0 * uniform(seed, i) - 1.0) * magnitude) as f32)
         .collect();
     let noise =
         Tensor::from_vec(noise, embeds.dims(), embeds.device())?.to_dtype(embeds.dtype())?;
     embeds + noise
+}
+
+/// The float32 noise made on the GPU (`kernels/dropout.cu`), the same values as the host's.
+#[cfg(feature = "cuda")]
+fn cuda_noise(
+    device: &candle_core::CudaDevice,
+    seed: u64,
+    magnitude: f64,
+    dims: &[usize],
+) -> Result<Tensor> {
+    use crate::cuda::{alloc, grid, kernel, run, tensor, DROPOUT};
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    let n = dims.iter().product::<usize>() as u64;
+    let mut out = alloc::<f32>(device, n as usize)?;
+    let func = kernel(device, &DROPOUT, "uniform_noise")?;
+    let mut args = func.builder();
+    args.arg(&seed).arg(&magnitude).arg(&n).arg(&mut out);
+    run(&mut args, grid(n))?;
+    Ok(tensor(out, device, dims))
 }
 
 #[cfg(test)]

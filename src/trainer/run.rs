@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::Var;
+use candle_core::{Tensor, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
@@ -30,7 +30,8 @@ use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
 use crate::memory::{process_memory, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
-use crate::optim::{clip_grad_norm, Optimizer, OptimizerConfig, Schedule};
+use crate::optim::clip::{scale_to_norm, squared_norm};
+use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::plot::loss_svg;
 
 /// The adapter the trainer trains.
@@ -362,7 +363,16 @@ impl Trainer {
         self.state.global_step = step;
         self.state.epoch = epoch;
         self.state.num_input_tokens_seen += result.input_tokens;
-        let loss = result.loss_sum / result.counted.max(1) as f64;
+        let mut grads = result.grads;
+        // The one read from the device in a step: the loss and the squared gradient norm together.
+        let squared_norm = squared_norm(&run.vars, &grads)?;
+        let read: Vec<f64> = match &squared_norm {
+            Some(norm) => Tensor::stack(&[&result.loss_sum, norm], 0)?,
+            None => result.loss_sum.unsqueeze(0)?,
+        }
+        .to_vec1()?;
+        let grad_norm = read.get(1).map_or(0.0, |s| s.sqrt());
+        let loss = read[0] / result.counted.max(1) as f64;
         let lr = run.schedule.lr_for_update(step);
         let mut entry = LogEntry {
             step,
@@ -373,9 +383,8 @@ impl Trainer {
         };
         if loss.is_finite() {
             self.state.consecutive_nonfinite_losses = 0;
-            let mut grads = result.grads;
             run.memory.timeline.start_phase(Phase::Optimizer);
-            let grad_norm = clip_grad_norm(&run.vars, &mut grads, args.max_grad_norm)?;
+            scale_to_norm(&run.vars, &mut grads, grad_norm, args.max_grad_norm)?;
             run.optimizer
                 .step(&grads, lr)
                 .map_err(|e| run.memory.explain(e, args))?;

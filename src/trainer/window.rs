@@ -3,7 +3,7 @@
 //! of each phase recorded.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::args::TrainingArguments;
 use super::neftune::neftune_noise;
@@ -80,8 +80,8 @@ impl StepMemory {
 
 /// The outcome of one accumulation window.
 pub(super) struct Window {
-    /// Sum of the token losses.
-    pub loss_sum: f64,
+    /// Sum of the token losses: a float64 scalar on the model's device (read with the gradient norm).
+    pub loss_sum: Tensor,
     /// Label tokens counted.
     pub counted: usize,
     /// Input tokens.
@@ -108,13 +108,15 @@ impl Window {
             .collect();
         let counted: usize = examples.iter().map(|e| counted_tokens(e)).sum();
         let mut grads = GradStore::default();
-        // The loss sums stay on the device until the window ends (one read, not one per micro-batch).
+        // The loss sums stay on the device (read once per step, with the gradient norm).
         let mut loss_sum: Option<Tensor> = None;
         model.lora_runtime.set_training(true);
         for (k, ex) in examples.iter().enumerate() {
             let seed = micro_batch_seed(args.seed, first_micro + k);
             model.lora_runtime.set_step_seed(seed);
-            let batch = collate(ex, model.device())?;
+            // Built on the host: the model uploads the ids and positions and reads labels and packing segments
+            // where they are, so nothing is read back from the GPU.
+            let batch = collate(ex, &Device::Cpu)?;
             let tokens = batch.ids.elem_count() as u64;
             let ck = Checkpointing {
                 enabled: args.gradient_checkpointing,
@@ -163,8 +165,8 @@ impl Window {
         model.lora_runtime.set_training(false);
         Ok(Window {
             loss_sum: match loss_sum {
-                Some(t) => t.to_scalar::<f64>()?,
-                None => 0.0,
+                Some(t) => t,
+                None => Tensor::zeros((), DType::F64, model.device())?,
             },
             counted,
             input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),

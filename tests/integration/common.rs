@@ -6,12 +6,20 @@ use candle_core::DType;
 use candle_qlora::files::MappedSafetensors;
 use safetensors::tensor::TensorView;
 
+/// The repository: where it was built, else the working directory (a test binary carried to another machine runs
+/// from the repository's copy there).
+pub fn repo_root() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built.join("Cargo.toml").exists() {
+        built
+    } else {
+        std::env::current_dir().expect("a working directory")
+    }
+}
+
 /// `tests/data/<rel>`.
 pub fn data_path(rel: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests")
-        .join("data")
-        .join(rel)
+    repo_root().join("tests").join("data").join(rel)
 }
 
 /// A tensor's raw bytes by name, panicking with the file name when missing.
@@ -76,7 +84,7 @@ pub fn test_model() -> Option<PathBuf> {
     if let Some(p) = candle_qlora::loading::cached_test_model() {
         return Some(p);
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/fetch-test-model.sh");
+    let script = repo_root().join("scripts/fetch-test-model.sh");
     let fetched = std::process::Command::new(&script)
         .output()
         .ok()

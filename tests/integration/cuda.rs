@@ -551,13 +551,15 @@ fn tiny_trainer(
     trainer
 }
 
-/// Float32 compute on both devices: the same losses (to float32 reduction-order noise) and the same adapter.
+/// Float32 compute on both devices, with LoRA dropout and NEFTune noise (both made on the GPU from the same
+/// generator): the same losses (to float32 reduction-order noise) and the same adapter.
 #[test]
 fn training_on_the_gpu_matches_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let run = |device: &Device, name: &str| {
         let out = dir.path().join(name);
-        let log = tiny_trainer(device, &out, crate::trainer::examples(), 0.1, |_| {})
+        let neftune = |a: &mut TrainingArguments| a.neftune_noise_alpha = Some(5.0);
+        let log = tiny_trainer(device, &out, crate::trainer::examples(), 0.1, neftune)
             .train(None)
             .unwrap();
         let losses: Vec<f64> = log.log_history.iter().filter_map(|e| e.loss).collect();

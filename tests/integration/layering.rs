@@ -170,7 +170,7 @@ fn sources(root: &Path, dir: &Path, out: &mut Vec<(PathBuf, String)>) {
 
 #[test]
 fn no_module_imports_a_higher_one() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let src = crate::common::repo_root().join("src");
     let mut files = Vec::new();
     sources(&src, &src, &mut files);
     assert!(files.len() > 50, "read {} files", files.len());

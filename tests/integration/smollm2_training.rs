@@ -17,9 +17,7 @@ fn arithmetic(
     tok: &candle_qlora::models::TextTokenizer,
     n: usize,
 ) -> Vec<TokenizedExample> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("configs/data")
-        .join(file);
+    let path = crate::common::repo_root().join("configs/data").join(file);
     let config = DataConfig {
         max_length: 64,
         ..Default::default()

@@ -226,7 +226,7 @@ fn train_command_runs_a_config_and_resumes() {
 /// Every bundled recipe parses and validates.
 #[test]
 fn bundled_configs_are_valid() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs");
+    let dir = crate::common::repo_root().join("configs");
     let mut n = 0;
     for e in std::fs::read_dir(&dir).unwrap() {
         let p = e.unwrap().path();

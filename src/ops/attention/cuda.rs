@@ -24,7 +24,7 @@ pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && k.dtype() == q.dtype()
         && v.dtype() == q.dtype()
-        && matches!(dims.d, 64 | 128)
+        && super::CUDA_HEAD_DIMS.contains(&dims.d)
 }
 
 /// Dynamic shared memory of the forward kernel for head dim `d` (the layout at the top of `attn_fwd`).
@@ -42,7 +42,18 @@ fn bwd_shared_bytes(d: usize) -> usize {
 /// The segment starts on the device (u32 `[b · len]`), or a one-element placeholder without segments.
 fn starts_on(segments: Option<&Segments>, like: &Tensor) -> Result<(Tensor, i32)> {
     Ok(match segments {
-        Some(s) => (Tensor::new(s.starts.as_slice(), like.device())?, 1),
+        Some(s) => {
+            let starts = match s.on_device.get() {
+                Some(t) if t.device().same_device(like.device()) => t.clone(),
+                _ => {
+                    let t = Tensor::new(s.starts.as_slice(), like.device())?;
+                    // A batch's segments serve one device; should another ask, it gets its own upload.
+                    let _ = s.on_device.set(t.clone());
+                    t
+                }
+            };
+            (starts, 1)
+        }
         None => (Tensor::zeros(1, DType::U32, like.device())?, 0),
     })
 }

@@ -18,16 +18,29 @@ use cpu::{Dims, KeyStarts};
 /// Query rows per block: the score tensor is `[batch, heads, QUERY_BLOCK, keys]`.
 pub const QUERY_BLOCK: usize = 128;
 
+/// Head dimensions the CUDA attention kernels take (in bf16 or f16); others run the composed path.
+pub const CUDA_HEAD_DIMS: [usize; 2] = [64, 128];
+
 /// Where each example of packed rows begins: queries attend only to keys of their own example.
 ///
 /// Built from positions that restart at 0 at every example (`start = index − position`), so the same tensor that
 /// drives RoPE defines the mask and the two cannot disagree.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Segments {
     /// `[batch * len]`: the index of the first token of each token's example.
     starts: Arc<Vec<u32>>,
     batch: usize,
     len: usize,
+    /// `starts` on the GPU, uploaded by the first kernel that reads them and shared by every clone (each layer's
+    /// forward, recompute and backward of one batch).
+    #[cfg(feature = "cuda")]
+    on_device: Arc<std::sync::OnceLock<Tensor>>,
+}
+
+impl PartialEq for Segments {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.starts, self.batch, self.len) == (&other.starts, other.batch, other.len)
+    }
 }
 
 impl Segments {
@@ -52,6 +65,8 @@ impl Segments {
             starts: Arc::new(starts),
             batch,
             len,
+            #[cfg(feature = "cuda")]
+            on_device: Default::default(),
         })
     }
 }
