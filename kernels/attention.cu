@@ -6,7 +6,7 @@
 // of its example (`starts`, per batch and position).
 //
 // Layouts: q, out [B, HQ, TQ, D]; k, v [B, HKV, S, D]; lse, delta [B, HQ, TQ]; HQ a multiple of HKV. Head dims 64
-// and 128. Dynamic shared memory: the sizes `attn_fwd_smem` / `attn_bwd_smem` in src/ops/attention/cuda.rs.
+// and 128. Dynamic shared memory: the sizes `fwd_shared_bytes` / `bwd_shared_bytes` in src/ops/attention/cuda.rs.
 #include <mma.h>
 
 #include "common.cuh"

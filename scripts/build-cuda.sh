@@ -106,14 +106,18 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "integration":
         print(m["executable"])' | tail -1)"
     mkdir -p "$root/.gpu"
-    cp "$target/release/qlora" "$root/.gpu/qlora"
-    cp "$test_bin" "$root/.gpu/integration"
+    # Stripped and xz-compressed (≈ 75 MiB each, mostly PTX, → ≈ 10 MiB): what travels to a GPU machine is small.
+    for pair in "$target/release/qlora:qlora" "$test_bin:integration"; do
+      strip -o "$root/.gpu/${pair##*:}" "${pair%%:*}"
+      xz -T0 -6 -f "$root/.gpu/${pair##*:}"
+    done
     cc -shared -fPIC -O2 -Wall -I"$CUDA_HOME/include" scripts/count_transfers.c -o "$root/.gpu/libcount_transfers.so" \
       -L"$CUDA_HOME/lib" -l:libcupti.so.13
     cat <<EOF
-built .gpu/qlora, .gpu/integration and .gpu/libcount_transfers.so (CUDA 13.0, PTX for sm_$CUDA_COMPUTE_CAP; they
-need driver 580+ / CUDA 13). On the GPU machine, with the repository as the working directory (the tests read
+built .gpu/qlora.xz, .gpu/integration.xz and .gpu/libcount_transfers.so (CUDA 13.0, PTX for sm_$CUDA_COMPUTE_CAP;
+they need driver 580+ / CUDA 13). On the GPU machine, with the repository as the working directory (the tests read
 tests/data/):
+  xz -dkf .gpu/qlora.xz .gpu/integration.xz
   export LD_LIBRARY_PATH="\$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__file__))')/cu13/lib:\${LD_LIBRARY_PATH:-}"
   .gpu/integration cuda:: --test-threads 1
   CUDA_INJECTION64_PATH=.gpu/libcount_transfers.so .gpu/qlora train ...   # prints the host<->device copies at exit

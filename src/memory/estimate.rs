@@ -209,8 +209,8 @@ pub fn kept_layers(
 /// Activation bytes at the peak of a training step of this library. Saved for the backward: every layer's
 /// tensors, or with checkpointing only each layer's input. On top of that, the larger of two moments: the fused
 /// cross-entropy (on the CPU one `TOKEN_BLOCK` × vocabulary float32 logits block plus the hidden-state gradient;
-/// on CUDA one `CUDA_LOGITS_BYTES` block of float32 logits, its gradient in the compute dtype, the hidden-state
-/// gradient and a contiguous copy of the hidden states), or the backward through one layer (with checkpointing
+/// on CUDA one `CUDA_LOGITS_BYTES` block of float32 logits, its gradient in the compute dtype, the float32
+/// hidden-state gradient and a contiguous copy of the hidden states), or the backward through one layer (with checkpointing
 /// the layer recomputed, plus the gradients in flight, plus the attention's working memory: the float32 scores of
 /// one `QUERY_BLOCK` of queries, or, with the CUDA kernels, their float32 query-gradient accumulator).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
@@ -264,7 +264,9 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         DeviceKind::Cuda => {
             let block_tokens =
                 (CUDA_LOGITS_BYTES as u64 / (vocab * 4).max(1)).clamp(1, tokens.max(1));
-            block_tokens * vocab * (4 + dtype_bytes) + 2 * tokens * h * dtype_bytes
+            // Logits (f32) and their gradient (compute dtype) per block; the hidden states' contiguous copy and
+            // their float32 gradient.
+            block_tokens * vocab * (4 + dtype_bytes) + tokens * h * (dtype_bytes + 4)
         }
     };
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)

@@ -212,7 +212,7 @@ impl LinearCrossEntropy {
 
     /// Block by block of tokens: float32 logits from the head in its own dtype (cuBLAS, no float32 copy of the
     /// head), the token losses and, when `hidden` needs it, the logits' gradient in the storage dtype
-    /// (`kernels/cross_entropy.cu`), then the hidden states' gradient `dlogits · W` — all on the device.
+    /// (`kernels/cross_entropy.cu`), then the hidden states' gradient `dlogits · W` in float32 — all on the device.
     fn cuda_fwd(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
         use crate::cuda::{
             alloc, device_of, gemm, hold, kernel, rows_grid, run, suffix, tensor, with_float_type,
@@ -246,7 +246,9 @@ impl LinearCrossEntropy {
         let (vocab_u, grad_flag) = (vocab as u64, with_grad as i32);
         with_float_type!(dtype, T => {
             let mut dlogits = alloc::<T>(&device, if with_grad { chunk * vocab } else { 1 })?;
-            let mut dh = alloc::<T>(&device, if with_grad { n * h } else { 1 })?;
+            // The hidden states' gradient in float32: the backward scales it by the upstream gradient before the one
+            // rounding to the activations' dtype, as the CPU path does.
+            let mut dh = alloc::<f32>(&device, if with_grad { n * h } else { 1 })?;
             let (hh, wh, lh) = (hold(&hidden)?, hold(&weight)?, hold(&labels)?);
             let (hv, wv, lv) = (hh.view::<T>()?, wh.view::<T>()?, lh.view::<i64>()?);
             for start in (0..n).step_by(chunk) {
@@ -276,7 +278,7 @@ impl LinearCrossEntropy {
                     let dl = dlogits.slice(0..len * vocab);
                     let (a, _a) = Matrix::of(&dl, &stream, dtype);
                     let (b, _b) = Matrix::of(&wv, &stream, dtype);
-                    let (c, _c) = Matrix::of_mut(&mut dh, &stream, dtype);
+                    let (c, _c) = Matrix::of_mut(&mut dh, &stream, DType::F32);
                     let shape = GemmShape { m: len, n: h, k: vocab, a_t: false, b_t: false, alpha: 1.0, beta: 0.0 };
                     gemm(&device, shape, a, b, c.offset(start * h))?;
                 }
@@ -312,7 +314,10 @@ impl Op<2> for LinearCrossEntropy {
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
         match &self.hidden_gradient {
-            Some(dh) => Ok([Some(dh.broadcast_mul(&grad.to_dtype(dh.dtype())?)?), None]),
+            Some(dh) => {
+                let scaled = dh.broadcast_mul(&grad.to_dtype(dh.dtype())?)?;
+                Ok([Some(scaled.to_dtype(inputs[0].dtype())?), None])
+            }
             None => self.composed_bwd(inputs, grad, needs),
         }
     }

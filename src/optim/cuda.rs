@@ -157,6 +157,9 @@ impl CudaState {
         let candle_core::Device::Cuda(device) = var.device() else {
             return Ok(None);
         };
+        if var.elem_count() == 0 {
+            return Ok(None); // nothing to update (and no zero-byte pinned allocation)
+        }
         let Some(host) = host_moments(state).filter(|_| var.dtype() == DType::F32) else {
             return Ok(None);
         };
@@ -216,9 +219,10 @@ impl CudaState {
 }
 
 /// The device buffers paged states are staged through (one per buffer of a state), each grown to the largest
-/// parameter's.
+/// parameter's, on the device of the last update.
 #[derive(Default)]
 pub(crate) struct Staging {
+    device: Option<DeviceId>,
     floats: [Option<CudaSlice<f32>>; 2],
     bytes: [Option<CudaSlice<u8>>; 2],
 }
@@ -230,6 +234,13 @@ impl Staging {
         device: &CudaDevice,
         pinned: &Moments<PinnedHostSlice<f32>, PinnedHostSlice<u8>>,
     ) -> Result<Moments<CudaViewMut<'a, f32>, CudaViewMut<'a, u8>>> {
+        if self.device != Some(device.id()) {
+            // Parameters on another device: its own buffers.
+            *self = Staging {
+                device: Some(device.id()),
+                ..Default::default()
+            };
+        }
         let [f0, f1] = &mut self.floats;
         let [b0, b1] = &mut self.bytes;
         let (mut floats, mut bytes) = ([f0, f1].into_iter(), [b0, b1].into_iter());

@@ -418,8 +418,8 @@ fn attention_kernels_match_the_cpu_op() {
 
 /// The optimizers' device kernels keep the parameters and states of the host updates bit for bit — torch AdamW,
 /// bitsandbytes' 32-bit and 8-bit AdamW, resident and paged (with a tensor below `min_8bit_size` on the 32-bit
-/// kernel, a partial absmax block, weight decay, a non-finite gradient element) — and a state saved on the GPU
-/// resumes on the CPU.
+/// kernel, a partial absmax block, weight decay, a non-finite gradient element on the 8-bit kernel) — and a state
+/// saved on the GPU resumes on the CPU.
 #[test]
 fn optimizer_updates_on_the_gpu_match_the_cpu_bit_for_bit() {
     use candle_core::backprop::GradStore;
@@ -464,7 +464,9 @@ fn optimizer_updates_on_the_gpu_match_the_cpu_bit_for_bit() {
                 let mut g: Vec<f32> = (0..*n)
                     .map(|i| ((i as f32 + k as f32) * 1.3).cos() * 0.1)
                     .collect();
-                if k == 2 {
+                // The 8-bit kernel skips a non-finite gradient element (the others would carry NaN, whose bits
+                // differ between devices).
+                if k == 2 && name.is_8bit() && *n >= config.min_8bit_size {
                     g[17] = f32::NAN;
                 }
                 grads.insert(v, Tensor::from_vec(g, *n, v.device()).unwrap());
