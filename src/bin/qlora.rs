@@ -417,6 +417,7 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
     let dataset = Dataset::tokenize(examples, tokenizer, &data)?;
+    dataset.check_learnable(&args.data.display().to_string())?;
     let report = evaluate(&loaded.model, &dataset.rows, args.batch_size)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -482,6 +483,10 @@ fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
         Ok(())
     })?;
     println!();
+    let context = loaded.model.config().max_position_embeddings;
+    if out.len() < args.max_new_tokens && prompt_ids.len() + out.len() == context {
+        eprintln!("note: stopped at the model's context of {context} positions");
+    }
     eprintln!(
         "{} tokens in {:.2} s ({:.1} tokens/s)",
         out.len(),

@@ -56,8 +56,11 @@ impl Default for DataConfig {
 impl DataConfig {
     /// Checks lengths and fractions.
     pub fn validate(&self) -> Result<()> {
-        if self.max_length == 0 {
-            return Err(Error::InvalidInput("max_length must be at least 1".into()));
+        if self.max_length < 2 {
+            return Err(Error::InvalidInput(format!(
+                "max_length = {}: must be at least 2 (each token learns to predict the next one)",
+                self.max_length
+            )));
         }
         if let Some(split) = self.eval_split {
             if !(0.0..1.0).contains(&split) {
@@ -90,13 +93,22 @@ pub struct Dataset {
     pub truncated: usize,
     /// Examples in the rows (more than the rows when packed).
     pub examples: usize,
+    /// Examples dropped for having no tokens at all (as TRL drops them).
+    pub empty: usize,
 }
 
 impl From<Vec<TokenizedExample>> for Dataset {
+    /// The rows, without the empty ones (counted in `empty`).
     fn from(rows: Vec<TokenizedExample>) -> Self {
+        let total = rows.len();
+        let rows: Vec<TokenizedExample> = rows
+            .into_iter()
+            .filter(|r| !r.input_ids.is_empty())
+            .collect();
         Dataset {
             truncated: rows.iter().filter(|r| r.truncated).count(),
             examples: rows.len(),
+            empty: total - rows.len(),
             rows,
             skipped: vec![],
         }
@@ -180,6 +192,25 @@ impl Dataset {
         self.rows.iter().map(|r| r.input_ids.len()).sum()
     }
 
+    /// Tokens that carry the loss (see [`TokenizedExample::learned_tokens`]).
+    pub fn learned_tokens(&self) -> usize {
+        self.rows.iter().map(TokenizedExample::learned_tokens).sum()
+    }
+
+    /// An error when no token carries the loss — every label masked, or every row a single token — saying how many
+    /// rows had nothing to learn and why that happens; `what` names the set ("the training set", a file).
+    pub fn check_learnable(&self, what: &str) -> Result<()> {
+        if self.learned_tokens() > 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidInput(format!(
+            "{what}: none of its {} rows has a token to learn (every label is -100, or the row is a single token): \
+             with completion_only_loss, check that the answers are not empty and that the prompts fit in \
+             max_length, or train on every token",
+            self.rows.len()
+        )))
+    }
+
     /// What a run prints about the file `name` this data set was read from: its skipped lines and how many of its
     /// examples were truncated (`truncated`, which counts rows split off since), one line each.
     pub fn file_notes(&self, name: &str, truncated: usize, max_length: usize) -> Vec<String> {
@@ -191,6 +222,12 @@ impl Dataset {
         if truncated > 0 {
             lines.push(format!(
                 "{name}: {truncated} examples truncated to {max_length} tokens"
+            ));
+        }
+        if self.empty > 0 {
+            lines.push(format!(
+                "{name}: {} empty examples skipped (no tokens)",
+                self.empty
             ));
         }
         lines

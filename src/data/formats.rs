@@ -67,6 +67,18 @@ pub struct TokenizedExample {
     pub segments: Vec<usize>,
 }
 
+impl TokenizedExample {
+    /// The tokens whose loss is taken: labels after the first (a position predicts the next token's label) that
+    /// are not −100.
+    pub fn learned_tokens(&self) -> usize {
+        self.labels
+            .iter()
+            .skip(1)
+            .filter(|l| **l != IGNORE_INDEX)
+            .count()
+    }
+}
+
 fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, String> {
     let obj = v.as_object().ok_or("the line is not a JSON object")?;
     let format = match format {

@@ -230,6 +230,12 @@ impl LoraConfig {
         if self.r == 0 {
             return bad("r must be at least 1".into());
         }
+        if !self.lora_alpha.is_finite() || self.lora_alpha <= 0.0 {
+            return bad(format!(
+                "lora_alpha = {}: must be more than 0 (the update is scaled by lora_alpha / r; 0 trains nothing)",
+                self.lora_alpha
+            ));
+        }
         if !(0.0..1.0).contains(&self.lora_dropout) {
             return bad(format!(
                 "lora_dropout {} must be in [0, 1)",

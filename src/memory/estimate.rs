@@ -41,6 +41,41 @@ pub struct EstimateArgs {
     pub device: DeviceKind,
 }
 
+/// The most tokens a micro-batch may have for an estimate (far beyond any GPU; keeps every byte count in 64 bits).
+const MAX_ESTIMATE_TOKENS: usize = 1 << 31;
+
+impl EstimateArgs {
+    /// Checks the sizes: at least 1, and a micro-batch small enough to count in 64 bits.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |m: String| Err(crate::Error::InvalidInput(format!("estimate: {m}")));
+        for (name, value) in [
+            ("batch", self.batch),
+            ("seq", self.seq),
+            ("lora_r", self.lora_r),
+        ] {
+            if value == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        match self.batch.checked_mul(self.seq) {
+            Some(tokens) if tokens <= MAX_ESTIMATE_TOKENS => {}
+            _ => {
+                return bad(format!(
+                "batch × seq = {} × {} tokens is too large (at most 2^31 tokens in a micro-batch)",
+                self.batch, self.seq
+            ))
+            }
+        }
+        if self
+            .activation_memory_budget_mib
+            .is_some_and(|b| !b.is_finite() || b < 0.0)
+        {
+            return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
+        }
+        Ok(())
+    }
+}
+
 impl Default for EstimateArgs {
     fn default() -> Self {
         EstimateArgs {
@@ -290,6 +325,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
 
 /// The configuration asked, as this library would run it.
 pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate> {
+    args.validate()?;
     let optim = args.optim;
     let n = counts(c, args.lora_r);
     let e: u64 = match args.device {
@@ -379,6 +415,7 @@ fn per_layer_nf4(c: &ModelConfig) -> u64 {
 /// (with the asked optimizer on the adapter), all at the asked batch, sequence and checkpointing, then the
 /// configuration asked as this library runs it.
 pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Estimate>> {
+    args.validate()?;
     let optim = args.optim;
     let n = counts(c, args.lora_r);
     let p = n.block_linear + n.rest;

@@ -5,7 +5,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use super::llama::{KvCache, LlamaModel};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// How to pick tokens.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +37,27 @@ impl GenerationConfig {
         }
     }
 
+    /// Checks the sampling settings: a finite temperature of 0 or more, `top_p` in (0, 1], `top_k` at least 1.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidInput(format!("generation: {m}")));
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad(format!(
+                "temperature = {}: must be 0 (greedy) or more",
+                self.temperature
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!(
+                "top_p = {}: must be in (0, 1] (1 keeps every token)",
+                self.top_p
+            ));
+        }
+        if self.top_k == Some(0) {
+            return bad("top_k = 0: must be at least 1 (or unset)".into());
+        }
+        Ok(())
+    }
+
     fn sampling(&self) -> Sampling {
         if self.temperature <= 0.0 {
             return Sampling::ArgMax;
@@ -59,18 +80,33 @@ impl GenerationConfig {
 }
 
 /// Generates after `prompt_ids`, calling `on_token` with each new token; returns the new tokens (without EOS).
+/// Generation also stops where the model's context (`max_position_embeddings`) is full, as transformers does.
 pub fn generate(
     model: &LlamaModel,
     prompt_ids: &[u32],
     config: &GenerationConfig,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
+    config.validate()?;
+    if prompt_ids.is_empty() {
+        return Err(Error::InvalidInput(
+            "generation: the prompt has no tokens; give it some text".into(),
+        ));
+    }
+    let context = model.config().max_position_embeddings;
+    if prompt_ids.len() >= context {
+        return Err(Error::InvalidInput(format!(
+            "generation: the prompt's {} tokens fill the model's context of {context} positions",
+            prompt_ids.len()
+        )));
+    }
+    let max_new_tokens = config.max_new_tokens.min(context - prompt_ids.len());
     let device = Device::Cpu;
     let mut processor = LogitsProcessor::from_sampling(config.seed, config.sampling());
     let mut cache = KvCache::new(model.layers.len());
     let mut out = Vec::new();
     let mut input = Tensor::new(prompt_ids, &device)?.unsqueeze(0)?;
-    for _ in 0..config.max_new_tokens {
+    for _ in 0..max_new_tokens {
         let logits = model.forward_cached(&input, &mut cache)?.squeeze(0)?;
         let next = processor.sample(&logits)?;
         if config.eos_token_ids.contains(&next) {

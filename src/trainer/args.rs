@@ -182,6 +182,40 @@ impl Default for TrainingArguments {
     }
 }
 
+/// The range a number of [`TrainingArguments`] must be in.
+#[derive(Clone, Copy)]
+enum Range {
+    NonNegative,
+    Positive,
+    /// In [0, 1].
+    Fraction,
+    /// In [0, 1), as PyTorch's Adam takes its betas.
+    Beta,
+    /// More than 0; below 1 a ratio of the total steps.
+    Steps,
+}
+
+impl Range {
+    fn admits(self, x: f64) -> bool {
+        match self {
+            Range::NonNegative => x >= 0.0,
+            Range::Positive | Range::Steps => x > 0.0,
+            Range::Fraction => (0.0..=1.0).contains(&x),
+            Range::Beta => (0.0..1.0).contains(&x),
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Range::NonNegative => "0 or more",
+            Range::Positive => "more than 0",
+            Range::Fraction => "in [0, 1]",
+            Range::Beta => "in [0, 1)",
+            Range::Steps => "more than 0 (below 1: a ratio of the steps)",
+        }
+    }
+}
+
 impl TrainingArguments {
     /// The device to train on: CUDA GPU 0 when this build has the `cuda` feature, a GPU answers and `use_cpu` is
     /// off; otherwise the CPU (with a note on stderr when a GPU was wanted but none answered).
@@ -230,8 +264,32 @@ impl TrainingArguments {
                     .into(),
             );
         }
-        if self.learning_rate < 0.0 || self.warmup_steps < 0.0 || self.warmup_ratio < 0.0 {
-            return bad("learning_rate and warmup must not be negative".into());
+        // Every number a finite value in its range (PyTorch's for the optimizer's), named with the range.
+        let epochs = if self.max_steps > 0 {
+            Range::NonNegative
+        } else {
+            Range::Positive
+        };
+        let mut numbers = vec![
+            ("learning_rate", self.learning_rate, Range::NonNegative),
+            ("num_train_epochs", self.num_train_epochs, epochs),
+            ("warmup_steps", self.warmup_steps, Range::NonNegative),
+            ("warmup_ratio", self.warmup_ratio, Range::Fraction),
+            ("weight_decay", self.weight_decay, Range::NonNegative),
+            ("max_grad_norm", self.max_grad_norm, Range::NonNegative),
+            ("adam_beta1", self.adam_beta1, Range::Beta),
+            ("adam_beta2", self.adam_beta2, Range::Beta),
+            ("adam_epsilon", self.adam_epsilon, Range::NonNegative),
+            ("logging_steps", self.logging_steps, Range::Steps),
+            ("save_steps", self.save_steps, Range::Steps),
+        ];
+        if let Some(e) = self.eval_steps {
+            numbers.push(("eval_steps", e, Range::Steps));
+        }
+        for (key, value, range) in numbers {
+            if !value.is_finite() || !range.admits(value) {
+                return bad(format!("`{key}` = {value}: must be {}", range.describe()));
+            }
         }
         if self
             .activation_memory_budget_mib

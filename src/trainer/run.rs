@@ -97,6 +97,7 @@ impl Trainer {
         if train.is_empty() {
             return Err(Error::InvalidInput("the training set is empty".into()));
         }
+        train.check_learnable("the training set")?;
         if !model.adapter_names().iter().any(|n| n == ADAPTER) {
             model.add_adapter(ADAPTER, lora, args.seed)?;
         }

@@ -12,20 +12,10 @@ use crate::data::{collate, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel};
-use crate::ops::IGNORE_INDEX;
 
 /// Label tokens a batch contributes to the loss (after the shift).
 fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
-    examples
-        .iter()
-        .map(|e| {
-            e.labels
-                .iter()
-                .skip(1)
-                .filter(|l| **l != IGNORE_INDEX)
-                .count()
-        })
-        .sum()
+    examples.iter().map(|e| e.learned_tokens()).sum()
 }
 
 /// The seed of micro-batch `index` (dropout masks, NEFTune noise).

@@ -1,5 +1,6 @@
 //! Integration tests, in one binary so the Candle stack is linked once.
 
+mod bad_inputs;
 mod bnb_layout;
 mod cli;
 mod common;

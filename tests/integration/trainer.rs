@@ -124,7 +124,7 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
 
 /// Writes 16 lines of training text and a `qlora train` config for the tiny Llama (NF4, LoRA r=4) into `dir`, with
 /// extra `[data]` and `[training]` lines; the output goes to `dir/out`.
-fn write_tiny_config(dir: &Path, data: &str, training: &str) -> PathBuf {
+pub(crate) fn write_tiny_config(dir: &Path, data: &str, training: &str) -> PathBuf {
     let lines: Vec<String> = (0..16)
         .map(|i| {
             format!(

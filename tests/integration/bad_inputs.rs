@@ -1,0 +1,218 @@
+//! What a user types wrong, through the `qlora` command: each case is an input, the exit code it must give and a
+//! phrase its message must contain — and no case may panic. Add a row for every bad input found.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::data_path;
+use crate::trainer::write_tiny_config;
+
+/// One bad (or degenerate) input.
+struct Case {
+    /// The command's arguments.
+    args: Vec<String>,
+    /// The exit code it must end with (1: an error; 0: accepted, with the message as a note).
+    exit: i32,
+    /// A phrase of its output.
+    says: &'static str,
+}
+
+/// Input files beside the tiny config: an empty example among good ones, and completion data whose answers are
+/// empty.
+fn write_inputs(dir: &Path) {
+    let mut good: Vec<String> = (0..8)
+        .map(|i| format!("{{\"text\": \"t{} t{} t{}\"}}", i + 3, i + 5, i + 7))
+        .collect();
+    good.push("{\"text\": \"\"}".into());
+    std::fs::write(dir.join("with_empty.jsonl"), good.join("\n")).unwrap();
+    std::fs::write(
+        dir.join("no_answers.jsonl"),
+        "{\"instruction\": \"say t3\", \"output\": \"\"}\n{\"instruction\": \"say t4\", \"output\": \"\"}\n",
+    )
+    .unwrap();
+}
+
+fn cases(dir: &Path) -> Vec<Case> {
+    let config = write_tiny_config(dir, "", "max_steps = 1\nsave_strategy = \"no\"\n");
+    write_inputs(dir);
+    let model = data_path("models/tiny-llama").display().to_string();
+    let file = |name: &str| dir.join(name).display().to_string();
+    let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let train = |sets: &[&str]| {
+        let mut args = strings(&["train", "--config", &config.display().to_string()]);
+        for s in sets {
+            args.extend(strings(&["--set", s]));
+        }
+        args.extend(strings(&["--set", "training.overwrite_output_dir=true"]));
+        args
+    };
+    let generate = |extra: &[&str]| {
+        let mut args = strings(&["generate", "--model", &model]);
+        args.extend(strings(extra));
+        args
+    };
+    let eval = |extra: &[&str]| {
+        let mut args = strings(&["eval", "--model", &model]);
+        args.extend(strings(extra));
+        args
+    };
+    let estimate = |extra: &[&str]| {
+        let mut args = strings(&["estimate", "--model", &model]);
+        args.extend(strings(extra));
+        args
+    };
+    let case = |args: Vec<String>, exit: i32, says: &'static str| Case { args, exit, says };
+    let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
+    vec![
+        // Numbers out of range or not numbers at all: refused by name, with the range.
+        case(
+            train(&["training.logging_steps=nan"]),
+            1,
+            "`logging_steps` = NaN",
+        ),
+        case(train(&["training.save_steps=nan"]), 1, "`save_steps` = NaN"),
+        case(train(&["training.eval_steps=nan"]), 1, "`eval_steps` = NaN"),
+        case(
+            train(&["training.learning_rate=nan"]),
+            1,
+            "`learning_rate` = NaN",
+        ),
+        case(
+            train(&["training.learning_rate=inf"]),
+            1,
+            "`learning_rate` = inf",
+        ),
+        case(
+            train(&["training.num_train_epochs=-2"]),
+            1,
+            "`num_train_epochs` = -2",
+        ),
+        case(
+            train(&["training.adam_beta1=2.0"]),
+            1,
+            "`adam_beta1` = 2: must be in [0, 1)",
+        ),
+        case(train(&["training.adam_beta2=1.0"]), 1, "`adam_beta2` = 1"),
+        case(train(&["training.adam_epsilon=-1e-8"]), 1, "`adam_epsilon`"),
+        case(
+            train(&["training.weight_decay=-5"]),
+            1,
+            "`weight_decay` = -5: must be 0 or more",
+        ),
+        case(
+            train(&["training.warmup_ratio=1.5"]),
+            1,
+            "`warmup_ratio` = 1.5",
+        ),
+        case(train(&["training.max_grad_norm=nan"]), 1, "`max_grad_norm`"),
+        case(
+            train(&["lora.lora_alpha=0"]),
+            1,
+            "lora_alpha = 0: must be more than 0",
+        ),
+        // Data that would train nothing.
+        case(
+            train(&["data.max_length=1"]),
+            1,
+            "max_length = 1: must be at least 2",
+        ),
+        case(
+            train(&[
+                &format!("data.train_file={:?}", file("no_answers.jsonl")),
+                "data.completion_only_loss=true",
+            ]),
+            1,
+            "has a token to learn",
+        ),
+        // An empty example is dropped with a note, and the run goes on.
+        case(
+            train(&[&format!("data.train_file={:?}", file("with_empty.jsonl"))]),
+            0,
+            "1 empty examples skipped",
+        ),
+        case(
+            eval(&["--data", &file("no_answers.jsonl")]),
+            1,
+            "has a token to learn",
+        ),
+        case(
+            eval(&["--data", &file("with_empty.jsonl"), "--max-length", "0"]),
+            1,
+            "max_length = 0",
+        ),
+        // Generation settings.
+        case(generate(&["--prompt", ""]), 1, "the prompt has no tokens"),
+        case(
+            generate(&["--prompt", "t3", "--top-p", "2"]),
+            1,
+            "top_p = 2",
+        ),
+        case(
+            generate(&["--prompt", "t3", "--top-p", "0"]),
+            1,
+            "top_p = 0",
+        ),
+        case(
+            generate(&["--prompt", "t3", "--top-p=-0.5"]),
+            1,
+            "top_p = -0.5",
+        ),
+        case(
+            generate(&["--prompt", "t3", "--temperature=-1"]),
+            1,
+            "temperature = -1",
+        ),
+        case(
+            generate(&["--prompt", "t3", "--temperature", "NaN"]),
+            1,
+            "temperature = NaN",
+        ),
+        case(
+            generate(&["--prompt", "t3", "--temperature", "1", "--top-k", "0"]),
+            1,
+            "top_k = 0",
+        ),
+        case(
+            generate(&["--prompt", &long_prompt, "--max-new-tokens", "1000"]),
+            0,
+            "stopped at the model's context of 256 positions",
+        ),
+        // Estimates of sizes that make no sense.
+        case(estimate(&["--batch", "0"]), 1, "batch must be at least 1"),
+        case(estimate(&["--seq", "0"]), 1, "seq must be at least 1"),
+        case(
+            estimate(&["--batch", "10000000", "--seq", "10000000"]),
+            1,
+            "too large",
+        ),
+    ]
+}
+
+#[test]
+fn bad_inputs_get_clear_errors_and_never_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut failures = vec![];
+    for case in cases(dir.path()) {
+        let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(&case.args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        let code = out.status.code().unwrap_or(-1);
+        if code != case.exit || !text.contains(case.says) || text.contains("panicked") {
+            failures.push(format!(
+                "qlora {:?}\n  exit {code} (want {}), want the phrase {:?}; said:\n{}",
+                case.args
+                    .iter()
+                    .map(|a| a.chars().take(60).collect::<String>())
+                    .collect::<Vec<_>>(),
+                case.exit,
+                case.says,
+                text.lines().rev().take(4).collect::<Vec<_>>().join("\n")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
