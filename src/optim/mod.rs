@@ -353,6 +353,39 @@ impl Optimizer {
             .transpose()
     }
 
+    /// Bytes of state in the memory of the parameters' device: all of it for parameters on the CPU; on a GPU the
+    /// resident state (a paged state lives in host memory, as does a state updated on the host).
+    pub fn resident_bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| match &s.state {
+                Placed::Host(st) if s.var.device().is_cpu() => st.bytes(),
+                Placed::Host(_) => 0,
+                #[cfg(feature = "cuda")]
+                Placed::Cuda(st @ cuda::CudaState::Resident(_)) => st.bytes(),
+                #[cfg(feature = "cuda")]
+                Placed::Cuda(cuda::CudaState::Paged(_)) => 0,
+            })
+            .sum()
+    }
+
+    /// The first parameter whose state holds a non-finite number (NaN or infinity), if any.
+    pub fn first_non_finite(&self) -> Result<Option<&str>> {
+        for s in &self.slots {
+            let finite = match &*s.host_state()? {
+                ParamState::Adam32 { m, v } => m.iter().chain(v).all(|x| x.is_finite()),
+                ParamState::Adam8(st) => {
+                    st.absmax1.iter().chain(&st.absmax2).all(|x| x.is_finite())
+                }
+                ParamState::Sgd(b) => b.iter().flatten().all(|x| x.is_finite()),
+            };
+            if !finite {
+                return Ok(Some(&s.name));
+            }
+        }
+        Ok(None)
+    }
+
     /// Bytes of optimizer state (host or device).
     pub fn state_bytes(&self) -> usize {
         self.slots

@@ -13,6 +13,7 @@ pub mod callbacks;
 pub mod checkpoint;
 pub mod config;
 pub mod evaluate;
+pub mod lock;
 mod neftune;
 mod oom;
 pub mod pipeline;

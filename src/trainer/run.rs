@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
@@ -20,6 +20,7 @@ use super::checkpoint::{
     DataPosition, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 use super::evaluate::{evaluate, EvalReport};
+use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::DataPlan;
 use super::state::{LogEntry, TrainOutput, TrainerState};
@@ -80,6 +81,8 @@ struct Run {
     started: Instant,
     tokens_at_start: usize,
     control: TrainerControl,
+    /// The output folder's lock, released when the run ends.
+    _lock: OutputLock,
 }
 
 impl Trainer {
@@ -154,10 +157,13 @@ impl Trainer {
         )
     }
 
-    /// Refuses to reuse the output of an earlier run (an adapter or checkpoints) unless resuming or
-    /// `overwrite_output_dir`; with it, removes that run's adapter and checkpoints (the user asked for it). A log
-    /// without any checkpoint (a run killed early) holds nothing to keep and is replaced.
-    fn prepare_output_dir(&self, out: &Path, resuming: bool) -> Result<()> {
+    /// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an
+    /// adapter or checkpoints) unless resuming or `overwrite_output_dir`; with it, removes that run's adapter and
+    /// checkpoints (the user asked for it). A log without any checkpoint (a run killed early) holds nothing to keep
+    /// and is replaced.
+    fn prepare_output_dir(&self, out: &Path, resuming: bool) -> Result<OutputLock> {
+        std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
+        let lock = OutputLock::acquire(out)?;
         let earlier: Vec<PathBuf> = std::fs::read_dir(out)
             .into_iter()
             .flatten()
@@ -187,8 +193,8 @@ impl Trainer {
                 removed.map_err(|e| Error::io("cannot remove", p, e))?;
             }
         }
-        std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
-        remove_partial_checkpoints(out)
+        remove_partial_checkpoints(out)?;
+        Ok(lock)
     }
 
     fn each_callback(
@@ -249,7 +255,7 @@ impl Trainer {
         crate::memory::keep_freed_memory();
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
-        self.prepare_output_dir(&out, resume.is_some())?;
+        let lock = self.prepare_output_dir(&out, resume.is_some())?;
         let plan = DataPlan::new(&self.train.rows, &args);
         let total = args.total_steps(plan.batches_per_epoch);
         let warmup = args.warmup_for(total);
@@ -282,12 +288,7 @@ impl Trainer {
                 lora_bytes,
             ),
             step: 0,
-            // The optimizer's state lives in host memory; on a GPU it is not part of the device's memory.
-            optimizer_bytes: if self.model.device().is_cpu() {
-                optimizer.state_bytes() as u64
-            } else {
-                0
-            },
+            optimizer_bytes: optimizer.resident_bytes() as u64,
         };
         let every = Intervals {
             log: TrainingArguments::interval(args.logging_steps, total),
@@ -319,6 +320,7 @@ impl Trainer {
         std::fs::write(&log_path, history).map_err(|e| Error::io("cannot write", &log_path, e))?;
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
+            _lock: lock,
             progress: Progress::new(total, self.state.global_step, args.disable_tqdm),
             args,
             out,
@@ -389,7 +391,7 @@ impl Trainer {
             run.optimizer
                 .step(&grads, lr)
                 .map_err(|e| run.memory.explain(e, args))?;
-            run.memory.optimizer_bytes = run.optimizer.state_bytes() as u64;
+            run.memory.optimizer_bytes = run.optimizer.resident_bytes() as u64;
             run.memory.end_phase(0, gradient_bytes(&run.vars, &grads));
             entry.loss = Some(loss);
             entry.grad_norm = Some(grad_norm);
@@ -460,12 +462,13 @@ impl Trainer {
         for cb in &mut self.callbacks {
             cb.on_step_end(args, &self.state, &mut run.control)?;
         }
+        // As transformers: on schedule, and with "steps" also at the last step.
         let save_now = match args.save_strategy {
-            IntervalStrategy::Steps => step % run.every.save == 0,
+            IntervalStrategy::Steps => step % run.every.save == 0 || step == run.total,
             IntervalStrategy::Epoch => last_window,
             IntervalStrategy::No => false,
         };
-        if save_now && step < run.total && !run.control.should_training_stop {
+        if save_now && !run.control.should_training_stop {
             let data = run.plan.position(args, micro);
             let scheduler = SchedulerState {
                 lr_scheduler_type: args.lr_scheduler_type,
@@ -532,6 +535,13 @@ impl Trainer {
         scheduler: &SchedulerState,
     ) -> Result<()> {
         let step = self.state.global_step;
+        // A diverged run's state is not worth keeping, and saving it would rotate a good checkpoint out.
+        if let Some(what) = self.non_finite_state(optimizer)? {
+            eprintln!(
+                "warning: checkpoint-{step} not saved: {what} is not finite (the checkpoints before it are kept)"
+            );
+            return Ok(());
+        }
         if self.state.best_global_step.is_some_and(|b| b <= step) {
             self.state.best_model_checkpoint =
                 Some(out.join(format!("checkpoint-{step}")).display().to_string());
@@ -559,6 +569,23 @@ impl Trainer {
             cb.on_save(&self.args, &self.state, &dir)?;
         }
         Ok(())
+    }
+
+    /// What holds a NaN or an infinity — an adapter weight or a parameter's optimizer state — if anything does.
+    fn non_finite_state(&self, optimizer: &Optimizer) -> Result<Option<String>> {
+        for (name, var) in self.model.adapter_parameters(ADAPTER)? {
+            let values: Vec<f32> = var
+                .as_tensor()
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            if !values.iter().all(|x| x.is_finite()) {
+                return Ok(Some(format!("adapter weight `{name}`")));
+            }
+        }
+        Ok(optimizer
+            .first_non_finite()?
+            .map(|name| format!("the optimizer state of `{name}`")))
     }
 
     /// Loads adapter weights, optimizer state, the trainer state and the callbacks' state from a checkpoint, after

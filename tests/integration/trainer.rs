@@ -95,17 +95,17 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     assert_eq!(losses.len(), 8);
     assert!(losses[7] < losses[0], "{losses:?}");
     assert!(a.join("adapter_model.safetensors").exists());
-    // Rotation keeps the 2 newest checkpoints (2, 4, 6 were written).
+    // Rotation keeps the 2 newest checkpoints (2, 4, 6 and, as transformers does, the last step's 8 were written).
     assert!(
-        !a.join("checkpoint-2").exists()
-            && a.join("checkpoint-4").exists()
+        !a.join("checkpoint-4").exists()
             && a.join("checkpoint-6").exists()
+            && a.join("checkpoint-8").exists()
     );
 
-    // A new process resumes from checkpoint-4 into another folder: same later losses, same final adapter.
+    // A new process resumes from checkpoint-6 into another folder: same later losses, same final adapter.
     let b = dir.path().join("b");
     let mut t2 = trainer(&b);
-    let log2 = t2.train(Some(&a.join("checkpoint-4"))).unwrap();
+    let log2 = t2.train(Some(&a.join("checkpoint-6"))).unwrap();
     let losses2: Vec<f64> = log2.log_history.iter().filter_map(|e| e.loss).collect();
     assert_eq!(losses, losses2, "logged losses of the resumed run");
     let read = |d: &std::path::Path| {
@@ -191,6 +191,10 @@ fn train_command_runs_a_config_and_resumes() {
         .join("out/checkpoint-2/optimizer.safetensors")
         .exists());
 
+    // The last step's checkpoint is saved too (as transformers does); without it, --resume takes checkpoint-2.
+    let last = dir.path().join("out/checkpoint-4");
+    assert!(last.join("optimizer.safetensors").exists());
+    std::fs::remove_dir_all(&last).unwrap();
     let (ok, text) = run(&["--resume"]);
     assert!(ok, "{text}");
     assert_eq!(
@@ -439,6 +443,44 @@ fn callbacks_divergence_and_output_dir_rules() {
     t.train(None).unwrap();
     // The old checkpoint-2 is gone (the new run's was rotated away by save_total_limit = 2).
     assert!(!out.join("checkpoint-2").exists() && out.join("checkpoint-6").exists());
+}
+
+/// A diverged run never writes a checkpoint with a non-finite adapter or optimizer state, so rotation keeps the
+/// last good one: two good steps (checkpoint-2), then a resumed run whose learning rate overflows float32 makes the
+/// weights infinite at step 3; with `save_total_limit = 1`, checkpoint-2 must still be there at the end.
+#[test]
+fn non_finite_state_is_never_checkpointed() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let settings = |max_steps: i64, learning_rate: f64| {
+        move |a: &mut TrainingArguments| {
+            a.max_steps = max_steps;
+            a.learning_rate = learning_rate;
+            a.save_steps = 1.0;
+            a.save_total_limit = Some(1);
+            a.optim = OptimizerName::AdamWTorch;
+            a.warmup_steps = 0.0;
+            a.lr_scheduler_type = SchedulerType::Constant;
+            a.max_grad_norm = 0.0;
+            a.max_consecutive_nonfinite_losses = 0;
+        }
+    };
+    trainer_with(&out, settings(2, 1e-3), vec![])
+        .train(None)
+        .unwrap();
+    assert!(out.join("checkpoint-2").exists());
+    let mut t = trainer_with(&out, settings(4, 1e39), vec![]);
+    t.train(Some(&out.join("checkpoint-2"))).unwrap();
+    let kept: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(
+        kept,
+        ["checkpoint-2"],
+        "the newest finite checkpoint is kept"
+    );
 }
 
 /// `to_device` moves a model before adapters exist (a no-op on its own device) and refuses once they do: adapters
