@@ -1,6 +1,6 @@
 //! With the `cuda` feature, compiles the CUDA kernels in `kernels/*.cu` to PTX with `nvcc` (found through
 //! `CUDA_HOME`/`CUDA_PATH` or `PATH`), for the compute capability `CUDA_COMPUTE_CAP` (default 80; PTX runs on that
-//! GPU generation and every later one). `src/ops/cuda` embeds the PTX and loads it once per device. Without the
+//! GPU generation and every later one). `src/cuda.rs` embeds the PTX and loads it once per device. Without the
 //! feature it does nothing.
 
 use std::path::{Path, PathBuf};

@@ -44,33 +44,33 @@ __device__ __forceinline__ double uniform(u64 seed, u64 index) {
     extern "C" __global__ void name##_bf16 PARAMS(__nv_bfloat16) { impl<__nv_bfloat16> ARGS; }               \
     extern "C" __global__ void name##_f16 PARAMS(__half) { impl<__half> ARGS; }
 
-// The sum of `v` over the block (every thread gets it); `blockDim.x` a multiple of 32, at most 1024.
-__device__ __forceinline__ float block_sum(float v) {
+// `v` reduced over the block by `op` (every thread gets the result); `blockDim.x` a multiple of 32, at most 1024.
+// `identity` fills the lanes beyond the block's warps in the second round.
+template <typename Op> __device__ __forceinline__ float block_reduce(float v, float identity, Op op) {
     __shared__ float partial[32];
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, offset));
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads(); // `partial` may still be read by a previous call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     const int warps = blockDim.x >> 5;
-    v = lane < warps ? partial[lane] : 0.0f;
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    v = lane < warps ? partial[lane] : identity;
+    for (int offset = 16; offset > 0; offset >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, offset));
     return v;
 }
 
+struct Add {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// The sum of `v` over the block (every thread gets it).
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, 0.0f, Add()); }
+
 // The maximum of `v` over the block (every thread gets it).
-__device__ __forceinline__ float block_max(float v) {
-    __shared__ float partial[32];
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = lane < warps ? partial[lane] : -INFINITY;
-    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
-    return v;
-}
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, -INFINITY, Max()); }
 
 // Grid-stride loop over rows, one block per row.
 #define FOR_EACH_ROW(row, rows) for (u64 row = blockIdx.x; row < (u64)(rows); row += gridDim.x)

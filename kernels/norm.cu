@@ -4,15 +4,20 @@
 // The weight is float32 (as the model stores norms).
 #include "common.cuh"
 
+// r = 1 / sqrt(mean(x²) + eps) of the row `xr` of `h` values (every thread of the block gets it).
+template <typename T> __device__ __forceinline__ float inverse_rms(const T *xr, u64 h, float eps) {
+    float sum = 0.0f;
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        const float v = to_float(xr[j]);
+        sum += v * v;
+    }
+    return 1.0f / sqrtf(block_sum(sum) / (float)h + eps);
+}
+
 template <typename T> __device__ void rms_norm_fwd(const T *x, const float *w, float eps, u64 rows, u64 h, T *y) {
     FOR_EACH_ROW(row, rows) {
         const T *xr = x + row * h;
-        float sum = 0.0f;
-        for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
-            const float v = to_float(xr[j]);
-            sum += v * v;
-        }
-        const float r = 1.0f / sqrtf(block_sum(sum) / (float)h + eps);
+        const float r = inverse_rms(xr, h, eps);
         for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
             y[row * h + j] = from_float<T>(to_float(xr[j]) * r * w[j]);
         }
@@ -24,12 +29,7 @@ __device__ void rms_norm_bwd(const T *x, const float *w, const T *grad, float ep
     FOR_EACH_ROW(row, rows) {
         const T *xr = x + row * h;
         const T *gr = grad + row * h;
-        float sum = 0.0f;
-        for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
-            const float v = to_float(xr[j]);
-            sum += v * v;
-        }
-        const float r = 1.0f / sqrtf(block_sum(sum) / (float)h + eps);
+        const float r = inverse_rms(xr, h, eps);
         float proj = 0.0f;
         for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
             proj += to_float(gr[j]) * w[j] * to_float(xr[j]) * r;

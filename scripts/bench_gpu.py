@@ -358,7 +358,7 @@ def report(work: Path, warmup: int, loss_tol: float) -> None:
             losses = "not run"
 
         def f(x, spec=".0f"):
-            return format(x, spec) if x else "—"
+            return format(x, spec) if x is not None else "—"
         ratio = speed["ours"] / speed["theirs"] if speed["ours"] and speed["theirs"] else None
         mem_ratio = peak["ours"] / peak["theirs"] if peak["ours"] and peak["theirs"] else None
         print(f"| {shape} | {bxs} | {dropout} | {f(speed['ours'])} | {f(speed['theirs'])} | {f(ratio, '.2f')}× | "

@@ -6,15 +6,13 @@
 //! buffers become tensors without a copy ([`tensor`], [`storage`]). Every kernel indexes with 64-bit integers and loops grid-stride, so a
 //! tensor of more than 2³² elements is covered whole.
 
-use std::collections::HashMap;
 use std::ops::Deref;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig,
+    CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchArgs, LaunchConfig,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
-use candle_core::cuda_backend::{CudaDType, CudaDevice, DeviceId};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
@@ -157,32 +155,13 @@ impl Kernel {
     }
 }
 
-/// Kernel `name` of `module` on `device`; the module is loaded once per device.
+/// Kernel `name` of `module` on `device`; Candle loads the module once per device and caches it by name.
 pub(crate) fn kernel(device: &CudaDevice, module: &Module, name: &str) -> Result<Kernel> {
-    type Loaded = Mutex<HashMap<(DeviceId, &'static str), Arc<CudaModule>>>;
-    static LOADED: OnceLock<Loaded> = OnceLock::new();
-    let stream = device.cuda_stream();
-    let loaded = {
-        let mut modules = LOADED
-            .get_or_init(Default::default)
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("CUDA module cache poisoned".into()))?;
-        match modules.get(&(device.id(), module.name)) {
-            Some(m) => m.clone(),
-            None => {
-                let m = stream
-                    .context()
-                    .load_module(Ptx::from_src(module.ptx))
-                    .map_err(candle_core::Error::wrap)?;
-                modules.insert((device.id(), module.name), m.clone());
-                m
-            }
-        }
-    };
-    let func = loaded
-        .load_function(name)
-        .map_err(candle_core::Error::wrap)?;
-    Ok(Kernel { stream, func })
+    let func = device.get_or_load_custom_func(name, module.name, module.ptx)?;
+    Ok(Kernel {
+        stream: device.cuda_stream(),
+        func: func.into_cuda_function(),
+    })
 }
 
 /// Launches a kernel with its arguments pushed.
@@ -269,6 +248,21 @@ pub(crate) struct GemmShape {
     pub b_t: bool,
     pub alpha: f32,
     pub beta: f32,
+}
+
+/// [`gemm`] on the device views and buffer given, each with its dtype (see [`GemmShape`]).
+pub(crate) fn product<A: DeviceRepr, B: DeviceRepr, C: DeviceRepr>(
+    device: &CudaDevice,
+    shape: GemmShape,
+    a: (&CudaView<'_, A>, DType),
+    b: (&CudaView<'_, B>, DType),
+    c: (&mut CudaSlice<C>, DType),
+) -> Result<()> {
+    let stream = device.cuda_stream();
+    let (a, _a) = Matrix::of(a.0, &stream, a.1);
+    let (b, _b) = Matrix::of(b.0, &stream, b.1);
+    let (c, _c) = Matrix::of_mut(c.0, &stream, c.1);
+    gemm(device, shape, a, b, c)
 }
 
 /// cuBLAS's name of a float dtype.

@@ -151,6 +151,13 @@ pub fn candle_float_dtype(dtype: Dtype) -> Option<candle_core::DType> {
     }
 }
 
+/// Reads and parses the JSON file `path` (as a `serde_json::Value` or any deserializable type); errors name it.
+pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read", path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| Error::invalid_file(path, format!("not valid JSON: {e}")))
+}
+
 /// A sibling path used while writing `path`: `dir/.name.partial-<pid>`.
 pub fn partial_path(path: &Path) -> PathBuf {
     let name = path
@@ -160,37 +167,37 @@ pub fn partial_path(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.partial-{}", std::process::id()))
 }
 
-/// Writes tensors to `path` atomically: into a temporary sibling first, then renamed over `path`, so a crash
-/// never leaves a file that looks complete. Tensors are written in name order (as safetensors requires).
-pub fn write_safetensors<'a>(
-    path: &Path,
-    tensors: impl IntoIterator<Item = (String, RawTensor<'a>)>,
-    metadata: Option<HashMap<String, String>>,
-) -> Result<()> {
+/// Writes `path` atomically: `write` fills a temporary sibling, which is renamed over `path` (or removed when
+/// `write` fails), so a crash never leaves a file that looks complete.
+pub fn write_file_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let tmp = partial_path(path);
-    let result = safetensors::tensor::serialize_to_file(tensors, metadata, &tmp)
-        .map_err(|e| Error::invalid_file(path, format!("cannot serialize: {e}")))
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|e| Error::io("cannot move into place", path, e))
-        });
+    let result = write(&tmp).and_then(|()| {
+        std::fs::rename(&tmp, path).map_err(|e| Error::io("cannot move into place", path, e))
+    });
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result
 }
 
-/// Writes `bytes` to `path` atomically: into a temporary sibling, then renamed over `path`.
+/// Writes tensors to `path` atomically (see [`write_file_atomically`]). Tensors are written in name order (as
+/// safetensors requires).
+pub fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (String, RawTensor<'a>)>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    write_file_atomically(path, |tmp| {
+        safetensors::tensor::serialize_to_file(tensors, metadata, tmp)
+            .map_err(|e| Error::invalid_file(path, format!("cannot serialize: {e}")))
+    })
+}
+
+/// Writes `bytes` to `path` atomically (see [`write_file_atomically`]).
 pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
-    let tmp = partial_path(path);
-    let result = std::fs::write(&tmp, bytes)
-        .map_err(|e| Error::io("cannot write", &tmp, e))
-        .and_then(|()| {
-            std::fs::rename(&tmp, path).map_err(|e| Error::io("cannot move into place", path, e))
-        });
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+    write_file_atomically(path, |tmp| {
+        std::fs::write(tmp, bytes).map_err(|e| Error::io("cannot write", tmp, e))
+    })
 }
 
 /// An error when `output` exists and may not be replaced (`overwrite` off): nothing a user wrote is lost.

@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::{DType, Result, Tensor};
 
 use crate::error::Error;
-use crate::files::{refuse_existing, replace_dir, write_safetensors, RawTensor};
+use crate::files::{read_json, refuse_existing, replace_dir, write_safetensors, RawTensor};
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
 use crate::lora::{LoraAdapter, LoraLinear};
 use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
@@ -180,10 +180,7 @@ pub fn merge_to_folder(
             .map(|d| d.join("config.json"))
             .filter(|p| p.exists())
         {
-            Some(p) => serde_json::from_str(
-                &std::fs::read_to_string(&p).map_err(|e| Error::io("cannot read", &p, e))?,
-            )
-            .map_err(|e| Error::invalid_file(&p, e.to_string()))?,
+            Some(p) => read_json(&p)?,
             None => hf_config_json(model.config(), options.dtype),
         };
         if let Some(obj) = config.as_object_mut() {

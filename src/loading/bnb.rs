@@ -21,7 +21,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::files::{
-    candle_float_dtype, refuse_existing, replace_dir, view_to_f32, write_safetensors,
+    candle_float_dtype, read_json, refuse_existing, replace_dir, view_to_f32, write_safetensors,
     MappedSafetensors, RawTensor,
 };
 use crate::precision::TorchDtype;
@@ -445,10 +445,7 @@ pub fn quantize_model_dir(
     options.config.validate()?;
     refuse_existing(output, options.overwrite)?;
     let config_path = input.join("config.json");
-    let config_text = std::fs::read_to_string(&config_path)
-        .map_err(|e| Error::io("cannot read", &config_path, e))?;
-    let mut config: serde_json::Value = serde_json::from_str(&config_text)
-        .map_err(|e| Error::invalid_file(&config_path, format!("not valid JSON: {e}")))?;
+    let mut config: serde_json::Value = read_json(&config_path)?;
     let Some(config_obj) = config.as_object_mut() else {
         return Err(Error::invalid_file(&config_path, "expected a JSON object"));
     };

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::files::read_json;
 
 /// Fetches one file of a Hub repository: its local path, or why not.
 type FetchFn = dyn Fn(&str) -> std::result::Result<PathBuf, String>;
@@ -22,10 +23,7 @@ pub fn hub_snapshot(id: &str, revision: &str) -> Result<PathBuf> {
     }
     match fetch("model.safetensors.index.json") {
         Ok(index) => {
-            let text =
-                std::fs::read_to_string(&index).map_err(|e| Error::io("cannot read", &index, e))?;
-            let value: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::invalid_file(&index, format!("not valid JSON: {e}")))?;
+            let value: serde_json::Value = read_json(&index)?;
             let mut shards: Vec<&str> = value
                 .get("weight_map")
                 .and_then(|m| m.as_object())

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
-use crate::files::MappedSafetensors;
+use crate::files::{read_json, MappedSafetensors};
 
 /// The safetensors files of a model folder (one file, or shards listed by `model.safetensors.index.json`),
 /// memory-mapped, with a name → file map. Tensors are read one at a time.
@@ -19,10 +19,7 @@ impl ShardedSafetensors {
     pub fn open_folder(folder: &Path) -> Result<Self> {
         let index_path = folder.join("model.safetensors.index.json");
         let mut paths: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| Error::io("cannot read", &index_path, e))?;
-            let index: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| Error::invalid_file(&index_path, format!("not valid JSON: {e}")))?;
+            let index: serde_json::Value = read_json(&index_path)?;
             let map = index
                 .get("weight_map")
                 .and_then(|m| m.as_object())

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use serde_json::{json, Value};
 
 use crate::error::{at_key, Error, Result};
+use crate::files::read_json;
 
 /// Which modules get an adapter (`target_modules`): a list of names, a regex string, or `"all-linear"`.
 #[derive(Clone, Debug, PartialEq)]
@@ -260,10 +261,7 @@ impl LoraConfig {
 
     /// Reads `adapter_config.json` (unknown keys are ignored, missing keys take PEFT's defaults).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read", path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| Error::invalid_file(path, format!("not valid JSON: {e}")))?;
-        Self::from_json(&v, path)
+        Self::from_json(&read_json::<Value>(path)?, path)
     }
 
     /// Parses an `adapter_config.json` object; `path` names it in errors.

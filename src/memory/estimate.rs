@@ -415,7 +415,7 @@ fn per_layer_nf4(c: &ModelConfig) -> u64 {
 /// (with the asked optimizer on the adapter), all at the asked batch, sequence and checkpointing, then the
 /// configuration asked as this library runs it.
 pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Estimate>> {
-    args.validate()?;
+    let asked = estimate(c, args)?; // validates the arguments
     let optim = args.optim;
     let n = counts(c, args.lora_r);
     let p = n.block_linear + n.rest;
@@ -444,7 +444,7 @@ pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Est
             [per_layer_nf4(c) + 2 * n.rest, 4 * n.lora, lora_opt, 4 * n.lora, act(2), 0],
             note("NF4 base (4.127 bits/parameter), bf16 embeddings/head/norms, float32 adapter, bf16 activations"),
         ),
-        estimate(c, args)?,
+        asked,
     ])
 }
 

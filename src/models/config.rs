@@ -7,6 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::{at_key, Error, Result};
+use crate::files::read_json;
 use crate::ops::rope::Llama3RopeScaling;
 
 /// The architectures this implementation covers (family differences are configuration).
@@ -169,10 +170,7 @@ fn rope_settings(obj: &Value, path: &Path) -> Result<(f64, Option<Llama3RopeScal
 impl ModelConfig {
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_config_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io("cannot read", path, e))?;
-        let obj: Value =
-            serde_json::from_str(&text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
-        Self::from_hf_config(&obj, path)
+        Self::from_hf_config(&read_json::<Value>(path)?, path)
     }
 
     /// Parses a `config.json` object; `path` names it in errors.

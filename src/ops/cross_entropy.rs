@@ -196,7 +196,6 @@ impl LinearCrossEntropy {
     }
 }
 
-/// Bytes of float32 logits a CUDA block of tokens may hold (`[tokens, vocab]`).
 /// Bytes of float32 logits per block of tokens on CUDA (the block's token count follows from the vocabulary).
 pub const CUDA_LOGITS_BYTES: usize = 256 << 20;
 
@@ -215,8 +214,8 @@ impl LinearCrossEntropy {
     /// (`kernels/cross_entropy.cu`), then the hidden states' gradient `dlogits · W` in float32 — all on the device.
     fn cuda_fwd(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
         use crate::cuda::{
-            alloc, device_of, gemm, hold, kernel, rows_grid, run, suffix, tensor, with_float_type,
-            GemmShape, Matrix, CROSS_ENTROPY,
+            alloc, device_of, gemm, hold, kernel, product, rows_grid, run, suffix, tensor,
+            with_float_type, GemmShape, Matrix, CROSS_ENTROPY,
         };
         use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 
@@ -253,13 +252,9 @@ impl LinearCrossEntropy {
             let (hv, wv, lv) = (hh.view::<T>()?, wh.view::<T>()?, lh.view::<i64>()?);
             for start in (0..n).step_by(chunk) {
                 let len = chunk.min(n - start);
-                {
-                    let (a, _a) = Matrix::of(&hv, &stream, dtype);
-                    let (b, _b) = Matrix::of(&wv, &stream, dtype);
-                    let (c, _c) = Matrix::of_mut(&mut logits, &stream, DType::F32);
-                    let shape = GemmShape { m: len, n: vocab, k: h, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
-                    gemm(&device, shape, a.offset(start * h), b, c)?;
-                }
+                let rows = hv.slice(start * h..(start + len) * h);
+                let shape = GemmShape { m: len, n: vocab, k: h, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
+                product(&device, shape, (&rows, dtype), (&wv, dtype), (&mut logits, DType::F32))?;
                 {
                     let len_u = len as u64;
                     let labels_block = lv.slice(start..start + len);

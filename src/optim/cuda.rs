@@ -96,16 +96,16 @@ impl<F, B> Moments<F, B> {
         }
     }
 
-    /// The float32 and byte buffers, in order.
-    fn buffers(&self) -> (Vec<&F>, Vec<&B>) {
+    /// Bytes held, from the element counts `f` and `b` give of a float32 and a byte buffer.
+    fn bytes(&self, f: impl Fn(&F) -> usize, b: impl Fn(&B) -> usize) -> usize {
         match self {
-            Moments::Adam32 { m, v } => (vec![m, v], vec![]),
+            Moments::Adam32 { m, v } => 4 * (f(m) + f(v)),
             Moments::Adam8 {
                 state1,
                 state2,
                 absmax1,
                 absmax2,
-            } => (vec![absmax1, absmax2], vec![state1, state2]),
+            } => b(state1) + b(state2) + 4 * (f(absmax1) + f(absmax2)),
         }
     }
 }
@@ -203,17 +203,9 @@ impl CudaState {
 
     /// Bytes of state (device memory when resident, pinned host memory when paged).
     pub(crate) fn bytes(&self) -> usize {
-        fn bytes_of<F, B>(
-            m: &Moments<F, B>,
-            f: impl Fn(&F) -> usize,
-            b: impl Fn(&B) -> usize,
-        ) -> usize {
-            let (floats, bytes) = m.buffers();
-            4 * floats.into_iter().map(f).sum::<usize>() + bytes.into_iter().map(b).sum::<usize>()
-        }
         match self {
-            CudaState::Resident(m) => bytes_of(m, |s| s.len(), |s| s.len()),
-            CudaState::Paged(m) => bytes_of(m, |s| s.len(), |s| s.len()),
+            CudaState::Resident(m) => m.bytes(|s| s.len(), |s| s.len()),
+            CudaState::Paged(m) => m.bytes(|s| s.len(), |s| s.len()),
         }
     }
 }

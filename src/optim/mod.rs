@@ -37,7 +37,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::files::partial_path;
+use crate::files::{write_atomic, write_file_atomically};
 use crate::names::named_enum;
 use crate::quant::dynamic_map::{signed_map, unsigned_map};
 use adamw8bit::{Adam8bitState, Adam8bitStep};
@@ -424,22 +424,19 @@ impl Optimizer {
             }
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
-        let path = dir.join("optimizer.safetensors");
-        let tmp = partial_path(&path);
-        candle_core::safetensors::save(&tensors, &tmp)?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("cannot move into place", &path, e))?;
+        write_file_atomically(&dir.join("optimizer.safetensors"), |tmp| {
+            Ok(candle_core::safetensors::save(&tensors, tmp)?)
+        })?;
         let meta = serde_json::json!({
             "optim": self.config.name.as_str(),
             "step": self.step,
             "params": self.slots.iter().map(|s| s.name.clone()).collect::<Vec<_>>(),
             "qmap": "bitsandbytes dynamic maps (FMA build)",
         });
-        let path = dir.join("optimizer.json");
-        std::fs::write(
-            &path,
+        write_atomic(
+            &dir.join("optimizer.json"),
             serde_json::to_string_pretty(&meta).unwrap_or_default(),
         )
-        .map_err(|e| Error::io("cannot write", &path, e))
     }
 
     /// Restores state written by [`Optimizer::save`] for the same parameters and optimizer.

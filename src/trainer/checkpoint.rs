@@ -132,9 +132,7 @@ fn write_json(dir: &Path, name: &str, value: &impl Serialize) -> Result<()> {
 
 /// Reads JSON file `name` of checkpoint `dir`.
 pub fn read_json<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<T> {
-    let path = dir.join(name);
-    let text = std::fs::read_to_string(&path).map_err(|e| Error::io("cannot read", &path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::invalid_file(&path, e.to_string()))
+    crate::files::read_json(&dir.join(name))
 }
 
 /// Writes checkpoint `output_dir/checkpoint-{step}` atomically: `write_weights` fills a temporary folder (adapter,

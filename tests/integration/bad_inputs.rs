@@ -46,21 +46,15 @@ fn cases(dir: &Path) -> Vec<Case> {
         args.extend(strings(&["--set", "training.overwrite_output_dir=true"]));
         args
     };
-    let generate = |extra: &[&str]| {
-        let mut args = strings(&["generate", "--model", &model]);
+    // `qlora <subcommand> --model <tiny Llama> extra…`.
+    let on_model = |subcommand: &str, extra: &[&str]| {
+        let mut args = strings(&[subcommand, "--model", &model]);
         args.extend(strings(extra));
         args
     };
-    let eval = |extra: &[&str]| {
-        let mut args = strings(&["eval", "--model", &model]);
-        args.extend(strings(extra));
-        args
-    };
-    let estimate = |extra: &[&str]| {
-        let mut args = strings(&["estimate", "--model", &model]);
-        args.extend(strings(extra));
-        args
-    };
+    let generate = |extra: &[&str]| on_model("generate", extra);
+    let eval = |extra: &[&str]| on_model("eval", extra);
+    let estimate = |extra: &[&str]| on_model("estimate", extra);
     let case = |args: Vec<String>, exit: i32, says: &'static str| Case { args, exit, says };
     let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
     vec![

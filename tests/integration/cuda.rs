@@ -14,8 +14,12 @@ use candle_qlora::Error;
 
 use crate::common::data_path;
 
+/// GPU 0, opened once: every `Device::new_cuda` is a device of its own (ids, cuBLAS handle, loaded modules), and
+/// tensors of two of them do not mix.
 fn gpu() -> Device {
-    Device::new_cuda(0).expect("these tests need a CUDA GPU (cuda:0)")
+    static GPU: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    GPU.get_or_init(|| Device::new_cuda(0).expect("these tests need a CUDA GPU (cuda:0)"))
+        .clone()
 }
 
 #[test]

@@ -76,7 +76,7 @@ pub fn with_slices<T: CpuFloat, R, const N: usize>(
     f(slices)
 }
 
-/// A gradient computed on slices as a CPU tensor of `shape` (kept only where `needed`).
+/// A gradient computed on slices as a CPU tensor of `shape` (`None` where it was not computed).
 pub fn gradient<T: CpuFloat>(values: Option<Vec<T>>, shape: &Shape) -> Result<Option<Tensor>> {
     values
         .map(|v| Tensor::from_vec(v, shape, &candle_core::Device::Cpu))

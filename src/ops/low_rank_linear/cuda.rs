@@ -3,27 +3,15 @@
 //! (`beta = 1`), and the dropout masks made on the device (`kernels/dropout.cu`). The branch runs in the
 //! activations' dtype, as PEFT's under autocast; the gradients of `A` and `B` come out in float32.
 
-use std::sync::Arc;
-
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaStream, CudaView, PushKernelArg};
-use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{DType, Result, Tensor};
 
-use super::{BranchDropout, CallShapes};
+use super::{CallShapes, LowRankComposed};
 use crate::cuda::{
-    alloc, device_of, gemm, grid, hold, kernel, run, storage, suffix, tensor, with_float_type,
-    GemmShape, Matrix, DROPOUT,
+    alloc, device_of, grid, hold, kernel, product, run, storage, suffix, tensor, with_float_type,
+    GemmShape, DROPOUT,
 };
-use crate::ops::autograd::{Op, Value};
-use crate::ops::frozen_linear::FrozenLinear;
-
-/// The op (inputs `[x, A, B]`).
-pub(super) struct LowRankCuda {
-    pub base: Arc<FrozenLinear>,
-    pub scaling: f64,
-    pub dropout: Option<BranchDropout>,
-    pub shapes: CallShapes,
-}
+use crate::ops::autograd::Value;
 
 /// Whether the CUDA path takes these inputs: float activations on a GPU, float32 masters.
 pub(super) fn applies(x: &Tensor, a: &Tensor, b: &Tensor) -> bool {
@@ -33,30 +21,9 @@ pub(super) fn applies(x: &Tensor, a: &Tensor, b: &Tensor) -> bool {
         && b.dtype() == DType::F32
 }
 
-/// `c = alpha · op(a) · op(b) + beta · c` for the device views and buffer given (see [`GemmShape`]).
-#[allow(clippy::too_many_arguments)]
-fn product<A, B, C>(
-    device: &CudaDevice,
-    stream: &CudaStream,
-    shape: GemmShape,
-    a: (&CudaView<'_, A>, DType),
-    b: (&CudaView<'_, B>, DType),
-    c: (&mut CudaSlice<C>, DType),
-) -> Result<()>
-where
-    A: candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-    B: candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-    C: candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-{
-    let (a, _a) = Matrix::of(a.0, stream, a.1);
-    let (b, _b) = Matrix::of(b.0, stream, b.1);
-    let (c, _c) = Matrix::of_mut(c.0, stream, c.1);
-    gemm(device, shape, a, b, c)
-}
-
-impl LowRankCuda {
+impl LowRankComposed {
     /// `x ⊙ mask` (a new buffer) with this step's dropout, or `x` itself without dropout.
-    fn branch_input(&self, x: &Tensor) -> Result<Tensor> {
+    fn dropped_out(&self, x: &Tensor) -> Result<Tensor> {
         let Some(d) = self.dropout else {
             return Ok(x.clone());
         };
@@ -77,12 +44,9 @@ impl LowRankCuda {
             Ok(tensor(out, &device, x.shape().clone()))
         })
     }
-}
 
-impl Op<3> for LowRankCuda {
-    const NAME: &'static str = "low-rank-linear";
-
-    fn fwd(&mut self, [x, a, b]: [&Tensor; 3]) -> Result<Value> {
+    /// The forward on the device.
+    pub(super) fn cuda_fwd(&self, [x, a, b]: [&Tensor; 3]) -> Result<Value> {
         let CallShapes {
             inp,
             rows,
@@ -94,13 +58,12 @@ impl Op<3> for LowRankCuda {
         let r = a.dim(0)?;
         let x = x.contiguous()?;
         let w = self.base.weight.to_dense(dtype)?.contiguous()?;
-        let xd = self.branch_input(&x)?;
+        let xd = self.dropped_out(&x)?;
         let (a, b) = (
             a.to_dtype(dtype)?.contiguous()?,
             b.to_dtype(dtype)?.contiguous()?,
         );
         let device = device_of(&x)?;
-        let stream = device.cuda_stream();
         let y = with_float_type!(dtype, T => {
             let mut y = alloc::<T>(&device, rows * out)?;
             let mut h = alloc::<T>(&device, rows * r)?;
@@ -109,12 +72,12 @@ impl Op<3> for LowRankCuda {
             let (xv, wv, xdv, av, bv) = (xv?, wv?, xdv?, av?, bv?);
             // y = x·Wᵀ;  h = dropout(x)·Aᵀ;  y += s·h·Bᵀ.
             let base = GemmShape { m: rows, n: out, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
-            product(&device, &stream, base, (&xv, dtype), (&wv, dtype), (&mut y, dtype))?;
+            product(&device, base, (&xv, dtype), (&wv, dtype), (&mut y, dtype))?;
             let down = GemmShape { m: rows, n: r, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
-            product(&device, &stream, down, (&xdv, dtype), (&av, dtype), (&mut h, dtype))?;
+            product(&device, down, (&xdv, dtype), (&av, dtype), (&mut h, dtype))?;
             let hv = h.slice(0..rows * r);
             let up = GemmShape { m: rows, n: out, k: r, a_t: false, b_t: true, alpha: self.scaling as f32, beta: 1.0 };
-            product(&device, &stream, up, (&hv, dtype), (&bv, dtype), (&mut y, dtype))?;
+            product(&device, up, (&hv, dtype), (&bv, dtype), (&mut y, dtype))?;
             storage(y, &device)
         });
         let shape: candle_core::Shape = out_dims.as_slice().into();
@@ -127,7 +90,8 @@ impl Op<3> for LowRankCuda {
         })
     }
 
-    fn bwd(
+    /// The backward on the device.
+    pub(super) fn cuda_bwd(
         &self,
         [x, a, b]: [&Tensor; 3],
         grad: &Tensor,
@@ -144,13 +108,12 @@ impl Op<3> for LowRankCuda {
         let r = a.dim(0)?;
         let s = self.scaling as f32;
         let (x, g) = (x.contiguous()?, grad.contiguous()?);
-        let xd = self.branch_input(&x)?;
+        let xd = self.dropped_out(&x)?;
         let (a, b) = (
             a.to_dtype(dtype)?.contiguous()?,
             b.to_dtype(dtype)?.contiguous()?,
         );
         let device = device_of(&x)?;
-        let stream = device.cuda_stream();
         let w = if needs[0] {
             self.base.weight.to_dense(dtype)?.contiguous()?
         } else {
@@ -163,13 +126,13 @@ impl Op<3> for LowRankCuda {
             // dL/dh = s·g·B.
             let mut gh = alloc::<T>(&device, rows * r)?;
             let shape = GemmShape { m: rows, n: r, k: out, a_t: false, b_t: false, alpha: s, beta: 0.0 };
-            product(&device, &stream, shape, (&gv, dtype), (&bv, dtype), (&mut gh, dtype))?;
+            product(&device, shape, (&gv, dtype), (&bv, dtype), (&mut gh, dtype))?;
             let ghv = gh.slice(0..rows * r);
             let ga = if needs[1] {
                 // dA = (dL/dh)ᵀ·dropout(x), float32.
                 let mut ga = alloc::<f32>(&device, r * inp)?;
                 let shape = GemmShape { m: r, n: inp, k: rows, a_t: true, b_t: false, alpha: 1.0, beta: 0.0 };
-                product(&device, &stream, shape, (&ghv, dtype), (&xdv, dtype), (&mut ga, DType::F32))?;
+                product(&device, shape, (&ghv, dtype), (&xdv, dtype), (&mut ga, DType::F32))?;
                 Some(tensor(ga, &device, (r, inp)))
             } else {
                 None
@@ -178,11 +141,11 @@ impl Op<3> for LowRankCuda {
                 // h = dropout(x)·Aᵀ again; dB = s·gᵀ·h, float32.
                 let mut h = alloc::<T>(&device, rows * r)?;
                 let shape = GemmShape { m: rows, n: r, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
-                product(&device, &stream, shape, (&xdv, dtype), (&av, dtype), (&mut h, dtype))?;
+                product(&device, shape, (&xdv, dtype), (&av, dtype), (&mut h, dtype))?;
                 let hv = h.slice(0..rows * r);
                 let mut gb = alloc::<f32>(&device, out * r)?;
                 let shape = GemmShape { m: out, n: r, k: rows, a_t: true, b_t: false, alpha: s, beta: 0.0 };
-                product(&device, &stream, shape, (&gv, dtype), (&hv, dtype), (&mut gb, DType::F32))?;
+                product(&device, shape, (&gv, dtype), (&hv, dtype), (&mut gb, DType::F32))?;
                 Some(tensor(gb, &device, (out, r)))
             } else {
                 None
@@ -191,14 +154,14 @@ impl Op<3> for LowRankCuda {
                 // dx = g·W + dropout'((dL/dh)·A): the branch accumulated into the base (masked first with dropout).
                 let mut gx = alloc::<T>(&device, rows * inp)?;
                 let shape = GemmShape { m: rows, n: inp, k: out, a_t: false, b_t: false, alpha: 1.0, beta: 0.0 };
-                product(&device, &stream, shape, (&gv, dtype), (&wv, dtype), (&mut gx, dtype))?;
+                product(&device, shape, (&gv, dtype), (&wv, dtype), (&mut gx, dtype))?;
                 let branch = GemmShape { m: rows, n: inp, k: r, a_t: false, b_t: false, alpha: 1.0, beta: 1.0 };
                 match self.dropout {
-                    None => product(&device, &stream, branch, (&ghv, dtype), (&av, dtype), (&mut gx, dtype))?,
+                    None => product(&device, branch, (&ghv, dtype), (&av, dtype), (&mut gx, dtype))?,
                     Some(d) => {
                         let mut part = alloc::<T>(&device, rows * inp)?;
                         let shape = GemmShape { beta: 0.0, ..branch };
-                        product(&device, &stream, shape, (&ghv, dtype), (&av, dtype), (&mut part, dtype))?;
+                        product(&device, shape, (&ghv, dtype), (&av, dtype), (&mut part, dtype))?;
                         let (keep, n) = (1.0 - d.p, (rows * inp) as u64);
                         let name = format!("dropout_accumulate{}", suffix(dtype)?);
                         let func = kernel(&device, &DROPOUT, &name)?;

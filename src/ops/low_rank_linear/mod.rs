@@ -316,20 +316,9 @@ impl CallShapes {
     }
 }
 
-/// [`low_rank_linear`] off the CPU slice path: by the CUDA kernels and cuBLAS on a GPU, else composed of Candle's
-/// ops (any dtype and device).
+/// [`low_rank_linear`] off the CPU slice path.
 fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Tensor> {
     let shapes = CallShapes::of_dims(x.dims(), base)?;
-    #[cfg(feature = "cuda")]
-    if cuda::applies(x, branch.a, branch.b) {
-        return cuda::LowRankCuda {
-            base: base.clone(),
-            scaling: branch.scaling,
-            dropout: branch.dropout,
-            shapes,
-        }
-        .apply([x, branch.a, branch.b]);
-    }
     LowRankComposed {
         base: base.clone(),
         scaling: branch.scaling,
@@ -339,7 +328,8 @@ fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Te
     .apply([x, branch.a, branch.b])
 }
 
-/// The composed op (inputs `[x, A, B]`).
+/// The op off the CPU slice path (inputs `[x, A, B]`): the CUDA kernels and cuBLAS on a GPU where they apply
+/// (`cuda.rs`), else composed of Candle's ops (any dtype and device).
 struct LowRankComposed {
     base: Arc<FrozenLinear>,
     scaling: f64,
@@ -367,6 +357,10 @@ impl Op<3> for LowRankComposed {
     const NAME: &'static str = "low-rank-linear";
 
     fn fwd(&mut self, [x, a, b]: [&Tensor; 3]) -> Result<Value> {
+        #[cfg(feature = "cuda")]
+        if cuda::applies(x, a, b) {
+            return self.cuda_fwd([x, a, b]);
+        }
         let CallShapes {
             inp,
             rows,
@@ -393,6 +387,10 @@ impl Op<3> for LowRankComposed {
         grad: &Tensor,
         needs: [bool; 3],
     ) -> Result<[Option<Tensor>; 3]> {
+        #[cfg(feature = "cuda")]
+        if cuda::applies(x, a, b) {
+            return self.cuda_bwd([x, a, b], grad, needs);
+        }
         let CallShapes {
             ref dims,
             inp,
