@@ -72,6 +72,19 @@ pub enum Error {
     #[error("training stopped: {0}")]
     Diverged(String),
 
+    /// Training stopped on request (Ctrl-C, [`request_stop`](crate::trainer::interrupt::request_stop)) after
+    /// finishing a step; `checkpoint` is where the run can resume from.
+    #[error("training interrupted after step {step}; {}", match checkpoint {
+        Some(dir) => format!("checkpoint saved in `{}`: resume from it to go on", dir.display()),
+        None => "no checkpoint could be saved (the state is not finite)".to_string(),
+    })]
+    Interrupted {
+        /// The last finished optimizer step.
+        step: usize,
+        /// The checkpoint to resume from, if one was saved.
+        checkpoint: Option<PathBuf>,
+    },
+
     /// The user asked for something that would overwrite or lose data.
     #[error("{0}")]
     WouldOverwrite(String),

@@ -160,11 +160,16 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
 
 /// A sibling path used while writing `path`: `dir/.name.partial-<pid>`.
 pub fn partial_path(path: &Path) -> PathBuf {
+    sibling(path, "partial")
+}
+
+/// `dir/.name.<tag>-<pid>`, next to `path`.
+fn sibling(path: &Path, tag: &str) -> PathBuf {
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "output".into());
-    path.with_file_name(format!(".{name}.partial-{}", std::process::id()))
+    path.with_file_name(format!(".{name}.{tag}-{}", std::process::id()))
 }
 
 /// Writes `path` atomically: `write` fills a temporary sibling, which is renamed over `path` (or removed when
@@ -188,8 +193,10 @@ pub fn write_safetensors<'a>(
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
     write_file_atomically(path, |tmp| {
-        safetensors::tensor::serialize_to_file(tensors, metadata, tmp)
-            .map_err(|e| Error::invalid_file(path, format!("cannot serialize: {e}")))
+        safetensors::tensor::serialize_to_file(tensors, metadata, tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(io) => Error::io("cannot write", path, io),
+            e => Error::invalid_file(path, format!("cannot serialize: {e}")),
+        })
     })
 }
 
@@ -212,24 +219,80 @@ pub fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
 }
 
 /// Builds a folder at `output` atomically: `build` fills a staging sibling, which replaces `output` (an existing
-/// folder or file there goes only once the new one is complete) or is removed when `build` fails.
+/// folder or file there is moved aside and deleted only once the new one is in place) or is removed when anything
+/// fails, so a failure leaves `output` as it was and no temporary folder behind.
 pub fn replace_dir<R>(output: &Path, build: impl FnOnce(&Path) -> Result<R>) -> Result<R> {
     let staging = partial_path(output);
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
-    let result = match build(&staging) {
-        Ok(result) => result,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            return Err(e);
-        }
-    };
-    if output.exists() {
-        std::fs::remove_dir_all(output)
-            .or_else(|_| std::fs::remove_file(output))
-            .map_err(|e| Error::io("cannot replace", output, e))?;
+    let result = build(&staging).and_then(|result| {
+        move_into_place(&staging, output)?;
+        Ok(result)
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
     }
-    std::fs::rename(&staging, output)
-        .map_err(|e| Error::io("cannot move into place", output, e))?;
-    Ok(result)
+    result
+}
+
+/// Renames `staging` to `output`; an existing `output` is moved aside first and restored if the rename fails.
+fn move_into_place(staging: &Path, output: &Path) -> Result<()> {
+    let aside = sibling(output, "replaced");
+    let had_output = output.exists() || output.is_symlink();
+    if had_output {
+        std::fs::rename(output, &aside).map_err(|e| Error::io("cannot replace", output, e))?;
+    }
+    if let Err(e) = std::fs::rename(staging, output) {
+        if had_output {
+            let _ = std::fs::rename(&aside, output);
+        }
+        return Err(Error::io("cannot move into place", output, e));
+    }
+    if had_output {
+        if let Err(e) = std::fs::remove_dir_all(&aside).or_else(|_| std::fs::remove_file(&aside)) {
+            eprintln!(
+                "warning: `{}` is in place, but its previous version at `{}` could not be removed: {e}",
+                output.display(),
+                aside.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn replace_dir_leaves_the_old_output_or_the_new_one_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let output = dir.path().join("merged");
+        std::fs::write(&output, "a file the user asked to replace").unwrap();
+        // A failing build leaves the output as it was and no staging folder.
+        let failed = replace_dir(&output, |staging| {
+            std::fs::write(staging.join("half.safetensors"), "x").unwrap();
+            Err::<(), _>(Error::InvalidInput("disk full".into()))
+        });
+        assert!(failed.is_err());
+        assert_eq!(entries(dir.path()), ["merged"]);
+        assert!(output.is_file());
+        // A successful one replaces the file by the folder.
+        replace_dir(&output, |staging| {
+            std::fs::write(staging.join("model.safetensors"), "y")
+                .map_err(|e| Error::io("cannot write", staging, e))
+        })
+        .unwrap();
+        assert_eq!(entries(dir.path()), ["merged"]);
+        assert_eq!(entries(&output), ["model.safetensors"]);
+    }
 }

@@ -289,13 +289,19 @@ impl Adapters for LlamaModel {
             let mut keys: Vec<&String> = tensors.keys().collect();
             keys.truncate(5);
             problems.push(format!(
-                "{} unexpected tensors, e.g. {keys:?} (an adapter for another model or config?)",
+                "{} unexpected tensors, e.g. {keys:?}",
                 tensors.len()
             ));
         }
         if !problems.is_empty() {
+            const SHOWN: usize = 3;
+            let more = match problems.len().saturating_sub(SHOWN) {
+                0 => String::new(),
+                n => format!("; and {n} more"),
+            };
+            problems.truncate(SHOWN);
             return Err(Error::InvalidInput(format!(
-                "adapter `{name}` does not fit this model: {}",
+                "adapter `{name}` does not fit this model: {}{more} (an adapter for another base model?)",
                 problems.join("; ")
             )));
         }

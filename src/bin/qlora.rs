@@ -193,8 +193,33 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     }
     let resume = config.training.resume_checkpoint()?;
     let mut trainer = Trainer::from_run_config(&config)?;
-    trainer.train(resume.as_deref())?;
-    Ok(())
+    candle_qlora::trainer::interrupt::stop_on_ctrl_c()
+        .context("cannot install the Ctrl-C handler")?;
+    eprintln!("Ctrl-C stops after the current step, with a checkpoint to resume from");
+    match trainer.train(resume.as_deref()) {
+        Err(candle_qlora::Error::Interrupted {
+            step,
+            checkpoint: Some(dir),
+        }) => {
+            let sets: String = args.set.iter().map(|s| format!(" --set {s:?}")).collect();
+            eprintln!(
+                "stopped by Ctrl-C after step {step}; checkpoint saved in {}\nresume with: qlora train --config {}{sets} \
+                 --resume {}",
+                dir.display(),
+                args.config.display(),
+                dir.display()
+            );
+            std::process::exit(130);
+        }
+        Err(e @ candle_qlora::Error::Interrupted { .. }) => {
+            eprintln!("error: {e}");
+            std::process::exit(130);
+        }
+        result => {
+            result?;
+            Ok(())
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -440,13 +465,15 @@ fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
     let prompt_ids = if args.chat {
-        let text = tokenizer.apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: args.prompt.clone(),
-            }],
-            true,
-        )?;
+        let text = tokenizer
+            .apply_chat_template(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: args.prompt.clone(),
+                }],
+                true,
+            )
+            .context("drop --chat to use the prompt as plain text")?;
         tokenizer.encode(&text, false)?
     } else {
         tokenizer.encode(&args.prompt, true)?
@@ -592,8 +619,21 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             ExitCode::FAILURE
         }
     }
+}
+
+/// The error and its causes on one line, each cause only once (an I/O error's message already ends with the OS
+/// error, which is also its source).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }

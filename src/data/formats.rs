@@ -178,32 +178,37 @@ pub struct ReadReport {
 }
 
 /// Reads a JSONL file. A bad line is an error naming the file and line, unless `skip_bad_lines`, which counts it
-/// in the report instead. Blank lines are ignored.
+/// in the report instead (also a line that is not UTF-8). Blank lines are ignored.
 pub fn read_jsonl(
     path: &Path,
     format: DataFormat,
     skip_bad_lines: bool,
 ) -> Result<(Vec<Example>, ReadReport)> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| Error::io("cannot read data file", path, e))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::io("cannot read data file", path, e))?;
     let mut examples = Vec::new();
     let mut report = ReadReport::default();
-    for (i, line) in text.lines().enumerate() {
+    for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let parsed = serde_json::from_str::<Value>(line)
-            .map_err(|e| format!("not valid JSON ({e})"))
-            .and_then(|v| parse_line(&v, format));
+        let line = match std::str::from_utf8(raw.strip_suffix(b"\r").unwrap_or(raw)) {
+            Ok(line) if line.trim().is_empty() => continue,
+            Ok(line) => Ok(line),
+            Err(e) => Err(format!(
+                "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
+                e.valid_up_to() + 1
+            )),
+        };
+        let parsed = line.and_then(|line| {
+            serde_json::from_str::<Value>(line).map_err(|e| format!("not valid JSON ({e})"))
+        });
+        let parsed = parsed.and_then(|v| parse_line(&v, format));
         match parsed {
             Ok(ex) => examples.push(ex),
             Err(reason) if skip_bad_lines => report.skipped.push((line_no, reason)),
             Err(reason) => {
                 return Err(Error::InvalidInput(format!(
-                "{}:{line_no}: {reason} (fix the line, or skip bad lines with --skip-bad-lines)",
-                path.display()
-            )))
+                    "{}:{line_no}: {reason} (fix the line, or skip bad lines with skip_bad_lines)",
+                    path.display()
+                )))
             }
         }
     }
@@ -270,6 +275,13 @@ impl Example {
                 tokens_with_mask(tokenizer, &full, &[(prompt_text.len(), full.len())], true)?
             }
             Example::Chat(messages) => {
+                if tokenizer.chat_template.is_none() {
+                    return Err(Error::InvalidInput(
+                        "chat examples (`messages`) need the model's chat template, and this model has none: \
+                         use a model with one, or write the data as prompt/completion or plain text"
+                            .into(),
+                    ));
+                }
                 let full = tokenizer.apply_chat_template(messages, false)?;
                 let mut spans = Vec::new();
                 for (i, m) in messages.iter().enumerate() {

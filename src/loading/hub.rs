@@ -50,19 +50,29 @@ pub(super) fn hub_required(
     file: &str,
 ) -> Result<PathBuf> {
     fetch(file).map_err(|reason| {
+        let what_to_do = if hub_offline() {
+            "download it on a machine with network access (into the same Hugging Face cache), or load a local \
+             model folder or .gguf file instead"
+        } else {
+            "if this machine is offline, load a local model folder or .gguf file instead, or set \
+             HF_HUB_OFFLINE=1 to use models already in the Hugging Face cache"
+        };
         Error::Model(format!(
-            "Hub model `{id}` (revision {revision}): {reason}. If this machine is offline, pass a local model \
-             folder or .gguf file with --model, or set HF_HUB_OFFLINE=1 to use models already in the cache"
+            "Hub model `{id}` (revision {revision}): {reason}; {what_to_do}"
         ))
     })
+}
+
+/// `HF_HUB_OFFLINE` is set (to anything but empty or 0): files come from the cache only.
+fn hub_offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
 /// A function that fetches files of Hub repository `id` (from the cache only under `HF_HUB_OFFLINE`).
 pub(super) fn hub_fetcher(id: &str, revision: &str) -> Result<Box<FetchFn>> {
     use hf_hub::{Repo, RepoType};
     let repo = Repo::with_revision(id.to_string(), RepoType::Model, revision.to_string());
-    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
-    let fetch: Box<FetchFn> = if offline {
+    let fetch: Box<FetchFn> = if hub_offline() {
         let cache = hf_hub::Cache::from_env().repo(repo);
         Box::new(move |file: &str| {
             cache.get(file).ok_or_else(|| {

@@ -108,6 +108,7 @@ impl Weights {
                 t.dims()
             )));
         }
+        check_finite(&t, name, &self.where_())?;
         Ok(t)
     }
 
@@ -169,6 +170,29 @@ impl Weights {
         };
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
     }
+}
+
+/// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
+/// loss from the first step, before any update. Read in chunks, so the check needs no copy of a large tensor.
+fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
+    const CHUNK: usize = 1 << 20;
+    let flat = t.flatten_all()?;
+    let n = flat.elem_count();
+    for start in (0..n).step_by(CHUNK) {
+        let values: Vec<f32> = flat
+            .narrow(0, start, CHUNK.min(n - start))?
+            .to_dtype(DType::F32)?
+            .to_vec1()?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Model(format!(
+                "tensor `{name}` in {place} holds {} at element {}: the model's weights are damaged (or were saved \
+                 from a diverged run); use an intact copy of the model",
+                values[i],
+                start + i
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {

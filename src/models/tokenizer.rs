@@ -184,7 +184,11 @@ impl TextTokenizer {
         add_generation_prompt: bool,
     ) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
-            Error::Tokenizer("the model has no chat template; use plain text (drop --chat)".into())
+            Error::Tokenizer(
+                "the model has no chat template (none in tokenizer_config.json, no chat_template.jinja, none in \
+                 the GGUF metadata)"
+                    .into(),
+            )
         })?;
         render_chat_template(
             template,

@@ -30,14 +30,14 @@ pub mod schedule;
 pub mod sgd;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::files::{write_atomic, write_file_atomically};
+use crate::files::{write_atomic, write_safetensors, RawTensor};
 use crate::names::named_enum;
 use crate::quant::dynamic_map::{signed_map, unsigned_map};
 use adamw8bit::{Adam8bitState, Adam8bitStep};
@@ -401,32 +401,29 @@ impl Optimizer {
     /// Writes the state to `dir/optimizer.safetensors` and `dir/optimizer.json` (step, hyper-parameters), so a
     /// resumed run continues bit-identically.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let mut tensors = HashMap::new();
-        let dev = Device::Cpu;
+        let mut tensors = Vec::new();
         for s in &self.slots {
-            let f = |v: &[f32]| Tensor::from_slice(v, v.len(), &dev);
-            let u = |v: &[u8]| Tensor::from_slice(v, v.len(), &dev);
+            let f = |v: &[f32]| RawTensor::f32(vec![v.len()], v);
+            let u = |v: &[u8]| RawTensor::u8(vec![v.len()], v.to_vec());
             match &*s.host_state()? {
                 ParamState::Adam32 { m, v } => {
-                    tensors.insert(format!("{}.exp_avg", s.name), f(m)?);
-                    tensors.insert(format!("{}.exp_avg_sq", s.name), f(v)?);
+                    tensors.push((format!("{}.exp_avg", s.name), f(m)));
+                    tensors.push((format!("{}.exp_avg_sq", s.name), f(v)));
                 }
                 ParamState::Adam8(st) => {
-                    tensors.insert(format!("{}.state1", s.name), u(&st.state1)?);
-                    tensors.insert(format!("{}.state2", s.name), u(&st.state2)?);
-                    tensors.insert(format!("{}.absmax1", s.name), f(&st.absmax1)?);
-                    tensors.insert(format!("{}.absmax2", s.name), f(&st.absmax2)?);
+                    tensors.push((format!("{}.state1", s.name), u(&st.state1)));
+                    tensors.push((format!("{}.state2", s.name), u(&st.state2)));
+                    tensors.push((format!("{}.absmax1", s.name), f(&st.absmax1)));
+                    tensors.push((format!("{}.absmax2", s.name), f(&st.absmax2)));
                 }
                 ParamState::Sgd(Some(b)) => {
-                    tensors.insert(format!("{}.momentum_buffer", s.name), f(b)?);
+                    tensors.push((format!("{}.momentum_buffer", s.name), f(b)));
                 }
                 ParamState::Sgd(None) => {}
             }
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
-        write_file_atomically(&dir.join("optimizer.safetensors"), |tmp| {
-            Ok(candle_core::safetensors::save(&tensors, tmp)?)
-        })?;
+        write_safetensors(&dir.join("optimizer.safetensors"), tensors, None)?;
         let meta = serde_json::json!({
             "optim": self.config.name.as_str(),
             "step": self.step,

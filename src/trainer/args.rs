@@ -111,6 +111,9 @@ pub struct TrainingArguments {
     /// Resume from this checkpoint folder, or from the latest in `output_dir` with `"true"` or `"latest"` (the
     /// command's `--resume` sets it).
     pub resume_from_checkpoint: Option<String>,
+    /// candle-qlora: resume even when the checkpoint was trained on another base model (its manifest records a
+    /// fingerprint of the base; by default a mismatch is refused).
+    pub ignore_base_model_mismatch: bool,
     /// Integrations to report to (only `none` is supported; logs go to `output_dir`).
     pub report_to: String,
     /// NEFTune noise on the input embeddings during training.
@@ -169,6 +172,7 @@ impl Default for TrainingArguments {
             seed: 42,
             data_seed: None,
             resume_from_checkpoint: None,
+            ignore_base_model_mismatch: false,
             report_to: "none".into(),
             neftune_noise_alpha: None,
             group_by_length: false,

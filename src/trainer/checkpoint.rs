@@ -2,15 +2,21 @@
 //! uninterrupted one would — the adapter (PEFT format), the optimizer state, the schedule, the data position and
 //! seeds, `trainer_state.json`, the training arguments and the resolved run config. A checkpoint is written into
 //! a hidden `.checkpoint-N.partial` folder and renamed when complete, so a crash at any moment leaves either the
-//! whole checkpoint or none that [`latest_checkpoint`] would pick.
+//! whole checkpoint or none that [`latest_checkpoint`] would pick. Its [`Manifest`] records the base model and
+//! every file's SHA-256, so resuming refuses a damaged file or another base model instead of diverging silently.
 
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use super::args::{SamplingStrategy, TrainingArguments};
 use super::state::TrainerState;
 use crate::error::{Error, Result};
+use crate::models::LlamaModel;
 use crate::optim::SchedulerType;
 
 /// File names inside a checkpoint folder.
@@ -23,6 +29,173 @@ pub const SCHEDULER: &str = "scheduler.json";
 pub const TRAINING_ARGS: &str = "training_args.json";
 /// The resolved run config (when trained from one).
 pub const RUN_CONFIG: &str = "run_config.toml";
+/// The base model and every other file's size and SHA-256.
+pub const MANIFEST: &str = "checkpoint_manifest.json";
+
+/// Which base model a checkpoint's adapter was trained on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BaseModelId {
+    /// `base_model_name_or_path`, when known.
+    pub name: Option<String>,
+    /// SHA-256 of the architecture's shape and of the embedding's first rows and the final norm (rounded to bf16,
+    /// so the same model gives the same value on every device and precision): cheap, and different for two models
+    /// of the same shape.
+    pub fingerprint: String,
+}
+
+impl BaseModelId {
+    /// The identity of `model`, loaded from `name`.
+    pub fn of(model: &LlamaModel, name: Option<&str>) -> Result<Self> {
+        const ROWS: usize = 64;
+        let c = model.config();
+        let mut hash = Sha256::new();
+        let shape = format!(
+            "{:?} vocab {} hidden {} intermediate {} layers {} heads {}/{} head_dim {}",
+            c.architecture,
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim
+        );
+        hash.update(shape.as_bytes());
+        let rows = model.embed_tokens.dim(0)?.min(ROWS);
+        for t in [&model.embed_tokens.narrow(0, 0, rows)?, &model.norm] {
+            let values: Vec<f32> = t
+                .to_dtype(DType::BF16)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?;
+            for v in values {
+                hash.update(v.to_le_bytes());
+            }
+        }
+        Ok(BaseModelId {
+            name: name.map(str::to_string),
+            fingerprint: hex(&hash.finalize()),
+        })
+    }
+}
+
+/// Size and SHA-256 of one checkpoint file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    /// Length in bytes.
+    pub bytes: u64,
+    /// SHA-256, lowercase hex.
+    pub sha256: String,
+}
+
+impl FileDigest {
+    /// Reads `path` through once.
+    pub fn of(path: &Path) -> Result<Self> {
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io("cannot read", path, e))?;
+        let (mut hash, mut bytes, mut buf) = (Sha256::new(), 0u64, vec![0u8; 1 << 20]);
+        loop {
+            let n = file
+                .read(&mut buf)
+                .map_err(|e| Error::io("cannot read", path, e))?;
+            if n == 0 {
+                break;
+            }
+            hash.update(&buf[..n]);
+            bytes += n as u64;
+        }
+        Ok(FileDigest {
+            bytes,
+            sha256: hex(&hash.finalize()),
+        })
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `checkpoint_manifest.json`: the base model and the digest of every other file in the checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// The base model the adapter was trained on.
+    pub base_model: BaseModelId,
+    /// File name → size and SHA-256.
+    pub files: BTreeMap<String, FileDigest>,
+}
+
+impl Manifest {
+    /// Digests every file of folder `dir` (but the manifest).
+    fn of_folder(dir: &Path, base_model: &BaseModelId) -> Result<Self> {
+        let mut files = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))? {
+            let entry = entry.map_err(|e| Error::io("cannot list", dir, e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name != MANIFEST && entry.path().is_file() {
+                files.insert(name, FileDigest::of(&entry.path())?);
+            }
+        }
+        Ok(Manifest {
+            base_model: base_model.clone(),
+            files,
+        })
+    }
+}
+
+/// Checks checkpoint `ckpt` before a resume: every file its manifest lists is there with the recorded size and
+/// SHA-256, and it was trained on `base` (unless `ignore_base_mismatch`). A checkpoint written before manifests
+/// existed passes with a warning.
+pub fn verify_checkpoint(
+    ckpt: &Path,
+    base: &BaseModelId,
+    ignore_base_mismatch: bool,
+) -> Result<()> {
+    let path = ckpt.join(MANIFEST);
+    if !path.exists() {
+        eprintln!(
+            "warning: {} has no {MANIFEST} (written by an older version): its files are not verified",
+            ckpt.display()
+        );
+        return Ok(());
+    }
+    let manifest: Manifest = crate::files::read_json(&path)?;
+    for (name, recorded) in &manifest.files {
+        let file = ckpt.join(name);
+        if !file.exists() {
+            return Err(Error::invalid_file(
+                &file,
+                format!("missing from the checkpoint ({MANIFEST} lists it): resume from another checkpoint"),
+            ));
+        }
+        let found = FileDigest::of(&file)?;
+        if &found != recorded {
+            return Err(Error::invalid_file(
+                &file,
+                format!(
+                    "damaged: {} bytes with SHA-256 {}, but the checkpoint wrote {} bytes with SHA-256 {}; \
+                     resume from another checkpoint or start a new run",
+                    found.bytes, found.sha256, recorded.bytes, recorded.sha256
+                ),
+            ));
+        }
+    }
+    let then = &manifest.base_model;
+    if then.fingerprint != base.fingerprint && !ignore_base_mismatch {
+        let named = |id: &BaseModelId| id.name.clone().unwrap_or_else(|| "an unnamed model".into());
+        return Err(Error::invalid_file(
+            &path,
+            format!(
+                "the checkpoint was trained on {} (fingerprint {}), this run loads {} (fingerprint {}): the \
+                 adapter belongs to another base model; load that model, or set ignore_base_model_mismatch = true \
+                 to resume anyway",
+                named(then),
+                &then.fingerprint[..12.min(then.fingerprint.len())],
+                named(base),
+                &base.fingerprint[..12.min(base.fingerprint.len())],
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// Where the data stream stands and what it depends on. Data order is a pure function of these seeds and the
 /// epoch, and dropout/NEFTune noise of (seed, micro-batch index), so this is the whole random state of a run.
@@ -121,6 +294,8 @@ pub struct CheckpointFiles<'a> {
     pub args: &'a TrainingArguments,
     /// `run_config.toml`, when known.
     pub run_config: Option<&'a str>,
+    /// The base model, for the manifest.
+    pub base_model: &'a BaseModelId,
 }
 
 fn write_json(dir: &Path, name: &str, value: &impl Serialize) -> Result<()> {
@@ -157,8 +332,12 @@ pub fn write_checkpoint(
         let path = tmp.join(RUN_CONFIG);
         std::fs::write(&path, config).map_err(|e| Error::io("cannot write", &path, e))?;
     }
-    // trainer_state.json last: its presence marks a complete checkpoint even if a rename were not atomic.
     write_json(&tmp, TRAINER_STATE, files.state)?;
+    write_json(
+        &tmp,
+        MANIFEST,
+        &Manifest::of_folder(&tmp, files.base_model)?,
+    )?;
     if final_dir.exists() {
         std::fs::remove_dir_all(&final_dir)
             .map_err(|e| Error::io("cannot replace", &final_dir, e))?;
@@ -254,6 +433,10 @@ mod tests {
             scheduler: &scheduler,
             args: &args,
             run_config: Some("[model]\n"),
+            base_model: &BaseModelId {
+                name: None,
+                fingerprint: "0".repeat(64),
+            },
         };
         let written = write_checkpoint(dir.path(), 2, &files, |_| Ok(())).unwrap();
         assert_eq!(written, dir.path().join("checkpoint-2"));
@@ -271,6 +454,19 @@ mod tests {
         let read: DataPosition = read_json(&written, RNG_STATE).unwrap();
         assert_eq!(read, position());
         assert!(written.join(RUN_CONFIG).exists() && written.join(TRAINING_ARGS).exists());
+        // The manifest lists every other file, and verification passes on the untouched folder.
+        let manifest: Manifest = read_json(&written, MANIFEST).unwrap();
+        assert_eq!(
+            manifest.files.keys().collect::<Vec<_>>(),
+            [
+                RNG_STATE,
+                RUN_CONFIG,
+                SCHEDULER,
+                TRAINER_STATE,
+                TRAINING_ARGS
+            ]
+        );
+        verify_checkpoint(&written, files.base_model, false).unwrap();
     }
 
     #[test]

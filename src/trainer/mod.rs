@@ -6,13 +6,14 @@
 //!   the data order; [`mod@evaluate`]: the evaluation loss.
 //! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
 //!   hooks, early stopping, memory monitor; `progress`: what the user sees; `oom`: the out-of-memory report;
-//!   `neftune`: embedding noise.
+//!   `neftune`: embedding noise; [`interrupt`]: a clean stop on Ctrl-C.
 
 pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod config;
 pub mod evaluate;
+pub mod interrupt;
 pub mod lock;
 mod neftune;
 mod oom;

@@ -16,8 +16,9 @@ use candle_core::{DType, Tensor, Var};
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
 use super::checkpoint::{
-    read_json, remove_partial_checkpoints, rotate_checkpoints, write_checkpoint, CheckpointFiles,
-    DataPosition, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
+    latest_checkpoint, read_json, remove_partial_checkpoints, rotate_checkpoints,
+    verify_checkpoint, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
+    SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 use super::evaluate::{evaluate, EvalReport};
 use super::lock::OutputLock;
@@ -25,7 +26,7 @@ use super::progress::{summary, Progress, StepFigures};
 use super::sampler::DataPlan;
 use super::state::{LogEntry, TrainOutput, TrainerState};
 use super::window::{gradient_bytes, StepMemory, Window};
-use crate::adapter::{load_adapter, save_adapter, Adapters};
+use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::Dataset;
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
@@ -81,6 +82,8 @@ struct Run {
     started: Instant,
     tokens_at_start: usize,
     control: TrainerControl,
+    /// The base model, recorded in checkpoints.
+    base_model: BaseModelId,
     /// The output folder's lock, released when the run ends.
     _lock: OutputLock,
 }
@@ -178,7 +181,7 @@ impl Trainer {
         if !resuming && !earlier.is_empty() {
             if !self.args.overwrite_output_dir {
                 return Err(Error::WouldOverwrite(format!(
-                    "`{}` holds the output of an earlier run ({}); resume it (--resume), set overwrite_output_dir = \
+                    "`{}` holds the output of an earlier run ({}); resume it (resume_from_checkpoint, or --resume), set overwrite_output_dir = \
                      true to replace it, or pick another output_dir",
                     out.display(),
                     earlier[0].file_name().unwrap_or_default().to_string_lossy()
@@ -253,6 +256,7 @@ impl Trainer {
     /// from `resume`), the log file, and the callbacks' `on_train_begin`.
     fn setup(&mut self, resume: Option<&Path>) -> Result<Run> {
         crate::memory::keep_freed_memory();
+        super::interrupt::reset();
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
         let lock = self.prepare_output_dir(&out, resume.is_some())?;
@@ -306,7 +310,9 @@ impl Trainer {
             is_local_process_zero: true,
             ..Default::default()
         };
+        let base_model = BaseModelId::of(&self.model, self.base_model_name.as_deref())?;
         if let Some(ckpt) = resume {
+            verify_checkpoint(ckpt, &base_model, args.ignore_base_model_mismatch)?;
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
         // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
@@ -321,6 +327,7 @@ impl Trainer {
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
             _lock: lock,
+            base_model,
             progress: Progress::new(total, self.state.global_step, args.disable_tqdm),
             args,
             out,
@@ -468,7 +475,8 @@ impl Trainer {
             IntervalStrategy::Epoch => last_window,
             IntervalStrategy::No => false,
         };
-        if save_now && !run.control.should_training_stop {
+        let interrupted = super::interrupt::stop_requested();
+        if (save_now && !run.control.should_training_stop) || interrupted {
             let data = run.plan.position(args, micro);
             let scheduler = SchedulerState {
                 lr_scheduler_type: args.lr_scheduler_type,
@@ -478,7 +486,11 @@ impl Trainer {
                 last_step: step,
                 last_lr: lr,
             };
-            self.save_checkpoint(&run.out, &run.optimizer, &data, &scheduler)?;
+            let checkpoint = self.save_checkpoint(run, &data, &scheduler)?;
+            if interrupted {
+                run.progress.finish();
+                return Err(Error::Interrupted { step, checkpoint });
+            }
         }
         Ok(())
     }
@@ -526,21 +538,22 @@ impl Trainer {
         self.each_callback(|cb, a, s| cb.on_log(a, s, &entry))
     }
 
-    /// Writes `checkpoint-{step}` (see [`super::checkpoint`]) and applies `save_total_limit`.
+    /// Writes `checkpoint-{step}` (see [`super::checkpoint`]) and applies `save_total_limit`; returns its folder,
+    /// or the newest earlier one when this state is not finite and is not saved.
     fn save_checkpoint(
         &mut self,
-        out: &Path,
-        optimizer: &Optimizer,
+        run: &Run,
         data: &DataPosition,
         scheduler: &SchedulerState,
-    ) -> Result<()> {
+    ) -> Result<Option<PathBuf>> {
+        let (out, optimizer) = (&run.out, &run.optimizer);
         let step = self.state.global_step;
         // A diverged run's state is not worth keeping, and saving it would rotate a good checkpoint out.
         if let Some(what) = self.non_finite_state(optimizer)? {
             eprintln!(
                 "warning: checkpoint-{step} not saved: {what} is not finite (the checkpoints before it are kept)"
             );
-            return Ok(());
+            return Ok(latest_checkpoint(out));
         }
         if self.state.best_global_step.is_some_and(|b| b <= step) {
             self.state.best_model_checkpoint =
@@ -557,6 +570,7 @@ impl Trainer {
             scheduler,
             args: &self.args,
             run_config: self.run_config.as_deref(),
+            base_model: &run.base_model,
         };
         let dir = write_checkpoint(out, step, &files, |tmp| {
             save_adapter(&self.model, ADAPTER, tmp, self.base_model_name.as_deref())?;
@@ -568,7 +582,7 @@ impl Trainer {
         for cb in &mut self.callbacks {
             cb.on_save(&self.args, &self.state, &dir)?;
         }
-        Ok(())
+        Ok(Some(dir))
     }
 
     /// What holds a NaN or an infinity — an adapter weight or a parameter's optimizer state — if anything does.
@@ -602,6 +616,11 @@ impl Trainer {
                 scheduler.total_steps,
                 self.state.max_steps
             );
+        }
+        let config_path = ckpt.join(ADAPTER_CONFIG);
+        let then = LoraConfig::from_file(&config_path)?;
+        if let Some(now) = self.model.adapter_configs.get(ADAPTER) {
+            check_same_lora(&then, now, &config_path)?;
         }
         // Load the checkpoint's adapter next to ours, copy its tensors into our variables, drop it.
         load_adapter(&mut self.model, ckpt, "__resume")?;
@@ -696,5 +715,68 @@ impl Trainer {
             )
         );
         Ok(output)
+    }
+}
+
+/// An error naming the first LoRA setting in which checkpoint config `then` (read from `path`) and this run's
+/// `now` differ: a resumed run must train the same adapter.
+fn check_same_lora(then: &LoraConfig, now: &LoraConfig, path: &Path) -> Result<()> {
+    let settings = [
+        ("r", format!("{}", then.r), format!("{}", now.r)),
+        (
+            "lora_alpha",
+            format!("{}", then.lora_alpha),
+            format!("{}", now.lora_alpha),
+        ),
+        (
+            "lora_dropout",
+            format!("{}", then.lora_dropout),
+            format!("{}", now.lora_dropout),
+        ),
+        (
+            "use_rslora",
+            format!("{}", then.use_rslora),
+            format!("{}", now.use_rslora),
+        ),
+        (
+            "use_dora",
+            format!("{}", then.use_dora),
+            format!("{}", now.use_dora),
+        ),
+        (
+            "target_modules",
+            format!("{:?}", then.target_modules),
+            format!("{:?}", now.target_modules),
+        ),
+        (
+            "exclude_modules",
+            format!("{:?}", then.exclude_modules),
+            format!("{:?}", now.exclude_modules),
+        ),
+        (
+            "rank_pattern",
+            format!("{:?}", then.rank_pattern),
+            format!("{:?}", now.rank_pattern),
+        ),
+        (
+            "alpha_pattern",
+            format!("{:?}", then.alpha_pattern),
+            format!("{:?}", now.alpha_pattern),
+        ),
+        (
+            "modules_to_save",
+            format!("{:?}", then.modules_to_save),
+            format!("{:?}", now.modules_to_save),
+        ),
+    ];
+    match settings.iter().find(|(_, a, b)| a != b) {
+        None => Ok(()),
+        Some((key, a, b)) => Err(Error::invalid_file(
+            path,
+            format!(
+                "the checkpoint has {key} = {a}, the config asks for {key} = {b}: resume with the checkpoint's \
+                 LoRA settings, or start a new run in another output_dir"
+            ),
+        )),
     }
 }

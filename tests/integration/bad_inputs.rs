@@ -1,8 +1,11 @@
 //! What a user types wrong, through the `qlora` command: each case is an input, the exit code it must give and a
 //! phrase its message must contain — and no case may panic. Add a row for every bad input found.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
+
+use candle_core::{Device, Tensor};
 
 use crate::common::data_path;
 use crate::trainer::write_tiny_config;
@@ -30,6 +33,60 @@ fn write_inputs(dir: &Path) {
         "{\"instruction\": \"say t3\", \"output\": \"\"}\n{\"instruction\": \"say t4\", \"output\": \"\"}\n",
     )
     .unwrap();
+    // A Latin-1 byte on line 2.
+    let mut latin1 = b"{\"text\": \"t3 t4\"}\n{\"text\": \"t3 ".to_vec();
+    latin1.extend(b"\xe9 t5\"}\n{\"text\": \"t5 t6\"}\n");
+    std::fs::write(dir.join("latin1.jsonl"), latin1).unwrap();
+    std::fs::write(
+        dir.join("chat.jsonl"),
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"t3\"}, {\"role\": \"assistant\", \"content\": \"t4\"}]}\n",
+    )
+    .unwrap();
+    write_foreign_adapter(&dir.join("foreign_adapter"));
+    write_nan_model(&dir.join("nan_model"));
+}
+
+/// A PEFT adapter for a narrower model (every LoRA matrix cut to half its input or output width).
+fn write_foreign_adapter(out: &Path) {
+    let source = data_path("peft/lora_all_linear");
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::copy(
+        source.join("adapter_config.json"),
+        out.join("adapter_config.json"),
+    )
+    .unwrap();
+    let tensors =
+        candle_core::safetensors::load(source.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let narrowed: HashMap<String, Tensor> = tensors
+        .into_iter()
+        .map(|(k, t)| {
+            let dim = if k.contains("lora_A") { 1 } else { 0 };
+            let half = t.dim(dim).unwrap() / 2;
+            (k, t.narrow(dim, 0, half).unwrap())
+        })
+        .collect();
+    candle_core::safetensors::save(&narrowed, out.join("adapter_model.safetensors")).unwrap();
+}
+
+/// The tiny Llama with a NaN in its final norm.
+fn write_nan_model(out: &Path) {
+    let source = data_path("models/tiny-llama");
+    std::fs::create_dir_all(out).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(source.join(f), out.join(f)).unwrap();
+    }
+    let mut tensors =
+        candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
+    let norm = &tensors["model.norm.weight"];
+    let nan = Tensor::full(f32::NAN, 1, &Device::Cpu)
+        .unwrap()
+        .to_dtype(norm.dtype())
+        .unwrap();
+    let rest = norm.narrow(0, 1, norm.dim(0).unwrap() - 1).unwrap();
+    let damaged = Tensor::cat(&[&nan, &rest], 0).unwrap();
+    tensors.insert("model.norm.weight".into(), damaged);
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
 }
 
 fn cases(dir: &Path) -> Vec<Case> {
@@ -170,6 +227,46 @@ fn cases(dir: &Path) -> Vec<Case> {
             generate(&["--prompt", &long_prompt, "--max-new-tokens", "1000"]),
             0,
             "stopped at the model's context of 256 positions",
+        ),
+        // Files that are not what they should be: the file and line, the tensor, or a short summary.
+        case(
+            train(&[&format!("data.train_file={:?}", file("latin1.jsonl"))]),
+            1,
+            "latin1.jsonl:2: not valid UTF-8",
+        ),
+        case(
+            train(&[
+                &format!("data.train_file={:?}", file("latin1.jsonl")),
+                "data.skip_bad_lines=true",
+            ]),
+            0,
+            "latin1.jsonl:2: skipped (not valid UTF-8",
+        ),
+        case(
+            train(&[&format!("data.train_file={:?}", file("chat.jsonl"))]),
+            1,
+            "need the model's chat template, and this model has none",
+        ),
+        case(generate(&["--prompt", "t3", "--chat"]), 1, "drop --chat"),
+        case(
+            eval(&[
+                "--data",
+                &file("with_empty.jsonl"),
+                "--adapter",
+                &file("foreign_adapter"),
+            ]),
+            1,
+            "more (an adapter for another base model?)",
+        ),
+        case(
+            strings(&["generate", "--model", &file("nan_model"), "--prompt", "t3"]),
+            1,
+            "tensor `model.norm.weight`",
+        ),
+        case(
+            train(&["training.learning_rate=\"fast\""]),
+            1,
+            "learning_rate: invalid type: string \"fast\"",
         ),
         // Estimates of sizes that make no sense.
         case(estimate(&["--batch", "0"]), 1, "batch must be at least 1"),

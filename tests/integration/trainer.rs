@@ -46,6 +46,16 @@ fn trainer_with(
     edit: impl Fn(&mut TrainingArguments),
     eval: Vec<candle_qlora::data::TokenizedExample>,
 ) -> Trainer {
+    trainer_with_lora(output_dir, edit, |_| {}, eval)
+}
+
+/// [`trainer_with`], with `edit_lora` applied to the LoRA config too.
+fn trainer_with_lora(
+    output_dir: &std::path::Path,
+    edit: impl Fn(&mut TrainingArguments),
+    edit_lora: impl Fn(&mut LoraConfig),
+    eval: Vec<candle_qlora::data::TokenizedExample>,
+) -> Trainer {
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         ..Default::default()
@@ -79,7 +89,9 @@ fn trainer_with(
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
+    let mut lora = lora;
     edit(&mut args);
+    edit_lora(&mut lora);
     let mut trainer = Trainer::new(model, args, &lora, examples(), eval).unwrap();
     trainer.set_base_model_name("tests/data/models/tiny-llama");
     trainer
@@ -120,6 +132,62 @@ fn training_lowers_the_loss_and_resume_is_bit_identical() {
     // The finished run's output is not overwritten by a new run.
     let err = trainer(&a).train(None).unwrap_err().to_string();
     assert!(err.contains("overwrite_output_dir"), "{err}");
+}
+
+/// Resuming refuses a checkpoint with a damaged file (checksums in its manifest), one trained on another base
+/// model of the same shape (unless `ignore_base_model_mismatch`), and a different LoRA rank, each by name.
+#[test]
+fn damaged_or_foreign_checkpoints_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let two_steps = |a: &mut TrainingArguments| a.max_steps = 2;
+    trainer_with(&dir.path().join("a"), two_steps, vec![])
+        .train(None)
+        .unwrap();
+    let ckpt = dir.path().join("a/checkpoint-2");
+    let resume =
+        |t: &mut Trainer, from: &Path| t.train(Some(from)).map(|_| ()).map_err(|e| e.to_string());
+
+    // Another base model of the same shape: refused, unless told to ignore it.
+    let mut other = trainer_with(&dir.path().join("b"), two_steps, vec![]);
+    other.model.embed_tokens = (&other.model.embed_tokens * 1.01).unwrap();
+    let err = resume(&mut other, &ckpt).unwrap_err();
+    assert!(err.contains("another base model"), "{err}");
+    let ignore = |a: &mut TrainingArguments| {
+        a.max_steps = 2;
+        a.ignore_base_model_mismatch = true;
+    };
+    let mut other = trainer_with(&dir.path().join("b2"), ignore, vec![]);
+    other.model.embed_tokens = (&other.model.embed_tokens * 1.01).unwrap();
+    resume(&mut other, &ckpt).unwrap();
+
+    // A different rank is named with both values.
+    let mut wider = trainer_with_lora(&dir.path().join("c"), two_steps, |l| l.r = 8, vec![]);
+    let err = resume(&mut wider, &ckpt).unwrap_err();
+    assert!(
+        err.contains("the checkpoint has r = 4, the config asks for r = 8"),
+        "{err}"
+    );
+
+    // A few flipped bytes in the optimizer state (past the header, so the file still parses) name the file.
+    let damaged = dir.path().join("damaged");
+    std::fs::create_dir(&damaged).unwrap();
+    for entry in std::fs::read_dir(&ckpt).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), damaged.join(entry.file_name())).unwrap();
+    }
+    let state = damaged.join("optimizer.safetensors");
+    let mut bytes = std::fs::read(&state).unwrap();
+    let end = bytes.len();
+    for b in &mut bytes[end - 64..] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&state, bytes).unwrap();
+    let mut t = trainer_with(&dir.path().join("d"), two_steps, vec![]);
+    let err = resume(&mut t, &damaged).unwrap_err();
+    assert!(
+        err.contains("optimizer.safetensors") && err.contains("damaged"),
+        "{err}"
+    );
 }
 
 /// Writes 16 lines of training text and a `qlora train` config for the tiny Llama (NF4, LoRA r=4) into `dir`, with
@@ -297,6 +365,96 @@ fn assert_checkpoints_usable(out: &Path) {
         }
         assert!(p.join("run_config.toml").exists());
     }
+}
+
+/// Ctrl-C: the first press lets the step finish and saves a checkpoint (even with `save_strategy = "no"`), exits
+/// 130 with a resume command, and resuming ends with the uninterrupted run's adapter; a second press stops at once.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_saves_a_checkpoint_that_resumes_and_a_second_stops_at_once() {
+    let training =
+        "max_steps = 40\nsave_strategy = \"no\"\nlogging_steps = 1\nlearning_rate = 5e-3\n";
+    let reference = tempfile::tempdir().unwrap();
+    let (ok, text) = run_train(&write_tiny_config(reference.path(), "", training), &[]);
+    assert!(ok, "{text}");
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(dir.path(), "", training);
+    let out = dir.path().join("out");
+    // Starts a run (with `extra` arguments) and presses Ctrl-C once it has logged a step, and a second time (when
+    // `twice`) once the first press is acknowledged; returns its exit code and stderr.
+    let interrupt = |extra: &[&str], twice: bool| {
+        let stderr_path = dir.path().join("stderr.txt");
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(["train", "--config", config.to_str().unwrap()])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&stderr_path).unwrap())
+            .spawn()
+            .unwrap();
+        let said = || std::fs::read_to_string(&stderr_path).unwrap();
+        let wait_for = |child: &mut std::process::Child, phrase: &str| {
+            let started = std::time::Instant::now();
+            while !said().contains(phrase) {
+                assert!(
+                    child.try_wait().unwrap().is_none(),
+                    "ended before `{phrase}`: {}",
+                    said()
+                );
+                assert!(started.elapsed().as_secs() < 60, "no `{phrase}` in 60 s");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        // SAFETY: signalling our own child process.
+        let press = |child: &std::process::Child| unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+        };
+        wait_for(&mut child, "Ctrl-C stops after the current step");
+        press(&child);
+        if twice {
+            wait_for(&mut child, "Ctrl-C again");
+            press(&child);
+        }
+        let code = child.wait().unwrap().code();
+        (code, said())
+    };
+
+    // Twice, during a long first step (64 examples of 40 tokens): no checkpoint, exit 130.
+    let long: Vec<String> = (0..64)
+        .map(|i| {
+            let words: Vec<String> = (0..40)
+                .map(|j| format!("t{}", 1 + (i + j * 7) % 50))
+                .collect();
+            format!("{{\"text\": \"{}\"}}", words.join(" "))
+        })
+        .collect();
+    std::fs::write(dir.path().join("long.jsonl"), long.join("\n")).unwrap();
+    let long_step = [
+        "--set",
+        "data.train_file=\"long.jsonl\"",
+        "--set",
+        "training.gradient_accumulation_steps=32",
+    ];
+    let (code, said) = interrupt(&long_step, true);
+    assert_eq!(code, Some(130), "{said}");
+    assert!(
+        !said.contains("resume with") && !said.contains("step 2/"),
+        "{said}"
+    );
+    assert!(candle_qlora::trainer::latest_checkpoint(&out).is_none());
+    std::fs::remove_dir_all(&out).unwrap();
+
+    let (code, said) = interrupt(&[], false);
+    assert_eq!(code, Some(130), "{said}");
+    assert!(said.contains("resume with: qlora train --config"), "{said}");
+    let checkpoint = candle_qlora::trainer::latest_checkpoint(&out).expect("a checkpoint");
+    assert!(said.contains(&checkpoint.display().to_string()), "{said}");
+    let (ok, text) = run_train(&config, &["--resume"]);
+    assert!(ok, "{text}");
+    assert_eq!(
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(reference.path().join("out/adapter_model.safetensors")).unwrap(),
+        "the resumed run's adapter"
+    );
 }
 
 /// A run killed with SIGKILL again and again — between checkpoints and in the middle of checkpoint writes — and
