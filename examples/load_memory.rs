@@ -1,15 +1,18 @@
-//! Peak resident memory of loading a model as NF4 (quantized on load, one tensor at a time) versus unquantized
-//! f32, each measured in a fresh child process of this example, side by side in one run.
+//! Peak resident memory of loading a model as NF4 (quantized on load, one tensor at a time, each tensor's file pages
+//! released once read) versus unquantized f32, each measured in a fresh child process of this example, side by side
+//! in one run, and compared with the size of the model's files.
 //!
 //! ```text
 //! cargo run --release --example load_memory [-- --model FILE.gguf|MODEL_DIR]
 //! ```
-//! Defaults to the SmolLM2-135M test model cached by `scripts/fetch-test-model.sh`. Linux only (reads VmHWM).
+//! Without `--model`, it writes (once, into `target/load-memory-1b/`) a folder shaped like Llama-3.2-1B — bf16
+//! safetensors with random weights, 2.5 GB — and measures that. Linux only (reads VmHWM).
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
-use candle_qlora::loading::{cached_test_model, load_model, LoadOptions};
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::memory::process_memory;
 use candle_qlora::quant::QuantConfig;
 
@@ -55,10 +58,7 @@ fn main() -> Result<()> {
     }
     let model = match args.as_slice() {
         [flag, m] if flag == "--model" => m.clone(),
-        [] => cached_test_model()
-            .context("no --model and no cached test model: run scripts/fetch-test-model.sh")?
-            .display()
-            .to_string(),
+        [] => one_b_folder()?.display().to_string(),
         _ => bail!("usage: load_memory [--model FILE.gguf|MODEL_DIR]"),
     };
     println!("model: {model}");
@@ -91,5 +91,93 @@ fn main() -> Result<()> {
         "NF4 load peak / f32 load peak (above baseline): {:.2}",
         peaks[1] / peaks[0]
     );
+    let files = model_file_bytes(Path::new(&model)) as f64;
+    println!(
+        "NF4 load peak (above baseline) / model files ({:.1} MiB): {:.2}",
+        files / (1 << 20) as f64,
+        peaks[1] / files
+    );
     Ok(())
+}
+
+/// Bytes of the model's weight files: a file's size, or a folder's `*.safetensors`.
+fn model_file_bytes(model: &Path) -> u64 {
+    let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    if model.is_file() {
+        return size(model);
+    }
+    std::fs::read_dir(model)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .map(|p| size(&p))
+        .sum()
+}
+
+/// A Llama-3.2-1B-shaped folder (hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocabulary 128 256, tied head) with
+/// random bf16 weights, written once into `target/load-memory-1b/`.
+fn one_b_folder() -> Result<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/load-memory-1b");
+    let weights = dir.join("model.safetensors");
+    if weights.exists() {
+        return Ok(dir);
+    }
+    let (hidden, inter, layers, heads, kv_heads, vocab) = (2048, 8192, 16, 32, 8, 128_256);
+    let head_dim = hidden / heads;
+    std::fs::create_dir_all(&dir)?;
+    let config = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab, "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0, "max_position_embeddings": 4096, "tie_word_embeddings": true,
+        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, hidden]),
+        ("model.norm.weight".into(), vec![hidden]),
+    ];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        for (name, shape) in [
+            ("self_attn.q_proj.weight", vec![hidden, hidden]),
+            ("self_attn.k_proj.weight", vec![kv_heads * head_dim, hidden]),
+            ("self_attn.v_proj.weight", vec![kv_heads * head_dim, hidden]),
+            ("self_attn.o_proj.weight", vec![hidden, hidden]),
+            ("mlp.gate_proj.weight", vec![inter, hidden]),
+            ("mlp.up_proj.weight", vec![inter, hidden]),
+            ("mlp.down_proj.weight", vec![hidden, inter]),
+            ("input_layernorm.weight", vec![hidden]),
+            ("post_attention_layernorm.weight", vec![hidden]),
+        ] {
+            shapes.push((format!("{p}.{name}"), shape));
+        }
+    }
+    eprintln!("writing a 1B-shaped bf16 model to {} (once)", dir.display());
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let tensors = shapes.into_iter().map(|(name, shape)| {
+        let n: usize = shape.iter().product();
+        let norm = name.ends_with("norm.weight");
+        let mut bytes = Vec::with_capacity(2 * n);
+        for _ in 0..n {
+            // splitmix64: small uniform weights (norms are 1), as bf16 little-endian bytes.
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            let uniform = (z >> 40) as f32 / (1u64 << 24) as f32;
+            let value = if norm { 1.0 } else { (uniform - 0.5) * 0.04 };
+            bytes.extend_from_slice(&half::bf16::from_f32(value).to_le_bytes());
+        }
+        let raw = candle_qlora::files::RawTensor {
+            dtype: safetensors::Dtype::BF16,
+            shape,
+            data: std::borrow::Cow::Owned(bytes),
+        };
+        (name, raw)
+    });
+    candle_qlora::files::write_safetensors(&weights, tensors, None)?;
+    Ok(dir)
 }

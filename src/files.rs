@@ -25,13 +25,45 @@ impl MappedSafetensors {
         let mmap =
             unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io("cannot map", &path, e))?;
         let mapped = MappedSafetensors { path, mmap };
-        mapped.tensors()?;
+        // safetensors accepts any shape with a 0 in it (no data to check), but Candle multiplies the dimensions
+        // (strides, element counts) unchecked: refuse shapes whose product without the zeros overflows.
+        for (name, view) in mapped.tensors()?.iter() {
+            let shape = view.shape();
+            let mut nonzero = shape.iter().filter(|d| **d != 0);
+            if nonzero.try_fold(1usize, |n, &d| n.checked_mul(d)).is_none() {
+                return Err(Error::invalid_file(
+                    &mapped.path,
+                    format!("tensor `{name}` has shape {shape:?}, larger than any tensor"),
+                ));
+            }
+        }
         Ok(mapped)
     }
 
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Gives the pages under `bytes` (a slice of this mapping: a tensor's data once copied or quantized) back to
+    /// the operating system, so loading a model one tensor at a time does not keep the whole file resident. Reading
+    /// them again maps them back in from the file.
+    pub fn release(&self, bytes: &[u8]) {
+        let base = self.mmap.as_ptr() as usize;
+        let start = bytes.as_ptr() as usize;
+        if start < base || start + bytes.len() > base + self.mmap.len() {
+            return;
+        }
+        #[cfg(unix)]
+        // SAFETY: the mapping is read-only and backed by the file, so dropped pages come back unchanged from the
+        // file on the next access; no slice into the mapping sees different bytes. A failure only keeps the pages.
+        let _ = unsafe {
+            self.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                start - base,
+                bytes.len(),
+            )
+        };
     }
 
     /// The parsed file.
@@ -193,10 +225,16 @@ pub fn write_safetensors<'a>(
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
     write_file_atomically(path, |tmp| {
+        // safetensors writes through a private (0600) temporary file: give the result the mode any new file gets.
+        let mode = std::fs::File::create(tmp)
+            .and_then(|f| f.metadata())
+            .map_err(|e| Error::io("cannot write", tmp, e))?
+            .permissions();
         safetensors::tensor::serialize_to_file(tensors, metadata, tmp).map_err(|e| match e {
             safetensors::SafeTensorError::IoError(io) => Error::io("cannot write", path, io),
             e => Error::invalid_file(path, format!("cannot serialize: {e}")),
-        })
+        })?;
+        std::fs::set_permissions(tmp, mode).map_err(|e| Error::io("cannot write", tmp, e))
     })
 }
 
@@ -211,7 +249,7 @@ pub fn write_atomic(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
 pub fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
     if output.exists() && !overwrite {
         return Err(Error::WouldOverwrite(format!(
-            "`{}` already exists; choose another output or pass --overwrite to replace it",
+            "`{}` already exists; choose another output, or allow replacing it (overwrite; --overwrite on the command line)",
             output.display()
         )));
     }
@@ -271,6 +309,24 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn safetensors_get_the_mode_of_any_new_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain.json");
+        std::fs::write(&plain, "{}").unwrap();
+        let weights = dir.path().join("adapter_model.safetensors");
+        write_safetensors(
+            &weights,
+            [("w".to_string(), RawTensor::f32(vec![2], &[1.0, 2.0]))],
+            None,
+        )
+        .unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&weights), mode(&plain));
     }
 
     #[test]

@@ -6,5 +6,8 @@ pub mod peft;
 pub mod registry;
 
 pub use merge::{merge_to_folder, merged_weight, MergeOptions, MergeReport};
-pub use peft::{load_adapter, save_adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use peft::{
+    base_quantization, load_adapter, read_base_quantization, save_adapter, ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS, BASE_QUANTIZATION,
+};
 pub use registry::{peft_key, AdapterSlot, Adapters};

@@ -10,14 +10,77 @@ use candle_core::{DType, Device};
 
 use crate::adapter::Adapters;
 use crate::error::{Error, Result};
-use crate::files::{write_atomic, write_safetensors, MappedSafetensors, RawTensor};
+use crate::files::{read_json, write_atomic, write_safetensors, MappedSafetensors, RawTensor};
 use crate::lora::LoraConfig;
 use crate::models::LlamaModel;
+use crate::ops::frozen_linear::FrozenWeight;
+use crate::quant::{QuantConfig, QuantType};
+use serde::{Deserialize, Serialize};
 
 /// File name of the adapter configuration.
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// File name of the adapter weights.
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// File name of the record of how the base's linear weights were stored when the adapter was trained (a file of
+/// its own, so PEFT, which reads only `adapter_config.json`, is not disturbed).
+pub const BASE_QUANTIZATION: &str = "base_quantization.json";
+
+/// `base_quantization.json`, in `BitsAndBytesConfig`'s terms: `{"load_in_4bit": false}` for a base used as stored,
+/// else the 4-bit type, blocksize and double quantization.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct BaseQuantizationFile {
+    load_in_4bit: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bnb_4bit_quant_type: Option<QuantType>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bnb_4bit_blocksize: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bnb_4bit_use_double_quant: Option<bool>,
+}
+
+/// How `model`'s linear weights are stored: the 4-bit config of the first quantized one, `None` when they are
+/// dense.
+pub fn base_quantization(model: &LlamaModel) -> Option<QuantConfig> {
+    model
+        .linears()
+        .iter()
+        .find_map(|(_, linear)| match &linear.base.weight {
+            FrozenWeight::Dense(_) => None,
+            FrozenWeight::Nf4(q) => Some(QuantConfig {
+                quant_type: q.quant_type(),
+                blocksize: q.blocksize(),
+                double_quant: q.is_double_quantized(),
+                ..QuantConfig::nf4()
+            }),
+            FrozenWeight::Nf4OnDevice(q) => Some(q.config()),
+        })
+}
+
+/// The base quantization adapter folder `dir` was trained with (`Some(None)`: a dense base), or `None` when the
+/// adapter does not record it (made by PEFT, or by an older version).
+pub fn read_base_quantization(dir: &Path) -> Result<Option<Option<QuantConfig>>> {
+    let path = dir.join(BASE_QUANTIZATION);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let file: BaseQuantizationFile = read_json(&path)?;
+    if !file.load_in_4bit {
+        return Ok(Some(None));
+    }
+    let defaults = QuantConfig::nf4();
+    let config = QuantConfig {
+        quant_type: file.bnb_4bit_quant_type.unwrap_or(defaults.quant_type),
+        blocksize: file.bnb_4bit_blocksize.unwrap_or(defaults.blocksize),
+        double_quant: file
+            .bnb_4bit_use_double_quant
+            .unwrap_or(defaults.double_quant),
+        ..defaults
+    };
+    config
+        .validate()
+        .map_err(|e| Error::invalid_file(&path, e.to_string()))?;
+    Ok(Some(Some(config)))
+}
 
 /// Writes adapter `name` of `model` to `dir` in PEFT's format. `base_model_name_or_path`, when given, is recorded
 /// in the config (otherwise the adapter's own value, if any, is kept). Each file is written next to its final name
@@ -44,6 +107,16 @@ pub fn save_adapter(
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;
+    let quantization = base_quantization(model);
+    let record = BaseQuantizationFile {
+        load_in_4bit: quantization.is_some(),
+        bnb_4bit_quant_type: quantization.map(|q| q.quant_type),
+        bnb_4bit_blocksize: quantization.map(|q| q.blocksize),
+        bnb_4bit_use_double_quant: quantization.map(|q| q.double_quant),
+    };
+    let text =
+        serde_json::to_string_pretty(&record).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    write_atomic(&dir.join(BASE_QUANTIZATION), text + "\n")?;
     let text = serde_json::to_string_pretty(&config.to_json())
         .map_err(|e| Error::InvalidInput(e.to_string()))?;
     write_atomic(&dir.join(ADAPTER_CONFIG), text)

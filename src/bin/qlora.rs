@@ -10,11 +10,12 @@ use std::io::Write;
 
 use anyhow::Context;
 use candle_core::DType;
-use candle_qlora::adapter::{load_adapter, merge_to_folder, MergeOptions};
+use candle_qlora::adapter::{
+    base_quantization, load_adapter, merge_to_folder, read_base_quantization, MergeOptions,
+};
 use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset};
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
-use candle_qlora::memory::Regime;
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::optim::OptimizerName;
 use candle_qlora::precision::TorchDtype;
@@ -146,13 +147,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         "", "weights", "LoRA", "optimizer", "gradients", "activations", "other", "total"
     );
     for e in &table {
-        let name = match e.regime {
-            Regime::FullFp32 => "full fine-tune, fp32",
-            Regime::MixedPrecision => "full fine-tune, mixed",
-            Regime::LoraBf16 => "LoRA, bf16 base",
-            Regime::Qlora => "QLoRA, NF4 base",
-            Regime::Configured => "this configuration",
-        };
+        let name = e.regime.label();
         println!(
             "{name:<26} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
             human_bytes(e.weights_bytes),
@@ -166,8 +161,9 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     }
     println!("\nassumed:");
     for e in &table {
+        println!("  {}:", e.regime.label());
         for a in &e.assumptions {
-            println!("  {:?}: {a}", e.regime);
+            println!("    {a}");
         }
     }
     Ok(())
@@ -258,7 +254,7 @@ fn merge(args: MergeArgs) -> anyhow::Result<()> {
     let margs = ModelArgs {
         model: args.model.clone(),
         revision: args.revision.clone(),
-        quantize: QuantizeOnLoad::None,
+        quantize: Some(QuantizeOnLoad::None),
         adapter: Some(args.adapter.clone()),
     };
     let loaded = margs.load()?;
@@ -321,9 +317,10 @@ struct ModelArgs {
     /// Hub revision (branch, tag or commit).
     #[arg(long)]
     revision: Option<String>,
-    /// Quantize the linear weights on load.
-    #[arg(long, value_enum, default_value = "none")]
-    quantize: QuantizeOnLoad,
+    /// Quantize the linear weights on load [default: as the adapter's base was in training (its
+    /// base_quantization.json), else none].
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeOnLoad>,
     /// A PEFT LoRA adapter folder to apply (unmerged).
     #[arg(long)]
     adapter: Option<PathBuf>,
@@ -332,8 +329,9 @@ struct ModelArgs {
 impl ModelArgs {
     fn load(&self) -> anyhow::Result<LoadedModel> {
         let start = std::time::Instant::now();
+        let (quantization, why) = self.base_quantization()?;
         let opts = LoadOptions {
-            quantization: self.quantize.config(),
+            quantization,
             compute_dtype: DType::F32,
         };
         let mut loaded = load_model(&self.model, self.revision.as_deref(), &opts)
@@ -343,14 +341,43 @@ impl ModelArgs {
                 .with_context(|| format!("loading adapter `{}`", dir.display()))?;
             eprintln!("adapter {} applied", dir.display());
         }
+        let base = match base_quantization(&loaded.model) {
+            Some(q) => format!(
+                "{} base, blocksize {}{}",
+                q.quant_type,
+                q.blocksize,
+                if q.double_quant {
+                    ", double quantization"
+                } else {
+                    ""
+                }
+            ),
+            None => "base as stored".to_string(),
+        };
         eprintln!(
-            "loaded {} ({} layers, {:.1} MiB of weights) in {:.1} s",
+            "loaded {} ({} layers, {:.1} MiB of weights; {base}{why}) in {:.1} s",
             loaded.source,
             loaded.model.config().num_hidden_layers,
             loaded.model.weight_bytes() as f64 / (1 << 20) as f64,
             start.elapsed().as_secs_f64()
         );
         Ok(loaded)
+    }
+
+    /// What to quantize the base to on load, and why: `--quantize`, else what the adapter was trained on.
+    fn base_quantization(&self) -> anyhow::Result<(Option<QuantConfig>, &'static str)> {
+        if let Some(asked) = self.quantize {
+            return Ok((asked.config(), ""));
+        }
+        let recorded = match &self.adapter {
+            Some(dir) => read_base_quantization(dir)
+                .with_context(|| format!("reading adapter `{}`", dir.display()))?,
+            None => None,
+        };
+        Ok(match recorded {
+            Some(q) => (q, ", as the adapter was trained; --quantize overrides"),
+            None => (None, ""),
+        })
     }
 }
 
@@ -415,6 +442,9 @@ struct GenerateArgs {
     /// Sampling seed.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Generate all --max-new-tokens tokens, not stopping at end-of-sequence (for benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 fn eval(args: EvalArgs) -> anyhow::Result<()> {
@@ -492,7 +522,7 @@ fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
         top_p: args.top_p,
         top_k: args.top_k,
         seed: args.seed,
-        eos_token_ids: eos,
+        eos_token_ids: if args.ignore_eos { Vec::new() } else { eos },
     };
     let start = std::time::Instant::now();
     let mut tokens = Vec::new();

@@ -50,8 +50,13 @@ impl GgufFile {
     /// Opens `path` and reads its header and metadata.
     pub fn open(path: &Path) -> Result<Self> {
         let mut file = std::fs::File::open(path).map_err(|e| Error::io("cannot open", path, e))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| Error::invalid_file(path, format!("not a readable GGUF file: {e}")))?;
+        // Candle's reader panics on some corrupt headers (a `general.alignment` of 0 divides by zero): that is a
+        // bad file, not a crash.
+        let content = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gguf_file::Content::read(&mut file)
+        }))
+        .map_err(|_| Error::invalid_file(path, "not a readable GGUF file: its header is corrupt"))?
+        .map_err(|e| Error::invalid_file(path, format!("not a readable GGUF file: {e}")))?;
         Ok(GgufFile {
             path: path.to_path_buf(),
             content,
@@ -82,11 +87,29 @@ impl GgufFile {
     /// Reads and dequantizes (to f32) the tensor with Hugging Face name `hf_name`; q/k projection weights and
     /// biases of `llama` files are un-permuted to the HF layout using the given head counts.
     pub fn tensor(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
-        let name = gguf_name(hf_name)
-            .filter(|n| self.content.tensor_infos.contains_key(n))
+        let (name, info) = gguf_name(hf_name)
+            .and_then(|n| self.content.tensor_infos.get(&n).map(|info| (n, info)))
             .ok_or_else(|| {
                 Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
             })?;
+        // Candle computes the byte size from the declared dimensions unchecked (an overflow), and reads an empty
+        // tensor through a misaligned pointer (undefined behaviour; a debug build aborts): refuse both here.
+        let dims = info.shape.dims();
+        let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        let bytes = elements.and_then(|n| {
+            (n / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size())
+        });
+        if elements == Some(0) || bytes.is_none() {
+            let what = if elements == Some(0) {
+                "no elements"
+            } else {
+                "more bytes than any file"
+            };
+            return Err(Error::invalid_file(
+                &self.path,
+                format!("tensor `{name}` has dimensions {dims:?}: {what}"),
+            ));
+        }
         let q = {
             let mut file = self
                 .file

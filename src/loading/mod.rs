@@ -13,5 +13,5 @@ pub mod model;
 pub mod safetensors;
 pub mod source;
 
-pub use model::{load_model, load_model_config, LoadOptions, LoadedModel};
+pub use model::{load_model, load_model_config, load_tokenizer, LoadOptions, LoadedModel};
 pub use source::{cached_test_model, ModelSource, TEST_MODEL_FILE};

@@ -93,9 +93,11 @@ impl Weights {
                 let view = st
                     .tensor(name)
                     .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
-                view.load(&Device::Cpu).map_err(|e| {
+                let t = view.load(&Device::Cpu).map_err(|e| {
                     Error::invalid_file(file.path(), format!("cannot read `{name}`: {e}"))
-                })?
+                })?;
+                file.release(view.data());
+                t
             }
             Weights::Gguf(g) => {
                 g.0.tensor(name, g.1.num_attention_heads, g.1.num_key_value_heads)?
@@ -252,11 +254,7 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let cfg = ModelConfig::from_hf_config_file(&dir.join("config.json"))?;
             let weights = Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?);
             let model = build_model(&weights, cfg, opts)?;
-            let tokenizer = if dir.join("tokenizer.json").exists() {
-                Some(TextTokenizer::from_folder(&dir)?)
-            } else {
-                None
-            };
+            let tokenizer = folder_tokenizer(&dir)?;
             Ok(LoadedModel {
                 model,
                 tokenizer,
@@ -281,6 +279,36 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let mut loaded = load_model(dir.to_str().unwrap_or_default(), None, opts)?;
             loaded.source = format!("{id}@{revision}");
             Ok(loaded)
+        }
+    }
+}
+
+/// The tokenizer of a model folder, if it has one.
+fn folder_tokenizer(dir: &Path) -> Result<Option<TextTokenizer>> {
+    if dir.join("tokenizer.json").exists() {
+        TextTokenizer::from_folder(dir).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+/// The tokenizer of a model (with its chat template) without loading the weights — cheap, so data can be checked
+/// before a long load: from a folder, a `.gguf` file's metadata, or a Hub id (only the config and tokenizer files
+/// are fetched). `None` when the model has none.
+pub fn load_tokenizer(spec: &str, revision: Option<&str>) -> Result<Option<TextTokenizer>> {
+    match ModelSource::parse(spec, revision)? {
+        ModelSource::Folder(dir) => folder_tokenizer(&dir),
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(&path)?;
+            TextTokenizer::from_gguf(file.content(), &path).map(Some)
+        }
+        ModelSource::Hub { id, revision } => {
+            let fetch = hub_fetcher(&id, &revision)?;
+            let config = hub_required(&fetch, &id, &revision, HUB_FILES[0])?;
+            for optional in &HUB_FILES[1..] {
+                let _ = fetch(optional);
+            }
+            folder_tokenizer(config.parent().unwrap_or(Path::new(".")))
         }
     }
 }

@@ -231,6 +231,18 @@ impl LoraConfig {
         if self.r == 0 {
             return bad("r must be at least 1".into());
         }
+        // Far above any layer's width (a rank beyond min(in, out) adds nothing), and small enough that the adapter's
+        // sizes cannot overflow.
+        const MAX_RANK: usize = 1 << 16;
+        let too_large = |r: usize| {
+            format!("rank {r} is larger than any layer (at most {MAX_RANK}; QLoRA ranks are usually 8 to 256)")
+        };
+        if self.r > MAX_RANK {
+            return bad(format!("r = {}: {}", self.r, too_large(self.r)));
+        }
+        if let Some((k, r)) = self.rank_pattern.iter().find(|(_, r)| **r > MAX_RANK) {
+            return bad(format!("rank_pattern[{k:?}] = {r}: {}", too_large(*r)));
+        }
         if !self.lora_alpha.is_finite() || self.lora_alpha <= 0.0 {
             return bad(format!(
                 "lora_alpha = {}: must be more than 0 (the update is scaled by lora_alpha / r; 0 trains nothing)",

@@ -106,6 +106,19 @@ pub enum Regime {
     Configured,
 }
 
+impl Regime {
+    /// How a person names it (the rows of `qlora estimate`).
+    pub fn label(self) -> &'static str {
+        match self {
+            Regime::FullFp32 => "full fine-tune, fp32",
+            Regime::MixedPrecision => "full fine-tune, mixed",
+            Regime::LoraBf16 => "LoRA, bf16 base",
+            Regime::Qlora => "QLoRA, NF4 base",
+            Regime::Configured => "this configuration",
+        }
+    }
+}
+
 /// Predicted bytes by category.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Estimate {

@@ -206,10 +206,10 @@ impl MemoryTimeline {
         self.samples.push(sample);
     }
 
-    /// The summary lines: peak, where it happened, and its breakdown.
+    /// The summary lines: peak, where it happened, its breakdown, and why a row may look odd.
     pub fn summary(&self) -> Option<String> {
         let (s, b) = self.peak.as_ref()?;
-        Some(format!(
+        let mut text = format!(
             "peak memory {} ({}) at step {} {:?} (micro-batch {}):\n{}",
             human_bytes(s.peak),
             self.source,
@@ -217,7 +217,15 @@ impl MemoryTimeline {
             s.phase,
             s.micro_batch,
             b.table()
-        ))
+        );
+        if b.gradients == 0 {
+            text += "\n  (no gradients at this peak: it came before the step's first backward pass made any)";
+        }
+        if self.source == "resident set" {
+            text += "\n  (measured as the resident set: without memory::TrackingAllocator as the global allocator \
+                     the heap is not counted, and `activations` holds everything the other rows do not)";
+        }
+        Some(text)
     }
 
     /// Writes `memory_timeline.json` and `memory.svg` into `dir`.

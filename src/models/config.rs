@@ -83,6 +83,13 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// The largest vocabulary, width, head count or context a config may declare (real models stay far below).
+const MAX_SIZE: usize = 1 << 24;
+/// The most decoder layers a config may declare (models have at most a few hundred).
+const MAX_LAYERS: usize = 1 << 12;
+/// The most entries (`max_position_embeddings × head_dim`) of each RoPE table, float32: 2 GiB for cos and sin each.
+const MAX_ROPE_ENTRIES: usize = 1 << 29;
+
 fn bad(path: &Path, reason: String) -> Error {
     Error::invalid_file(path, reason)
 }
@@ -301,12 +308,48 @@ impl ModelConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+        if self.head_dim == 0
+            || self.head_dim % 2 != 0
+            || self.hidden_size == 0
+            || self.vocab_size == 0
+        {
             return Err(bad(
                 path,
                 format!(
-                    "inconsistent sizes: head_dim {} (must be even), hidden_size {}, vocab_size {}",
+                    "inconsistent sizes: head_dim {} (must be even and positive), hidden_size {}, vocab_size {}",
                     self.head_dim, self.hidden_size, self.vocab_size
+                ),
+            ));
+        }
+        // Sizes no model has are a damaged file: refuse them before anything is computed or allocated from them.
+        let sizes = [
+            ("vocab_size", self.vocab_size, MAX_SIZE),
+            ("hidden_size", self.hidden_size, MAX_SIZE),
+            ("intermediate_size", self.intermediate_size, MAX_SIZE),
+            ("num_attention_heads", self.num_attention_heads, MAX_SIZE),
+            ("head_dim", self.head_dim, MAX_SIZE),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_SIZE,
+            ),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+        ];
+        if let Some((key, value, max)) = sizes.iter().find(|(_, v, max)| v > max) {
+            return Err(bad(
+                path,
+                format!("{key} = {value} is more than any model has (at most {max}); the file is damaged"),
+            ));
+        }
+        // The RoPE tables are built for every position up front.
+        let rope_entries = self.max_position_embeddings * self.head_dim;
+        if rope_entries > MAX_ROPE_ENTRIES {
+            return Err(bad(
+                path,
+                format!(
+                    "max_position_embeddings {} × head_dim {} = {rope_entries} RoPE table entries, more than {MAX_ROPE_ENTRIES} \
+                     (4 GiB of tables); lower max_position_embeddings",
+                    self.max_position_embeddings, self.head_dim
                 ),
             ));
         }

@@ -1,5 +1,7 @@
 //! Text generation with a KV cache: greedy, temperature, top-k and top-p sampling through candle-transformers'
-//! `LogitsProcessor`, streaming each token as it comes, stopping at an end-of-sequence token.
+//! `LogitsProcessor`, streaming each token as it comes, stopping at an end-of-sequence token. Each step runs in
+//! inference mode ([`crate::ops::frozen_linear::InferenceMode`], through [`LlamaModel::forward_cached`]): 4-bit
+//! weights on the CPU are multiplied by in place rather than dequantized per token.
 
 use candle_core::{Device, Tensor};
 use candle_transformers::generation::{LogitsProcessor, Sampling};

@@ -200,8 +200,12 @@ impl TextTokenizer {
     }
 }
 
+/// Instructions a chat template may execute per rendering (minijinja's fuel).
+const TEMPLATE_FUEL: u64 = 10_000_000;
+
 /// Renders a Hugging Face chat template with minijinja (Python string methods, `raise_exception`,
-/// `strftime_now`, and `trim_blocks`/`lstrip_blocks` as transformers sets them).
+/// `strftime_now`, and `trim_blocks`/`lstrip_blocks` as transformers sets them). A template that runs away (more
+/// than [`TEMPLATE_FUEL`] instructions) is an error.
 pub fn render_chat_template(
     template: &str,
     messages: &[ChatMessage],
@@ -212,7 +216,19 @@ pub fn render_chat_template(
     let mut env = minijinja::Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    // A template comes with a downloaded model: bound its work (real chat templates use a few thousand units), so a
+    // runaway loop is an error instead of a hang.
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    env.set_unknown_method_callback(|state, value, method, args| {
+        // minijinja-contrib's `str.count('')` never returns (it finds the empty string at the same place again and
+        // again); Python counts the len + 1 places between characters.
+        if let (Some(s), "count", [what]) = (value.as_str(), method, args) {
+            if what.as_str() == Some("") {
+                return Ok(minijinja::Value::from(s.chars().count() + 1));
+            }
+        }
+        minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+    });
     env.add_function(
         "raise_exception",
         |msg: String| -> std::result::Result<String, minijinja::Error> {
@@ -228,12 +244,20 @@ pub fn render_chat_template(
     let tmpl = env
         .get_template("chat")
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
-    tmpl.render(minijinja::context! {
-        messages => messages,
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token.unwrap_or(""),
-        eos_token => eos_token.unwrap_or(""),
-    })
+    // minijinja panics on some expressions (`'{:.70000f}'.format(x)`, as Rust caps format precision at 65535;
+    // `''[::-1]`, which indexes an empty string): a template from a model file that does that is a bad template, not
+    // a crash. (The environment is dropped right after, so no state a panic interrupted is seen again.)
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token.unwrap_or(""),
+            eos_token => eos_token.unwrap_or(""),
+        })
+    }))
+    .map_err(|_| {
+        Error::Tokenizer("the chat template failed to render: it crashed the renderer".into())
+    })?
     .map_err(|e| Error::Tokenizer(format!("the chat template failed to render: {e}")))
 }
 
@@ -262,5 +286,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("only user and assistant roles"), "{err}");
+    }
+
+    #[test]
+    fn a_runaway_template_is_an_error_not_a_hang() {
+        let t = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let err = render_chat_template(t, &[], false, None, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("fuel"), "{err}");
     }
 }

@@ -1,14 +1,72 @@
 //! Frozen linear layer `y = x·Wᵀ (+ b)` with `W` dense or 4-bit: the gradient flows to `x` only.
 //!
 //! `W` never enters the autograd graph. A 4-bit `W` is dequantized inside the op for the forward and again in the
-//! backward, so only one layer's dequantized weight exists at a time.
+//! backward, so only one layer's dequantized weight exists at a time. In [`InferenceMode`] (generation) a CPU 4-bit
+//! `W` times a few float32 rows is computed from the 4-bit codes directly (the kernel in `ops/cpu/nf4_matvec.rs`)
+//! instead.
 
+use std::cell::Cell;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::autograd::{Apply, Op, Value};
+use super::cpu::nf4_matvec::{nf4_matvec, MAX_ROWS};
+use super::cpu::with_slice;
 use crate::quant::{DeviceNf4, Nf4Tensor};
+
+thread_local! {
+    /// Whether this thread is in [`InferenceMode`].
+    static INFERENCE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Inference mode for the current thread while the guard lives (it restores the previous mode when dropped).
+///
+/// In it, a frozen linear with a 4-bit weight on the CPU, a float32 input and at most 8 rows (a decoding step, or
+/// a short prompt) multiplies by the 4-bit codes in place instead of dequantizing the whole weight first: the same
+/// values up to the order of float sums, several times faster for one row. Outside it every product is
+/// bit-identical to dequantize-then-matmul, which training, checkpoint replay and the golden tests rely on; so only
+/// generation enters it ([`crate::models::LlamaModel::forward_cached`]). The mode is per thread: a rayon job the
+/// thread runs while it waits inside the mode sees it too, which in this crate are kernel pieces only, never a
+/// forward pass.
+#[must_use = "inference mode ends when the guard is dropped"]
+pub struct InferenceMode {
+    previous: bool,
+    /// The mode is per thread: the guard must be dropped on the thread that made it.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl InferenceMode {
+    /// Enters inference mode on this thread until the returned guard is dropped.
+    pub fn enter() -> Self {
+        InferenceMode {
+            previous: INFERENCE.with(|m| m.replace(true)),
+            _not_send: PhantomData,
+        }
+    }
+
+    /// True while this thread is in inference mode.
+    pub fn is_active() -> bool {
+        INFERENCE.with(Cell::get)
+    }
+}
+
+impl Drop for InferenceMode {
+    fn drop(&mut self) {
+        INFERENCE.with(|m| m.set(self.previous));
+    }
+}
+
+/// The 4-bit weight to multiply by in place ([`nf4_matvec`]) instead of dequantizing it: when this thread is in
+/// [`InferenceMode`], `weight` is a 4-bit weight on the CPU and the input has at most [`MAX_ROWS`] rows. An op with
+/// a [`FrozenLinear`] base asks this before dequantizing.
+pub(crate) fn decoding_codes(weight: &FrozenWeight, rows: usize) -> Option<&Nf4Tensor> {
+    match weight {
+        FrozenWeight::Nf4(q) if rows <= MAX_ROWS && InferenceMode::is_active() => Some(q),
+        _ => None,
+    }
+}
 
 /// A frozen weight `[out_features, in_features]`.
 #[derive(Clone, Debug)]
@@ -131,13 +189,39 @@ pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
     FrozenLinearOp(layer.clone()).apply([x])
 }
 
-/// The frozen linear op (input `x`): Candle's matmul with the weight dense in `x`'s dtype, in both directions.
+/// The frozen linear op (input `x`): Candle's matmul with the weight dense in `x`'s dtype, in both directions —
+/// or, for a decoding step in [`InferenceMode`], the product with the 4-bit codes ([`decoding_codes`]).
 struct FrozenLinearOp(Arc<FrozenLinear>);
+
+impl FrozenLinearOp {
+    /// `x·Wᵀ (+ b)` from the 4-bit codes for a CPU float32 `x` where [`decoding_codes`] gives them; `None` elsewhere.
+    fn decode_step(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let layer = &self.0;
+        let mut dims = x.dims().to_vec();
+        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+        let q = match decoding_codes(&layer.weight, rows) {
+            Some(q) if x.dtype() == DType::F32 && x.device().is_cpu() && x.rank() > 0 => q,
+            _ => return Ok(None),
+        };
+        let y = with_slice::<f32, _>(x, |xs| nf4_matvec(q, xs, rows))?;
+        if let Some(last) = dims.last_mut() {
+            *last = layer.weight.dims2()?.0;
+        }
+        let y = Tensor::from_vec(y, dims, &Device::Cpu)?;
+        Ok(Some(match &layer.bias {
+            Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
+            None => y,
+        }))
+    }
+}
 
 impl Op<1> for FrozenLinearOp {
     const NAME: &'static str = "frozen-linear";
 
     fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
+        if let Some(y) = self.decode_step(x)? {
+            return Ok(Value::Tensor(y));
+        }
         let layer = &self.0;
         let dtype = x.dtype();
         let w = layer.weight.to_dense(dtype)?;
@@ -148,6 +232,7 @@ impl Op<1> for FrozenLinearOp {
         }))
     }
 
+    // The backward (never taken in generation) dequantizes as always: gradients do not depend on the forward's path.
     fn bwd(&self, _: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
         let w = self.0.weight.to_dense(grad.dtype())?;
         let dims = grad.dims().to_vec();
@@ -167,7 +252,7 @@ impl Op<1> for FrozenLinearOp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::autograd::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, max_abs_diff, rand_f64};
     use crate::quant::QuantConfig;
 
     #[test]
@@ -212,6 +297,64 @@ mod tests {
             1e-6,
             1e-12,
         );
+    }
+
+    #[test]
+    fn inference_mode_multiplies_by_the_codes_and_only_there() {
+        let w32 = rand_f64(&[48, 128], 8).to_dtype(DType::F32).unwrap();
+        let bias = rand_f64(&[48], 9).to_dtype(DType::F32).unwrap();
+        let q = Arc::new(Nf4Tensor::quantize(&w32, &QuantConfig::nf4()).unwrap());
+        let deq = q.dequantize(DType::F32).unwrap();
+        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Nf4(q), Some(bias.clone())));
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        // Decoding shapes, and a prompt too long for the kernel.
+        for dims in [vec![1, 1, 128], vec![2, 4, 128], vec![1, 9, 128]] {
+            let x = rand_f64(&dims, 10).to_dtype(DType::F32).unwrap();
+            let dense = x
+                .broadcast_matmul(&deq.t().unwrap())
+                .unwrap()
+                .broadcast_add(&bias)
+                .unwrap();
+            let plain = frozen_linear(&x, &layer).unwrap();
+            assert_eq!(
+                bits(&plain),
+                bits(&dense),
+                "outside inference mode: the GEMM's bits"
+            );
+            let (inner, after) = {
+                let _outer = InferenceMode::enter();
+                let inner = {
+                    let _nested = InferenceMode::enter();
+                    frozen_linear(&x, &layer).unwrap()
+                };
+                assert!(
+                    InferenceMode::is_active(),
+                    "a nested guard restores the outer mode"
+                );
+                (inner, frozen_linear(&x, &layer).unwrap())
+            };
+            assert!(!InferenceMode::is_active());
+            assert_eq!(inner.dims(), dense.dims());
+            assert_eq!(bits(&inner), bits(&after));
+            let diff = max_abs_diff(
+                &inner.to_dtype(DType::F64).unwrap(),
+                &dense.to_dtype(DType::F64).unwrap(),
+            );
+            assert!(diff < 1e-5, "{dims:?}: {diff}");
+            let rows: usize = dims[..2].iter().product();
+            if rows > super::MAX_ROWS {
+                assert_eq!(bits(&inner), bits(&dense), "too many rows: the GEMM");
+            } else {
+                assert_ne!(
+                    bits(&inner),
+                    bits(&dense),
+                    "{dims:?}: the kernel's own summation order"
+                );
+            }
+        }
     }
 
     #[test]

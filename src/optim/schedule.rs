@@ -210,7 +210,7 @@ impl Schedule {
                 let stable = self
                     .num("num_stable_steps")
                     .map(|x| x as usize)
-                    .unwrap_or_else(|| t.saturating_sub(w + decay));
+                    .unwrap_or_else(|| t.saturating_sub(w.saturating_add(decay)));
                 let min_ratio = self.num("min_lr_ratio").unwrap_or(0.0);
                 let cycles = self.num("num_cycles").unwrap_or(0.5);
                 let shape = |kind: &str, p: f64, rising: bool| -> f64 {
@@ -227,10 +227,11 @@ impl Schedule {
                     let f = shape(&self.text("warmup_type", "linear"), warm(s), true);
                     return (f * (1.0 - min_ratio) + min_ratio).max(0.0);
                 }
-                if s < w + stable {
+                // Step counts from the kwargs may be huge (`num_decay_steps = 1e300` is `usize::MAX`): add saturating.
+                if s < w.saturating_add(stable) {
                     return 1.0;
                 }
-                if s < w + stable + decay {
+                if s < w.saturating_add(stable).saturating_add(decay) {
                     let p = (s - w - stable) as f64 / decay.max(1) as f64;
                     let f = shape(&self.text("decay_type", "cosine"), p, false);
                     return (f * (1.0 - min_ratio) + min_ratio).max(0.0);

@@ -8,6 +8,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::config::{QuantConfig, QuantType};
 use super::tensor::{BlockScales, Nf4Tensor};
 use crate::error::Result;
 
@@ -42,6 +43,8 @@ pub struct DeviceNf4 {
     shape: Vec<usize>,
     blocksize: usize,
     bytes: usize,
+    double_quant: bool,
+    quant_type: QuantType,
 }
 
 /// `values` (one per element, `[n]`) times `scale` (one per `block` elements, `[ceil(n / block)]`), as float32.
@@ -90,7 +93,19 @@ impl DeviceNf4 {
             shape: q.shape().to_vec(),
             blocksize: q.blocksize(),
             bytes: q.size_in_bytes(),
+            double_quant: q.is_double_quantized(),
+            quant_type: q.quant_type(),
         })
+    }
+
+    /// How the weight was quantized.
+    pub fn config(&self) -> QuantConfig {
+        QuantConfig {
+            quant_type: self.quant_type,
+            blocksize: self.blocksize,
+            double_quant: self.double_quant,
+            ..QuantConfig::nf4()
+        }
     }
 
     /// The dense weight as `dtype` (f32, f16 or bf16) on the device, bit-identical to [`Nf4Tensor::dequantize`].

@@ -2,6 +2,7 @@
 //! quantization), with its statistics, and the way back to a dense tensor.
 
 use std::mem::MaybeUninit;
+use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
@@ -49,6 +50,17 @@ impl BlockScales {
     }
 }
 
+/// The float32 absmax of every block of a double-quantized tensor, dequantized on first use and kept (see
+/// [`Nf4Tensor::block_absmax`]). A cache, so it never makes two tensors unequal.
+#[derive(Clone, Debug, Default)]
+struct AbsmaxCache(OnceLock<Vec<f32>>);
+
+impl PartialEq for AbsmaxCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
 /// A weight stored in 4 bits, bit-compatible with bitsandbytes' `Params4bit` + `QuantState`.
 ///
 /// The elements of the row-major weight are split into blocks of `blocksize`; each element is the code of
@@ -62,6 +74,7 @@ pub struct Nf4Tensor {
     dtype: DType,
     quant_type: QuantType,
     blocksize: usize,
+    absmax_cache: AbsmaxCache,
 }
 
 impl Nf4Tensor {
@@ -176,6 +189,7 @@ impl Nf4Tensor {
             dtype,
             quant_type: config.quant_type,
             blocksize: config.blocksize,
+            absmax_cache: AbsmaxCache::default(),
         })
     }
 
@@ -200,7 +214,10 @@ impl Nf4Tensor {
                 "dtype {dtype:?} is not a float dtype bitsandbytes quantizes"
             ));
         }
-        let n: usize = shape.iter().product();
+        // The shape comes from a file (a bitsandbytes quant state): its product may overflow.
+        let Some(n) = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)) else {
+            return bad(format!("shape {shape:?} has more elements than any tensor"));
+        };
         if n == 0 {
             return bad(format!("shape {shape:?} has no elements"));
         }
@@ -244,6 +261,7 @@ impl Nf4Tensor {
             dtype,
             quant_type,
             blocksize,
+            absmax_cache: AbsmaxCache::default(),
         })
     }
 
@@ -308,6 +326,17 @@ impl Nf4Tensor {
     /// The packed codes, `(n + 1) / 2` bytes.
     pub fn packed(&self) -> &[u8] {
         &self.packed
+    }
+
+    /// The float32 absmax of every block, as [`BlockScales::to_f32`] gives it, without a copy per call: plain
+    /// scales as stored; double-quantized ones dequantized on the first call and kept with the tensor (4 bytes per
+    /// block from then on, about 0.5 bit per parameter at blocksize 64). For kernels that read the scales on every
+    /// call (decoding); dequantization keeps computing them per call, so training holds no extra memory.
+    pub fn block_absmax(&self) -> &[f32] {
+        match &self.scales {
+            BlockScales::Plain(a) => a,
+            BlockScales::Nested(n) => self.absmax_cache.0.get_or_init(|| n.dequantize()),
+        }
     }
 
     /// The block scales.

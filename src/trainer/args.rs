@@ -126,6 +126,9 @@ pub struct TrainingArguments {
     pub dataloader_drop_last: bool,
     /// No progress bar (log lines instead), as in transformers.
     pub disable_tqdm: bool,
+    /// Evaluation also answers each evaluation example greedily from its prompt and reports the share answered
+    /// exactly (`eval_exact_match`), as `Seq2SeqTrainingArguments.predict_with_generate` with an exact-match metric.
+    pub predict_with_generate: bool,
     /// Evaluation metric the early-stopping callback and `best_metric` follow (`eval_loss`).
     pub metric_for_best_model: Option<String>,
     /// Train on the CPU even when a CUDA GPU is there (the default trains on GPU 0 when this build has the `cuda`
@@ -179,6 +182,7 @@ impl Default for TrainingArguments {
             train_sampling_strategy: SamplingStrategy::Random,
             dataloader_drop_last: false,
             disable_tqdm: false,
+            predict_with_generate: false,
             metric_for_best_model: None,
             use_cpu: false,
             max_consecutive_nonfinite_losses: 5,

@@ -260,6 +260,7 @@ mod tests {
             tokens: 1,
             examples: 1,
             truncated: 0,
+            exact_match: None,
         }
     }
 

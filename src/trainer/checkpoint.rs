@@ -141,21 +141,16 @@ impl Manifest {
     }
 }
 
-/// Checks checkpoint `ckpt` before a resume: every file its manifest lists is there with the recorded size and
-/// SHA-256, and it was trained on `base` (unless `ignore_base_mismatch`). A checkpoint written before manifests
-/// existed passes with a warning.
-pub fn verify_checkpoint(
-    ckpt: &Path,
-    base: &BaseModelId,
-    ignore_base_mismatch: bool,
-) -> Result<()> {
+/// Checks that every file the manifest of checkpoint `ckpt` lists is there with the recorded size and SHA-256,
+/// and returns the manifest (`None`, with a warning, for a checkpoint written before manifests existed).
+pub fn verify_checkpoint_files(ckpt: &Path) -> Result<Option<Manifest>> {
     let path = ckpt.join(MANIFEST);
     if !path.exists() {
         eprintln!(
             "warning: {} has no {MANIFEST} (written by an older version): its files are not verified",
             ckpt.display()
         );
-        return Ok(());
+        return Ok(None);
     }
     let manifest: Manifest = crate::files::read_json(&path)?;
     for (name, recorded) in &manifest.files {
@@ -178,6 +173,20 @@ pub fn verify_checkpoint(
             ));
         }
     }
+    Ok(Some(manifest))
+}
+
+/// Checks checkpoint `ckpt` before a resume: its files ([`verify_checkpoint_files`]), and that it was trained on
+/// `base` (unless `ignore_base_mismatch`).
+pub fn verify_checkpoint(
+    ckpt: &Path,
+    base: &BaseModelId,
+    ignore_base_mismatch: bool,
+) -> Result<()> {
+    let Some(manifest) = verify_checkpoint_files(ckpt)? else {
+        return Ok(());
+    };
+    let path = ckpt.join(MANIFEST);
     let then = &manifest.base_model;
     if then.fingerprint != base.fingerprint && !ignore_base_mismatch {
         let named = |id: &BaseModelId| id.name.clone().unwrap_or_else(|| "an unnamed model".into());
@@ -339,8 +348,7 @@ pub fn write_checkpoint(
         &Manifest::of_folder(&tmp, files.base_model)?,
     )?;
     if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir)
-            .map_err(|e| Error::io("cannot replace", &final_dir, e))?;
+        remove_checkpoint(&final_dir)?;
     }
     std::fs::rename(&tmp, &final_dir)
         .map_err(|e| Error::io("cannot move into place", &final_dir, e))?;
@@ -376,9 +384,22 @@ pub fn rotate_checkpoints(dir: &Path, limit: usize) -> Result<()> {
     let mut all = checkpoints(dir);
     while all.len() > limit.max(1) {
         let (_, p) = all.remove(0);
-        std::fs::remove_dir_all(&p).map_err(|e| Error::io("cannot remove", &p, e))?;
+        remove_checkpoint(&p)?;
     }
     Ok(())
+}
+
+/// Removes checkpoint folder `dir` without ever leaving a part of it that looks complete: it is first renamed to a
+/// hidden `.checkpoint-N.removed.partial` (one atomic step), which a kill mid-removal leaves for
+/// [`remove_partial_checkpoints`].
+fn remove_checkpoint(dir: &Path) -> Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let doomed = dir.with_file_name(format!(".{name}.removed.partial"));
+    if doomed.exists() {
+        std::fs::remove_dir_all(&doomed).map_err(|e| Error::io("cannot remove", &doomed, e))?;
+    }
+    std::fs::rename(dir, &doomed).map_err(|e| Error::io("cannot remove", dir, e))?;
+    std::fs::remove_dir_all(&doomed).map_err(|e| Error::io("cannot remove", &doomed, e))
 }
 
 /// Removes `.checkpoint-N.partial` folders a killed run left behind.

@@ -1,11 +1,11 @@
 //! Evaluation: the token-level mean loss over a whole data set (total NLL / total label tokens, not a mean of
-//! per-example means), and its perplexity.
+//! per-example means), its perplexity, and (with `predict_with_generate`) the exact match of greedy answers.
 
 use candle_core::{DType, Device};
 
 use crate::data::{collate, TokenizedExample};
 use crate::error::Result;
-use crate::models::{Checkpointing, LlamaModel};
+use crate::models::{generate, Checkpointing, GenerationConfig, LlamaModel};
 
 /// The result of [`evaluate`].
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -20,6 +20,8 @@ pub struct EvalReport {
     pub examples: usize,
     /// Examples cut to the maximum length.
     pub truncated: usize,
+    /// Share of examples whose greedy answer is exactly the reference (with `predict_with_generate`).
+    pub exact_match: Option<f64>,
 }
 
 /// Evaluates `examples` in batches of `batch_size` (no gradients are built: the model's weights are frozen).
@@ -52,5 +54,35 @@ pub fn evaluate(
         tokens,
         examples: examples.len(),
         truncated: examples.iter().filter(|e| e.truncated).count(),
+        exact_match: None,
     })
+}
+
+/// How many of `examples` `model` answers exactly: each example's prompt (its tokens before the first label) is
+/// continued greedily, and the answer (up to an end-of-sequence token of the model) must be the reference token
+/// for token (its labelled tokens, up to an end-of-sequence token). transformers' `predict_with_generate` with an
+/// exact-match metric. Examples without labels are not counted.
+pub fn exact_match(model: &LlamaModel, examples: &[TokenizedExample]) -> Result<(usize, usize)> {
+    let eos = &model.config().eos_token_ids;
+    let (mut hits, mut counted) = (0, 0);
+    for example in examples {
+        let Some(start) = example.labels.iter().position(|&l| l != -100) else {
+            continue;
+        };
+        let reference: Vec<u32> = example.input_ids[start..]
+            .iter()
+            .zip(&example.labels[start..])
+            .take_while(|(id, label)| **label != -100 && !eos.contains(id))
+            .map(|(id, _)| *id)
+            .collect();
+        let config = GenerationConfig {
+            eos_token_ids: eos.clone(),
+            ..GenerationConfig::greedy(reference.len() + 1)
+        };
+        let answer = generate(model, &example.input_ids[..start], &config, |_| Ok(()))?;
+        let answer: Vec<u32> = answer.into_iter().take_while(|id| !eos.contains(id)).collect();
+        hits += (answer == reference) as usize;
+        counted += 1;
+    }
+    Ok((hits, counted))
 }

@@ -30,6 +30,6 @@ pub use callbacks::{
 };
 pub use checkpoint::latest_checkpoint;
 pub use config::RunConfig;
-pub use evaluate::{evaluate, EvalReport};
+pub use evaluate::{evaluate, exact_match, EvalReport};
 pub use run::Trainer;
 pub use state::{LogEntry, TrainOutput, TrainerState};

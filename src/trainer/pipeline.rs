@@ -2,12 +2,15 @@
 //! tokenized data, and the callbacks the config asks for — what `qlora train` does before training.
 
 use super::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
+use super::checkpoint::verify_checkpoint_files;
 use super::config::RunConfig;
-use super::run::Trainer;
+use super::run::{prepare_output_dir, Trainer};
 use crate::data::Dataset;
-use crate::error::Result;
-use crate::loading::{load_model, LoadOptions};
+use crate::error::{Error, Result};
+use crate::loading::{load_model, load_tokenizer, LoadOptions};
+use crate::memory::{human_bytes, process_memory};
 use crate::precision::Precision;
+use std::path::Path;
 
 impl Trainer {
     /// A trainer for `config`: loads its model on the device `[training]` selects (computing in the dtype its
@@ -15,20 +18,24 @@ impl Trainer {
     /// truncated or packed), and adds the callbacks of `[callbacks]`. Resume with
     /// `train(config.training.resume_checkpoint()?.as_deref())`.
     pub fn from_run_config(config: &RunConfig) -> Result<Self> {
+        // Everything cheap first (tokenizer, chat template, data, output folder, resume checkpoint), so a mistake
+        // is reported in seconds, not after loading the weights.
         let args = &config.training;
-        let device = args.device();
-        let quant_compute = config.quant_compute_dtype().map(|d| d.dtype());
-        let precision = Precision::from_flags(args.bf16, args.fp16, quant_compute, &device)?;
-        let options = LoadOptions {
-            quantization: config.quant_config()?,
-            compute_dtype: precision.compute_dtype,
-        };
         let model_name = &config.model.name_or_path;
-        let loaded = load_model(model_name, config.model.revision.as_deref(), &options)?;
-        let tokenizer = loaded.tokenizer()?;
+        let revision = config.model.revision.as_deref();
+        let tokenizer = load_tokenizer(model_name, revision)?.ok_or_else(|| {
+            Error::Model(format!(
+                "`{model_name}` has no tokenizer (tokenizer.json); training needs one to read the data"
+            ))
+        })?;
         let data = &config.data;
-        let (train, eval) = Dataset::train_and_eval(tokenizer, data)?;
-        // Each file's skipped lines and truncation (a held-out split counts with its file), then the sizes.
+        let (train, eval) = Dataset::train_and_eval(&tokenizer, data)?;
+        train.check_learnable("the training set")?;
+        let resume = args.resume_checkpoint()?;
+        if let Some(ckpt) = &resume {
+            verify_checkpoint_files(ckpt)?;
+        }
+        let lock = prepare_output_dir(args, Path::new(&args.output_dir), resume.is_some())?;
         let name =
             |f: Option<&std::path::PathBuf>| f.map(|f| f.display().to_string()).unwrap_or_default();
         let mut notes = match &data.eval_file {
@@ -57,8 +64,29 @@ impl Trainer {
         for note in notes {
             eprintln!("{note}");
         }
+        let device = args.device();
+        let quant_compute = config.quant_compute_dtype().map(|d| d.dtype());
+        let precision = Precision::from_flags(args.bf16, args.fp16, quant_compute, &device)?;
+        let options = LoadOptions {
+            quantization: config.quant_config()?,
+            compute_dtype: precision.compute_dtype,
+        };
+        let started = std::time::Instant::now();
+        let loaded = load_model(model_name, revision, &options)?;
+        // Nothing before the load holds much, so the process' peak so far is the load's.
+        let peak = process_memory()
+            .peak_rss
+            .map(|b| format!("; peak resident while loading {}", human_bytes(b)))
+            .unwrap_or_default();
+        eprintln!(
+            "loaded {} ({} of weights) in {:.1} s{peak}",
+            loaded.source,
+            human_bytes(loaded.model.weight_bytes() as u64),
+            started.elapsed().as_secs_f64()
+        );
         let model = loaded.model.to_device(&device)?;
         let mut trainer = Trainer::new(model, args.clone(), &config.lora, train, eval)?;
+        trainer.set_output_lock(lock);
         trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());
         let callbacks = &config.callbacks;
@@ -70,7 +98,8 @@ impl Trainer {
         }
         if callbacks.memory_monitor {
             trainer.add_callback(Box::new(
-                MemoryMonitorCallback::new(callbacks.memory_warn_fraction).on_device(&device),
+                MemoryMonitorCallback::new(callbacks.memory_warn_fraction)
+                    .on_device(trainer.model.device()),
             ));
         }
         Ok(trainer)

@@ -20,7 +20,7 @@ use super::checkpoint::{
     verify_checkpoint, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
     SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
-use super::evaluate::{evaluate, EvalReport};
+use super::evaluate::{evaluate, exact_match, EvalReport};
 use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::DataPlan;
@@ -35,6 +35,7 @@ use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::plot::loss_svg;
+use crate::precision::Precision;
 
 /// The adapter the trainer trains.
 pub const ADAPTER: &str = "default";
@@ -55,6 +56,8 @@ pub struct Trainer {
     state: TrainerState,
     callbacks: Vec<Box<dyn TrainerCallback>>,
     run_config: Option<String>,
+    /// The output folder, claimed before the model was loaded (by [`Trainer::from_run_config`]).
+    output_lock: Option<OutputLock>,
 }
 
 /// Step intervals of logging, evaluation and saving, resolved against the run's total.
@@ -90,9 +93,12 @@ struct Run {
 
 impl Trainer {
     /// A trainer that adds (or keeps) adapter [`ADAPTER`] with `lora` on `model`, for `train` rows and `eval` rows
-    /// (a [`Dataset`], or a `Vec` of tokenized examples; the evaluation set may be empty).
+    /// (a [`Dataset`], or a `Vec` of tokenized examples; the evaluation set may be empty). As transformers' Trainer,
+    /// it moves the model to the device `args` select (a GPU unless `use_cpu`, where this build and the machine
+    /// have one) and computes in bf16/fp16 when `args` ask; otherwise the model keeps the compute dtype it was
+    /// loaded with.
     pub fn new(
-        mut model: LlamaModel,
+        model: LlamaModel,
         args: TrainingArguments,
         lora: &LoraConfig,
         train: impl Into<Dataset>,
@@ -104,6 +110,18 @@ impl Trainer {
             return Err(Error::InvalidInput("the training set is empty".into()));
         }
         train.check_learnable("the training set")?;
+        let mut model = match (model.device().is_cpu(), args.use_cpu) {
+            (true, false) => match args.device() {
+                gpu if !gpu.is_cpu() => model.to_device(&gpu)?,
+                _ => model,
+            },
+            (false, true) => model.to_device(&candle_core::Device::Cpu)?,
+            _ => model,
+        };
+        if args.bf16 || args.fp16 {
+            let precision = Precision::from_flags(args.bf16, args.fp16, None, model.device())?;
+            model.set_compute_dtype(precision.compute_dtype);
+        }
         if !model.adapter_names().iter().any(|n| n == ADAPTER) {
             model.add_adapter(ADAPTER, lora, args.seed)?;
         }
@@ -117,6 +135,7 @@ impl Trainer {
             state: TrainerState::default(),
             callbacks: vec![],
             run_config: None,
+            output_lock: None,
         })
     }
 
@@ -140,6 +159,11 @@ impl Trainer {
         self.callbacks.push(callback);
     }
 
+    /// Keeps the output folder claimed by [`prepare_output_dir`] for the run.
+    pub(super) fn set_output_lock(&mut self, lock: OutputLock) {
+        self.output_lock = Some(lock);
+    }
+
     /// The base model's name or path, recorded in the saved adapters' `adapter_config.json`
     /// (`base_model_name_or_path`).
     pub fn set_base_model_name(&mut self, name: &str) {
@@ -153,51 +177,16 @@ impl Trainer {
 
     /// Evaluates the model on the evaluation rows (token-level mean loss and perplexity).
     pub fn evaluate(&self) -> Result<EvalReport> {
-        evaluate(
+        let mut report = evaluate(
             &self.model,
             &self.eval.rows,
             self.args.per_device_eval_batch_size,
-        )
-    }
-
-    /// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an
-    /// adapter or checkpoints) unless resuming or `overwrite_output_dir`; with it, removes that run's adapter and
-    /// checkpoints (the user asked for it). A log without any checkpoint (a run killed early) holds nothing to keep
-    /// and is replaced.
-    fn prepare_output_dir(&self, out: &Path, resuming: bool) -> Result<OutputLock> {
-        std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
-        let lock = OutputLock::acquire(out)?;
-        let earlier: Vec<PathBuf> = std::fs::read_dir(out)
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .filter(|p| {
-                let name = p.file_name().unwrap_or_default().to_string_lossy();
-                name.starts_with("checkpoint-")
-                    || ["adapter_config.json", "adapter_model.safetensors"].contains(&name.as_ref())
-            })
-            .collect();
-        if !resuming && !earlier.is_empty() {
-            if !self.args.overwrite_output_dir {
-                return Err(Error::WouldOverwrite(format!(
-                    "`{}` holds the output of an earlier run ({}); resume it (resume_from_checkpoint, or --resume), set overwrite_output_dir = \
-                     true to replace it, or pick another output_dir",
-                    out.display(),
-                    earlier[0].file_name().unwrap_or_default().to_string_lossy()
-                )));
-            }
-            for p in &earlier {
-                let removed = if p.is_dir() {
-                    std::fs::remove_dir_all(p)
-                } else {
-                    std::fs::remove_file(p)
-                };
-                removed.map_err(|e| Error::io("cannot remove", p, e))?;
-            }
+        )?;
+        if self.args.predict_with_generate {
+            let (hits, counted) = exact_match(&self.model, &self.eval.rows)?;
+            report.exact_match = Some(hits as f64 / counted.max(1) as f64);
         }
-        remove_partial_checkpoints(out)?;
-        Ok(lock)
+        Ok(report)
     }
 
     fn each_callback(
@@ -259,7 +248,10 @@ impl Trainer {
         super::interrupt::reset();
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
-        let lock = self.prepare_output_dir(&out, resume.is_some())?;
+        let lock = match self.output_lock.take() {
+            Some(lock) => lock,
+            None => prepare_output_dir(&args, &out, resume.is_some())?,
+        };
         let plan = DataPlan::new(&self.train.rows, &args);
         let total = args.total_steps(plan.batches_per_epoch);
         let warmup = args.warmup_for(total);
@@ -504,8 +496,12 @@ impl Trainer {
     ) -> Result<EvalReport> {
         let report = self.evaluate()?;
         let step = self.state.global_step;
+        let exact = report
+            .exact_match
+            .map(|m| format!("  exact match {:.1}%", 100.0 * m))
+            .unwrap_or_default();
         progress.println(&format!(
-            "step {step}: eval_loss {:.4}  perplexity {:.3}",
+            "step {step}: eval_loss {:.4}  perplexity {:.3}{exact}",
             report.loss, report.perplexity
         ));
         if self.state.best_metric.is_none_or(|b| report.loss < b) {
@@ -517,6 +513,7 @@ impl Trainer {
             epoch: self.state.epoch,
             eval_loss: Some(report.loss),
             eval_perplexity: Some(report.perplexity),
+            eval_exact_match: report.exact_match,
             ..Default::default()
         };
         self.log(log_path, entry)?;
@@ -779,4 +776,48 @@ fn check_same_lora(then: &LoraConfig, now: &LoraConfig, path: &Path) -> Result<(
             ),
         )),
     }
+}
+
+/// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an
+/// adapter or checkpoints) unless resuming or `overwrite_output_dir`; with it, removes that run's adapter and
+/// checkpoints (the user asked for it). A log without any checkpoint (a run killed early) holds nothing to keep
+/// and is replaced.
+pub(super) fn prepare_output_dir(
+    args: &TrainingArguments,
+    out: &Path,
+    resuming: bool,
+) -> Result<OutputLock> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
+    let lock = OutputLock::acquire(out)?;
+    let earlier: Vec<PathBuf> = std::fs::read_dir(out)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p.file_name().unwrap_or_default().to_string_lossy();
+            name.starts_with("checkpoint-")
+                || ["adapter_config.json", "adapter_model.safetensors"].contains(&name.as_ref())
+        })
+        .collect();
+    if !resuming && !earlier.is_empty() {
+        if !args.overwrite_output_dir {
+            return Err(Error::WouldOverwrite(format!(
+                "`{}` holds the output of an earlier run ({}); resume it (resume_from_checkpoint, or --resume), set overwrite_output_dir = \
+                 true to replace it, or pick another output_dir",
+                out.display(),
+                earlier[0].file_name().unwrap_or_default().to_string_lossy()
+            )));
+        }
+        for p in &earlier {
+            let removed = if p.is_dir() {
+                std::fs::remove_dir_all(p)
+            } else {
+                std::fs::remove_file(p)
+            };
+            removed.map_err(|e| Error::io("cannot remove", p, e))?;
+        }
+    }
+    remove_partial_checkpoints(out)?;
+    Ok(lock)
 }

@@ -37,6 +37,9 @@ pub struct LogEntry {
     /// Evaluation perplexity (eval entries).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval_perplexity: Option<f64>,
+    /// Share of evaluation examples answered exactly (eval entries with `predict_with_generate`).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub eval_exact_match: Option<f64>,
 }
 
 /// `trainer_state.json`, with transformers' keys.

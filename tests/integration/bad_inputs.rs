@@ -42,6 +42,13 @@ fn write_inputs(dir: &Path) {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"t3\"}, {\"role\": \"assistant\", \"content\": \"t4\"}]}\n",
     )
     .unwrap();
+    // A model folder whose weights cannot be read: data errors must come before the weights are loaded.
+    let unreadable = dir.join("unreadable_weights");
+    std::fs::create_dir_all(&unreadable).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(data_path("models/tiny-llama").join(f), unreadable.join(f)).unwrap();
+    }
+    std::fs::write(unreadable.join("model.safetensors"), "not weights").unwrap();
     write_foreign_adapter(&dir.join("foreign_adapter"));
     write_nan_model(&dir.join("nan_model"));
 }
@@ -156,6 +163,11 @@ fn cases(dir: &Path) -> Vec<Case> {
             "`warmup_ratio` = 1.5",
         ),
         case(train(&["training.max_grad_norm=nan"]), 1, "`max_grad_norm`"),
+        case(
+            train(&["lora.r=1152921504606846976"]),
+            1,
+            "larger than any layer",
+        ),
         case(
             train(&["lora.lora_alpha=0"]),
             1,

@@ -6,6 +6,7 @@ mod cli;
 mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fuzz;
 mod layering;
 mod memory;
 mod model_cli;

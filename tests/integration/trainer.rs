@@ -97,6 +97,18 @@ fn trainer_with_lora(
     trainer
 }
 
+/// `bf16` in the arguments of a library-built `Trainer` takes effect, as in transformers (not only through a config).
+#[test]
+fn precision_flags_take_effect_through_the_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let f32_run = trainer(dir.path());
+    assert_eq!(f32_run.model.compute_dtype(), candle_core::DType::F32);
+    let bf16_run = trainer_with(dir.path(), |a| a.bf16 = true, vec![]);
+    assert_eq!(bf16_run.model.compute_dtype(), candle_core::DType::BF16);
+    let fp16_run = trainer_with(dir.path(), |a| a.fp16 = true, vec![]);
+    assert_eq!(fp16_run.model.compute_dtype(), candle_core::DType::F16);
+}
+
 #[test]
 fn training_lowers_the_loss_and_resume_is_bit_identical() {
     let dir = tempfile::tempdir().unwrap();
@@ -270,6 +282,29 @@ fn train_command_runs_a_config_and_resumes() {
         adapter,
         "resumed from checkpoint-2"
     );
+    // The adapter records its NF4 base, and `eval` loads the base that way unless told otherwise.
+    let eval = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args([
+                "eval",
+                "--model",
+                data_path("models/tiny-llama").to_str().unwrap(),
+            ])
+            .args(["--adapter", dir.path().join("out").to_str().unwrap()])
+            .args(["--data", dir.path().join("train.jsonl").to_str().unwrap()])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = eval(&[]);
+    assert!(
+        said.contains("nf4 base, blocksize 64, as the adapter was trained"),
+        "{said}"
+    );
+    let said = eval(&["--quantize", "none"]);
+    assert!(said.contains("base as stored"), "{said}");
 
     let (ok, text) = run(&["--set", "training.learning_rat=1e-3"]);
     assert!(

@@ -1,11 +1,13 @@
 //! What the ops' CPU paths are built from: matrix products on slices ([`gemm`]), vectorized element-wise loops and
-//! reductions ([`vector`], [`fastmath`]), and access to a tensor's elements as a slice.
+//! reductions ([`vector`], [`fastmath`]), the product of a few rows with a 4-bit weight read in place
+//! ([`nf4_matvec`], for decoding), and access to a tensor's elements as a slice.
 //!
 //! An op takes its CPU path when its inputs are on the CPU in one float type the kernels are written for (f32 in
 //! training, f64 in gradient checks): [`slice_dtype`] says which.
 
 pub mod fastmath;
 pub mod gemm;
+pub mod nf4_matvec;
 pub mod vector;
 
 use candle_core::{DType, Result, Shape, Storage, Tensor, WithDType};
