@@ -134,7 +134,10 @@ fn one_b_folder() -> Result<PathBuf> {
         "rope_theta": 500000.0, "max_position_embeddings": 4096, "tie_word_embeddings": true,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16"
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config)?,
+    )?;
     let mut shapes: Vec<(String, Vec<usize>)> = vec![
         ("model.embed_tokens.weight".into(), vec![vocab, hidden]),
         ("model.norm.weight".into(), vec![hidden]),

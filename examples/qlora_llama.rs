@@ -130,8 +130,7 @@ fn answer(
     } else {
         tok.encode(question, true)?
     };
-    let mut cfg = GenerationConfig::greedy(24);
-    cfg.eos_token_ids = loaded.config().eos_token_ids.clone();
+    let cfg = GenerationConfig::greedy(24);
     Ok(tok
         .decode(&generate(loaded, &ids, &cfg, |_| Ok(()))?, true)?
         .trim()

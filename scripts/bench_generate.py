@@ -9,6 +9,8 @@ One invocation runs the same generation in four systems, side by side, on one or
     hf-f32      transformers, float32, attn_implementation="sdpa"
     hf-nf4      transformers + bitsandbytes on the CPU: BitsAndBytesConfig(load_in_4bit=True,
                 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+                (on a CPU with AVX512-BF16, bitsandbytes 0.50 decodes through its fused 4-bit kernel, which rounds
+                the activations and block scales to bfloat16; ours keeps them in float32)
 
 The same work on every side: the same prompt token ids (the model folder's tokenizer.json with special tokens,
 which is what `qlora generate --prompt` encodes; the torch side encodes with the same `tokenizers` library and
@@ -31,7 +33,7 @@ Models:
             about 10 GiB of memory at load.
 
 Runs alternate: each round runs every system once (in the order above), each in a fresh process, and the table
-shows the median of the rounds; each ratio is the median of the rounds' ratios (pairs measured minutes apart).
+shows the median of the rounds; each ratio is the median of the rounds' ratios (each pair from one round).
 Each run records the 1-minute load average before it and the cores other processes kept busy while it ran (model
 loading included; from /proc/stat, less this script's children). Run it on an otherwise idle machine; on a shared
 one, --wait-load waits for a lower load before each run and --max-others/--retries repeat a disturbed run (torch's
@@ -65,6 +67,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEMS = ("ours-f32", "ours-nf4", "hf-f32", "hf-nf4")
 MODELS = ("smollm2", "llama-1b")
+SMOLLM2_VOCAB = 49152
 LLAMA_1B = {
     "hidden_size": 2048,
     "num_hidden_layers": 16,
@@ -102,6 +105,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--worker", choices=("prepare-smollm2", "prepare-llama-1b", "hf-f32", "hf-nf4"),
                    help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -205,7 +209,7 @@ def worker_main(args: argparse.Namespace) -> None:
     if kind == "prepare-smollm2":
         prepare_smollm2(args, Path(args.model_dir))
     elif kind == "prepare-llama-1b":
-        prepare_llama_1b(args, Path(args.model_dir), Path(args.gguf))
+        prepare_llama_1b(args, Path(args.model_dir), Path(args.tokenizer_dir))
     else:
         print(json.dumps(hf_worker(kind, args)))
 
@@ -236,8 +240,7 @@ def prepare(args: argparse.Namespace, work: Path, models: list[str]) -> dict[str
         if m == "smollm2":
             cmd = child_args(args, worker="prepare-smollm2", model_dir=dirs[m])
         else:
-            cmd = child_args(args, worker="prepare-llama-1b", model_dir=dirs[m])
-            cmd[cmd.index("--gguf") + 1] = str(dirs["smollm2"])  # the tokenizer's folder
+            cmd = child_args(args, worker="prepare-llama-1b", model_dir=dirs[m], tokenizer_dir=dirs["smollm2"])
         subprocess.run(cmd, check=True, env=thread_env(os.cpu_count() or 1))
         print(f"[prepare] {m}: {time.time() - start:.0f} s", file=sys.stderr)
     return {m: dirs[m] for m in models}
@@ -394,6 +397,9 @@ def main() -> None:
         sys.exit(f"bench_generate: {args.gguf} not found (run scripts/fetch-test-model.sh, or pass --gguf)")
     if any(s.startswith("ours") for s in systems) and not Path(args.qlora).exists():
         sys.exit(f"bench_generate: {args.qlora} not found (cargo build --release --bin qlora)")
+    if "llama-1b" in models and args.vocab < SMOLLM2_VOCAB:
+        sys.exit(f"bench_generate: --vocab must be at least {SMOLLM2_VOCAB}, the size of SmolLM2's tokenizer, "
+                 "which the 1B model borrows")
     if args.new_tokens < 1 or args.rounds < 1 or args.threads < 1:
         sys.exit("bench_generate: --new-tokens, --rounds and --threads must be at least 1")
 

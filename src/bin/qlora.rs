@@ -522,7 +522,7 @@ fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
         top_p: args.top_p,
         top_k: args.top_k,
         seed: args.seed,
-        eos_token_ids: if args.ignore_eos { Vec::new() } else { eos },
+        eos_token_ids: Some(if args.ignore_eos { Vec::new() } else { eos }),
     };
     let start = std::time::Instant::now();
     let mut tokens = Vec::new();

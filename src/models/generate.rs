@@ -22,8 +22,9 @@ pub struct GenerationConfig {
     pub top_k: Option<usize>,
     /// Sampling seed.
     pub seed: u64,
-    /// Tokens that end generation.
-    pub eos_token_ids: Vec<u32>,
+    /// Tokens that end generation: `None` (the default) takes the model's end-of-sequence tokens (its config's
+    /// `eos_token_id`), `Some(vec![])` never stops before `max_new_tokens`.
+    pub eos_token_ids: Option<Vec<u32>>,
 }
 
 impl GenerationConfig {
@@ -35,7 +36,7 @@ impl GenerationConfig {
             top_p: 1.0,
             top_k: None,
             seed: 42,
-            eos_token_ids: vec![],
+            eos_token_ids: None,
         }
     }
 
@@ -108,10 +109,14 @@ pub fn generate(
     let mut cache = KvCache::new(model.layers.len());
     let mut out = Vec::new();
     let mut input = Tensor::new(prompt_ids, &device)?.unsqueeze(0)?;
+    let eos = config
+        .eos_token_ids
+        .as_deref()
+        .unwrap_or(&model.config().eos_token_ids);
     for _ in 0..max_new_tokens {
         let logits = model.forward_cached(&input, &mut cache)?.squeeze(0)?;
         let next = processor.sample(&logits)?;
-        if config.eos_token_ids.contains(&next) {
+        if eos.contains(&next) {
             break;
         }
         out.push(next);

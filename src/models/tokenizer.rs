@@ -205,7 +205,7 @@ const TEMPLATE_FUEL: u64 = 10_000_000;
 
 /// Renders a Hugging Face chat template with minijinja (Python string methods, `raise_exception`,
 /// `strftime_now`, and `trim_blocks`/`lstrip_blocks` as transformers sets them). A template that runs away (more
-/// than [`TEMPLATE_FUEL`] instructions) is an error.
+/// than ten million instructions) is an error.
 pub fn render_chat_template(
     template: &str,
     messages: &[ChatMessage],

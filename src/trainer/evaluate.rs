@@ -75,12 +75,12 @@ pub fn exact_match(model: &LlamaModel, examples: &[TokenizedExample]) -> Result<
             .take_while(|(id, label)| **label != -100 && !eos.contains(id))
             .map(|(id, _)| *id)
             .collect();
-        let config = GenerationConfig {
-            eos_token_ids: eos.clone(),
-            ..GenerationConfig::greedy(reference.len() + 1)
-        };
+        let config = GenerationConfig::greedy(reference.len() + 1);
         let answer = generate(model, &example.input_ids[..start], &config, |_| Ok(()))?;
-        let answer: Vec<u32> = answer.into_iter().take_while(|id| !eos.contains(id)).collect();
+        let answer: Vec<u32> = answer
+            .into_iter()
+            .take_while(|id| !eos.contains(id))
+            .collect();
         hits += (answer == reference) as usize;
         counted += 1;
     }

@@ -263,9 +263,11 @@ fn smollm2_gguf_matches_transformers() {
 
     // 20 greedy tokens (ignoring EOS) identical to transformers'.
     let mut cfg = GenerationConfig::greedy(20);
+    cfg.eos_token_ids = Some(vec![]);
     let out = generate(&loaded.model, &prompt_ids, &cfg, |_| Ok(())).unwrap();
     assert_eq!(out, ids_of(&g["greedy_ids_20_ignoring_eos"]));
-    cfg.eos_token_ids = loaded.model.config().eos_token_ids.clone();
+    // By default generation stops at the model's end-of-sequence token, as transformers does.
+    cfg.eos_token_ids = None;
     let out = generate(&loaded.model, &prompt_ids, &cfg, |_| Ok(())).unwrap();
     let mut expected = ids_of(&g["greedy_ids"]);
     expected.pop(); // the EOS itself is not returned

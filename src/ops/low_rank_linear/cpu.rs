@@ -4,13 +4,14 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use candle_core::{Result, Shape, Tensor};
+use candle_core::{DType, Result, Shape, Tensor};
 
 use super::{mask_values, BranchDropout, CallShapes, LowRank, OutputValue};
 use crate::ops::autograd::{Apply, Op, Value};
 use crate::ops::cpu::gemm::{matmul, matmul_into, Mat};
+use crate::ops::cpu::nf4_matvec::nf4_matvec;
 use crate::ops::cpu::{gradient, with_slice, with_slices, CpuFloat};
-use crate::ops::frozen_linear::{FrozenLinear, FrozenWeight};
+use crate::ops::frozen_linear::{decoding_codes, FrozenLinear, FrozenWeight};
 use crate::ops::heads::{copy_row, permute_rows, HeadDims};
 use crate::ops::rope::RotatedRows;
 
@@ -172,6 +173,22 @@ impl<T: CpuFloat> LowRankCpu<T> {
         start
     }
 
+    /// `start + x·Wᵀ` multiplied straight from the 4-bit codes when decoding in float32 (see [`decoding_codes`]),
+    /// instead of dequantizing the weight for a few rows; `None` otherwise.
+    fn base_from_codes(&self, xs: &[T], start: Option<&[T]>) -> Result<Option<Vec<T>>> {
+        let codes = decoding_codes(&self.base.weight, self.shapes.rows);
+        let Some(q) = codes.filter(|_| T::DTYPE == DType::F32) else {
+            return Ok(None);
+        };
+        let x: Vec<f32> = xs.iter().map(|v| v.to_f64() as f32).collect();
+        let y = nf4_matvec(q, &x, self.shapes.rows)?;
+        let y = y.into_iter().map(|v| T::from_f64(f64::from(v)));
+        Ok(Some(match start {
+            Some(start) => start.iter().zip(y).map(|(s, v)| *s + v).collect(),
+            None => y.collect(),
+        }))
+    }
+
     /// `y = residual + bias + x·Wᵀ + s·(dropout(x)·Aᵀ)·Bᵀ`, accumulated in one buffer, in the output's layout.
     fn forward(&self, xs: &[T], av: &[T], bv: &[T], residual: Option<&[T]>) -> Result<Vec<T>> {
         let CallShapes { inp, rows, out, .. } = self.shapes;
@@ -181,16 +198,19 @@ impl<T: CpuFloat> LowRankCpu<T> {
         }
         let xs = &*self.fused.input_rows(xs);
         let start = self.start(residual);
-        let mut y = with_weight::<T, _>(&self.base.weight, |w| {
-            let (x, wt) = (Mat::new(xs, rows, inp), Mat::new(w, out, inp).t());
-            Ok(match start {
-                Some(mut y) => {
-                    matmul_into(&mut y, x, wt, 1.0, true);
-                    y
-                }
-                None => matmul(x, wt, 1.0),
-            })
-        })?;
+        let mut y = match self.base_from_codes(xs, start.as_deref())? {
+            Some(y) => y,
+            None => with_weight::<T, _>(&self.base.weight, |w| {
+                let (x, wt) = (Mat::new(xs, rows, inp), Mat::new(w, out, inp).t());
+                Ok(match start {
+                    Some(mut y) => {
+                        matmul_into(&mut y, x, wt, 1.0, true);
+                        y
+                    }
+                    None => matmul(x, wt, 1.0),
+                })
+            })?,
+        };
         let dropped = self.branch_input(xs);
         let xm = dropped.as_ref().map_or(xs, |(d, _)| d.as_slice());
         let h = matmul(Mat::new(xm, rows, inp), Mat::new(av, r, inp).t(), 1.0);

@@ -699,4 +699,37 @@ mod tests {
             assert_eq!(max_abs_diff(p, q), 0.0);
         }
     }
+
+    /// Decoding with an adapter multiplies by the 4-bit codes in place, and equals the dequantizing path (up to
+    /// float summation order), with a residual and without.
+    #[test]
+    fn decoding_with_an_adapter_reads_the_codes() {
+        use crate::ops::frozen_linear::InferenceMode;
+        let f32 = |t: Tensor| t.to_dtype(DType::F32).unwrap();
+        let w = f32(rand_f64(&[48, 128], 21));
+        let q = Arc::new(Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap());
+        let base = Arc::new(FrozenLinear::new(FrozenWeight::Nf4(q), None));
+        let (a, b) = (f32(rand_f64(&[4, 128], 22)), f32(rand_f64(&[48, 4], 23)));
+        let lora = branch(&a, &b, 1.5, None);
+        let x = f32(rand_f64(&[1, 2, 128], 24));
+        let residual = f32(rand_f64(&[1, 2, 48], 25));
+        let plain = low_rank_linear(&x, &base, &lora, OutputValue::Computed).unwrap();
+        let plain_plus =
+            low_rank_linear_plus(&x, &base, &lora, OutputValue::Computed, &residual).unwrap();
+        let (decoded, decoded_plus) = {
+            let _decoding = InferenceMode::enter();
+            (
+                low_rank_linear(&x, &base, &lora, OutputValue::Computed).unwrap(),
+                low_rank_linear_plus(&x, &base, &lora, OutputValue::Computed, &residual).unwrap(),
+            )
+        };
+        let f64 = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+        assert!(max_abs_diff(&f64(&plain), &f64(&decoded)) < 1e-4);
+        assert!(max_abs_diff(&f64(&plain_plus), &f64(&decoded_plus)) < 1e-4);
+        assert_ne!(
+            plain.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            decoded.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "the decoding path ran (its summation order differs from the GEMM's)"
+        );
+    }
 }
