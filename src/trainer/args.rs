@@ -127,7 +127,8 @@ pub struct TrainingArguments {
     /// No progress bar (log lines instead), as in transformers.
     pub disable_tqdm: bool,
     /// Evaluation also answers each evaluation example greedily from its prompt and reports the share answered
-    /// exactly (`eval_exact_match`), as `Seq2SeqTrainingArguments.predict_with_generate` with an exact-match metric.
+    /// exactly (`eval_exact_match`), as `Seq2SeqTrainingArguments.predict_with_generate` with an exact-match metric
+    /// (examples without a prompt, such as plain text, are not counted).
     pub predict_with_generate: bool,
     /// Evaluation metric the early-stopping callback and `best_metric` follow (`eval_loss`).
     pub metric_for_best_model: Option<String>,

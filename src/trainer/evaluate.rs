@@ -20,7 +20,8 @@ pub struct EvalReport {
     pub examples: usize,
     /// Examples cut to the maximum length.
     pub truncated: usize,
-    /// Share of examples whose greedy answer is exactly the reference (with `predict_with_generate`).
+    /// Share of examples whose greedy answer is exactly the reference (with `predict_with_generate`, when some
+    /// example has a prompt).
     pub exact_match: Option<f64>,
 }
 
@@ -61,12 +62,18 @@ pub fn evaluate(
 /// How many of `examples` `model` answers exactly: each example's prompt (its tokens before the first label) is
 /// continued greedily, and the answer (up to an end-of-sequence token of the model) must be the reference token
 /// for token (its labelled tokens, up to an end-of-sequence token). transformers' `predict_with_generate` with an
-/// exact-match metric. Examples without labels are not counted.
+/// exact-match metric. Examples without a prompt (plain text, labelled from its first token) or without labels are
+/// not counted.
 pub fn exact_match(model: &LlamaModel, examples: &[TokenizedExample]) -> Result<(usize, usize)> {
     let eos = &model.config().eos_token_ids;
     let (mut hits, mut counted) = (0, 0);
     for example in examples {
-        let Some(start) = example.labels.iter().position(|&l| l != -100) else {
+        let Some(start) = example
+            .labels
+            .iter()
+            .position(|&l| l != -100)
+            .filter(|&s| s > 0)
+        else {
             continue;
         };
         let reference: Vec<u32> = example.input_ids[start..]

@@ -184,7 +184,7 @@ impl Trainer {
         )?;
         if self.args.predict_with_generate {
             let (hits, counted) = exact_match(&self.model, &self.eval.rows)?;
-            report.exact_match = Some(hits as f64 / counted.max(1) as f64);
+            report.exact_match = (counted > 0).then(|| hits as f64 / counted as f64);
         }
         Ok(report)
     }

@@ -97,6 +97,65 @@ fn trainer_with_lora(
     trainer
 }
 
+/// Exact match counts an example when the greedy answer from its prompt (up to the end-of-sequence token) is its
+/// labelled tokens, and not otherwise; `predict_with_generate` reports it with the evaluation loss.
+#[test]
+fn exact_match_compares_the_greedy_answer_with_the_labels() {
+    use candle_qlora::data::TokenizedExample;
+    use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
+    let Some(path) = crate::common::test_model() else {
+        return;
+    };
+    let loaded = load_model(path.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    let tok = loaded.tokenizer().unwrap();
+    let question = [ChatMessage {
+        role: "user".into(),
+        content: "What is the capital of France?".into(),
+    }];
+    let prompt = tok
+        .encode(&tok.apply_chat_template(&question, true).unwrap(), false)
+        .unwrap();
+    // Generation stops at the model's end-of-sequence token by default and does not return it.
+    let answer = generate(
+        &loaded.model,
+        &prompt,
+        &GenerationConfig::greedy(32),
+        |_| Ok(()),
+    )
+    .unwrap();
+    assert!(answer.len() < 32, "the answer ends: {answer:?}");
+    let example = |answer: &[u32]| TokenizedExample {
+        input_ids: prompt.iter().chain(answer).copied().collect(),
+        labels: prompt
+            .iter()
+            .map(|_| -100)
+            .chain(answer.iter().map(|&t| t as i64))
+            .collect(),
+        truncated: false,
+        segments: vec![],
+    };
+    let mut wrong = answer.clone();
+    wrong.pop();
+    let rows = [example(&answer), example(&wrong)];
+    let hits = candle_qlora::trainer::exact_match(&loaded.model, &rows).unwrap();
+    assert_eq!(hits, (1, 2));
+
+    // The trainer's evaluation reports it only with `predict_with_generate`, over examples with a prompt (the tiny
+    // model's plain-text rows have none).
+    let dir = tempfile::tempdir().unwrap();
+    let mut eval = examples()[..2].to_vec();
+    let plain = trainer_with(dir.path(), |_| {}, eval.clone());
+    assert_eq!(plain.evaluate().unwrap().exact_match, None);
+    let generating = |eval| trainer_with(dir.path(), |a| a.predict_with_generate = true, eval);
+    assert_eq!(
+        generating(eval.clone()).evaluate().unwrap().exact_match,
+        None
+    );
+    eval[0].labels[..2].fill(-100);
+    let report = generating(eval).evaluate().unwrap();
+    assert!(report.exact_match.is_some_and(|m| m == 0.0 || m == 1.0));
+}
+
 /// `bf16` in the arguments of a library-built `Trainer` takes effect, as in transformers (not only through a config).
 #[test]
 fn precision_flags_take_effect_through_the_library() {
