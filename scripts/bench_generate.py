@@ -49,10 +49,8 @@ Requirements: pip install torch transformers bitsandbytes gguf tokenizers
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -62,6 +60,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_machine import machine_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -316,20 +316,6 @@ def decode(model_dir: Path, ids: list[int]) -> str:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(ids, skip_special_tokens=True).strip()
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("torch", "transformers", "bitsandbytes", "tokenizers"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = "not installed"
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions}
 
 
 def median_ratio(runs: dict, a: str, b: str) -> float | None:
@@ -407,7 +393,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         dirs = prepare(args, work, models)
-        results = {"machine": machine_info(), "settings": {k: v for k, v in vars(args).items() if k != "worker"},
+        results = {"machine": machine_info(("torch", "transformers", "bitsandbytes", "tokenizers")), "settings": {k: v for k, v in vars(args).items() if k != "worker"},
                    "models": {}}
         print(f"machine: {results['machine']}", file=sys.stderr)
         for model in models:

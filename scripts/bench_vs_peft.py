@@ -50,11 +50,9 @@ Requirements: pip install torch transformers peft bitsandbytes gguf
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -64,6 +62,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+from bench_machine import machine_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -468,20 +468,6 @@ def generate_text(n_words: int, max_words: int, seed: int = SEED) -> list[str]:
     return lines
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("torch", "transformers", "peft", "bitsandbytes"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = "not installed"
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -684,7 +670,7 @@ def run_benchmark(args: argparse.Namespace) -> None:
     if all(name in skipped for name in order):
         sys.exit("bench_vs_peft: nothing to run")
 
-    info = machine_info()
+    info = machine_info(("torch", "transformers", "peft", "bitsandbytes"))
     command = shlex.join([sys.executable, *sys.argv])
     total_steps = args.warmup + args.steps
     settings = {
