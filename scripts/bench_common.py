@@ -1,4 +1,4 @@
-"""What a benchmark ran on: the CPU model, core count, Python and package versions (shared by the bench scripts)."""
+"""Pieces the CPU bench scripts share: what a benchmark ran on, and the transformers (+ bitsandbytes) peer model."""
 
 import importlib.metadata
 import os
@@ -20,3 +20,23 @@ def machine_info(packages: tuple[str, ...]) -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[pkg] = "not installed"
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "versions": versions}
+
+
+def load_causal_lm(model_dir: str, nf4: bool):
+    """The float32 folder `model_dir` in transformers (SDPA attention), quantized on load by bitsandbytes (NF4,
+    double quantization, float32 compute, on the CPU) when `nf4`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if nf4:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+        kwargs["device_map"] = "cpu"
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)

@@ -61,7 +61,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_machine import machine_info
+from bench_common import load_causal_lm, machine_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -162,22 +162,10 @@ def hf_worker(kind: str, args: argparse.Namespace) -> dict:
     """Loads the folder (quantized by bitsandbytes for hf-nf4), generates once to warm up, then times one call."""
     import torch
     from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
-    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    if kind == "hf-nf4":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-        kwargs["device_map"] = "cpu"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
+    model = load_causal_lm(model_dir, kind == "hf-nf4").eval()
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(args.prompt, add_special_tokens=True).ids
     # Never stop at EOS: exactly the requested count, like `qlora generate --ignore-eos`.
     gen = model.generation_config

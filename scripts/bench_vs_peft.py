@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench_machine import machine_info
+from bench_common import load_causal_lm, machine_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -257,21 +257,7 @@ def prepare_worker(settings: dict, work: Path) -> dict:
 
 def load_torch_model(kind: str, model_dir: str):
     """torch-f32: the f32 folder as is; torch-nf4: the same folder quantized by bitsandbytes on load."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    if kind == "torch-nf4":
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-        kwargs["device_map"] = "cpu"
-    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    return load_causal_lm(model_dir, kind == "torch-nf4")
 
 
 def torch_train_worker(kind: str, settings: dict, work: Path) -> dict:

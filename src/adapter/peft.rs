@@ -46,12 +46,7 @@ pub fn base_quantization(model: &LlamaModel) -> Option<QuantConfig> {
         .iter()
         .find_map(|(_, linear)| match &linear.base.weight {
             FrozenWeight::Dense(_) => None,
-            FrozenWeight::Nf4(q) => Some(QuantConfig {
-                quant_type: q.quant_type(),
-                blocksize: q.blocksize(),
-                double_quant: q.is_double_quantized(),
-                ..QuantConfig::nf4()
-            }),
+            FrozenWeight::Nf4(q) => Some(q.config()),
             FrozenWeight::Nf4OnDevice(q) => Some(q.config()),
         })
 }

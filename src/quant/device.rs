@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::config::{QuantConfig, QuantType};
+use super::config::QuantConfig;
 use super::tensor::{BlockScales, Nf4Tensor};
 use crate::error::Result;
 
@@ -41,10 +41,8 @@ pub struct DeviceNf4 {
     pairs: Tensor,
     scales: DeviceScales,
     shape: Vec<usize>,
-    blocksize: usize,
     bytes: usize,
-    double_quant: bool,
-    quant_type: QuantType,
+    config: QuantConfig,
 }
 
 /// `values` (one per element, `[n]`) times `scale` (one per `block` elements, `[ceil(n / block)]`), as float32.
@@ -91,21 +89,14 @@ impl DeviceNf4 {
             pairs: Tensor::from_vec(pairs, (256, 2), device)?,
             scales,
             shape: q.shape().to_vec(),
-            blocksize: q.blocksize(),
             bytes: q.size_in_bytes(),
-            double_quant: q.is_double_quantized(),
-            quant_type: q.quant_type(),
+            config: q.config(),
         })
     }
 
     /// How the weight was quantized.
     pub fn config(&self) -> QuantConfig {
-        QuantConfig {
-            quant_type: self.quant_type,
-            blocksize: self.blocksize,
-            double_quant: self.double_quant,
-            ..QuantConfig::nf4()
-        }
+        self.config
     }
 
     /// The dense weight as `dtype` (f32, f16 or bf16) on the device, bit-identical to [`Nf4Tensor::dequantize`].
@@ -143,7 +134,7 @@ impl DeviceNf4 {
         } else {
             values
         };
-        let dense = scale_blocks(&values, &absmax, self.blocksize)?;
+        let dense = scale_blocks(&values, &absmax, self.config.blocksize)?;
         Ok(dense.reshape(self.shape.as_slice())?.to_dtype(dtype)?)
     }
 
@@ -162,7 +153,7 @@ impl DeviceNf4 {
         let mut out = alloc::<T>(&device, n)?;
         let (packed, code) = (hold(&self.packed)?, hold(&self.code)?);
         let (packed, code) = (packed.view::<u8>()?, code.view::<f32>()?);
-        let (blocksize, count) = (self.blocksize as u64, n as u64);
+        let (blocksize, count) = (self.config.blocksize as u64, n as u64);
         let cfg = grid(count.div_ceil(2));
         match &self.scales {
             DeviceScales::Plain(absmax) => {

@@ -379,6 +379,16 @@ impl Nf4Tensor {
         matches!(self.scales, BlockScales::Nested(_))
     }
 
+    /// How the tensor was quantized (the kernels it reproduces are not recorded: bitsandbytes' CUDA ones).
+    pub fn config(&self) -> QuantConfig {
+        QuantConfig {
+            quant_type: self.quant_type,
+            blocksize: self.blocksize,
+            double_quant: self.is_double_quantized(),
+            ..QuantConfig::nf4()
+        }
+    }
+
     /// Exact bytes of the quantized form as stored: packed codes, block statistics, the nested map and offset,
     /// and the 16-entry codebook.
     pub fn size_in_bytes(&self) -> usize {

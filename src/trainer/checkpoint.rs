@@ -176,16 +176,14 @@ pub fn verify_checkpoint_files(ckpt: &Path) -> Result<Option<Manifest>> {
     Ok(Some(manifest))
 }
 
-/// Checks checkpoint `ckpt` before a resume: its files ([`verify_checkpoint_files`]), and that it was trained on
-/// `base` (unless `ignore_base_mismatch`).
-pub fn verify_checkpoint(
+/// An error unless checkpoint `ckpt` (with `manifest`, checked by [`verify_checkpoint_files`]) was trained on `base`
+/// (or `ignore_base_mismatch`).
+pub fn check_base_model(
     ckpt: &Path,
+    manifest: &Manifest,
     base: &BaseModelId,
     ignore_base_mismatch: bool,
 ) -> Result<()> {
-    let Some(manifest) = verify_checkpoint_files(ckpt)? else {
-        return Ok(());
-    };
     let path = ckpt.join(MANIFEST);
     let then = &manifest.base_model;
     if then.fingerprint != base.fingerprint && !ignore_base_mismatch {
@@ -487,7 +485,8 @@ mod tests {
                 TRAINING_ARGS
             ]
         );
-        verify_checkpoint(&written, files.base_model, false).unwrap();
+        let manifest = verify_checkpoint_files(&written).unwrap().unwrap();
+        check_base_model(&written, &manifest, files.base_model, false).unwrap();
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use super::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use super::checkpoint::verify_checkpoint_files;
 use super::config::RunConfig;
-use super::run::{prepare_output_dir, Trainer};
+use super::run::{prepare_output_dir, Prepared, Trainer};
 use crate::data::Dataset;
 use crate::error::{Error, Result};
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
@@ -32,10 +32,14 @@ impl Trainer {
         let (train, eval) = Dataset::train_and_eval(&tokenizer, data)?;
         train.check_learnable("the training set")?;
         let resume = args.resume_checkpoint()?;
-        if let Some(ckpt) = &resume {
-            verify_checkpoint_files(ckpt)?;
-        }
-        let lock = prepare_output_dir(args, Path::new(&args.output_dir), resume.is_some())?;
+        let checkpoint = match resume {
+            Some(ckpt) => {
+                let manifest = verify_checkpoint_files(&ckpt)?;
+                Some((ckpt, manifest))
+            }
+            None => None,
+        };
+        let lock = prepare_output_dir(args, Path::new(&args.output_dir), checkpoint.is_some())?;
         let name =
             |f: Option<&std::path::PathBuf>| f.map(|f| f.display().to_string()).unwrap_or_default();
         let mut notes = match &data.eval_file {
@@ -86,7 +90,7 @@ impl Trainer {
         );
         let model = loaded.model.to_device(&device)?;
         let mut trainer = Trainer::new(model, args.clone(), &config.lora, train, eval)?;
-        trainer.set_output_lock(lock);
+        trainer.set_prepared(Prepared { lock, checkpoint });
         trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());
         let callbacks = &config.callbacks;

@@ -16,9 +16,9 @@ use candle_core::{DType, Tensor, Var};
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
 use super::checkpoint::{
-    latest_checkpoint, read_json, remove_partial_checkpoints, rotate_checkpoints,
-    verify_checkpoint, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
-    SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
+    check_base_model, latest_checkpoint, read_json, remove_partial_checkpoints, rotate_checkpoints,
+    verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
+    Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 use super::evaluate::{evaluate, exact_match, EvalReport};
 use super::lock::OutputLock;
@@ -56,8 +56,9 @@ pub struct Trainer {
     state: TrainerState,
     callbacks: Vec<Box<dyn TrainerCallback>>,
     run_config: Option<String>,
-    /// The output folder, claimed before the model was loaded (by [`Trainer::from_run_config`]).
-    output_lock: Option<OutputLock>,
+    /// What [`Trainer::from_run_config`] checked before loading the model: the output folder it claimed, and the
+    /// resume checkpoint whose files it verified (with its manifest).
+    prepared: Option<Prepared>,
 }
 
 /// Step intervals of logging, evaluation and saving, resolved against the run's total.
@@ -135,7 +136,7 @@ impl Trainer {
             state: TrainerState::default(),
             callbacks: vec![],
             run_config: None,
-            output_lock: None,
+            prepared: None,
         })
     }
 
@@ -159,9 +160,9 @@ impl Trainer {
         self.callbacks.push(callback);
     }
 
-    /// Keeps the output folder claimed by [`prepare_output_dir`] for the run.
-    pub(super) fn set_output_lock(&mut self, lock: OutputLock) {
-        self.output_lock = Some(lock);
+    /// Keeps what was checked before the model was loaded, for the run.
+    pub(super) fn set_prepared(&mut self, prepared: Prepared) {
+        self.prepared = Some(prepared);
     }
 
     /// The base model's name or path, recorded in the saved adapters' `adapter_config.json`
@@ -248,9 +249,10 @@ impl Trainer {
         super::interrupt::reset();
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
-        let lock = match self.output_lock.take() {
-            Some(lock) => lock,
-            None => prepare_output_dir(&args, &out, resume.is_some())?,
+        let prepared = self.prepared.take();
+        let (lock, checked) = match prepared {
+            Some(p) => (p.lock, p.checkpoint),
+            None => (prepare_output_dir(&args, &out, resume.is_some())?, None),
         };
         let plan = DataPlan::new(&self.train.rows, &args);
         let total = args.total_steps(plan.batches_per_epoch);
@@ -304,7 +306,13 @@ impl Trainer {
         };
         let base_model = BaseModelId::of(&self.model, self.base_model_name.as_deref())?;
         if let Some(ckpt) = resume {
-            verify_checkpoint(ckpt, &base_model, args.ignore_base_model_mismatch)?;
+            let manifest = match checked {
+                Some((path, manifest)) if path == ckpt => manifest,
+                _ => verify_checkpoint_files(ckpt)?,
+            };
+            if let Some(manifest) = &manifest {
+                check_base_model(ckpt, manifest, &base_model, args.ignore_base_model_mismatch)?;
+            }
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
         // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
@@ -776,6 +784,14 @@ fn check_same_lora(then: &LoraConfig, now: &LoraConfig, path: &Path) -> Result<(
             ),
         )),
     }
+}
+
+/// What [`Trainer::from_run_config`] checks before loading the model.
+pub(super) struct Prepared {
+    /// The claimed output folder.
+    pub(super) lock: OutputLock,
+    /// The resume checkpoint and its verified manifest (`None` for one written before manifests).
+    pub(super) checkpoint: Option<(PathBuf, Option<Manifest>)>,
 }
 
 /// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an
