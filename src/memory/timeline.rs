@@ -304,7 +304,10 @@ mod tests {
         assert_eq!(timeline.source, "heap");
         let (s, b) = timeline.peak.clone().unwrap();
         assert_eq!(s.phase, Phase::Forward, "{timeline:?}");
-        assert!(s.peak >= 256 << 20 && b.activations >= 256 << 20, "{s:?} {b:?}");
+        assert!(
+            s.peak >= 256 << 20 && b.activations >= 256 << 20,
+            "{s:?} {b:?}"
+        );
         assert_eq!(b.total(), s.peak);
         let dir = tempfile::tempdir().unwrap();
         timeline.write(dir.path()).unwrap();
