@@ -10,7 +10,7 @@ use crate::error::Error;
 use crate::files::{read_json, refuse_existing, replace_dir, write_safetensors, RawTensor};
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
 use crate::lora::{LoraAdapter, LoraLinear};
-use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
+use crate::models::{LlamaModel, ModelConfig, TextTokenizer};
 use crate::precision::TorchDtype;
 use crate::quant::{Nf4Tensor, QuantConfig};
 
@@ -65,34 +65,8 @@ pub struct MergeReport {
 
 /// A Hugging Face `config.json` for `config` (used when the source has none, e.g. a GGUF file).
 fn hf_config_json(config: &ModelConfig, dtype: DType) -> serde_json::Value {
-    let arch = match config.architecture {
-        Architecture::Llama => "LlamaForCausalLM",
-        Architecture::Mistral => "MistralForCausalLM",
-        Architecture::Qwen2 => "Qwen2ForCausalLM",
-    };
-    let mut v = serde_json::json!({
-        "architectures": [arch],
-        "model_type": config.architecture.model_type(),
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": TorchDtype::of(dtype),
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_ids.first(),
-    });
-    if let Some(s) = &config.rope_scaling {
-        v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position_embeddings});
-    }
+    let mut v = config.to_hf_config();
+    v["torch_dtype"] = serde_json::json!(TorchDtype::of(dtype));
     v
 }
 
@@ -115,18 +89,21 @@ pub fn merge_to_folder(
         max_abs_change: 0.0,
         tensors: 0,
     };
-    let ids = Tensor::arange(
-        0u32,
-        model.config().vocab_size as u32,
-        model.embed_tokens.device(),
-    )?;
-    let hidden = model.config().hidden_size;
-    // The active adapter's trained embedding table, if any (looked up through the model so saved modules apply).
-    let embed = model
-        .embed(&ids.unsqueeze(0)?)?
-        .reshape((model.config().vocab_size, hidden))?;
-    tensors.push(("model.embed_tokens.weight".into(), raw(&embed)?));
-    tensors.push(("model.norm.weight".into(), raw(&model.norm)?));
+    // The active adapter's trained embedding table, if any.
+    tensors.push((
+        "model.embed_tokens.weight".into(),
+        raw(model.embedding_table())?,
+    ));
+    // Norm weights are stored as the family writes them (Gemma: the scale minus one).
+    let offset = model.config().architecture.norm_weight_offset();
+    let stored_norm = |w: &Tensor| -> crate::Result<RawTensor<'static>> {
+        if offset != 0.0 {
+            raw(&(w - offset)?)
+        } else {
+            raw(w)
+        }
+    };
+    tensors.push(("model.norm.weight".into(), stored_norm(&model.norm)?));
     let head = model.head_weight()?;
     let head_differs = !model.config().tie_word_embeddings
         || (&head.to_dtype(DType::F32)? - model.embed_tokens.to_dtype(DType::F32)?)?
@@ -138,14 +115,9 @@ pub fn merge_to_folder(
         tensors.push(("lm_head.weight".into(), raw(&head)?));
     }
     for (i, layer) in model.layers.iter().enumerate() {
-        tensors.push((
-            format!("model.layers.{i}.input_layernorm.weight"),
-            raw(&layer.input_layernorm)?,
-        ));
-        tensors.push((
-            format!("model.layers.{i}.post_attention_layernorm.weight"),
-            raw(&layer.post_attention_layernorm)?,
-        ));
+        for (name, w) in layer.norms() {
+            tensors.push((format!("model.layers.{i}.{name}.weight"), stored_norm(w)?));
+        }
     }
     for (name, lin) in model.linears() {
         let w = effective_weight(lin)?;

@@ -111,10 +111,31 @@ impl Adapters for LlamaModel {
             }
         }
         if slots.is_empty() {
+            let arch = self.config().architecture;
+            let names: Vec<&str> = arch
+                .layer_linear_names()
+                .iter()
+                .filter_map(|n| n.rsplit('.').next())
+                .collect();
+            let targets = match &config.target_modules {
+                Some(t) => format!("{t:?}"),
+                None => match arch.default_lora_targets() {
+                    Some(d) => format!(
+                        "not set (so PEFT's default for {}: {d:?})",
+                        arch.model_type()
+                    ),
+                    None => format!(
+                        "not set (PEFT has no default for {}: set it)",
+                        arch.model_type()
+                    ),
+                },
+            };
             return Err(Error::InvalidInput(format!(
-                "target_modules {:?} (exclude_modules {:?}) match no module of this model; its linear modules are \
-                 q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (e.g. model.layers.0.self_attn.q_proj)",
-                config.target_modules, config.exclude_modules
+                "target_modules {targets} (exclude_modules {:?}) match no module of this model; its linear modules \
+                 are {} (e.g. model.layers.0.{}); or use \"all-linear\"",
+                config.exclude_modules,
+                names.join(", "),
+                arch.layer_linear_names()[0],
             )));
         }
         Ok(slots)

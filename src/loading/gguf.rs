@@ -15,10 +15,14 @@ pub struct GgufFile {
     path: PathBuf,
     content: gguf_file::Content,
     file: Mutex<std::fs::File>,
+    /// `general.architecture` (empty when missing).
+    arch: String,
 }
 
-/// The llama.cpp name of a Hugging Face tensor name.
-pub fn gguf_name(hf: &str) -> Option<String> {
+/// The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (`general.architecture`:
+/// Gemma's norms around each block have their own names).
+pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
+    let gemma = arch.starts_with("gemma");
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -33,7 +37,13 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     let (module, suffix) = rest.rsplit_once('.')?;
     let gguf_module = match module {
         "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" => "ffn_norm",
+        "post_attention_layernorm" if gemma => "post_attention_norm",
+        "post_attention_layernorm" | "pre_feedforward_layernorm" => "ffn_norm",
+        "post_feedforward_layernorm" => "post_ffw_norm",
+        "self_attn.q_norm" => "attn_q_norm",
+        "self_attn.k_norm" => "attn_k_norm",
+        "self_attn.qkv_proj" => "attn_qkv",
+        "mlp.gate_up_proj" => "ffn_up",
         "self_attn.q_proj" => "attn_q",
         "self_attn.k_proj" => "attn_k",
         "self_attn.v_proj" => "attn_v",
@@ -57,10 +67,17 @@ impl GgufFile {
         }))
         .map_err(|_| Error::invalid_file(path, "not a readable GGUF file: its header is corrupt"))?
         .map_err(|e| Error::invalid_file(path, format!("not a readable GGUF file: {e}")))?;
+        let arch = content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
         Ok(GgufFile {
             path: path.to_path_buf(),
             content,
             file: Mutex::new(file),
+            arch,
         })
     }
 
@@ -81,13 +98,13 @@ impl GgufFile {
 
     /// True if the file has the tensor with this Hugging Face name.
     pub fn has(&self, hf_name: &str) -> bool {
-        gguf_name(hf_name).is_some_and(|n| self.content.tensor_infos.contains_key(&n))
+        gguf_name(hf_name, &self.arch).is_some_and(|n| self.content.tensor_infos.contains_key(&n))
     }
 
     /// Reads and dequantizes (to f32) the tensor with Hugging Face name `hf_name`; q/k projection weights and
     /// biases of `llama` files are un-permuted to the HF layout using the given head counts.
     pub fn tensor(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
-        let (name, info) = gguf_name(hf_name)
+        let (name, info) = gguf_name(hf_name, &self.arch)
             .and_then(|n| self.content.tensor_infos.get(&n).map(|info| (n, info)))
             .ok_or_else(|| {
                 Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
@@ -125,11 +142,6 @@ impl GgufFile {
                 })?
         };
         let t = q.dequantize(&Device::Cpu)?;
-        let arch = self
-            .metadata()
-            .get("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .cloned();
         let heads = if hf_name.contains("self_attn.q_proj") {
             Some(n_head)
         } else if hf_name.contains("self_attn.k_proj") {
@@ -137,8 +149,8 @@ impl GgufFile {
         } else {
             None
         };
-        match (arch.as_deref(), heads) {
-            (Some("llama"), Some(h)) => Ok(unpermute(&t, h)?),
+        match (self.arch.as_str(), heads) {
+            ("llama", Some(h)) => Ok(unpermute(&t, h)?),
             _ => Ok(t),
         }
     }
@@ -162,22 +174,49 @@ mod tests {
     #[test]
     fn names_map_to_llama_cpp() {
         assert_eq!(
-            gguf_name("model.layers.3.self_attn.q_proj.weight").unwrap(),
+            gguf_name("model.layers.3.self_attn.q_proj.weight", "llama").unwrap(),
             "blk.3.attn_q.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.0.mlp.down_proj.weight").unwrap(),
+            gguf_name("model.layers.0.mlp.down_proj.weight", "llama").unwrap(),
             "blk.0.ffn_down.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.1.self_attn.k_proj.bias").unwrap(),
+            gguf_name("model.layers.1.self_attn.k_proj.bias", "qwen2").unwrap(),
             "blk.1.attn_k.bias"
         );
         assert_eq!(
-            gguf_name("model.embed_tokens.weight").unwrap(),
+            gguf_name("model.embed_tokens.weight", "llama").unwrap(),
             "token_embd.weight"
         );
-        assert!(gguf_name("model.layers.0.unknown.weight").is_none());
+        assert!(gguf_name("model.layers.0.unknown.weight", "llama").is_none());
+        // Gemma's block norms, Qwen3's head norms, Phi-3's fused projections.
+        let gemma = |n: &str| gguf_name(&format!("model.layers.2.{n}.weight"), "gemma2").unwrap();
+        assert_eq!(
+            gemma("post_attention_layernorm"),
+            "blk.2.post_attention_norm.weight"
+        );
+        assert_eq!(gemma("pre_feedforward_layernorm"), "blk.2.ffn_norm.weight");
+        assert_eq!(
+            gemma("post_feedforward_layernorm"),
+            "blk.2.post_ffw_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.post_attention_layernorm.weight", "qwen3").unwrap(),
+            "blk.0.ffn_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.self_attn.q_norm.weight", "qwen3").unwrap(),
+            "blk.0.attn_q_norm.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.self_attn.qkv_proj.weight", "phi3").unwrap(),
+            "blk.0.attn_qkv.weight"
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.gate_up_proj.weight", "phi3").unwrap(),
+            "blk.0.ffn_up.weight"
+        );
     }
 
     #[test]

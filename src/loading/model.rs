@@ -199,30 +199,55 @@ fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
 
 fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
     let quant = opts.quantization.as_ref();
-    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let (q_out, kv_out) = (
-        cfg.num_attention_heads * cfg.head_dim,
-        cfg.num_key_value_heads * cfg.head_dim,
-    );
-    let norm =
-        |name: &str| -> Result<Tensor> { Ok(weights.dense(name, &[h])?.to_dtype(DType::F32)?) };
+    let arch = cfg.architecture;
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    // Norm weights as the model uses them: Gemma stores `w` for a scale of `1 + w` (llama.cpp's GGUF stores the
+    // scale itself).
+    let offset = match weights {
+        Weights::Gguf(_) => 0.0,
+        Weights::Safetensors(_) => arch.norm_weight_offset(),
+    };
+    let norm = |name: &str, width: usize| -> Result<Tensor> {
+        let w = weights.dense(name, &[width])?.to_dtype(DType::F32)?;
+        Ok(if offset != 0.0 { (w + offset)? } else { w })
+    };
     let embed = weights.dense("model.embed_tokens.weight", &[v, h])?;
+    let shapes = cfg.layer_linear_shapes();
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        let bias = cfg.attention_bias;
+        let optional_norm = |present: bool, name: &str, width: usize| {
+            present
+                .then(|| norm(&format!("{p}.{name}.weight"), width))
+                .transpose()
+        };
+        let linears = arch
+            .layer_linear_names()
+            .iter()
+            .zip(&shapes)
+            .map(|(name, shape)| {
+                let bias = cfg.attention_bias
+                    && name.starts_with("self_attn.")
+                    && *name != "self_attn.o_proj";
+                weights.linear(&format!("{p}.{name}"), *shape, bias, quant)
+            })
+            .collect::<Result<Vec<_>>>()?;
         layers.push(LayerWeights {
-            input_layernorm: norm(&format!("{p}.input_layernorm.weight"))?,
-            post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
-            linears: [
-                weights.linear(&format!("{p}.self_attn.q_proj"), [q_out, h], bias, quant)?,
-                weights.linear(&format!("{p}.self_attn.k_proj"), [kv_out, h], bias, quant)?,
-                weights.linear(&format!("{p}.self_attn.v_proj"), [kv_out, h], bias, quant)?,
-                weights.linear(&format!("{p}.self_attn.o_proj"), [h, q_out], false, quant)?,
-                weights.linear(&format!("{p}.mlp.gate_proj"), [i, h], false, quant)?,
-                weights.linear(&format!("{p}.mlp.up_proj"), [i, h], false, quant)?,
-                weights.linear(&format!("{p}.mlp.down_proj"), [h, i], false, quant)?,
-            ],
+            input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
+            post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            pre_feedforward_layernorm: optional_norm(
+                arch.is_gemma(),
+                "pre_feedforward_layernorm",
+                h,
+            )?,
+            post_feedforward_layernorm: optional_norm(
+                arch.is_gemma(),
+                "post_feedforward_layernorm",
+                h,
+            )?,
+            q_norm: optional_norm(arch.has_qk_norm(), "self_attn.q_norm", cfg.head_dim)?,
+            k_norm: optional_norm(arch.has_qk_norm(), "self_attn.k_norm", cfg.head_dim)?,
+            linears,
         });
     }
     // transformers keeps lm_head unquantized; so do we.
@@ -234,7 +259,7 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
             None,
         )
     };
-    let final_norm = norm("model.norm.weight")?;
+    let final_norm = norm("model.norm.weight", h)?;
     Ok(LlamaModel::new(
         cfg,
         embed,

@@ -165,10 +165,13 @@ fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
     )
 }
 
-/// `(in, out)` of a block's q, k, v, o, gate, up and down projections.
-fn block_linear_shapes(c: &ModelConfig) -> [(u64, u64); 7] {
-    let (h, hq, hkv, i) = widths(c);
-    [(h, hq), (h, hkv), (h, hkv), (hq, h), (h, i), (h, i), (i, h)]
+/// `(in, out)` of a block's projections (q, k, v, o, gate, up, down; or Phi-3's fused qkv, o, gate_up, down: one
+/// adapter pair each).
+fn block_linear_shapes(c: &ModelConfig) -> Vec<(u64, u64)> {
+    c.layer_linear_shapes()
+        .into_iter()
+        .map(|[out, inp]| (inp as u64, out as u64))
+        .collect()
 }
 
 fn counts(c: &ModelConfig, r: usize) -> Counts {
@@ -183,7 +186,13 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
     } else {
         0
     };
-    let norms = (2 * l + 1) * h;
+    let block_norms = if c.architecture.is_gemma() { 4 } else { 2 };
+    let head_norms = if c.architecture.has_qk_norm() {
+        2 * c.head_dim as u64
+    } else {
+        0
+    };
+    let norms = (block_norms * l + 1) * h + l * head_norms;
     let r = r as u64;
     let lora_tensors: Vec<u64> = (0..l)
         .flat_map(|_| shapes.iter().flat_map(move |(a, b)| [r * a, r * b]))

@@ -8,22 +8,33 @@ use serde_json::Value;
 
 use crate::error::{at_key, Error, Result};
 use crate::files::read_json;
-use crate::ops::rope::Llama3RopeScaling;
+use crate::ops::rope::{Llama3RopeScaling, LongRopeScaling, RopeScaling};
 
 /// The architectures this implementation covers (family differences are configuration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {
     /// Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (`model_type = "llama"`).
     Llama,
-    /// Mistral (`model_type = "mistral"`).
+    /// Mistral (`model_type = "mistral"`), with its sliding window.
     Mistral,
     /// Qwen2 / Qwen2.5 (`model_type = "qwen2"`): q/k/v projections have biases.
     Qwen2,
+    /// Qwen3 (`model_type = "qwen3"`): RMSNorm on each query and key head before RoPE.
+    Qwen3,
+    /// Gemma 2 (`model_type = "gemma2"`): `(1 + w)` norms around attention and MLP, GeGLU, scaled embeddings,
+    /// soft-capped attention and output logits, sliding-window layers alternating with global ones.
+    Gemma2,
+    /// Gemma 3 text (`model_type = "gemma3_text"`): Gemma 2 with query/key norms instead of soft-capping and a
+    /// separate RoPE base for its sliding-window layers.
+    Gemma3,
+    /// Phi-3 / Phi-3.5 / Phi-4-mini (`model_type = "phi3"`): fused `qkv_proj` and `gate_up_proj`, partial rotary,
+    /// LongRoPE.
+    Phi3,
 }
 
 /// The supported `model_type` values, for error messages.
 pub const SUPPORTED_MODEL_TYPES: &str =
-    "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2";
+    "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2, qwen3, gemma2, gemma3_text, phi3";
 
 impl Architecture {
     /// From a `model_type` (HF) or `general.architecture` (GGUF).
@@ -32,6 +43,10 @@ impl Architecture {
             "llama" => Some(Architecture::Llama),
             "mistral" => Some(Architecture::Mistral),
             "qwen2" => Some(Architecture::Qwen2),
+            "qwen3" => Some(Architecture::Qwen3),
+            "gemma2" => Some(Architecture::Gemma2),
+            "gemma3_text" | "gemma3" => Some(Architecture::Gemma3),
+            "phi3" => Some(Architecture::Phi3),
             _ => None,
         }
     }
@@ -42,8 +57,118 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::Gemma3 => "gemma3_text",
+            Architecture::Phi3 => "phi3",
         }
     }
+
+    /// The RoPE base when a config gives none (transformers' defaults).
+    pub fn default_rope_theta(self) -> f64 {
+        match self {
+            Architecture::Gemma3 => 1_000_000.0,
+            _ => 10_000.0,
+        }
+    }
+
+    /// The transformers class of a causal LM of this family (`architectures` in `config.json`).
+    pub fn causal_lm_class(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
+        }
+    }
+
+    /// Gemma: norms compute `x̂·(1 + w)` and wrap both attention and MLP (`post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`), embeddings are scaled by `√hidden`.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Architecture::Gemma2 | Architecture::Gemma3)
+    }
+
+    /// Each query and key head is RMS-normed before RoPE (`q_norm`, `k_norm`).
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+    }
+
+    /// q/k/v and gate/up are one projection each (`qkv_proj`, `gate_up_proj`).
+    pub fn has_fused_projections(self) -> bool {
+        self == Architecture::Phi3
+    }
+
+    /// What a stored norm weight `w` adds to the normed activations' scale: Gemma stores `w` and multiplies by
+    /// `1 + w`. The model keeps the effective scale; loading adds this, writing a model subtracts it.
+    pub fn norm_weight_offset(self) -> f64 {
+        if self.is_gemma() {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// The linear modules of one decoder layer, relative to it, in transformers' order.
+    pub fn layer_linear_names(self) -> &'static [&'static str] {
+        if self.has_fused_projections() {
+            &[
+                "self_attn.qkv_proj",
+                "self_attn.o_proj",
+                "mlp.gate_up_proj",
+                "mlp.down_proj",
+            ]
+        } else {
+            &[
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            ]
+        }
+    }
+
+    /// The adapter targets PEFT picks for this family when `target_modules` is not set (`None`: PEFT has no default
+    /// and asks for them).
+    pub fn default_lora_targets(self) -> Option<&'static [&'static str]> {
+        match self {
+            Architecture::Phi3 => None,
+            _ => Some(&["q_proj", "v_proj"]),
+        }
+    }
+}
+
+/// The gated MLP's activation (`hidden_act` / `hidden_activation`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpActivation {
+    /// `silu(gate)·up` (SwiGLU).
+    Silu,
+    /// `gelu_tanh(gate)·up` (GeGLU with the tanh GELU, `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+impl MlpActivation {
+    /// transformers' name.
+    pub fn name(self) -> &'static str {
+        match self {
+            MlpActivation::Silu => "silu",
+            MlpActivation::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+}
+
+/// Which keys a layer's queries see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerAttention {
+    /// Every earlier position (`full_attention`).
+    Full,
+    /// The last `sliding_window` positions (`sliding_attention`).
+    Sliding,
 }
 
 /// Everything the model needs to know about its shape.
@@ -63,24 +188,191 @@ pub struct ModelConfig {
     pub num_attention_heads: usize,
     /// Key/value heads (grouped-query attention when fewer than the query heads).
     pub num_key_value_heads: usize,
-    /// Per-head width.
+    /// Per-head width (independent of `hidden_size / heads` in Qwen3 and Gemma).
     pub head_dim: usize,
+    /// Leading dimensions of each head that RoPE rotates (`head_dim · partial_rotary_factor`).
+    pub rotary_dim: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f64,
-    /// RoPE base.
+    /// RoPE base (of the full-attention layers, where the sliding ones differ).
     pub rope_theta: f64,
-    /// Llama-3 RoPE scaling, if any.
-    pub rope_scaling: Option<Llama3RopeScaling>,
+    /// RoPE scaling (of the full-attention layers), if any.
+    pub rope_scaling: Option<RopeScaling>,
+    /// The sliding-window layers' own RoPE base, unscaled (Gemma 3's `rope_local_base_freq`); `None`: the same
+    /// RoPE as the full layers.
+    pub sliding_rope_theta: Option<f64>,
     /// Longest sequence the position tables cover.
     pub max_position_embeddings: usize,
     /// The output head shares the embedding matrix.
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry biases (Qwen2).
     pub attention_bias: bool,
+    /// The gated MLP's activation.
+    pub activation: MlpActivation,
+    /// Each layer's attention kind (`layer_types`).
+    pub layer_types: Vec<LayerAttention>,
+    /// Keys a sliding-window layer sees, the query's own included; `None`: sliding layers see everything.
+    pub sliding_window: Option<usize>,
+    /// Attention scores are scaled by `query_pre_attn_scalar^-½` instead of `head_dim^-½` (Gemma).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Attention scores become `cap·tanh(score/cap)` (Gemma 2).
+    pub attn_logit_softcapping: Option<f64>,
+    /// Output logits become `cap·tanh(logit/cap)` (Gemma 2).
+    pub final_logit_softcapping: Option<f64>,
     /// Beginning-of-sequence token.
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (generation stops at any).
     pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// The attention score scale.
+    pub fn attention_scale(&self) -> f64 {
+        1.0 / self
+            .query_pre_attn_scalar
+            .unwrap_or(self.head_dim as f64)
+            .sqrt()
+    }
+
+    /// The factor token embeddings are multiplied by before the first layer (Gemma's `√hidden`), if any.
+    pub fn embedding_multiplier(&self) -> Option<f64> {
+        self.architecture
+            .is_gemma()
+            .then(|| (self.hidden_size as f64).sqrt())
+    }
+
+    /// The sliding window of layer `layer`, if it has one.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        match self.layer_types.get(layer) {
+            Some(LayerAttention::Sliding) => self.sliding_window,
+            _ => None,
+        }
+    }
+
+    /// Output size of the query projection.
+    pub fn q_width(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+
+    /// Output size of the key and of the value projection.
+    pub fn kv_width(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+
+    /// `[out, in]` of each linear module of a layer, in [`Architecture::layer_linear_names`]' order.
+    pub fn layer_linear_shapes(&self) -> Vec<[usize; 2]> {
+        let (h, i, q, kv) = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.q_width(),
+            self.kv_width(),
+        );
+        if self.architecture.has_fused_projections() {
+            vec![[q + 2 * kv, h], [h, q], [2 * i, h], [h, i]]
+        } else {
+            vec![[q, h], [kv, h], [kv, h], [h, q], [i, h], [i, h], [h, i]]
+        }
+    }
+
+    /// This configuration as a Hugging Face `config.json` object (transformers 4 key names, which transformers 5
+    /// reads too); [`ModelConfig::from_hf_config`] reads it back to an equal configuration.
+    pub fn to_hf_config(&self) -> Value {
+        let arch = self.architecture;
+        let activation_key = if arch.is_gemma() {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        let mut v = serde_json::json!({
+            "architectures": [arch.causal_lm_class()],
+            "model_type": arch.model_type(),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            activation_key: self.activation.name(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "layer_types": self.layer_types.iter().map(|t| match t {
+                LayerAttention::Full => "full_attention",
+                LayerAttention::Sliding => "sliding_attention",
+            }).collect::<Vec<_>>(),
+            "sliding_window": self.sliding_window,
+        });
+        if matches!(arch, Architecture::Qwen2 | Architecture::Qwen3) {
+            v["use_sliding_window"] = self.sliding_window.is_some().into();
+        }
+        if self.rotary_dim != self.head_dim {
+            v["partial_rotary_factor"] = (self.rotary_dim as f64 / self.head_dim as f64).into();
+        }
+        if let Some(theta) = self.sliding_rope_theta {
+            v["rope_local_base_freq"] = theta.into();
+        }
+        let optional = [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar),
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+            ("final_logit_softcapping", self.final_logit_softcapping),
+        ];
+        for (key, value) in optional {
+            v[key] = value.into();
+        }
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Llama3(s)) => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "llama3", "factor": s.factor,
+                    "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings});
+            }
+            Some(RopeScaling::Linear { factor }) => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "linear", "factor": factor});
+            }
+            Some(RopeScaling::LongRope(s)) => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "longrope",
+                    "short_factor": s.short_factor, "long_factor": s.long_factor,
+                    "attention_factor": s.attention_factor});
+                v["original_max_position_embeddings"] = s.original_max_position_embeddings.into();
+            }
+        }
+        v
+    }
+
+    /// The default layer types of a family whose `config.json` does not list them (transformers' rules).
+    fn default_layer_types(
+        architecture: Architecture,
+        layers: usize,
+        sliding_window: Option<usize>,
+        max_window_layers: Option<usize>,
+        sliding_window_pattern: Option<usize>,
+    ) -> Vec<LayerAttention> {
+        (0..layers)
+            .map(|i| {
+                let sliding = match architecture {
+                    Architecture::Llama => false,
+                    Architecture::Mistral | Architecture::Phi3 => sliding_window.is_some(),
+                    Architecture::Qwen2 | Architecture::Qwen3 => {
+                        sliding_window.is_some() && i >= max_window_layers.unwrap_or(0)
+                    }
+                    Architecture::Gemma2 => (i + 1) % 2 != 0,
+                    Architecture::Gemma3 => {
+                        (i + 1) % sliding_window_pattern.unwrap_or(6).max(1) != 0
+                    }
+                };
+                if sliding {
+                    LayerAttention::Sliding
+                } else {
+                    LayerAttention::Full
+                }
+            })
+            .collect()
+    }
 }
 
 /// The largest vocabulary, width, head count or context a config may declare (real models stay far below).
@@ -111,6 +403,16 @@ struct HfConfig {
     attention_bias: Option<bool>,
     bos_token_id: Option<u32>,
     eos_token_id: Option<TokenIds>,
+    hidden_act: Option<String>,
+    hidden_activation: Option<String>,
+    sliding_window: Option<usize>,
+    use_sliding_window: Option<bool>,
+    max_window_layers: Option<usize>,
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
+    query_pre_attn_scalar: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
 }
 
 /// One token id or several (`eos_token_id`).
@@ -140,37 +442,197 @@ fn opt_f64(obj: &Value, key: &str, path: &Path) -> Result<Option<f64>> {
     }
 }
 
-/// Reads RoPE settings from `rope_theta`/`rope_scaling` (transformers 4.x) or `rope_parameters` (5.x).
-fn rope_settings(obj: &Value, path: &Path) -> Result<(f64, Option<Llama3RopeScaling>)> {
-    let params = obj.get("rope_parameters").filter(|v| v.is_object());
-    let theta = match opt_f64(obj, "rope_theta", path)? {
-        Some(t) => t,
-        None => params
-            .map(|p| opt_f64(p, "rope_theta", path))
-            .transpose()?
-            .flatten()
-            .unwrap_or(10_000.0),
-    };
-    let scaling = obj.get("rope_scaling").filter(|v| v.is_object()).or(params);
-    let Some(scaling) = scaling else {
-        return Ok((theta, None));
-    };
+/// RoPE as a config declares it.
+struct RopeSettings {
+    theta: Option<f64>,
+    scaling: Option<RopeScaling>,
+    sliding_theta: Option<f64>,
+    partial_rotary_factor: f64,
+}
+
+/// A `rope_scaling` / `rope_parameters` object's scaling (`obj` is the whole config, for keys transformers 4 kept
+/// at the top level).
+fn rope_scaling_of(
+    scaling: &Value,
+    obj: &Value,
+    path: &Path,
+    rotary_dim: usize,
+) -> Result<Option<RopeScaling>> {
     let rope_type = scaling
         .get("rope_type")
         .or_else(|| scaling.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
+    let number = |key: &str| -> Result<Option<f64>> {
+        match opt_f64(scaling, key, path)? {
+            Some(v) => Ok(Some(v)),
+            None => opt_f64(obj, key, path),
+        }
+    };
     match rope_type {
-        "default" => Ok((theta, None)),
+        "default" => Ok(None),
         "llama3" => {
-            let s: Llama3RopeScaling = serde_json::from_value(scaling.clone())
-                .map_err(|e| bad(path, format!("`rope_scaling` of type llama3 is incomplete: {e}")))?;
-            Ok((theta, Some(s)))
+            let s: Llama3RopeScaling = serde_json::from_value(scaling.clone()).map_err(|e| {
+                bad(path, format!("`rope_scaling` of type llama3 is incomplete: {e}"))
+            })?;
+            Ok(Some(RopeScaling::Llama3(s)))
+        }
+        "linear" => match number("factor")? {
+            Some(factor) if factor > 0.0 => Ok(Some(RopeScaling::Linear { factor })),
+            _ => Err(bad(
+                path,
+                "`rope_scaling` of type linear needs a positive `factor`".into(),
+            )),
+        },
+        "longrope" | "su" => {
+            let factors = |key: &str| -> Result<Vec<f64>> {
+                let v: Vec<f64> = scaling
+                    .get(key)
+                    .and_then(|v| serde_json::from_value(v.clone()).ok())
+                    .ok_or_else(|| {
+                        bad(path, format!("`rope_scaling` of type longrope needs `{key}` (a list of numbers)"))
+                    })?;
+                if v.len() != rotary_dim / 2 || v.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "`rope_scaling.{key}` must hold {} positive numbers (rotary dimension / 2), not {}",
+                            rotary_dim / 2,
+                            v.len()
+                        ),
+                    ));
+                }
+                Ok(v)
+            };
+            let original = number("original_max_position_embeddings")?
+                .filter(|v| *v >= 2.0)
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        "LongRoPE needs `original_max_position_embeddings` (at least 2)".into(),
+                    )
+                })? as usize;
+            let max = opt_f64(obj, "max_position_embeddings", path)?.unwrap_or(original as f64);
+            let factor = number("factor")?.unwrap_or(max / original as f64);
+            let attention_factor = match opt_f64(scaling, "attention_factor", path)? {
+                Some(f) => f,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            };
+            Ok(Some(RopeScaling::LongRope(LongRopeScaling {
+                short_factor: factors("short_factor")?,
+                long_factor: factors("long_factor")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            })))
         }
         other => Err(bad(
             path,
-            format!("rope scaling type `{other}` is not supported (supported: default, llama3); remove it to use plain RoPE"),
+            format!("rope scaling type `{other}` is not supported (supported: default, llama3, linear, longrope); remove it to use plain RoPE"),
         )),
+    }
+}
+
+/// Reads RoPE settings from `rope_theta`/`rope_scaling`/`partial_rotary_factor`/`rope_local_base_freq`
+/// (transformers 4.x) or `rope_parameters` (5.x, per layer type for Gemma 3).
+fn rope_settings(obj: &Value, path: &Path, head_dim: usize) -> Result<RopeSettings> {
+    let params = obj.get("rope_parameters").filter(|v| v.is_object());
+    let (full, sliding) = match params {
+        Some(p) if p.get("full_attention").is_some() => (
+            p.get("full_attention").filter(|v| v.is_object()),
+            p.get("sliding_attention").filter(|v| v.is_object()),
+        ),
+        _ => (params, None),
+    };
+    let in_params = |key: &str| -> Result<Option<f64>> {
+        full.map(|p| opt_f64(p, key, path))
+            .transpose()
+            .map(Option::flatten)
+    };
+    let partial_rotary_factor = match opt_f64(obj, "partial_rotary_factor", path)? {
+        Some(f) => f,
+        None => in_params("partial_rotary_factor")?.unwrap_or(1.0),
+    };
+    if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+        return Err(bad(
+            path,
+            format!("`partial_rotary_factor` must be in (0, 1], not {partial_rotary_factor}"),
+        ));
+    }
+    let rotary_dim = (head_dim as f64 * partial_rotary_factor) as usize;
+    let theta = match opt_f64(obj, "rope_theta", path)? {
+        Some(t) => Some(t),
+        None => in_params("rope_theta")?,
+    };
+    let scaling = match obj.get("rope_scaling").filter(|v| v.is_object()).or(full) {
+        Some(s) => rope_scaling_of(s, obj, path, rotary_dim)?,
+        None => None,
+    };
+    let sliding_theta = match opt_f64(obj, "rope_local_base_freq", path)? {
+        Some(t) => Some(t),
+        None => sliding
+            .map(|p| opt_f64(p, "rope_theta", path))
+            .transpose()?
+            .flatten(),
+    };
+    Ok(RopeSettings {
+        theta,
+        scaling,
+        sliding_theta,
+        partial_rotary_factor,
+    })
+}
+
+/// The gated MLP activation a config names.
+fn activation_of(
+    name: Option<&str>,
+    architecture: Architecture,
+    path: &Path,
+) -> Result<MlpActivation> {
+    match name {
+        None if architecture.is_gemma() => Ok(MlpActivation::GeluTanh),
+        None | Some("silu") | Some("swish") => Ok(MlpActivation::Silu),
+        Some("gelu_pytorch_tanh") | Some("gelu_tanh") => Ok(MlpActivation::GeluTanh),
+        Some(other) => Err(bad(
+            path,
+            format!("activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh)"),
+        )),
+    }
+}
+
+/// `layer_types` as written in a config.
+fn parse_layer_types(names: &[String], layers: usize, path: &Path) -> Result<Vec<LayerAttention>> {
+    if names.len() != layers {
+        return Err(bad(
+            path,
+            format!(
+                "`layer_types` lists {} layers, but num_hidden_layers is {layers}",
+                names.len()
+            ),
+        ));
+    }
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| match n.as_str() {
+            "full_attention" => Ok(LayerAttention::Full),
+            "sliding_attention" => Ok(LayerAttention::Sliding),
+            other => Err(bad(
+                path,
+                format!("`layer_types[{i}]` = `{other}` is not supported (full_attention, sliding_attention)"),
+            )),
+        })
+        .collect()
+}
+
+/// A positive finite value, or an error naming `key`.
+fn positive(value: Option<f64>, key: &str, path: &Path) -> Result<Option<f64>> {
+    match value {
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(bad(
+            path,
+            format!("`{key}` must be a positive number, not {v}"),
+        )),
+        v => Ok(v),
     }
 }
 
@@ -193,7 +655,35 @@ impl ModelConfig {
                 ),
             )
         })?;
-        let (rope_theta, rope_scaling) = rope_settings(obj, path)?;
+        let head_dim = hf
+            .head_dim
+            .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
+        let rope = rope_settings(obj, path, head_dim)?;
+        // Qwen2/3 ignore `sliding_window` unless `use_sliding_window` (transformers' config does the same).
+        let sliding_window = match architecture {
+            Architecture::Qwen2 | Architecture::Qwen3 if hf.use_sliding_window != Some(true) => {
+                None
+            }
+            _ => hf.sliding_window,
+        };
+        if sliding_window == Some(0) {
+            return Err(bad(path, "`sliding_window` must be at least 1".into()));
+        }
+        let layer_types = match &hf.layer_types {
+            Some(names) => parse_layer_types(names, hf.num_hidden_layers, path)?,
+            None => Self::default_layer_types(
+                architecture,
+                hf.num_hidden_layers,
+                sliding_window,
+                hf.max_window_layers,
+                hf.sliding_window_pattern,
+            ),
+        };
+        let activation = activation_of(
+            hf.hidden_activation.as_deref().or(hf.hidden_act.as_deref()),
+            architecture,
+            path,
+        )?;
         let config = ModelConfig {
             architecture,
             vocab_size: hf.vocab_size,
@@ -202,16 +692,38 @@ impl ModelConfig {
             num_hidden_layers: hf.num_hidden_layers,
             num_attention_heads: hf.num_attention_heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
-            head_dim: hf
-                .head_dim
-                .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1)),
+            head_dim,
+            rotary_dim: (head_dim as f64 * rope.partial_rotary_factor) as usize,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta,
-            rope_scaling,
+            rope_theta: rope.theta.unwrap_or(architecture.default_rope_theta()),
+            rope_scaling: rope.scaling,
+            // Gemma 3's sliding layers always have their own (default 10⁴) base.
+            sliding_rope_theta: match architecture {
+                Architecture::Gemma3 => Some(rope.sliding_theta.unwrap_or(10_000.0)),
+                _ => rope.sliding_theta,
+            },
             max_position_embeddings: hf.max_position_embeddings,
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(architecture.is_gemma()),
             attention_bias: architecture == Architecture::Qwen2
                 || hf.attention_bias.unwrap_or(false),
+            activation,
+            layer_types,
+            sliding_window,
+            query_pre_attn_scalar: positive(
+                hf.query_pre_attn_scalar,
+                "query_pre_attn_scalar",
+                path,
+            )?,
+            attn_logit_softcapping: positive(
+                hf.attn_logit_softcapping,
+                "attn_logit_softcapping",
+                path,
+            )?,
+            final_logit_softcapping: positive(
+                hf.final_logit_softcapping,
+                "final_logit_softcapping",
+                path,
+            )?,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
         };
@@ -270,24 +782,64 @@ impl ModelConfig {
                     )
                 })?,
         };
-        let head_dim =
-            get_u("rope.dimension_count").unwrap_or(hidden_size / num_attention_heads.max(1));
+        // llama.cpp writes the head width as `attention.key_length` where it differs from hidden / heads, and the
+        // rotated dimensions as `rope.dimension_count`.
+        let head_dim = get_u("attention.key_length")
+            .or_else(|_| get_u("rope.dimension_count"))
+            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        let rotary_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
+        let num_hidden_layers = get_u("block_count")?;
+        let sliding_window = get_u("attention.sliding_window").ok().filter(|w| *w > 0);
+        let softcap = |k: &str| get_f(k).filter(|v| *v > 0.0);
+        let rope_scaling =
+            match md
+                .get(&key("rope.scaling.type"))
+                .and_then(|v| v.to_string().ok())
+                .map(String::as_str)
+            {
+                None | Some("none") => None,
+                Some("linear") => get_f("rope.scaling.factor")
+                    .filter(|f| *f > 0.0)
+                    .map(|factor| RopeScaling::Linear { factor }),
+                Some(other) => return Err(bad(
+                    path,
+                    format!(
+                        "GGUF rope scaling `{other}` is not supported (supported: none, linear)"
+                    ),
+                )),
+            };
         let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
         let config = ModelConfig {
             architecture,
             vocab_size,
             hidden_size,
             intermediate_size: get_u("feed_forward_length")?,
-            num_hidden_layers: get_u("block_count")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads: get_u("attention.head_count_kv").unwrap_or(num_attention_heads),
             head_dim,
+            rotary_dim,
             rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_theta: get_f("rope.freq_base").unwrap_or(10_000.0),
-            rope_scaling: None,
+            rope_theta: get_f("rope.freq_base").unwrap_or(architecture.default_rope_theta()),
+            rope_scaling,
+            // llama.cpp's Gemma 3 uses a fixed 10⁴ base on its sliding layers.
+            sliding_rope_theta: (architecture == Architecture::Gemma3).then_some(10_000.0),
             max_position_embeddings: get_u("context_length")?,
             tie_word_embeddings: !has_output,
             attention_bias: architecture == Architecture::Qwen2,
+            activation: activation_of(None, architecture, path)?,
+            layer_types: Self::default_layer_types(
+                architecture,
+                num_hidden_layers,
+                sliding_window,
+                None,
+                None,
+            ),
+            sliding_window,
+            // llama.cpp's Gemma scales scores by 1/√head_dim (and keeps no `query_pre_attn_scalar`).
+            query_pre_attn_scalar: None,
+            attn_logit_softcapping: softcap("attn_logit_softcapping"),
+            final_logit_softcapping: softcap("final_logit_softcapping"),
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
         };
@@ -318,6 +870,15 @@ impl ModelConfig {
                 format!(
                     "inconsistent sizes: head_dim {} (must be even and positive), hidden_size {}, vocab_size {}",
                     self.head_dim, self.hidden_size, self.vocab_size
+                ),
+            ));
+        }
+        if self.rotary_dim == 0 || self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+            return Err(bad(
+                path,
+                format!(
+                    "the rotated dimensions ({}, head_dim × partial_rotary_factor) must be even, positive and at most head_dim ({})",
+                    self.rotary_dim, self.head_dim
                 ),
             ));
         }
@@ -388,7 +949,7 @@ mod tests {
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
         let c = parse(v).unwrap();
         assert_eq!(c.rope_theta, 500000.0);
-        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+        assert!(matches!(c.rope_scaling, Some(RopeScaling::Llama3(s)) if s.factor == 8.0));
     }
 
     #[test]

@@ -1,57 +1,106 @@
-//! One Llama-family decoder (Llama 2/3/3.1/3.2, Mistral, Qwen2, SmolLM2, TinyLlama) built from the differentiable
-//! ops in [`crate::ops`]: frozen (dense or 4-bit) linears, RMSNorm, RoPE, grouped-query causal attention, SwiGLU,
-//! optional per-layer gradient checkpointing, and a KV cache for generation.
+//! One decoder for the Llama family and its relatives (Llama 2/3/3.1/3.2, Mistral, Qwen2/3, Gemma 2/3, Phi-3,
+//! SmolLM2, TinyLlama) built from the differentiable ops in [`crate::ops`]: frozen (dense or 4-bit) linears,
+//! RMSNorm, RoPE, grouped-query causal attention (sliding windows, soft-capping), gated MLPs, optional per-layer
+//! gradient checkpointing, and a KV cache for generation. Family differences are configuration
+//! ([`ModelConfig`]): which norms wrap a block, fused or separate projections, query/key norms, partial rotary.
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var, D};
 
-use super::config::ModelConfig;
+use super::config::{LayerAttention, MlpActivation, ModelConfig};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
-    self, causal_attention, packed_causal_attention, rms_norm, swiglu, FrozenLinear, FrozenWeight,
-    GradSink, Pass, RopeTables, Segments,
+    self, attention, geglu_tanh, merge_heads, rms_norm, rope, split_heads, swiglu, AttentionSpec,
+    FrozenLinear, FrozenWeight, GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
 pub type Linear = crate::lora::LoraLinear;
 
+/// The query, key and value projections of a layer: three, or one fused (Phi-3's `qkv_proj`, rows q, k, v).
+#[derive(Clone, Debug)]
+pub enum QkvProjections {
+    /// `q_proj`, `k_proj`, `v_proj`.
+    Separate {
+        /// Query projection.
+        q_proj: Linear,
+        /// Key projection.
+        k_proj: Linear,
+        /// Value projection.
+        v_proj: Linear,
+    },
+    /// `qkv_proj`.
+    Fused {
+        /// The three projections' rows stacked.
+        qkv_proj: Linear,
+    },
+}
+
+/// The gate and up projections of a layer's MLP: two, or one fused (Phi-3's `gate_up_proj`, rows gate, up).
+#[derive(Clone, Debug)]
+pub enum GateUpProjections {
+    /// `gate_proj`, `up_proj`.
+    Separate {
+        /// Gate projection.
+        gate_proj: Linear,
+        /// Up projection.
+        up_proj: Linear,
+    },
+    /// `gate_up_proj`.
+    Fused {
+        /// The two projections' rows stacked.
+        gate_up_proj: Linear,
+    },
+}
+
 /// Self-attention of one layer.
 #[derive(Clone, Debug)]
 pub struct Attention {
-    /// Query projection.
-    pub q_proj: Linear,
-    /// Key projection.
-    pub k_proj: Linear,
-    /// Value projection.
-    pub v_proj: Linear,
+    /// Query, key and value projections.
+    pub qkv: QkvProjections,
     /// Output projection.
     pub o_proj: Linear,
+    /// RMSNorm of each query head before RoPE (Qwen3, Gemma 3), over `head_dim`.
+    pub q_norm: Option<Tensor>,
+    /// RMSNorm of each key head before RoPE.
+    pub k_norm: Option<Tensor>,
     n_head: usize,
     n_kv_head: usize,
     head_dim: usize,
+    rotary_dim: usize,
+    spec: AttentionSpec,
+    eps: f64,
+    /// Uses the sliding-window layers' RoPE tables.
+    sliding_rope: bool,
 }
 
-/// The SwiGLU MLP of one layer.
+/// The gated MLP of one layer: `down(act(gate(x)) · up(x))`.
 #[derive(Clone, Debug)]
 pub struct Mlp {
-    /// Gate projection.
-    pub gate_proj: Linear,
-    /// Up projection.
-    pub up_proj: Linear,
+    /// Gate and up projections.
+    pub gate_up: GateUpProjections,
     /// Down projection.
     pub down_proj: Linear,
+    activation: MlpActivation,
 }
 
-/// One decoder layer: pre-norm attention and MLP with residual connections.
+/// One decoder layer: normed attention and MLP with residual connections. Llama-style layers norm each block's
+/// input (`input_layernorm`, then `post_attention_layernorm` before the MLP); Gemma's also norm each block's
+/// output (`input_layernorm` → attention → `post_attention_layernorm`, `pre_feedforward_layernorm` → MLP →
+/// `post_feedforward_layernorm`). Norm weights are the effective scales (Gemma's stored `w` plus one).
 #[derive(Clone, Debug)]
 pub struct DecoderLayer {
     /// Norm before attention.
     pub input_layernorm: Tensor,
     /// Attention.
     pub self_attn: Attention,
-    /// Norm before the MLP.
+    /// Llama: the norm before the MLP; Gemma: the norm of the attention output.
     pub post_attention_layernorm: Tensor,
+    /// Gemma: the norm before the MLP.
+    pub pre_feedforward_layernorm: Option<Tensor>,
+    /// Gemma: the norm of the MLP output.
+    pub post_feedforward_layernorm: Option<Tensor>,
     /// MLP.
     pub mlp: Mlp,
     eps: f64,
@@ -86,24 +135,99 @@ impl KvCache {
     }
 }
 
+/// The cos/sin of a batch's positions: of the model's RoPE, and of its sliding-window layers' own RoPE if any.
+#[derive(Clone, Debug)]
+struct PositionTables {
+    cos: Tensor,
+    sin: Tensor,
+    sliding: Option<(Tensor, Tensor)>,
+}
+
+impl PositionTables {
+    /// The tables of a layer.
+    fn of(&self, attention: &Attention) -> (&Tensor, &Tensor) {
+        match (&self.sliding, attention.sliding_rope) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&self.cos, &self.sin),
+        }
+    }
+}
+
+/// `[b, t, heads·d]` → `[b, heads, t, d]`, copying a view (a column range of a fused projection) first.
+fn to_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    split_heads(&x.contiguous()?, heads)
+}
+
 impl Attention {
-    /// `residual + attention(x)`.
+    /// The layer's query, key and value heads, normed and rotated: `[b, heads, t, d]` each.
+    fn heads(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let plain = self.q_norm.is_none() && self.rotary_dim == self.head_dim;
+        let (q, k, v) = match &self.qkv {
+            // The common case: RoPE inside the projection's fused op.
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } if plain => {
+                return Ok((
+                    q_proj.forward_to_heads(x, self.n_head, Some((cos, sin)))?,
+                    k_proj.forward_to_heads(x, self.n_kv_head, Some((cos, sin)))?,
+                    v_proj.forward_to_heads(x, self.n_kv_head, None)?,
+                ))
+            }
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (
+                q_proj.forward_to_heads(x, self.n_head, None)?,
+                k_proj.forward_to_heads(x, self.n_kv_head, None)?,
+                v_proj.forward_to_heads(x, self.n_kv_head, None)?,
+            ),
+            QkvProjections::Fused { qkv_proj } => {
+                let y = qkv_proj.forward(x)?;
+                let (qw, kvw) = (self.n_head * self.head_dim, self.n_kv_head * self.head_dim);
+                (
+                    to_heads(&y.narrow(D::Minus1, 0, qw)?, self.n_head)?,
+                    to_heads(&y.narrow(D::Minus1, qw, kvw)?, self.n_kv_head)?,
+                    to_heads(&y.narrow(D::Minus1, qw + kvw, kvw)?, self.n_kv_head)?,
+                )
+            }
+        };
+        let normed = |t: Tensor, w: &Option<Tensor>| match w {
+            Some(w) => rms_norm(&t, w, self.eps),
+            None => Ok(t),
+        };
+        let q = self.rotate(&normed(q, &self.q_norm)?, cos, sin)?;
+        let k = self.rotate(&normed(k, &self.k_norm)?, cos, sin)?;
+        Ok((q, k, v))
+    }
+
+    /// RoPE on the first `rotary_dim` dimensions of each head (all of them but in Phi-3 with a partial factor).
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        if self.rotary_dim == self.head_dim {
+            return rope(x, cos, sin);
+        }
+        let rotated = rope(
+            &x.narrow(D::Minus1, 0, self.rotary_dim)?.contiguous()?,
+            cos,
+            sin,
+        )?;
+        let kept = x.narrow(D::Minus1, self.rotary_dim, self.head_dim - self.rotary_dim)?;
+        Tensor::cat(&[&rotated, &kept], D::Minus1)
+    }
+
+    /// `attention(x)`, plus `residual` when given (then accumulated by the output projection).
     fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        tables: &PositionTables,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
-        residual: &Tensor,
+        residual: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let q = self
-            .q_proj
-            .forward_to_heads(x, self.n_head, Some((cos, sin)))?;
-        let k = self
-            .k_proj
-            .forward_to_heads(x, self.n_kv_head, Some((cos, sin)))?;
-        let v = self.v_proj.forward_to_heads(x, self.n_kv_head, None)?;
+        let (cos, sin) = tables.of(self);
+        let (q, k, v) = self.heads(x, cos, sin)?;
         let (k, v) = match cache {
             Some(slot) => {
                 let (k, v) = match slot.take() {
@@ -115,21 +239,39 @@ impl Attention {
             }
             None => (k, v),
         };
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let y = match segments {
-            Some(segments) => packed_causal_attention(&q, &k, &v, scale, segments)?,
-            None => causal_attention(&q, &k, &v, scale)?,
-        };
-        self.o_proj.forward_from_heads_plus(&y, residual)
+        let y = attention(&q, &k, &v, &self.spec, segments)?;
+        match residual {
+            Some(r) => self.o_proj.forward_from_heads_plus(&y, r),
+            None => self.o_proj.forward(&merge_heads(&y)?),
+        }
     }
 }
 
 impl Mlp {
-    /// `residual + mlp(x)`; in a [`Pass::Recompute`] the last projection's value is not computed (only its graph is
-    /// differentiated).
-    fn forward(&self, x: &Tensor, residual: &Tensor, pass: Pass) -> Result<Tensor> {
-        let hidden = swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
-        self.down_proj.forward_plus(&hidden, residual, pass)
+    /// `mlp(x)`, plus `residual` when given: then in a [`Pass::Recompute`] the last projection's value is not
+    /// computed (only its graph is differentiated).
+    fn forward(&self, x: &Tensor, residual: Option<&Tensor>, pass: Pass) -> Result<Tensor> {
+        let (gate, up) = match &self.gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => {
+                (gate_proj.forward(x)?, up_proj.forward(x)?)
+            }
+            GateUpProjections::Fused { gate_up_proj } => {
+                let y = gate_up_proj.forward(x)?;
+                let width = y.dim(D::Minus1)? / 2;
+                (
+                    y.narrow(D::Minus1, 0, width)?.contiguous()?,
+                    y.narrow(D::Minus1, width, width)?.contiguous()?,
+                )
+            }
+        };
+        let hidden = match self.activation {
+            MlpActivation::Silu => swiglu(&gate, &up)?,
+            MlpActivation::GeluTanh => geglu_tanh(&gate, &up)?,
+        };
+        match residual {
+            Some(r) => self.down_proj.forward_plus(&hidden, r, pass),
+            None => self.down_proj.forward(&hidden),
+        }
     }
 }
 
@@ -138,39 +280,178 @@ impl DecoderLayer {
     fn run(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        tables: &PositionTables,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
         pass: Pass,
     ) -> Result<Tensor> {
-        // Each residual sum is accumulated by the block's last projection (see `LoraLinear::forward_plus`).
-        let h = self.self_attn.forward(
-            &rms_norm(x, &self.input_layernorm, self.eps)?,
-            cos,
-            sin,
-            cache,
-            segments,
-            x,
-        )?;
-        self.mlp.forward(
-            &rms_norm(&h, &self.post_attention_layernorm, self.eps)?,
-            &h,
-            pass,
-        )
+        let norm = |t: &Tensor, w: &Tensor| rms_norm(t, w, self.eps);
+        match (
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ) {
+            (Some(pre_mlp), Some(post_mlp)) => {
+                let a = self.self_attn.forward(
+                    &norm(x, &self.input_layernorm)?,
+                    tables,
+                    cache,
+                    segments,
+                    None,
+                )?;
+                let h = (x + norm(&a, &self.post_attention_layernorm)?)?;
+                let m = self.mlp.forward(&norm(&h, pre_mlp)?, None, pass)?;
+                &h + norm(&m, post_mlp)?
+            }
+            _ => {
+                // Each residual sum is accumulated by the block's last projection (see `LoraLinear::forward_plus`).
+                let h = self.self_attn.forward(
+                    &norm(x, &self.input_layernorm)?,
+                    tables,
+                    cache,
+                    segments,
+                    Some(x),
+                )?;
+                self.mlp
+                    .forward(&norm(&h, &self.post_attention_layernorm)?, Some(&h), pass)
+            }
+        }
     }
 
-    /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...).
-    pub fn linears(&self) -> [(&'static str, &Linear); 7] {
-        [
-            ("self_attn.q_proj", &self.self_attn.q_proj),
-            ("self_attn.k_proj", &self.self_attn.k_proj),
-            ("self_attn.v_proj", &self.self_attn.v_proj),
-            ("self_attn.o_proj", &self.self_attn.o_proj),
-            ("mlp.gate_proj", &self.mlp.gate_proj),
-            ("mlp.up_proj", &self.mlp.up_proj),
-            ("mlp.down_proj", &self.mlp.down_proj),
-        ]
+    /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...), in
+    /// [`crate::models::Architecture::layer_linear_names`]' order.
+    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
+        let mut out = Vec::with_capacity(7);
+        match &self.self_attn.qkv {
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => out.extend([
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ]),
+            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+        }
+        out.push(("self_attn.o_proj", &self.self_attn.o_proj));
+        match &self.mlp.gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => {
+                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            }
+            GateUpProjections::Fused { gate_up_proj } => {
+                out.push(("mlp.gate_up_proj", gate_up_proj))
+            }
+        }
+        out.push(("mlp.down_proj", &self.mlp.down_proj));
+        out
+    }
+
+    /// [`DecoderLayer::linears`], mutable.
+    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+        let mut out = Vec::with_capacity(7);
+        let Attention { qkv, o_proj, .. } = &mut self.self_attn;
+        match qkv {
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => out.extend([
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ]),
+            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+        }
+        out.push(("self_attn.o_proj", o_proj));
+        let Mlp {
+            gate_up, down_proj, ..
+        } = &mut self.mlp;
+        match gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => {
+                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            }
+            GateUpProjections::Fused { gate_up_proj } => {
+                out.push(("mlp.gate_up_proj", gate_up_proj))
+            }
+        }
+        out.push(("mlp.down_proj", down_proj));
+        out
+    }
+
+    /// The layer's norm weights with their names relative to the layer (`input_layernorm`, ...), as the model
+    /// holds them (effective scales).
+    pub fn norms(&self) -> Vec<(&'static str, &Tensor)> {
+        let mut out = vec![
+            ("input_layernorm", &self.input_layernorm),
+            ("post_attention_layernorm", &self.post_attention_layernorm),
+        ];
+        let optional = [
+            ("pre_feedforward_layernorm", &self.pre_feedforward_layernorm),
+            (
+                "post_feedforward_layernorm",
+                &self.post_feedforward_layernorm,
+            ),
+            ("self_attn.q_norm", &self.self_attn.q_norm),
+            ("self_attn.k_norm", &self.self_attn.k_norm),
+        ];
+        out.extend(
+            optional
+                .into_iter()
+                .filter_map(|(n, t)| t.as_ref().map(|t| (n, t))),
+        );
+        out
+    }
+
+    /// This layer with every tensor mapped by `norm` and every projection by `linear` (moving a model).
+    fn map(
+        &self,
+        norm: impl Fn(&Tensor) -> Result<Tensor>,
+        linear: impl Fn(&Linear) -> Result<Linear>,
+    ) -> Result<DecoderLayer> {
+        let opt = |t: &Option<Tensor>| t.as_ref().map(&norm).transpose();
+        let a = &self.self_attn;
+        let qkv = match &a.qkv {
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => QkvProjections::Separate {
+                q_proj: linear(q_proj)?,
+                k_proj: linear(k_proj)?,
+                v_proj: linear(v_proj)?,
+            },
+            QkvProjections::Fused { qkv_proj } => QkvProjections::Fused {
+                qkv_proj: linear(qkv_proj)?,
+            },
+        };
+        let gate_up = match &self.mlp.gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => GateUpProjections::Separate {
+                gate_proj: linear(gate_proj)?,
+                up_proj: linear(up_proj)?,
+            },
+            GateUpProjections::Fused { gate_up_proj } => GateUpProjections::Fused {
+                gate_up_proj: linear(gate_up_proj)?,
+            },
+        };
+        Ok(DecoderLayer {
+            input_layernorm: norm(&self.input_layernorm)?,
+            self_attn: Attention {
+                qkv,
+                o_proj: linear(&a.o_proj)?,
+                q_norm: opt(&a.q_norm)?,
+                k_norm: opt(&a.k_norm)?,
+                ..a.clone()
+            },
+            post_attention_layernorm: norm(&self.post_attention_layernorm)?,
+            pre_feedforward_layernorm: opt(&self.pre_feedforward_layernorm)?,
+            post_feedforward_layernorm: opt(&self.post_feedforward_layernorm)?,
+            mlp: Mlp {
+                gate_up,
+                down_proj: linear(&self.mlp.down_proj)?,
+                activation: self.mlp.activation,
+            },
+            eps: self.eps,
+        })
     }
 }
 
@@ -186,15 +467,28 @@ pub enum Positions {
     Packed(Tensor),
 }
 
-/// The model's RoPE tables on `device`.
-fn rope_tables(config: &ModelConfig, device: &Device) -> Result<RopeTables> {
-    RopeTables::new(
-        config.head_dim,
-        config.max_position_embeddings,
-        config.rope_theta,
-        config.rope_scaling.as_ref(),
-        device,
-    )
+/// The model's RoPE tables on `device`: of its (full-attention) layers, and of its sliding-window layers where
+/// those have their own base.
+fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(RopeTables, Option<RopeTables>)> {
+    let tables = |theta, scaling| {
+        RopeTables::new(
+            config.rotary_dim,
+            config.max_position_embeddings,
+            theta,
+            scaling,
+            device,
+        )
+    };
+    let sliding = match config.sliding_rope_theta {
+        Some(theta) if config.layer_types.contains(&LayerAttention::Sliding) => {
+            Some(tables(theta, None)?)
+        }
+        _ => None,
+    };
+    Ok((
+        tables(config.rope_theta, config.rope_scaling.as_ref())?,
+        sliding,
+    ))
 }
 
 /// How to run the layers in a training forward.
@@ -224,6 +518,8 @@ pub struct LlamaModel {
     /// Output projection (shares the embedding matrix when tied).
     pub lm_head: Arc<FrozenLinear>,
     rope: RopeTables,
+    /// The sliding-window layers' own RoPE tables (Gemma 3).
+    sliding_rope: Option<RopeTables>,
     compute_dtype: DType,
     /// Dropout switch and step seed shared by all LoRA adapters.
     pub lora_runtime: Arc<crate::lora::LoraRuntime>,
@@ -244,14 +540,24 @@ pub struct SavedModules {
     pub embed_tokens: Option<Var>,
 }
 
-/// The pieces of one layer, for [`LlamaModel::new`].
+/// The pieces of one layer, for [`LlamaModel::new`]. Norm weights are the effective scales (Gemma's stored `w`
+/// plus one).
 pub struct LayerWeights {
     /// `input_layernorm.weight`.
     pub input_layernorm: Tensor,
     /// `post_attention_layernorm.weight`.
     pub post_attention_layernorm: Tensor,
-    /// q, k, v, o, gate, up, down (in that order).
-    pub linears: [Linear; 7],
+    /// `pre_feedforward_layernorm.weight` (Gemma).
+    pub pre_feedforward_layernorm: Option<Tensor>,
+    /// `post_feedforward_layernorm.weight` (Gemma).
+    pub post_feedforward_layernorm: Option<Tensor>,
+    /// `self_attn.q_norm.weight` (Qwen3, Gemma 3).
+    pub q_norm: Option<Tensor>,
+    /// `self_attn.k_norm.weight` (Qwen3, Gemma 3).
+    pub k_norm: Option<Tensor>,
+    /// The projections in [`crate::models::Architecture::layer_linear_names`]' order: q, k, v, o, gate, up, down,
+    /// or (fused) qkv, o, gate_up, down.
+    pub linears: Vec<Linear>,
 }
 
 impl LlamaModel {
@@ -264,32 +570,76 @@ impl LlamaModel {
         lm_head: Arc<FrozenLinear>,
         compute_dtype: DType,
     ) -> Result<Self> {
-        let rope = rope_tables(&config, embed_tokens.device())?;
+        let (rope, sliding_rope) = rope_tables(&config, embed_tokens.device())?;
+        let fused = config.architecture.has_fused_projections();
         let layers = layers
             .into_iter()
-            .map(|w| {
-                let [q, k, v, o, gate, up, down] = w.linears;
-                Arc::new(DecoderLayer {
+            .enumerate()
+            .map(|(i, w)| {
+                let expected = config.architecture.layer_linear_names().len();
+                if w.linears.len() != expected {
+                    candle_core::bail!(
+                        "layer {i}: {} projections given, {} expected",
+                        w.linears.len(),
+                        expected
+                    );
+                }
+                let mut linears = w.linears.into_iter();
+                let mut next = || linears.next().expect("counted above");
+                let qkv = if fused {
+                    QkvProjections::Fused { qkv_proj: next() }
+                } else {
+                    QkvProjections::Separate {
+                        q_proj: next(),
+                        k_proj: next(),
+                        v_proj: next(),
+                    }
+                };
+                let o_proj = next();
+                let gate_up = if fused {
+                    GateUpProjections::Fused {
+                        gate_up_proj: next(),
+                    }
+                } else {
+                    GateUpProjections::Separate {
+                        gate_proj: next(),
+                        up_proj: next(),
+                    }
+                };
+                let down_proj = next();
+                let window = config.window_of(i);
+                Ok(Arc::new(DecoderLayer {
                     input_layernorm: w.input_layernorm,
                     self_attn: Attention {
-                        q_proj: q,
-                        k_proj: k,
-                        v_proj: v,
-                        o_proj: o,
+                        qkv,
+                        o_proj,
+                        q_norm: w.q_norm,
+                        k_norm: w.k_norm,
                         n_head: config.num_attention_heads,
                         n_kv_head: config.num_key_value_heads,
                         head_dim: config.head_dim,
+                        rotary_dim: config.rotary_dim,
+                        spec: AttentionSpec {
+                            scale: config.attention_scale(),
+                            sliding_window: window,
+                            softcap: config.attn_logit_softcapping,
+                        },
+                        eps: config.rms_norm_eps,
+                        sliding_rope: sliding_rope.is_some()
+                            && config.layer_types.get(i) == Some(&LayerAttention::Sliding),
                     },
                     post_attention_layernorm: w.post_attention_layernorm,
+                    pre_feedforward_layernorm: w.pre_feedforward_layernorm,
+                    post_feedforward_layernorm: w.post_feedforward_layernorm,
                     mlp: Mlp {
-                        gate_proj: gate,
-                        up_proj: up,
-                        down_proj: down,
+                        gate_up,
+                        down_proj,
+                        activation: config.activation,
                     },
                     eps: config.rms_norm_eps,
-                })
+                }))
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(LlamaModel {
             config,
             embed_tokens,
@@ -297,6 +647,7 @@ impl LlamaModel {
             norm,
             lm_head,
             rope,
+            sliding_rope,
             compute_dtype,
             lora_runtime: Arc::default(),
             adapter_configs: Default::default(),
@@ -330,34 +681,16 @@ impl LlamaModel {
         let layers = self
             .layers
             .iter()
-            .map(|l| -> Result<Arc<DecoderLayer>> {
-                let a = &l.self_attn;
-                Ok(Arc::new(DecoderLayer {
-                    input_layernorm: l.input_layernorm.to_device(device)?,
-                    self_attn: Attention {
-                        q_proj: linear(&a.q_proj)?,
-                        k_proj: linear(&a.k_proj)?,
-                        v_proj: linear(&a.v_proj)?,
-                        o_proj: linear(&a.o_proj)?,
-                        ..*a
-                    },
-                    post_attention_layernorm: l.post_attention_layernorm.to_device(device)?,
-                    mlp: Mlp {
-                        gate_proj: linear(&l.mlp.gate_proj)?,
-                        up_proj: linear(&l.mlp.up_proj)?,
-                        down_proj: linear(&l.mlp.down_proj)?,
-                    },
-                    eps: l.eps,
-                }))
-            })
+            .map(|l| Ok(Arc::new(l.map(|t| t.to_device(device), linear)?)))
             .collect::<Result<Vec<_>>>()?;
-        let rope = rope_tables(&self.config, device)?;
+        let (rope, sliding_rope) = rope_tables(&self.config, device)?;
         Ok(LlamaModel {
             embed_tokens,
             layers,
             norm: self.norm.to_device(device)?,
             lm_head: Arc::new(lm_head),
             rope,
+            sliding_rope,
             ..self
         })
     }
@@ -388,14 +721,27 @@ impl LlamaModel {
             .and_then(|a| self.saved_modules.get(a))
     }
 
-    /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype (the active adapter's trained table
-    /// when it saves `embed_tokens`).
-    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let table = match self.active_saved().and_then(|s| s.embed_tokens.as_ref()) {
+    /// The embedding table `[vocab, hidden]` in use: the active adapter's trained copy (`modules_to_save`), or the
+    /// base's.
+    pub fn embedding_table(&self) -> &Tensor {
+        match self.active_saved().and_then(|s| s.embed_tokens.as_ref()) {
             Some(v) => v.as_tensor(),
             None => &self.embed_tokens,
-        };
-        ops::embedding(ids, table)?.to_dtype(self.compute_dtype)
+        }
+    }
+
+    /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype, as the first layer takes them (the
+    /// input of [`LlamaModel::forward_embeds`]): rows of [`LlamaModel::embedding_table`], times Gemma's `√hidden`
+    /// (rounded to the compute dtype), which transformers' Gemma applies inside its embedding module too.
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let rows = ops::embedding(ids, self.embedding_table())?.to_dtype(self.compute_dtype)?;
+        match self.config.embedding_multiplier() {
+            Some(m) => {
+                let m = Tensor::new(m as f32, rows.device())?.to_dtype(rows.dtype())?;
+                rows.broadcast_mul(&m)
+            }
+            None => Ok(rows),
+        }
     }
 
     /// The output head `[vocab, hidden]`: the active adapter's trained copy, or the frozen base head.
@@ -410,19 +756,28 @@ impl LlamaModel {
     }
 
     /// Float32 logits of final hidden states `[..., hidden]`.
+    /// (Soft-capped, in Gemma 2) float32 logits of final hidden states `[..., hidden]`.
     fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
         let w = self.head_weight()?.to_dtype(DType::F32)?;
-        h.to_dtype(DType::F32)?.broadcast_matmul(&w.t()?)
-    }
-
-    fn cos_sin(&self, positions: &Positions, seq: usize) -> Result<(Tensor, Tensor)> {
-        match positions {
-            Positions::Range(offset) => self.rope.range(*offset, seq),
-            Positions::Explicit(p) | Positions::Packed(p) => self.rope.gather(p),
+        let logits = h.to_dtype(DType::F32)?.broadcast_matmul(&w.t()?)?;
+        match self.config.final_logit_softcapping {
+            Some(cap) => ops::softcap(&logits, cap),
+            None => Ok(logits),
         }
     }
 
-    /// Final-normed hidden states `[batch, seq, hidden]` from input embeddings.
+    /// cos/sin of `seq` positions for every table the layers use.
+    fn position_tables(&self, positions: &Positions, seq: usize) -> Result<PositionTables> {
+        let of = |tables: &RopeTables| match positions {
+            Positions::Range(offset) => tables.range(*offset, seq),
+            Positions::Explicit(p) | Positions::Packed(p) => tables.gather(p),
+        };
+        let (cos, sin) = of(&self.rope)?;
+        let sliding = self.sliding_rope.as_ref().map(of).transpose()?;
+        Ok(PositionTables { cos, sin, sliding })
+    }
+
+    /// Final-normed hidden states `[batch, seq, hidden]` from input embeddings (see [`LlamaModel::embed`]).
     pub fn forward_embeds(
         &self,
         embeds: &Tensor,
@@ -430,7 +785,7 @@ impl LlamaModel {
         checkpointing: &Checkpointing,
     ) -> Result<Tensor> {
         let (_, seq, _) = embeds.dims3()?;
-        let (cos, sin) = self.cos_sin(positions, seq)?;
+        let tables = self.position_tables(positions, seq)?;
         let segments = match positions {
             Positions::Packed(p) => Some(Segments::from_positions(p)?),
             _ => None,
@@ -439,14 +794,13 @@ impl LlamaModel {
         let recomputed = self.layers.len().saturating_sub(checkpointing.kept_layers);
         for (i, layer) in self.layers.iter().enumerate() {
             x = if checkpointing.enabled && i < recomputed {
-                let (layer, cos, sin, segments) =
-                    (layer.clone(), cos.clone(), sin.clone(), segments.clone());
+                let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
-                    layer.run(x, &cos, &sin, None, segments.as_ref(), pass)
+                    layer.run(x, &tables, None, segments.as_ref(), pass)
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {
-                layer.run(&x, &cos, &sin, None, segments.as_ref(), Pass::Forward)?
+                layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward)?
             };
         }
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
@@ -484,7 +838,12 @@ impl LlamaModel {
         }
         let h = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), hdim))?;
         let l = labels.narrow(1, 1, t - 1)?.flatten_all()?;
-        ops::linear_cross_entropy(&h, &self.head_weight()?, &l)
+        ops::linear_cross_entropy_capped(
+            &h,
+            &self.head_weight()?,
+            &l,
+            self.config.final_logit_softcapping,
+        )
     }
 
     /// Logits `[batch, vocab]` of the last position for new tokens `ids`, extending `cache` (generation).
@@ -505,10 +864,10 @@ impl LlamaModel {
             *cache = KvCache::new(self.layers.len());
         }
         let (_, seq) = ids.dims2()?;
-        let (cos, sin) = self.rope.range(cache.len(), seq)?;
+        let tables = self.position_tables(&Positions::Range(cache.len()), seq)?;
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.run(&x, &cos, &sin, Some(slot), None, Pass::Forward)?;
+            x = layer.run(&x, &tables, Some(slot), None, Pass::Forward)?;
         }
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;
@@ -520,20 +879,9 @@ impl LlamaModel {
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let mut out = Vec::new();
         for (i, layer) in self.layers.iter_mut().enumerate() {
-            let l = Arc::make_mut(layer);
-            let p = format!("model.layers.{i}");
-            let DecoderLayer {
-                self_attn: a,
-                mlp: m,
-                ..
-            } = l;
-            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
-            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
-            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
-            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
-            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
-            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
-            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+            for (rel, lin) in Arc::make_mut(layer).linears_mut() {
+                out.push((format!("model.layers.{i}.{rel}"), lin));
+            }
         }
         out
     }
@@ -557,7 +905,7 @@ impl LlamaModel {
             total += self.lm_head.weight.size_in_bytes();
         }
         for l in &self.layers {
-            total += t(&l.input_layernorm) + t(&l.post_attention_layernorm);
+            total += l.norms().into_iter().map(|(_, w)| t(w)).sum::<usize>();
             for (_, lin) in l.linears() {
                 total +=
                     lin.base.weight.size_in_bytes() + lin.base.bias.as_ref().map(t).unwrap_or(0);

@@ -8,11 +8,16 @@
 //! forward, block by block, while the block's logits are at hand (`(softmax − onehot)·W`): the backward only scales
 //! it by the upstream gradient, so the logits are never recomputed and each block costs its two matrix products
 //! and one pass of `exp`. Otherwise (trainable head, other dtypes or devices) the backward recomputes each block.
+//!
+//! [`linear_cross_entropy_capped`] soft-caps the logits first, `z → cap·tanh(z/cap)` (Gemma 2's
+//! `final_logit_softcapping`), the gradient through it `1 − tanh²(z/cap)`; [`softcap`] is the same map on a logits
+//! tensor (evaluation, generation). On CUDA a capped loss runs the composed path (the kernels do not cap).
 
 use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
 use super::autograd::{Apply, Op, Value};
+use super::cpu::fastmath::tanh_f32;
 use super::cpu::gemm::{matmul_into, Mat};
 use super::cpu::vector::{self, simd};
 use super::cpu::{slice_dtype, with_slices, CpuFloat};
@@ -33,6 +38,20 @@ pub fn linear_cross_entropy(
     weight: &Tensor,
     labels: &Tensor,
 ) -> Result<(Tensor, usize)> {
+    linear_cross_entropy_capped(hidden, weight, labels, None)
+}
+
+/// [`linear_cross_entropy`] with the logits soft-capped first when `softcap` is set: `z → cap·tanh(z/cap)` before
+/// the softmax (Gemma 2's `final_logit_softcapping`). The cap must be finite and positive.
+pub fn linear_cross_entropy_capped(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &Tensor,
+    softcap: Option<f64>,
+) -> Result<(Tensor, usize)> {
+    if let Some(cap) = softcap {
+        check_cap(cap)?;
+    }
     let (n, _) = hidden.dims2()?;
     let labels: Vec<i64> = labels.to_dtype(DType::I64)?.to_vec1()?;
     if labels.len() != n {
@@ -50,21 +69,51 @@ pub fn linear_cross_entropy(
     let counted = labels.iter().filter(|l| **l != IGNORE_INDEX).count();
     let op = LinearCrossEntropy {
         labels,
+        softcap,
         hidden_gradient: None,
     };
     Ok((op.apply([hidden, weight])?, counted))
 }
 
+/// `cap·tanh(x/cap)`, element-wise and differentiable: the soft-capping of [`linear_cross_entropy_capped`] for
+/// logits computed apart (evaluation, generation). The cap must be finite and positive.
+pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    check_cap(cap)?;
+    (x / cap)?.tanh()? * cap
+}
+
+/// A soft-cap is finite and positive.
+fn check_cap(cap: f64) -> Result<()> {
+    if !(cap.is_finite() && cap > 0.0) {
+        candle_core::bail!("the logit soft-cap must be finite and positive, got {cap}");
+    }
+    Ok(())
+}
+
 /// The fused head + cross-entropy op (inputs `[hidden, weight]`).
 struct LinearCrossEntropy {
     labels: Vec<i64>,
+    /// `cap` of `z → cap·tanh(z/cap)` on the logits, if they are capped.
+    softcap: Option<f64>,
     /// `d loss / d hidden`, computed in the forward by the slice path (see the module doc).
     hidden_gradient: Option<Tensor>,
 }
 
-/// Logits of one block of tokens and their log-sum-exp.
-fn block_logits(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
-    let logits = h.matmul(&w.t()?)?;
+/// Logits of one block of tokens (soft-capped with `softcap`) and their log-sum-exp, and with a cap the
+/// `tanh(z/cap)` of the raw logits `z` (for the gradient).
+fn block_logits(
+    h: &Tensor,
+    w: &Tensor,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let raw = h.matmul(&w.t()?)?;
+    let (logits, tanh) = match softcap {
+        Some(cap) => {
+            let t = (raw / cap)?.tanh()?;
+            ((&t * cap)?, Some(t))
+        }
+        None => (raw, None),
+    };
     let max = logits.max_keepdim(D::Minus1)?;
     let lse = (logits
         .broadcast_sub(&max)?
@@ -72,16 +121,36 @@ fn block_logits(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
         .sum_keepdim(D::Minus1)?
         .log()?
         + max)?;
-    Ok((logits, lse))
+    Ok((logits, lse, tanh))
+}
+
+/// `tanh` on the slice path: float32 through [`tanh_f32`] (vectorizable), float64 through libm.
+trait CpuTanh: CpuFloat {
+    fn tanh(self) -> Self;
+}
+
+impl CpuTanh for f32 {
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        tanh_f32(self)
+    }
+}
+
+impl CpuTanh for f64 {
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        f64::tanh(self)
+    }
 }
 
 impl LinearCrossEntropy {
     /// The loss, and the hidden states' gradient when `hidden` needs one, block by block on CPU slices.
-    fn cpu_fwd<T: CpuFloat>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
+    fn cpu_fwd<T: CpuTanh>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
         let (n, d) = hidden.dims2()?;
         let vocab = weight.dim(0)?;
         let with_grad = hidden.track_op();
         let labels = &self.labels;
+        let cap = self.softcap.map(T::from_f64);
         let (total, dh) = with_slices([hidden, weight], |[h, w]| {
             let w = Mat::new(w, vocab, d);
             let mut logits = vec![T::zero(); TOKEN_BLOCK.min(n) * vocab];
@@ -95,7 +164,9 @@ impl LinearCrossEntropy {
                 total += block
                     .par_chunks_mut(vocab)
                     .zip(labels[start..start + len].par_iter())
-                    .map(|(row, &label)| token_loss(row, label, with_grad))
+                    .map_init(Vec::new, |scratch, (row, &label)| {
+                        token_loss(row, label, with_grad, cap, scratch)
+                    })
                     .sum::<f64>();
                 if with_grad {
                     let dlogits = Mat::new(&*block, len, vocab);
@@ -145,7 +216,7 @@ impl LinearCrossEntropy {
         let mut total = Tensor::zeros((), work, hidden.device())?;
         for start in (0..n).step_by(TOKEN_BLOCK) {
             let len = TOKEN_BLOCK.min(n - start);
-            let (logits, lse) = block_logits(&h.narrow(0, start, len)?, &w)?;
+            let (logits, lse, _) = block_logits(&h.narrow(0, start, len)?, &w, self.softcap)?;
             let (idx, keep) = self.block_targets(start, len, &h)?;
             let picked = logits.gather(&idx, 1)?;
             total = (total + ((lse - picked)? * keep)?.sum_all()?)?;
@@ -169,13 +240,18 @@ impl LinearCrossEntropy {
         for start in (0..n).step_by(TOKEN_BLOCK) {
             let len = TOKEN_BLOCK.min(n - start);
             let hb = h.narrow(0, start, len)?;
-            let (logits, lse) = block_logits(&hb, &w)?;
+            let (logits, lse, tanh) = block_logits(&hb, &w, self.softcap)?;
             let (idx, keep) = self.block_targets(start, len, &h)?;
             // d/dlogits = (softmax − onehot) · keep · grad
             let probs = logits.broadcast_sub(&lse)?.exp()?;
             let onehot =
                 candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?.to_dtype(work)?;
             let dlogits = (probs - onehot)?.broadcast_mul(&keep)?.broadcast_mul(&g)?;
+            // Through the cap: d cap·tanh(z/cap) / dz = 1 − tanh²(z/cap).
+            let dlogits = match tanh {
+                Some(t) => (dlogits * (1.0 - t.sqr()?)?)?,
+                None => dlogits,
+            };
             if needs[0] {
                 dh_blocks.push(dlogits.matmul(&w)?);
             }
@@ -291,7 +367,7 @@ impl Op<2> for LinearCrossEntropy {
 
     fn fwd(&mut self, [hidden, weight]: [&Tensor; 2]) -> Result<Value> {
         #[cfg(feature = "cuda")]
-        if Self::cuda_applies(hidden, weight) {
+        if self.softcap.is_none() && Self::cuda_applies(hidden, weight) {
             return self.cuda_fwd(hidden, weight);
         }
         // The slice path computes the gradient in the forward, which needs a frozen head.
@@ -318,15 +394,52 @@ impl Op<2> for LinearCrossEntropy {
     }
 }
 
-/// The loss of one token from its logits `row`; with `with_grad`, `row` becomes `d loss / d logits`
-/// (`softmax − onehot`, zero for an ignored token).
-fn token_loss<T: CpuFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
+/// The loss of one token from its logits `row`, soft-capped first with `cap`; with `with_grad`, `row` becomes
+/// `d loss / d logits` (`softmax − onehot`, times `1 − tanh²(z/cap)` with a cap, which `scratch` holds meanwhile;
+/// zero for an ignored token).
+fn token_loss<T: CpuTanh>(
+    row: &mut [T],
+    label: i64,
+    with_grad: bool,
+    cap: Option<T>,
+    scratch: &mut Vec<T>,
+) -> f64 {
     if label == IGNORE_INDEX {
         if with_grad {
             row.fill(T::zero());
         }
         return 0.0;
     }
+    let Some(cap) = cap else {
+        return uncapped_token_loss(row, label, with_grad);
+    };
+    if with_grad {
+        scratch.resize(row.len(), T::zero());
+    }
+    simd(|| {
+        if with_grad {
+            for (z, d) in row.iter_mut().zip(scratch.iter_mut()) {
+                let t = (*z / cap).tanh();
+                *z = cap * t;
+                *d = T::one() - t * t;
+            }
+        } else {
+            row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
+        }
+    });
+    let loss = uncapped_token_loss(row, label, with_grad);
+    if with_grad {
+        simd(|| {
+            row.iter_mut()
+                .zip(scratch.iter())
+                .for_each(|(v, &d)| *v *= d)
+        });
+    }
+    loss
+}
+
+/// [`token_loss`] without a cap, for a counted token.
+fn uncapped_token_loss<T: CpuFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
     let label = label as usize;
     let picked = row[label].to_f64();
     simd(|| {
@@ -346,7 +459,7 @@ fn token_loss<T: CpuFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::autograd::gradcheck::{check, rand_f64};
+    use crate::ops::autograd::gradcheck::{check, max_abs_diff, rand_f64};
 
     #[test]
     fn gradients_match_finite_differences_and_candle_cross_entropy() {
@@ -407,5 +520,191 @@ mod tests {
             .to_scalar::<f64>()
             .unwrap();
         assert!(d < 1e-10, "{d}");
+    }
+
+    /// The loss from the full logits in plain f64: `Σ −log_softmax(cap·tanh(z/cap))[label]` over counted tokens.
+    fn naive_loss(h: &Tensor, w: &Tensor, labels: &[i64], cap: Option<f64>) -> f64 {
+        let z: Vec<Vec<f64>> = h
+            .to_dtype(DType::F64)
+            .unwrap()
+            .matmul(&w.to_dtype(DType::F64).unwrap().t().unwrap())
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        z.iter()
+            .zip(labels)
+            .filter(|(_, &l)| l != IGNORE_INDEX)
+            .map(|(row, &l)| {
+                let row: Vec<f64> = row
+                    .iter()
+                    .map(|&v| cap.map_or(v, |c| c * (v / c).tanh()))
+                    .collect();
+                let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+                lse - row[l as usize]
+            })
+            .sum()
+    }
+
+    /// `cap·tanh(x/cap)` through `exp` (a composite independent of [`softcap`]).
+    fn softcap_via_exp(x: &Tensor, cap: f64) -> Result<Tensor> {
+        let e = (x * (-2.0 / cap))?.exp()?;
+        ((1.0 - &e)? / (e + 1.0)?)? * cap
+    }
+
+    /// Candle's composite cross-entropy over the kept rows of soft-capped logits, times their count.
+    fn composite_capped(xs: &[Tensor], labels: &[i64], cap: Option<f64>) -> Result<Tensor> {
+        let kept: Vec<u32> = (0..labels.len() as u32)
+            .filter(|&i| labels[i as usize] != IGNORE_INDEX)
+            .collect();
+        let targets: Vec<u32> = kept.iter().map(|&i| labels[i as usize] as u32).collect();
+        let keep = Tensor::new(kept.as_slice(), xs[0].device())?;
+        let logits = xs[0].matmul(&xs[1].t()?)?.index_select(&keep, 0)?;
+        let logits = match cap {
+            Some(c) => softcap_via_exp(&logits, c)?,
+            None => logits,
+        };
+        let targets = Tensor::new(targets.as_slice(), xs[0].device())?;
+        candle_nn::loss::cross_entropy(&logits, &targets)? * kept.len() as f64
+    }
+
+    #[test]
+    fn capped_loss_equals_naive_reference() {
+        let labels = [3i64, -100, 10, 0, 7, 10, -100, 1];
+        let label_t = Tensor::new(&labels, &candle_core::Device::Cpu).unwrap();
+        // Logits of a few units: a cap of 2 bends them a lot, a cap of 30 a little.
+        let h = (rand_f64(&[8, 6], 12) * 2.0).unwrap();
+        let w = (rand_f64(&[11, 6], 13) * 2.0).unwrap();
+        for cap in [Some(2.0), Some(30.0), None] {
+            let want = naive_loss(&h, &w, &labels, cap);
+            // The slice path (frozen head) and the composed path (trainable head), in f64 and f32.
+            let w_var = candle_core::Var::from_tensor(&w).unwrap();
+            for (w, dtype, tol) in [
+                (w.clone(), DType::F64, 1e-12),
+                (w_var.as_tensor().clone(), DType::F64, 1e-12),
+                (w.clone(), DType::F32, 1e-5),
+                (
+                    w_var.as_tensor().to_dtype(DType::F32).unwrap(),
+                    DType::F32,
+                    1e-5,
+                ),
+            ] {
+                let h = h.to_dtype(dtype).unwrap();
+                let w = w.to_dtype(dtype).unwrap();
+                let (loss, n) = linear_cross_entropy_capped(&h, &w, &label_t, cap).unwrap();
+                assert_eq!(n, 6);
+                let got = loss
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(
+                    (got - want).abs() <= tol * want.abs(),
+                    "cap {cap:?} {dtype:?} trainable {}: {got} vs {want}",
+                    w.track_op()
+                );
+            }
+        }
+        // A cap bounds the logits: with a cap of 2 no token loses more than ln(vocab) + 4.
+        let (loss, _) = linear_cross_entropy_capped(
+            &(&h * 100.0).unwrap(),
+            &w,
+            &Tensor::new(&[0i64; 8], h.device()).unwrap(),
+            Some(2.0),
+        )
+        .unwrap();
+        assert!(loss.to_scalar::<f64>().unwrap() <= 8.0 * (11f64.ln() + 4.0));
+    }
+
+    #[test]
+    fn capped_gradients_match_finite_differences_and_composite() {
+        let labels = [3i64, -100, 10, 0, 7];
+        let label_t = Tensor::new(&labels, &candle_core::Device::Cpu).unwrap();
+        let inputs = [
+            (rand_f64(&[5, 6], 14) * 2.0).unwrap(),
+            (rand_f64(&[11, 6], 15) * 2.0).unwrap(),
+        ];
+        for cap in [2.0, 30.0] {
+            let l = label_t.clone();
+            let f = move |xs: &[Tensor]| {
+                Ok(linear_cross_entropy_capped(&xs[0], &xs[1], &l, Some(cap))?.0)
+            };
+            let r = move |xs: &[Tensor]| composite_capped(xs, &labels, Some(cap));
+            check(&f, &r, &inputs, &[true, false], 30, 1e-6, 1e-12);
+            check(&f, &r, &inputs, &[true, true], 30, 1e-6, 1e-12);
+        }
+    }
+
+    #[test]
+    fn capped_blocks_match_one_block_and_float32_matches_float64() {
+        let n = TOKEN_BLOCK * 2 + 3;
+        let w = (rand_f64(&[7, 4], 16) * 3.0).unwrap();
+        let h = (rand_f64(&[n, 4], 17) * 3.0).unwrap();
+        let labels: Vec<i64> = (0..n as i64)
+            .map(|i| if i % 5 == 2 { IGNORE_INDEX } else { i % 7 })
+            .collect();
+        let label_t = Tensor::new(labels.as_slice(), h.device()).unwrap();
+        let want = naive_loss(&h, &w, &labels, Some(2.0));
+        // The hidden states' gradient from the slice path (computed in the forward) and the composed path.
+        let grad_of = |h: &Tensor, w: &Tensor| {
+            let h = candle_core::Var::from_tensor(h).unwrap();
+            let (loss, _) =
+                linear_cross_entropy_capped(h.as_tensor(), w, &label_t, Some(2.0)).unwrap();
+            let grads = loss.backward().unwrap();
+            let value = loss
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            (value, grads.get(&h).unwrap().to_dtype(DType::F64).unwrap())
+        };
+        let (slice, dh) = grad_of(&h, &w);
+        assert!((slice - want).abs() <= 1e-12 * want, "{slice} vs {want}");
+        let w_var = candle_core::Var::from_tensor(&w).unwrap();
+        let (composed, dh_composed) = grad_of(&h, w_var.as_tensor());
+        assert!(
+            (composed - want).abs() <= 1e-12 * want,
+            "{composed} vs {want}"
+        );
+        assert!(max_abs_diff(&dh, &dh_composed) < 1e-12);
+        // The gradient equals the composite's on all rows.
+        let hv = candle_core::Var::from_tensor(&h).unwrap();
+        let reference =
+            composite_capped(&[hv.as_tensor().clone(), w.clone()], &labels, Some(2.0)).unwrap();
+        let dh_ref = reference.backward().unwrap().get(&hv).unwrap().clone();
+        assert!(max_abs_diff(&dh, &dh_ref) < 1e-12);
+        // Float32 (fast tanh and exp) against float64.
+        let (h32, w32) = (
+            h.to_dtype(DType::F32).unwrap(),
+            w.to_dtype(DType::F32).unwrap(),
+        );
+        let (loss32, dh32) = grad_of(&h32, &w32);
+        assert!((loss32 - want).abs() <= 1e-5 * want, "{loss32} vs {want}");
+        assert!(max_abs_diff(&dh32, &dh) < 1e-5);
+    }
+
+    #[test]
+    fn softcap_bounds_values_and_has_a_gradient() {
+        let f = |xs: &[Tensor]| softcap(&xs[0], 2.5);
+        let r = |xs: &[Tensor]| softcap_via_exp(&xs[0], 2.5);
+        let inputs = [(rand_f64(&[4, 5], 18) * 6.0).unwrap()];
+        check(&f, &r, &inputs, &[true], 20, 1e-6, 1e-12);
+        let big = Tensor::new(&[-1e4f32, -3.0, 0.0, 3.0, 1e4], &candle_core::Device::Cpu).unwrap();
+        let capped: Vec<f32> = softcap(&big, 2.0).unwrap().to_vec1().unwrap();
+        assert_eq!(capped[2], 0.0);
+        assert!(capped.iter().all(|v| v.abs() <= 2.0));
+        assert!((capped[3] - 2.0 * (1.5f32).tanh()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rejects_bad_caps() {
+        let w = rand_f64(&[4, 3], 19);
+        let h = rand_f64(&[2, 3], 20);
+        let labels = Tensor::new(&[1i64, 2], h.device()).unwrap();
+        for cap in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let err = linear_cross_entropy_capped(&h, &w, &labels, Some(cap)).unwrap_err();
+            assert!(err.to_string().contains("soft-cap"), "{err}");
+            assert!(softcap(&h, cap).is_err());
+        }
     }
 }

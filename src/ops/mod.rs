@@ -18,8 +18,10 @@
 //! | [`rope()`], [`rope_split_heads`] | rotary embeddings (Llama-3 scaling) |
 //! | [`split_heads`], [`merge_heads`] | `[b, t, h·d] ↔ [b, h, t, d]` |
 //! | [`causal_attention`], [`packed_causal_attention`] | grouped-query causal attention, query block by block |
-//! | [`swiglu()`] | `silu(gate)·up` |
+//! | [`attention()`] with an [`AttentionSpec`] | the same with a sliding window and logit soft-capping |
+//! | [`swiglu()`], [`geglu_tanh()`] ([`gated_activation()`]) | `silu(gate)·up`, `gelu_tanh(gate)·up` |
 //! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
+//! | [`linear_cross_entropy_capped`], [`softcap()`] | the same with the logits soft-capped, `cap·tanh(z/cap)` |
 //! | [`embedding()`] | row lookup |
 //! | [`checkpoint()`] | a block recomputed in the backward |
 
@@ -39,9 +41,11 @@ pub mod swiglu;
 
 use candle_core::DType;
 
-pub use attention::{causal_attention, packed_causal_attention, Segments};
+pub use attention::{
+    attention, causal_attention, packed_causal_attention, AttentionSpec, Segments,
+};
 pub use autograd::{checkpoint, Block, GradSink, Pass};
-pub use cross_entropy::{linear_cross_entropy, IGNORE_INDEX};
+pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;
 pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight};
 pub use heads::{merge_heads, split_heads};
@@ -51,7 +55,7 @@ pub use low_rank_linear::{
 };
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_split_heads, RopeTables};
-pub use swiglu::swiglu;
+pub use swiglu::{gated_activation, geglu_tanh, swiglu, GateActivation};
 
 /// The working dtype of the composed paths: f64 stays f64 (gradient checks), everything else runs in f32.
 pub(crate) fn work_dtype(dtype: DType) -> DType {

@@ -1,5 +1,5 @@
-//! Rotary position embeddings in Hugging Face's half-split layout (`rotate_half`), with `rope_theta` and Llama-3
-//! `rope_scaling`. The backward rotates by `-sin`; cos/sin are constants and get no gradient.
+//! Rotary position embeddings in Hugging Face's half-split layout (`rotate_half`), with `rope_theta` and
+//! `rope_scaling` (Llama 3, linear, Phi-3's LongRoPE). The backward rotates by `-sin`; cos/sin are constants and get no gradient.
 
 use candle_core::{DType, Device, Result, Shape, Tensor, D};
 
@@ -23,79 +23,163 @@ pub struct Llama3RopeScaling {
     pub original_max_position_embeddings: usize,
 }
 
-/// Precomputed cos/sin for every position, `[max_positions, head_dim]` in float32.
+/// Phi-3's LongRoPE (`rope_type = "longrope"`): every frequency divided by its own factor — the short factors
+/// while a sequence fits the original context, the long ones beyond it — and cos/sin multiplied by
+/// `attention_factor`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRopeScaling {
+    /// Factors for sequences up to `original_max_position_embeddings` positions (one per frequency).
+    pub short_factor: Vec<f64>,
+    /// Factors for longer sequences.
+    pub long_factor: Vec<f64>,
+    /// The context length the model was pre-trained with: longer sequences switch to `long_factor`.
+    pub original_max_position_embeddings: usize,
+    /// cos/sin multiplier (`√(1 + ln(max / original) / ln(original))` unless the config sets it).
+    pub attention_factor: f64,
+}
+
+/// How RoPE frequencies are scaled (`rope_scaling`, or `rope_parameters` in transformers 5).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3's smooth long-wavelength scaling (`rope_type = "llama3"`).
+    Llama3(Llama3RopeScaling),
+    /// Positions divided by `factor` (`rope_type = "linear"`; Gemma 3's global layers).
+    Linear {
+        /// The divisor.
+        factor: f64,
+    },
+    /// Phi-3's LongRoPE.
+    LongRope(LongRopeScaling),
+}
+
+/// Precomputed cos/sin for every position, `[max_positions, rotary_dim]` in float32.
 #[derive(Clone, Debug)]
 pub struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    /// LongRoPE's tables for sequences longer than the given number of positions (the short ones are `cos`/`sin`).
+    long: Option<(Tensor, Tensor, usize)>,
 }
 
-/// transformers' `inv_freq`, optionally Llama-3 scaled.
+/// transformers' `inv_freq` for `rotary_dim` rotated dimensions, scaled by `scaling` (LongRoPE: its short
+/// factors).
 pub fn inverse_frequencies(
-    head_dim: usize,
+    rotary_dim: usize,
     theta: f64,
-    scaling: Option<&Llama3RopeScaling>,
+    scaling: Option<&RopeScaling>,
 ) -> Vec<f64> {
-    (0..head_dim / 2)
+    frequencies(rotary_dim, theta, scaling, false)
+}
+
+/// [`inverse_frequencies`], with LongRoPE's long factors when `long`.
+fn frequencies(
+    rotary_dim: usize,
+    theta: f64,
+    scaling: Option<&RopeScaling>,
+    long: bool,
+) -> Vec<f64> {
+    (0..rotary_dim / 2)
         .map(|i| {
-            let inv = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let inv = 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64);
             // transformers computes inv_freq in float32.
             let inv = inv as f32 as f64;
             match scaling {
                 None => inv,
-                Some(s) => {
-                    let old = s.original_max_position_embeddings as f64;
-                    let low_wavelen = old / s.low_freq_factor;
-                    let high_wavelen = old / s.high_freq_factor;
-                    let wavelen = 2.0 * std::f64::consts::PI / inv;
-                    let scaled = if wavelen > low_wavelen {
-                        inv / s.factor
+                Some(RopeScaling::Linear { factor }) => (inv / factor) as f32 as f64,
+                Some(RopeScaling::LongRope(s)) => {
+                    let factors = if long {
+                        &s.long_factor
                     } else {
-                        inv
+                        &s.short_factor
                     };
-                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
-                    if medium {
-                        let smooth = (old / wavelen - s.low_freq_factor)
-                            / (s.high_freq_factor - s.low_freq_factor);
-                        (1.0 - smooth) * scaled / s.factor + smooth * scaled
-                    } else {
-                        scaled
-                    }
+                    (inv / factors[i] as f32 as f64) as f32 as f64
                 }
+                Some(RopeScaling::Llama3(s)) => llama3_scaled(inv, s),
             }
         })
         .collect()
 }
 
+/// One Llama-3-scaled inverse frequency.
+fn llama3_scaled(inv: f64, s: &Llama3RopeScaling) -> f64 {
+    let old = s.original_max_position_embeddings as f64;
+    let low_wavelen = old / s.low_freq_factor;
+    let high_wavelen = old / s.high_freq_factor;
+    let wavelen = 2.0 * std::f64::consts::PI / inv;
+    let scaled = if wavelen > low_wavelen {
+        inv / s.factor
+    } else {
+        inv
+    };
+    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+    if medium {
+        let smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * scaled / s.factor + smooth * scaled
+    } else {
+        scaled
+    }
+}
+
+/// cos/sin tables `[max_positions, 2·inv.len()]` of frequencies `inv`, times `multiplier`.
+fn tables(
+    inv: &[f64],
+    max_positions: usize,
+    multiplier: f64,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    let dim = 2 * inv.len();
+    let mut cos = Vec::with_capacity(max_positions * dim);
+    let mut sin = Vec::with_capacity(max_positions * dim);
+    for p in 0..max_positions {
+        // Angles as transformers forms them: float32 position times float32 frequency.
+        let angles: Vec<f64> = inv
+            .iter()
+            .map(|f| ((p as f32) * (*f as f32)) as f64)
+            .collect();
+        for _ in 0..2 {
+            cos.extend(angles.iter().map(|a| a.cos() as f32 * multiplier as f32));
+            sin.extend(angles.iter().map(|a| a.sin() as f32 * multiplier as f32));
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (max_positions, dim), device)?,
+        Tensor::from_vec(sin, (max_positions, dim), device)?,
+    ))
+}
+
 impl RopeTables {
-    /// Tables for positions `0..max_positions`.
+    /// Tables for positions `0..max_positions` of `rotary_dim` rotated dimensions.
     pub fn new(
-        head_dim: usize,
+        rotary_dim: usize,
         max_positions: usize,
         theta: f64,
-        scaling: Option<&Llama3RopeScaling>,
+        scaling: Option<&RopeScaling>,
         device: &Device,
     ) -> Result<Self> {
-        let inv = inverse_frequencies(head_dim, theta, scaling);
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_positions * head_dim);
-        let mut sin = Vec::with_capacity(max_positions * head_dim);
-        for p in 0..max_positions {
-            // Angles as transformers forms them: float32 position times float32 frequency.
-            let angles: Vec<f64> = inv
-                .iter()
-                .map(|f| ((p as f32) * (*f as f32)) as f64)
-                .collect();
-            for _ in 0..2 {
-                cos.extend(angles.iter().map(|a| a.cos() as f32));
-                sin.extend(angles.iter().map(|a| a.sin() as f32));
+        let multiplier = match scaling {
+            Some(RopeScaling::LongRope(s)) => s.attention_factor,
+            _ => 1.0,
+        };
+        let inv = frequencies(rotary_dim, theta, scaling, false);
+        let (cos, sin) = tables(&inv, max_positions, multiplier, device)?;
+        let long = match scaling {
+            Some(RopeScaling::LongRope(s)) => {
+                let inv = frequencies(rotary_dim, theta, scaling, true);
+                let (c, s_) = tables(&inv, max_positions, multiplier, device)?;
+                Some((c, s_, s.original_max_position_embeddings))
             }
-            debug_assert_eq!(cos.len(), (p + 1) * 2 * half);
+            _ => None,
+        };
+        Ok(RopeTables { cos, sin, long })
+    }
+
+    /// The tables for sequences of `len` positions: LongRoPE switches to its long factors once a sequence is longer
+    /// than the original context (as transformers does, by the largest position of the call).
+    fn for_length(&self, len: usize) -> (&Tensor, &Tensor) {
+        match &self.long {
+            Some((c, s, original)) if len > *original => (c, s),
+            _ => (&self.cos, &self.sin),
         }
-        Ok(RopeTables {
-            cos: Tensor::from_vec(cos, (max_positions, head_dim), device)?,
-            sin: Tensor::from_vec(sin, (max_positions, head_dim), device)?,
-        })
     }
 
     /// Number of positions covered.
@@ -112,16 +196,9 @@ impl RopeTables {
                 self.max_positions()
             );
         }
-        let c = self
-            .cos
-            .narrow(0, offset, len)?
-            .unsqueeze(0)?
-            .unsqueeze(0)?;
-        let s = self
-            .sin
-            .narrow(0, offset, len)?
-            .unsqueeze(0)?
-            .unsqueeze(0)?;
+        let (cos, sin) = self.for_length(offset + len);
+        let c = cos.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
+        let s = sin.narrow(0, offset, len)?.unsqueeze(0)?.unsqueeze(0)?;
         Ok((c, s))
     }
 
@@ -129,9 +206,16 @@ impl RopeTables {
     pub fn gather(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t) = positions.dims2()?;
         let flat = positions.flatten_all()?.to_device(self.cos.device())?;
-        let d = self.cos.dim(1)?;
-        let c = self.cos.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
-        let s = self.sin.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
+        let (cos, sin) = match &self.long {
+            Some(_) => {
+                let last = flat.to_dtype(DType::U32)?.max(0)?.to_scalar::<u32>()? as usize;
+                self.for_length(last + 1)
+            }
+            None => (&self.cos, &self.sin),
+        };
+        let d = cos.dim(1)?;
+        let c = cos.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
+        let s = sin.index_select(&flat, 0)?.reshape((b, 1, t, d))?;
         Ok((c, s))
     }
 }
@@ -515,7 +599,7 @@ mod tests {
             original_max_position_embeddings: 8192,
         };
         let plain = inverse_frequencies(128, 500000.0, None);
-        let scaled = inverse_frequencies(128, 500000.0, Some(&s));
+        let scaled = inverse_frequencies(128, 500000.0, Some(&RopeScaling::Llama3(s)));
         // High frequencies unchanged, the lowest divided by the factor.
         assert_eq!(plain[0], scaled[0]);
         assert!((scaled[63] - plain[63] / 8.0).abs() < 1e-12);

@@ -6,6 +6,7 @@ mod cli;
 mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod families;
 mod fuzz;
 mod layering;
 mod memory;

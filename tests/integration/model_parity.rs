@@ -40,15 +40,32 @@ fn nf4_like_bitsandbytes_cpu() -> QuantConfig {
     }
 }
 
+/// The tiny golden models, one per family (and Mistral with a sliding window shorter than the inputs).
+const TINY_MODELS: [&str; 7] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-mistral-sw",
+];
+
 #[test]
-fn tiny_llama_and_qwen2_logits_match_transformers() {
-    for name in ["tiny-llama", "tiny-qwen2"] {
+fn tiny_models_of_every_family_match_transformers_logits() {
+    for name in TINY_MODELS {
         let g = golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let model = load_tiny(name, None);
         let logits = model.logits(&ids).unwrap();
         let d = max_abs_diff(&logits, &g["logits"]);
         assert!(d <= 1e-5, "{name}: logits differ from transformers by {d}");
+        // Phi-3's LongRoPE switches factors by sequence length: a short input uses the short ones.
+        if let Some(short) = g.get("input_ids_short") {
+            let short = short.to_dtype(DType::U32).unwrap();
+            let d = max_abs_diff(&model.logits(&short).unwrap(), &g["logits_short"]);
+            assert!(d <= 1e-5, "{name}: short-input logits differ by {d}");
+        }
 
         let (sum, n) = text_loss(&model, &ids);
         let loss = sum / n as f32;
@@ -69,7 +86,7 @@ fn tiny_llama_and_qwen2_logits_match_transformers() {
 
 #[test]
 fn input_gradients_match_transformers() {
-    for name in ["tiny-llama", "tiny-qwen2"] {
+    for name in TINY_MODELS {
         let g = golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let model = load_tiny(name, None);
@@ -139,20 +156,27 @@ fn composite_loss(model: &LlamaModel, embeds: &Tensor, labels: &[u32]) -> Tensor
     let mut x = embeds.clone();
     for layer in &model.layers {
         let h = candle_nn::ops::rms_norm_slow(&x, &layer.input_layernorm, eps).unwrap();
-        let a = &layer.self_attn;
+        let linears = layer.linears();
+        let proj = |name: &str| {
+            linears
+                .iter()
+                .find(|(n, _)| n.ends_with(name))
+                .map(|(_, l)| *l)
+                .unwrap()
+        };
         let q = candle_nn::rotary_emb::rope_slow(
-            &heads(lin(&h, &a.q_proj), cfg.num_attention_heads),
+            &heads(lin(&h, proj("q_proj")), cfg.num_attention_heads),
             &cos,
             &sin,
         )
         .unwrap();
         let k = candle_nn::rotary_emb::rope_slow(
-            &heads(lin(&h, &a.k_proj), cfg.num_key_value_heads),
+            &heads(lin(&h, proj("k_proj")), cfg.num_key_value_heads),
             &cos,
             &sin,
         )
         .unwrap();
-        let v = heads(lin(&h, &a.v_proj), cfg.num_key_value_heads);
+        let v = heads(lin(&h, proj("v_proj")), cfg.num_key_value_heads);
         let scores =
             (q.matmul(&repeat(k).t().unwrap()).unwrap() / (cfg.head_dim as f64).sqrt()).unwrap();
         let p = candle_nn::ops::softmax(&scores.broadcast_add(&mask).unwrap(), D::Minus1).unwrap();
@@ -163,11 +187,10 @@ fn composite_loss(model: &LlamaModel, embeds: &Tensor, labels: &[u32]) -> Tensor
             .unwrap()
             .reshape((b, t, cfg.num_attention_heads * cfg.head_dim))
             .unwrap();
-        x = (x + lin(&o, &a.o_proj)).unwrap();
+        x = (x + lin(&o, proj("o_proj"))).unwrap();
         let h = candle_nn::ops::rms_norm_slow(&x, &layer.post_attention_layernorm, eps).unwrap();
-        let m = &layer.mlp;
-        let act = (lin(&h, &m.gate_proj).silu().unwrap() * lin(&h, &m.up_proj)).unwrap();
-        x = (x + lin(&act, &m.down_proj)).unwrap();
+        let act = (lin(&h, proj("gate_proj")).silu().unwrap() * lin(&h, proj("up_proj"))).unwrap();
+        x = (x + lin(&act, proj("down_proj"))).unwrap();
     }
     let h = candle_nn::ops::rms_norm_slow(&x, &model.norm, eps).unwrap();
     let logits = h
@@ -467,6 +490,44 @@ fn partial_checkpointing_gives_the_plain_gradients() {
         for (i, (a, b)) in plain.iter().zip(&grads).enumerate() {
             let d = max_abs_diff(a, b);
             assert!(d <= 1e-7, "kept {kept}, gradient {i}: {d}");
+        }
+    }
+}
+
+/// Decoding with the KV cache (a prompt, then one token at a time) gives the full forward's logits in every
+/// family: sliding windows over cached keys, per-layer RoPE tables, fused projections, soft-capped logits.
+#[test]
+fn cached_decoding_of_every_family_equals_full_forwards() {
+    for name in TINY_MODELS {
+        let g = golden(name);
+        // 12 positions: longer than every window, within Phi-3's original context (its short RoPE factors).
+        let ids = g["input_ids"]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .narrow(1, 0, 12)
+            .unwrap();
+        let model = load_tiny(name, None);
+        let full = model.logits(&ids).unwrap();
+        let mut cache = candle_qlora::models::KvCache::default();
+        let prompt = 4;
+        let mut steps = vec![model
+            .forward_cached(&ids.narrow(1, 0, prompt).unwrap(), &mut cache)
+            .unwrap()];
+        for t in prompt..12 {
+            steps.push(
+                model
+                    .forward_cached(&ids.narrow(1, t, 1).unwrap(), &mut cache)
+                    .unwrap(),
+            );
+        }
+        for (i, step) in steps.iter().enumerate() {
+            let position = prompt - 1 + i;
+            let expected = full.narrow(1, position, 1).unwrap().squeeze(1).unwrap();
+            let d = max_abs_diff(step, &expected);
+            assert!(
+                d <= 1e-4,
+                "{name}: cached logits at position {position} differ by {d}"
+            );
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Adapters against PEFT: golden files from `scripts/golden_peft.py` (PEFT 0.21.2) on the tiny Llama.
+//! Adapters against PEFT: golden files from `scripts/golden_peft.py` (PEFT 0.21.2) on the tiny Llama, and one
+//! all-linear LoRA per other family (on its tiny model).
 
 use std::collections::HashMap;
 
@@ -12,13 +13,40 @@ use candle_qlora::models::LlamaModel;
 use crate::common::{data_path, max_abs_diff};
 
 fn base() -> LlamaModel {
-    load_model(
-        data_path("models/tiny-llama").to_str().unwrap(),
-        None,
-        &LoadOptions::default(),
+    load_base("tests/data/models/tiny-llama")
+}
+
+/// The model at `relative` (to the repository root).
+fn load_base(relative: &str) -> LlamaModel {
+    let dir = data_path(relative.strip_prefix("tests/data/").unwrap());
+    load_model(dir.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model
+}
+
+/// Every PEFT case, with its base model (relative to the repository root, as its adapter_config.json names it).
+const CASES: [&str; 9] = [
+    "lora_all_linear",
+    "lora_patterns",
+    "dora",
+    "modules_to_save",
+    "qwen3_lora",
+    "gemma2_lora",
+    "gemma3_lora",
+    "phi3_lora",
+    "mistral_sw_lora",
+];
+
+/// The base model a case's adapter was made for.
+fn base_of(case: &str) -> String {
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(data_path(&format!("peft/{case}/adapter_config.json"))).unwrap(),
     )
-    .unwrap()
-    .model
+    .unwrap();
+    config["base_model_name_or_path"]
+        .as_str()
+        .unwrap()
+        .to_string()
 }
 
 fn golden(case: &str) -> HashMap<String, Tensor> {
@@ -31,15 +59,10 @@ fn golden(case: &str) -> HashMap<String, Tensor> {
 
 #[test]
 fn peft_adapters_give_peft_logits_and_merged_weights() {
-    for case in [
-        "lora_all_linear",
-        "lora_patterns",
-        "dora",
-        "modules_to_save",
-    ] {
+    for case in CASES {
         let g = golden(case);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
-        let mut model = base();
+        let mut model = load_base(&base_of(case));
         load_adapter(&mut model, &data_path(&format!("peft/{case}")), "default").unwrap();
         let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
         assert!(d <= 1e-5, "{case}: logits differ from PEFT by {d}");
@@ -67,7 +90,7 @@ fn peft_adapters_give_peft_logits_and_merged_weights() {
             compared += 1;
         }
         assert!(
-            compared >= 5,
+            compared >= 4,
             "{case}: only {compared} merged weights compared"
         );
 
@@ -90,23 +113,13 @@ fn saved_adapters_round_trip_bit_identically_with_all_peft_keys() {
     let root = std::env::var_os("QLORA_PEFT_CHECK_DIR")
         .map(std::path::PathBuf::from)
         .unwrap_or(tmp.path().to_path_buf());
-    for case in [
-        "lora_all_linear",
-        "lora_patterns",
-        "dora",
-        "modules_to_save",
-    ] {
-        let mut model = base();
+    for case in CASES {
+        let base_path = base_of(case);
+        let mut model = load_base(&base_path);
         let src = data_path(&format!("peft/{case}"));
         let config = load_adapter(&mut model, &src, "default").unwrap();
         let out = root.join(case);
-        save_adapter(
-            &model,
-            "default",
-            &out,
-            Some("tests/data/models/tiny-llama"),
-        )
-        .unwrap();
+        save_adapter(&model, "default", &out, Some(&base_path)).unwrap();
         if std::env::var_os("QLORA_PEFT_CHECK_DIR").is_some() {
             let g = golden(case);
             let mut expected = HashMap::new();
@@ -174,7 +187,7 @@ fn saved_adapters_round_trip_bit_identically_with_all_peft_keys() {
         // Reloading ours gives the same model output.
         let g = golden(case);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
-        let mut again = base();
+        let mut again = load_base(&base_path);
         let reloaded = load_adapter(&mut again, &out, "x").unwrap();
         assert_eq!(
             reloaded.target_modules.is_some(),
@@ -364,7 +377,7 @@ fn merge_command_writes_a_loadable_folder() {
         .unwrap()
         .model;
     assert!(matches!(
-        qm.layers[0].self_attn.q_proj.base.weight,
+        qm.layers[0].linears()[0].1.base.weight,
         candle_qlora::ops::FrozenWeight::Nf4(_)
     ));
     // The same as quantizing the dense bf16 merge on load.

@@ -2,9 +2,11 @@
 //!
 //! One task per (sequence, kv head) runs on its own thread: the query heads of the group, block by block of
 //! queries, with single-threaded products — a block's matrices are too small to split further, and the tasks
-//! already fill the cores. The mask is applied while taking the softmax (keys outside `start..=position` get
-//! probability 0), so no mask tensor is built, and the backward recomputes each block's probabilities
-//! (FlashAttention-2 style) using `D = rowsum(P ⊙ dP)`, which needs neither the output nor a stored softmax.
+//! already fill the cores. The mask is applied while taking the softmax (keys outside `first..=position` get
+//! probability 0, `first` being the latest of the example's start and the sliding window's first key), so no mask
+//! tensor is built, and a block's products skip the keys before the first one its earliest query sees. The backward
+//! recomputes each block's probabilities (FlashAttention-2 style, soft-capping included) using
+//! `D = rowsum(P ⊙ dP)`, which needs neither the output nor a stored softmax.
 
 use rayon::prelude::*;
 
@@ -23,61 +25,131 @@ pub(super) struct Dims {
     pub d: usize,
 }
 
-/// A call's sizes, its score scale and the queries per block.
+/// A call's sizes, its score scale and soft cap, and the queries per block.
 #[derive(Clone, Copy)]
 pub(super) struct Params {
     pub dims: Dims,
     pub scale: f64,
+    /// Scores become `cap·tanh(score/cap)` before the mask.
+    pub softcap: Option<f64>,
     pub query_block: usize,
 }
 
-/// Where key ranges start: nothing (plain causal) or, per sequence and position, the first token of its example.
+/// Where key ranges start: 0 (plain causal), per sequence and position the first token of its example (packed
+/// rows), and no earlier than `window - 1` positions before the query (sliding window).
 #[derive(Clone, Copy)]
 pub(super) struct KeyStarts<'a> {
     /// `[batch * len]` (packed rows), or `None`.
     pub starts: Option<&'a [u32]>,
     /// Positions per sequence in `starts`.
     pub len: usize,
+    /// The sliding window (at least 1), or `None`.
+    pub window: Option<usize>,
 }
 
 impl KeyStarts<'_> {
     /// First key visible from absolute position `pos` of sequence `b`.
-    fn first(&self, b: usize, pos: usize) -> usize {
-        self.starts.map_or(0, |s| s[b * self.len + pos] as usize)
+    pub(super) fn first(&self, b: usize, pos: usize) -> usize {
+        let start = self.starts.map_or(0, |s| s[b * self.len + pos] as usize);
+        self.window
+            .map_or(start, |w| start.max((pos + 1).saturating_sub(w)))
+    }
+
+    /// The first key any of the queries at positions `first_pos..first_pos + rows` of sequence `b` sees.
+    pub(super) fn block_first(&self, b: usize, first_pos: usize, rows: usize) -> usize {
+        (first_pos..first_pos + rows)
+            .map(|pos| self.first(b, pos))
+            .min()
+            .unwrap_or(first_pos)
     }
 }
 
-/// Softmax probabilities of queries `qb` (`c × d`) against the first `keys` rows of `kh`, into `p` (`c × keys`).
-/// Query `i` sits at absolute position `first_pos + i`.
+/// One block of `c` queries, query `i` at absolute position `first_pos + i`, against keys `lo..keys`.
+#[derive(Clone, Copy)]
+struct Block {
+    c: usize,
+    first_pos: usize,
+    lo: usize,
+    keys: usize,
+}
+
+impl Block {
+    fn new(b: usize, i0: usize, c: usize, dims: Dims, starts: KeyStarts) -> Self {
+        let first_pos = dims.s - dims.t + i0;
+        Block {
+            c,
+            first_pos,
+            lo: starts.block_first(b, first_pos, c),
+            keys: first_pos + c,
+        }
+    }
+
+    /// Keys of the block.
+    fn width(&self) -> usize {
+        self.keys - self.lo
+    }
+
+    /// The block's rows `lo..keys` of a `[s, d]` matrix.
+    fn rows<'a, T>(&self, x: &'a [T], d: usize) -> &'a [T] {
+        &x[self.lo * d..self.keys * d]
+    }
+}
+
+/// Softmax probabilities of queries `qb` (`c × d`) against keys `lo..keys` of `kh`, into `p` (`c × (keys − lo)`);
+/// with a soft cap and `dcap`, also each score's `1 − tanh²(score/cap)` (0 outside the mask) into `dcap`.
 #[allow(clippy::too_many_arguments)]
 fn block_probs<T: CpuFloat>(
     p: &mut [T],
+    dcap: Option<&mut [T]>,
     qb: &[T],
     kh: &[T],
-    (c, keys, d): (usize, usize, usize),
-    first_pos: usize,
-    scale: f64,
+    blk: Block,
+    params: Params,
     starts: KeyStarts,
     b: usize,
 ) {
+    let (d, w) = (params.dims.d, blk.width());
     matmul_into_serial(
         p,
-        Mat::new(qb, c, d),
-        Mat::new(&kh[..keys * d], keys, d).t(),
-        scale,
+        Mat::new(qb, blk.c, d),
+        Mat::new(blk.rows(kh, d), w, d).t(),
+        params.scale,
         false,
     );
+    // The visible keys of row `i`, relative to `lo`.
+    let visible = |i: usize| {
+        let last = blk.first_pos + i;
+        starts.first(b, last) - blk.lo..last + 1 - blk.lo
+    };
+    if let Some(cap) = params.softcap {
+        let mut dcap = dcap;
+        for (i, row) in p.chunks_mut(w).enumerate() {
+            let range = visible(i);
+            let mut drow = dcap.as_deref_mut().map(|x| &mut x[i * w..(i + 1) * w]);
+            if let Some(drow) = drow.as_deref_mut() {
+                drow[..range.start].fill(T::zero());
+                drow[range.end..].fill(T::zero());
+            }
+            for j in range {
+                let th = (row[j].to_f64() / cap).tanh();
+                row[j] = T::from_f64(cap * th);
+                if let Some(drow) = drow.as_deref_mut() {
+                    drow[j] = T::from_f64(1.0 - th * th);
+                }
+            }
+        }
+    }
     simd(|| {
-        for (i, row) in p.chunks_mut(keys).enumerate() {
-            let last = first_pos + i;
-            let first = starts.first(b, last);
-            let visible = &mut row[first..=last];
-            let max = vector::max(visible);
-            visible.iter_mut().for_each(|v| *v = (*v - max).exp());
-            let inv = T::one() / vector::sum(visible);
-            visible.iter_mut().for_each(|v| *v *= inv);
+        for (i, row) in p.chunks_mut(w).enumerate() {
+            let range = visible(i);
+            let (first, end) = (range.start, range.end);
+            let seen = &mut row[range];
+            let max = vector::max(seen);
+            seen.iter_mut().for_each(|v| *v = (*v - max).exp());
+            let inv = T::one() / vector::sum(seen);
+            seen.iter_mut().for_each(|v| *v *= inv);
             row[..first].fill(T::zero());
-            row[last + 1..].fill(T::zero());
+            row[end..].fill(T::zero());
         }
     })
 }
@@ -96,13 +168,12 @@ pub(super) fn forward<T: CpuFloat>(
     starts: KeyStarts,
 ) -> Vec<T> {
     let Params {
-        dims: Dims {
-            hkv, g, t, s, d, ..
-        },
-        scale,
-        query_block,
+        dims, query_block, ..
     } = params;
-    let mut out = vec![T::zero(); params.dims.b * hkv * g * t * d];
+    let Dims {
+        hkv, g, t, s, d, ..
+    } = dims;
+    let mut out = vec![T::zero(); dims.b * hkv * g * t * d];
     out.par_chunks_mut(g * t * d)
         .enumerate()
         .for_each(|(bk, out_group)| {
@@ -115,16 +186,16 @@ pub(super) fn forward<T: CpuFloat>(
             for (h, out_head) in out_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
                 for (i0, c) in query_blocks(t, query_block) {
-                    let first_pos = s - t + i0;
-                    let keys = first_pos + c;
-                    let pb = &mut p[..c * keys];
+                    let blk = Block::new(b, i0, c, dims, starts);
+                    let w = blk.width();
+                    let pb = &mut p[..c * w];
                     let qb = &qh[i0 * d..(i0 + c) * d];
-                    block_probs(pb, qb, kh, (c, keys, d), first_pos, scale, starts, b);
+                    block_probs(pb, None, qb, kh, blk, params, starts, b);
                     let ob = &mut out_head[i0 * d..(i0 + c) * d];
                     matmul_into_serial(
                         ob,
-                        Mat::new(pb, c, keys),
-                        Mat::new(&vh[..keys * d], keys, d),
+                        Mat::new(pb, c, w),
+                        Mat::new(blk.rows(vh, d), w, d),
                         1.0,
                         false,
                     );
@@ -144,15 +215,17 @@ pub(super) fn backward<T: CpuFloat>(
     starts: KeyStarts,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let Params {
-        dims: Dims {
-            hkv, g, t, s, d, ..
-        },
+        dims,
         scale,
+        softcap,
         query_block,
     } = params;
-    let mut dq = vec![T::zero(); params.dims.b * hkv * g * t * d];
-    let mut dk = vec![T::zero(); params.dims.b * hkv * s * d];
-    let mut dv = vec![T::zero(); params.dims.b * hkv * s * d];
+    let Dims {
+        hkv, g, t, s, d, ..
+    } = dims;
+    let mut dq = vec![T::zero(); dims.b * hkv * g * t * d];
+    let mut dk = vec![T::zero(); dims.b * hkv * s * d];
+    let mut dv = vec![T::zero(); dims.b * hkv * s * d];
     dq.par_chunks_mut(g * t * d)
         .zip(dk.par_chunks_mut(s * d))
         .zip(dv.par_chunks_mut(s * d))
@@ -165,43 +238,55 @@ pub(super) fn backward<T: CpuFloat>(
             );
             let mut p = vec![T::zero(); query_block.min(t) * s];
             let mut dp = p.clone();
+            // `1 − tanh²` of the soft-capped scores, only with a soft cap.
+            let mut dcap = if softcap.is_some() {
+                p.clone()
+            } else {
+                Vec::new()
+            };
             for (h, dq_head) in dq_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
                 let gh = &grad[(bk * g + h) * t * d..][..t * d];
                 for (i0, c) in query_blocks(t, query_block) {
-                    let first_pos = s - t + i0;
-                    let keys = first_pos + c;
-                    let (pb, dpb) = (&mut p[..c * keys], &mut dp[..c * keys]);
+                    let blk = Block::new(b, i0, c, dims, starts);
+                    let w = blk.width();
+                    let (pb, dpb) = (&mut p[..c * w], &mut dp[..c * w]);
+                    let dcapb = softcap.map(|_| &mut dcap[..c * w]);
                     let qs = &qh[i0 * d..(i0 + c) * d];
                     let qb = Mat::new(qs, c, d);
                     let gb = Mat::new(&gh[i0 * d..(i0 + c) * d], c, d);
                     let (kb, vb) = (
-                        Mat::new(&kh[..keys * d], keys, d),
-                        Mat::new(&vh[..keys * d], keys, d),
+                        Mat::new(blk.rows(kh, d), w, d),
+                        Mat::new(blk.rows(vh, d), w, d),
                     );
-                    block_probs(pb, qs, kh, (c, keys, d), first_pos, scale, starts, b);
-                    // dV += Pᵀ·dO;  dP = dO·Vᵀ;  dS = P ⊙ (dP − rowsum(P ⊙ dP)).
+                    block_probs(pb, dcapb, qs, kh, blk, params, starts, b);
+                    // dV += Pᵀ·dO;  dP = dO·Vᵀ;  dS = P ⊙ (dP − rowsum(P ⊙ dP)) (⊙ (1 − tanh²) under a soft cap).
                     matmul_into_serial(
-                        &mut dvh[..keys * d],
-                        Mat::new(pb, c, keys).t(),
+                        &mut dvh[blk.lo * d..blk.keys * d],
+                        Mat::new(pb, c, w).t(),
                         gb,
                         1.0,
                         true,
                     );
                     matmul_into_serial(dpb, gb, vb.t(), 1.0, false);
                     simd(|| {
-                        for (prow, dprow) in pb.chunks(keys).zip(dpb.chunks_mut(keys)) {
+                        for (prow, dprow) in pb.chunks(w).zip(dpb.chunks_mut(w)) {
                             let dot = vector::dot(prow, dprow);
                             dprow
                                 .iter_mut()
                                 .zip(prow)
                                 .for_each(|(ds, &x)| *ds = x * (*ds - dot));
                         }
+                        if softcap.is_some() {
+                            dpb.iter_mut()
+                                .zip(&dcap[..c * w])
+                                .for_each(|(ds, &f)| *ds *= f);
+                        }
                     });
-                    let ds = Mat::new(&*dpb, c, keys);
+                    let ds = Mat::new(&*dpb, c, w);
                     // dQ = scale·dS·K;  dK += scale·dSᵀ·Q.
                     matmul_into_serial(&mut dq_head[i0 * d..(i0 + c) * d], ds, kb, scale, false);
-                    matmul_into_serial(&mut dkh[..keys * d], ds.t(), qb, scale, true);
+                    matmul_into_serial(&mut dkh[blk.lo * d..blk.keys * d], ds.t(), qb, scale, true);
                 }
             }
         });

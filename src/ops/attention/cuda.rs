@@ -1,5 +1,8 @@
 //! Causal attention on a CUDA device: `kernels/attention.cu` (tensor cores, FlashAttention-2 style) for bf16/f16
 //! heads of 64 or 128, with the causal and packed-row masks computed in the kernels.
+//!
+//! The kernels know neither sliding windows nor logit soft-capping: `CausalAttention` sends a call with either (a
+//! window shorter than the keys, or a soft cap) to the composed path of Candle's ops, which runs on the GPU too.
 
 use candle_core::cuda_backend::cudarc::driver::{
     result::DriverError, sys::CUfunction_attribute, LaunchConfig, PushKernelArg,
@@ -18,7 +21,8 @@ const FWD_KEYS: usize = 32;
 const BWD_KEYS: usize = 64;
 const BWD_QUERIES: usize = 32;
 
-/// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128.
+/// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128 (the caller also
+/// checks that the spec has no sliding window and no soft cap).
 pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
     q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)

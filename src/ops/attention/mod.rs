@@ -1,6 +1,9 @@
 //! Causal self-attention with grouped-query heads, memory-bounded: scores exist for one block of queries at a time,
 //! in the forward and in the backward (which recomputes them, FlashAttention-2 style), and the causal mask is a
 //! constant that gets no gradient.
+//!
+//! Besides the causal mask, an [`AttentionSpec`] may narrow what a query sees to a sliding window (Mistral, Gemma
+//! 2/3, Phi-3) and soft-cap the scores (Gemma 2); packed rows ([`Segments`]) keep each query inside its example.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -20,6 +23,60 @@ pub const QUERY_BLOCK: usize = 128;
 
 /// Head dimensions the CUDA attention kernels take (in bf16 or f16); others run the composed path.
 pub const CUDA_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// What one layer's attention computes besides the causal mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Score scale (`1/√head_dim`, or Gemma's `query_pre_attn_scalar^-½`).
+    pub scale: f64,
+    /// Keys at most `window - 1` positions before the query are visible (transformers' `sliding_window`); `None`:
+    /// all earlier keys.
+    pub sliding_window: Option<usize>,
+    /// Scores become `cap·tanh(score/cap)` before the mask (Gemma 2's `attn_logit_softcapping`).
+    pub softcap: Option<f64>,
+}
+
+impl AttentionSpec {
+    /// Plain causal attention with score scale `scale`.
+    pub fn causal(scale: f64) -> Self {
+        AttentionSpec {
+            scale,
+            sliding_window: None,
+            softcap: None,
+        }
+    }
+
+    /// This spec with a sliding window of `window` keys (the query's own included).
+    pub fn with_sliding_window(self, window: usize) -> Self {
+        AttentionSpec {
+            sliding_window: Some(window),
+            ..self
+        }
+    }
+
+    /// This spec with scores soft-capped at `cap`.
+    pub fn with_softcap(self, cap: f64) -> Self {
+        AttentionSpec {
+            softcap: Some(cap),
+            ..self
+        }
+    }
+
+    /// An error for a window of 0 or a cap that is not a finite positive number.
+    fn validate(&self) -> Result<()> {
+        if self.sliding_window == Some(0) {
+            candle_core::bail!("attention: a sliding window must hold at least 1 key");
+        }
+        if let Some(cap) = self.softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                candle_core::bail!(
+                    "attention: the logit soft cap must be finite and positive, not {cap}"
+                );
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Where each example of packed rows begins: queries attend only to keys of their own example.
 ///
@@ -71,25 +128,26 @@ impl Segments {
     }
 }
 
-/// Additive mask `[1 or batch, 1, groups*rows, keys]`: query `i` (at absolute position `first_pos + i`) sees keys
-/// `start..=first_pos+i`, where `start` is 0, or the beginning of its example in packed rows.
+/// Additive mask `[1 or batch, 1, groups*rows, keys - lo]` over keys `lo..keys`: query `i` (at absolute position
+/// `first_pos + i`) sees keys `first..=first_pos+i`, `first` from `starts` (example start and sliding window).
+#[allow(clippy::too_many_arguments)]
 fn attention_mask(
     rows: usize,
     first_pos: usize,
-    keys: usize,
+    (lo, keys): (usize, usize),
     groups: usize,
-    segments: Option<&Segments>,
+    starts: KeyStarts,
+    batch: usize,
     dtype: DType,
     device: &candle_core::Device,
 ) -> Result<Tensor> {
-    let batch = segments.map_or(1, |s| s.batch);
-    let mut m = Vec::with_capacity(batch * groups * rows * keys);
+    let mut m = Vec::with_capacity(batch * groups * rows * (keys - lo));
     for b in 0..batch {
         for _ in 0..groups {
             for i in 0..rows {
                 let last = first_pos + i;
-                let first = segments.map_or(0, |s| s.starts[b * s.len + last] as usize);
-                m.extend((0..keys).map(|j| {
+                let first = starts.first(b, last);
+                m.extend((lo..keys).map(|j| {
                     if (first..=last).contains(&j) {
                         0f32
                     } else {
@@ -99,7 +157,7 @@ fn attention_mask(
             }
         }
     }
-    Tensor::from_vec(m, (batch, 1, groups * rows, keys), device)?.to_dtype(dtype)
+    Tensor::from_vec(m, (batch, 1, groups * rows, keys - lo), device)?.to_dtype(dtype)
 }
 
 /// The sizes of a call on `q: [b, hq, t, d]` and `k: [b, hkv, s, d]`, checked.
@@ -136,45 +194,26 @@ fn ungroup(dims: Dims, x: &Tensor, c: usize) -> Result<Tensor> {
     x.reshape((dims.b, dims.hkv, dims.g, c, dims.d))
 }
 
-/// Softmax probabilities of one query block: `[b, hkv, g*c, keys]` in the working dtype.
-fn block_probs(
-    qb: &Tensor,
-    k: &Tensor,
-    dims: Dims,
-    i0: usize,
-    c: usize,
-    scale: f64,
-    segments: Option<&Segments>,
-) -> Result<(Tensor, usize)> {
-    let first_pos = dims.s - dims.t + i0;
-    let keys = first_pos + c;
-    let kb = k.narrow(2, 0, keys)?;
-    let scores = (qb.matmul(&kb.t()?)? * scale)?;
-    let mask = attention_mask(
-        c,
-        first_pos,
-        keys,
-        dims.g,
-        segments,
-        scores.dtype(),
-        scores.device(),
-    )?;
-    let scores = scores.broadcast_add(&mask)?;
-    let max = scores.max_keepdim(D::Minus1)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    Ok((p, keys))
+/// The softmax probabilities of one query block of the composed path.
+struct BlockProbs {
+    /// `[b, hkv, g*c, keys - lo]` in the working dtype.
+    p: Tensor,
+    /// Under a soft cap, `1 − tanh²(score/cap)` of each score (same shape as `p`).
+    dcap: Option<Tensor>,
+    /// The block's keys are `lo..keys`.
+    lo: usize,
+    keys: usize,
 }
 
 /// Causal attention `softmax(q·kᵀ·scale + causal) · v` for `q: [b, hq, t, d]` and `k, v: [b, hkv, s, d]` with
 /// `hq` a multiple of `hkv` (grouped-query attention) and `s ≥ t` (the queries are the last `t` positions, so a KV
 /// cache works too). Softmax runs in float32 (f64 stays f64); the output has `q`'s dtype.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    attention(q, k, v, scale, None)
+    attention(q, k, v, &AttentionSpec::causal(scale), None)
 }
 
-/// [`causal_attention`] over packed rows: each query also stays inside its own example (`q`, `k`, `v` cover the
-/// same `[batch, len]` positions as `segments`).
+/// [`causal_attention`] over packed rows: each query also stays inside its own example (`k` and `v` cover the
+/// `[batch, len]` positions of `segments`, `q` the last `t ≤ len` of them).
 pub fn packed_causal_attention(
     q: &Tensor,
     k: &Tensor,
@@ -182,31 +221,47 @@ pub fn packed_causal_attention(
     scale: f64,
     segments: &Segments,
 ) -> Result<Tensor> {
-    let dims = dims_of(q, k)?;
-    if (dims.b, dims.t, dims.s) != (segments.batch, segments.len, segments.len) {
-        candle_core::bail!(
-            "packed attention: q {:?} / k {:?} do not cover the segments' [{}, {}]",
-            q.dims(),
-            k.dims(),
-            segments.batch,
-            segments.len
-        );
-    }
-    attention(q, k, v, scale, Some(segments.clone()))
+    attention(q, k, v, &AttentionSpec::causal(scale), Some(segments))
 }
 
-fn attention(
+/// Causal attention with `spec`; `segments` restricts packed rows to their example (see
+/// [`packed_causal_attention`]).
+///
+/// The query at absolute position `p` (queries are the last `t` of the `s` keys) sees keys
+/// `max(start, p + 1 − window)..=p`, `start` being 0 or the first token of its example; scores are
+/// `scale·q·kᵀ`, soft-capped to `cap·tanh(score/cap)` before the mask where `spec.softcap` is set.
+///
+/// On a CUDA device the tensor-core kernels run plain causal attention (packed rows included); a sliding window
+/// shorter than the keys or a soft cap runs the composed path of Candle's ops there instead (correct, but slower and
+/// with a `[batch, heads, QUERY_BLOCK, keys]` score block per step).
+pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    scale: f64,
-    segments: Option<Segments>,
+    spec: &AttentionSpec,
+    segments: Option<&Segments>,
 ) -> Result<Tensor> {
+    spec.validate()?;
     let dims = dims_of(q, k)?;
+    if let Some(segments) = segments {
+        if (dims.b, dims.s) != (segments.batch, segments.len) {
+            candle_core::bail!(
+                "packed attention: q {:?} / k {:?} do not cover the segments' [{}, {}]",
+                q.dims(),
+                k.dims(),
+                segments.batch,
+                segments.len
+            );
+        }
+    }
     CausalAttention {
         dims,
-        scale,
-        segments,
+        spec: AttentionSpec {
+            // A window holding every key changes nothing (and leaves the CUDA kernels usable).
+            sliding_window: spec.sliding_window.filter(|&w| w < dims.s),
+            ..*spec
+        },
+        segments: segments.cloned(),
         #[cfg(feature = "cuda")]
         lse: None,
     }
@@ -216,7 +271,8 @@ fn attention(
 /// The attention op (inputs `[q, k, v]`).
 struct CausalAttention {
     dims: Dims,
-    scale: f64,
+    /// Validated; a window is shorter than the keys.
+    spec: AttentionSpec,
     segments: Option<Segments>,
     /// Each query row's log-sum-exp, when the CUDA kernels ran the forward (their backward reads it).
     #[cfg(feature = "cuda")]
@@ -224,11 +280,12 @@ struct CausalAttention {
 }
 
 impl CausalAttention {
-    /// The key ranges of the segments for the slice kernels.
+    /// The key ranges of the segments and the window for the slice kernels.
     fn key_starts(&self) -> KeyStarts<'_> {
         KeyStarts {
             starts: self.segments.as_ref().map(|s| s.starts.as_slice()),
             len: self.segments.as_ref().map_or(0, |s| s.len),
+            window: self.spec.sliding_window,
         }
     }
 
@@ -236,9 +293,18 @@ impl CausalAttention {
     fn params(&self) -> cpu::Params {
         cpu::Params {
             dims: self.dims,
-            scale: self.scale,
+            scale: self.spec.scale,
+            softcap: self.spec.softcap,
             query_block: QUERY_BLOCK,
         }
+    }
+
+    /// Whether the CUDA kernels compute this op: they know neither sliding windows nor soft caps.
+    #[cfg(feature = "cuda")]
+    fn on_cuda_kernels(&self, [q, k, v]: [&Tensor; 3]) -> bool {
+        self.spec.sliding_window.is_none()
+            && self.spec.softcap.is_none()
+            && cuda::applies(q, k, v, self.dims)
     }
 
     fn cpu_fwd<T: CpuFloat>(&self, [q, k, v]: [&Tensor; 3]) -> Result<Value> {
@@ -278,11 +344,57 @@ impl CausalAttention {
         ])
     }
 
+    /// Softmax probabilities of query rows `i0..i0+c` (`qb`, grouped) against the keys the block sees, with
+    /// `1 − tanh²` of the soft-capped scores when `with_dcap` (for the backward).
+    fn block_probs(
+        &self,
+        qb: &Tensor,
+        k: &Tensor,
+        i0: usize,
+        c: usize,
+        with_dcap: bool,
+    ) -> Result<BlockProbs> {
+        let dims = self.dims;
+        let starts = self.key_starts();
+        let batch = self.segments.as_ref().map_or(1, |s| s.batch);
+        let first_pos = dims.s - dims.t + i0;
+        let keys = first_pos + c;
+        let lo = (0..batch)
+            .map(|b| starts.block_first(b, first_pos, c))
+            .min()
+            .unwrap_or(0);
+        let kb = k.narrow(2, lo, keys - lo)?;
+        let mut scores = (qb.matmul(&kb.t()?)? * self.spec.scale)?;
+        let mut dcap = None;
+        if let Some(cap) = self.spec.softcap {
+            let th = (scores / cap)?.tanh()?;
+            if with_dcap {
+                dcap = Some(th.sqr()?.affine(-1.0, 1.0)?);
+            }
+            scores = (th * cap)?;
+        }
+        let mask = attention_mask(
+            c,
+            first_pos,
+            (lo, keys),
+            dims.g,
+            starts,
+            batch,
+            scores.dtype(),
+            scores.device(),
+        )?;
+        let scores = scores.broadcast_add(&mask)?;
+        let max = scores.max_keepdim(D::Minus1)?;
+        let e = scores.broadcast_sub(&max)?.exp()?;
+        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        Ok(BlockProbs { p, dcap, lo, keys })
+    }
+
     /// Candle's ops in f32 (f64 stays f64), query block by query block, with an additive mask.
     fn composed_fwd(&self, [q, k, v]: [&Tensor; 3]) -> Result<Value> {
         let dims = self.dims;
         // Candle's CUDA kernels count elements in 32 bits: a larger score block would run on a truncated grid.
-        let scores = dims.b * dims.hkv * dims.g * QUERY_BLOCK.min(dims.t) * dims.t;
+        let scores = dims.b * dims.hkv * dims.g * QUERY_BLOCK.min(dims.t) * dims.s;
         if !q.device().is_cpu() && scores > u32::MAX as usize {
             candle_core::bail!(
                 "attention scores of this micro-batch ({} × {} heads × {} queries × {} keys) exceed the 2³² elements \
@@ -290,7 +402,7 @@ impl CausalAttention {
                 dims.b,
                 dims.hkv * dims.g,
                 QUERY_BLOCK.min(dims.t),
-                dims.t
+                dims.s
             );
         }
         let dtype = q.dtype();
@@ -304,8 +416,8 @@ impl CausalAttention {
         for i0 in (0..dims.t).step_by(QUERY_BLOCK) {
             let c = QUERY_BLOCK.min(dims.t - i0);
             let qb = query_rows(dims, &q, i0, c)?;
-            let (p, keys) = block_probs(&qb, &k, dims, i0, c, self.scale, self.segments.as_ref())?;
-            let out = p.matmul(&v.narrow(2, 0, keys)?)?;
+            let BlockProbs { p, lo, keys, .. } = self.block_probs(&qb, &k, i0, c, false)?;
+            let out = p.matmul(&v.narrow(2, lo, keys - lo)?)?;
             blocks.push(ungroup(dims, &out, c)?);
         }
         let value = Tensor::cat(&blocks, 3)?
@@ -321,7 +433,7 @@ impl CausalAttention {
         grad: &Tensor,
         needs: [bool; 3],
     ) -> Result<[Option<Tensor>; 3]> {
-        let (dims, scale) = (self.dims, self.scale);
+        let (dims, scale) = (self.dims, self.spec.scale);
         let work = work_dtype(q.dtype());
         let dtypes = [q.dtype(), k.dtype(), v.dtype()];
         let (q, k, v, grad) = (
@@ -337,14 +449,17 @@ impl CausalAttention {
             let c = QUERY_BLOCK.min(dims.t - i0);
             let qb = query_rows(dims, &q, i0, c)?;
             let gb = query_rows(dims, &grad, i0, c)?;
-            let (p, keys) = block_probs(&qb, &k, dims, i0, c, scale, self.segments.as_ref())?;
-            let kb = k.narrow(2, 0, keys)?;
-            let vb = v.narrow(2, 0, keys)?;
-            let pad = |x: Tensor| x.pad_with_zeros(2, 0, dims.s - keys);
+            let BlockProbs { p, dcap, lo, keys } = self.block_probs(&qb, &k, i0, c, true)?;
+            let kb = k.narrow(2, lo, keys - lo)?;
+            let vb = v.narrow(2, lo, keys - lo)?;
+            let pad = |x: Tensor| x.pad_with_zeros(2, lo, dims.s - keys);
             dv = (dv + pad(p.t()?.matmul(&gb)?)?)?;
             let dp = gb.matmul(&vb.t()?)?;
             let row = (&p * &dp)?.sum_keepdim(D::Minus1)?;
-            let ds = (p * dp.broadcast_sub(&row)?)?;
+            let mut ds = (p * dp.broadcast_sub(&row)?)?;
+            if let Some(dcap) = dcap {
+                ds = (ds * dcap)?;
+            }
             dq_blocks.push(ungroup(dims, &(ds.matmul(&kb)? * scale)?, c)?);
             dk = (dk + pad((ds.t()?.matmul(&qb)? * scale)?)?)?;
         }
@@ -362,9 +477,9 @@ impl Op<3> for CausalAttention {
 
     fn fwd(&mut self, inputs: [&Tensor; 3]) -> Result<Value> {
         #[cfg(feature = "cuda")]
-        if cuda::applies(inputs[0], inputs[1], inputs[2], self.dims) {
-            let (value, lse) =
-                cuda::forward(inputs, self.dims, self.scale, self.segments.as_ref())?;
+        if self.on_cuda_kernels(inputs) {
+            let segments = self.segments.as_ref();
+            let (value, lse) = cuda::forward(inputs, self.dims, self.spec.scale, segments)?;
             self.lse = Some(lse);
             return Ok(value);
         }
@@ -395,12 +510,12 @@ impl Op<3> for CausalAttention {
         grad: &Tensor,
         needs: [bool; 3],
     ) -> Result<[Option<Tensor>; 3]> {
+        // Only a forward on the CUDA kernels saved a log-sum-exp.
         #[cfg(feature = "cuda")]
         if let Some(lse) = &self.lse {
             let segments = self.segments.as_ref();
-            return cuda::backward(
-                inputs, output, grad, lse, self.dims, self.scale, segments, needs,
-            );
+            let scale = self.spec.scale;
+            return cuda::backward(inputs, output, grad, lse, self.dims, scale, segments, needs);
         }
         let _ = output;
         self.bwd(inputs, grad, needs)
@@ -414,30 +529,335 @@ mod tests {
 
     /// Composite attention from Candle primitives: repeat kv heads, full scores, masked softmax.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-        let (_, hq, t, _) = q.dims4()?;
+        reference_with(q, k, v, &AttentionSpec::causal(scale), None)
+    }
+
+    /// [`reference`] with a spec and packed `positions` (`[b, s]`, restarting at 0 per example): the full score
+    /// matrix, soft-capped, masked by `max(start, p + 1 − window) ≤ j ≤ p`, softmax (all in `q`'s dtype).
+    fn reference_with(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spec: &AttentionSpec,
+        positions: Option<&[Vec<u32>]>,
+    ) -> Result<Tensor> {
+        let (b, hq, t, _) = q.dims4()?;
         let (_, hkv, s, _) = k.dims4()?;
         let g = hq / hkv;
         let k = candle_transformers_free_repeat_kv(k, g)?;
         let v = candle_transformers_free_repeat_kv(v, g)?;
-        let scores = (q.matmul(&k.t()?)? * scale)?;
-        let mask: Vec<f64> = (0..t)
-            .flat_map(|i| {
-                (0..s).map(move |j| {
-                    if j <= s - t + i {
+        let mut scores = (q.matmul(&k.t()?)? * spec.scale)?;
+        if let Some(cap) = spec.softcap {
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
+        let rows = positions.map_or(1, |p| p.len());
+        let mut mask = Vec::with_capacity(rows * t * s);
+        for r in 0..rows {
+            for i in 0..t {
+                let p = s - t + i;
+                let start = positions.map_or(0, |ps| p - ps[r][p] as usize);
+                for j in 0..s {
+                    let in_window = spec.sliding_window.is_none_or(|w| j + w > p);
+                    mask.push(if start <= j && j <= p && in_window {
                         0.0
                     } else {
                         f64::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t, s), q.device())?.to_dtype(q.dtype())?;
+                    });
+                }
+            }
+        }
+        assert!(rows == 1 || rows == b);
+        let mask = Tensor::from_vec(mask, (rows, 1, t, s), q.device())?.to_dtype(q.dtype())?;
         candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?.matmul(&v)
     }
 
     fn candle_transformers_free_repeat_kv(x: &Tensor, g: usize) -> Result<Tensor> {
         let (b, h, s, d) = x.dims4()?;
         Tensor::cat(&vec![x; g], 2)?.reshape((b, h * g, s, d))
+    }
+
+    /// The attention op forced onto its composed path (Candle's ops), even for f64 on the CPU.
+    struct Composed(CausalAttention);
+
+    impl Op<3> for Composed {
+        const NAME: &'static str = "composed-attention";
+        fn fwd(&mut self, inputs: [&Tensor; 3]) -> Result<Value> {
+            self.0.composed_fwd(inputs)
+        }
+        fn bwd(
+            &self,
+            inputs: [&Tensor; 3],
+            grad: &Tensor,
+            needs: [bool; 3],
+        ) -> Result<[Option<Tensor>; 3]> {
+            self.0.composed_bwd(inputs, grad, needs)
+        }
+    }
+
+    /// [`attention`] on the composed path.
+    fn composed(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spec: &AttentionSpec,
+        segments: Option<&Segments>,
+    ) -> Result<Tensor> {
+        spec.validate()?;
+        let dims = dims_of(q, k)?;
+        let spec = AttentionSpec {
+            sliding_window: spec.sliding_window.filter(|&w| w < dims.s),
+            ..*spec
+        };
+        Composed(CausalAttention {
+            dims,
+            spec,
+            segments: segments.cloned(),
+            #[cfg(feature = "cuda")]
+            lse: None,
+        })
+        .apply([q, k, v])
+    }
+
+    /// Checks the slice kernel and the composed path against [`reference_with`] (forward, gradients) and finite
+    /// differences, and against each other.
+    fn check_spec(
+        spec: AttentionSpec,
+        positions: Option<&[Vec<u32>]>,
+        inputs: &[Tensor; 3],
+        samples: usize,
+    ) {
+        let segments = positions.map(|p| {
+            let flat: Vec<u32> = p.concat();
+            let t = Tensor::from_vec(flat, (p.len(), p[0].len()), &candle_core::Device::Cpu);
+            Segments::from_positions(&t.unwrap()).unwrap()
+        });
+        let segments = segments.as_ref();
+        let r = |xs: &[Tensor]| reference_with(&xs[0], &xs[1], &xs[2], &spec, positions);
+        let sliced = |xs: &[Tensor]| attention(&xs[0], &xs[1], &xs[2], &spec, segments);
+        let composite = |xs: &[Tensor]| composed(&xs[0], &xs[1], &xs[2], &spec, segments);
+        let all = [true, true, true];
+        check(&sliced, &r, inputs, &all, samples, 1e-6, 1e-12);
+        check(&composite, &r, inputs, &all, samples, 1e-6, 1e-12);
+        check(&sliced, &composite, inputs, &all, 0, 1e-6, 1e-12);
+    }
+
+    /// Packed positions: row 0 holds examples of 3 and `len - 3` tokens, row 1 one of `len`.
+    fn two_rows(len: usize) -> Vec<Vec<u32>> {
+        let row0 = (0..3u32).chain(0..(len as u32 - 3)).collect();
+        vec![row0, (0..len as u32).collect()]
+    }
+
+    #[test]
+    fn sliding_window_matches_reference_with_gqa() {
+        let inputs = [
+            rand_f64(&[2, 4, 9, 3], 21),
+            rand_f64(&[2, 2, 9, 3], 22),
+            rand_f64(&[2, 2, 9, 3], 23),
+        ];
+        for window in [1, 3, 8] {
+            check_spec(
+                AttentionSpec::causal(0.6).with_sliding_window(window),
+                None,
+                &inputs,
+                20,
+            );
+        }
+    }
+
+    #[test]
+    fn softcap_matches_reference_with_gqa() {
+        // Scores reach ±3·1.5: a cap of 0.8 bends them well into tanh's curve.
+        let inputs = [
+            rand_f64(&[2, 4, 7, 3], 31),
+            rand_f64(&[2, 2, 7, 3], 32),
+            rand_f64(&[2, 2, 7, 3], 33),
+        ];
+        for cap in [0.8, 5.0] {
+            check_spec(
+                AttentionSpec::causal(1.5).with_softcap(cap),
+                None,
+                &inputs,
+                20,
+            );
+        }
+    }
+
+    #[test]
+    fn window_and_softcap_on_packed_rows() {
+        let inputs = [
+            rand_f64(&[2, 4, 9, 3], 41),
+            rand_f64(&[2, 2, 9, 3], 42),
+            rand_f64(&[2, 2, 9, 3], 43),
+        ];
+        let positions = two_rows(9);
+        let spec = AttentionSpec::causal(1.2)
+            .with_sliding_window(4)
+            .with_softcap(0.9);
+        check_spec(spec, Some(&positions), &inputs, 20);
+        check_spec(
+            AttentionSpec::causal(0.7).with_sliding_window(2),
+            Some(&positions),
+            &inputs,
+            10,
+        );
+        check_spec(
+            AttentionSpec::causal(1.2).with_softcap(0.7),
+            Some(&positions),
+            &inputs,
+            10,
+        );
+    }
+
+    #[test]
+    fn window_and_softcap_with_cached_keys() {
+        // 3 new queries over 10 keys (packed and not): equal to the reference and to the tail of the full call.
+        let (q, k, v) = (
+            rand_f64(&[2, 4, 10, 3], 51),
+            rand_f64(&[2, 2, 10, 3], 52),
+            rand_f64(&[2, 2, 10, 3], 53),
+        );
+        let tail = q.narrow(2, 7, 3).unwrap();
+        let positions = two_rows(10);
+        let flat = Tensor::from_vec(positions.concat(), (2, 10), &candle_core::Device::Cpu);
+        let segments = Segments::from_positions(&flat.unwrap()).unwrap();
+        let spec = AttentionSpec::causal(1.3)
+            .with_sliding_window(4)
+            .with_softcap(0.8);
+        for (segs, pos) in [(None, None), (Some(&segments), Some(positions.as_slice()))] {
+            let inputs = [tail.clone(), k.clone(), v.clone()];
+            check_spec(spec, pos, &inputs, 15);
+            let full = attention(&q, &k, &v, &spec, segs).unwrap();
+            let part = attention(&tail, &k, &v, &spec, segs).unwrap();
+            let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
+            assert!(d < 1e-14, "{d}");
+        }
+    }
+
+    #[test]
+    fn window_and_softcap_across_query_blocks() {
+        // 150 queries span two query blocks; the second block's keys start inside the first's queries.
+        let inputs = [
+            rand_f64(&[1, 2, 150, 2], 61),
+            rand_f64(&[1, 1, 150, 2], 62),
+            rand_f64(&[1, 1, 150, 2], 63),
+        ];
+        let spec = AttentionSpec::causal(1.5)
+            .with_sliding_window(7)
+            .with_softcap(1.1);
+        check_spec(spec, None, &inputs, 8);
+        check_spec(
+            AttentionSpec::causal(0.5).with_sliding_window(140),
+            None,
+            &inputs,
+            4,
+        );
+    }
+
+    #[test]
+    fn window_covering_the_keys_changes_nothing() {
+        let (q, k, v) = (
+            rand_f64(&[1, 4, 6, 3], 71),
+            rand_f64(&[1, 2, 6, 3], 72),
+            rand_f64(&[1, 2, 6, 3], 73),
+        );
+        let plain = causal_attention(&q, &k, &v, 0.5).unwrap();
+        for window in [6, 7, 100] {
+            let spec = AttentionSpec::causal(0.5).with_sliding_window(window);
+            for y in [
+                attention(&q, &k, &v, &spec, None).unwrap(),
+                composed(&q, &k, &v, &spec, None).unwrap(),
+            ] {
+                let d = max_abs_diff(&plain, &y);
+                assert!(d < 1e-14, "window {window}: {d}");
+            }
+        }
+        // One key fewer does change the last query.
+        let spec = AttentionSpec::causal(0.5).with_sliding_window(5);
+        let y = attention(&q, &k, &v, &spec, None).unwrap();
+        assert!(max_abs_diff(&plain, &y) > 1e-6);
+    }
+
+    #[test]
+    fn window_of_one_sees_only_the_query_itself() {
+        let (q, k, v) = (
+            rand_f64(&[2, 4, 5, 3], 81),
+            rand_f64(&[2, 2, 5, 3], 82),
+            rand_f64(&[2, 2, 5, 3], 83),
+        );
+        let expected = candle_transformers_free_repeat_kv(&v, 2).unwrap();
+        for cap in [None, Some(0.5)] {
+            let spec = AttentionSpec {
+                scale: 0.9,
+                sliding_window: Some(1),
+                softcap: cap,
+            };
+            for y in [
+                attention(&q, &k, &v, &spec, None).unwrap(),
+                composed(&q, &k, &v, &spec, None).unwrap(),
+            ] {
+                let d = max_abs_diff(&y, &expected);
+                assert!(d < 1e-15, "{d}");
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_composed_path_follows_f64() {
+        // bf16 on the CPU runs the composed path: forward and gradients near the f64 slice kernel's.
+        let spec = AttentionSpec::causal(1.4)
+            .with_sliding_window(3)
+            .with_softcap(0.9);
+        let xs = [
+            rand_f64(&[1, 4, 8, 4], 91),
+            rand_f64(&[1, 2, 8, 4], 92),
+            rand_f64(&[1, 2, 8, 4], 93),
+        ];
+        let run = |dtype: DType| {
+            let vars: Vec<_> = xs
+                .iter()
+                .map(|x| candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap())
+                .collect();
+            let y = attention(&vars[0], &vars[1], &vars[2], &spec, None).unwrap();
+            let r = rand_f64(y.dims(), 5).to_dtype(dtype).unwrap();
+            let grads = (&y * r).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut out = vec![y.to_dtype(DType::F64).unwrap()];
+            for v in &vars {
+                let g = grads.get(v).unwrap();
+                assert_eq!(g.dtype(), dtype);
+                out.push(g.to_dtype(DType::F64).unwrap());
+            }
+            out
+        };
+        for (a, b) in run(DType::F64).iter().zip(run(DType::BF16)) {
+            let d = max_abs_diff(a, &b);
+            assert!(d < 3e-2, "{d}");
+        }
+    }
+
+    #[test]
+    fn bad_specs_are_errors() {
+        let x = rand_f64(&[1, 1, 3, 2], 1);
+        let spec = AttentionSpec::causal(0.5);
+        let bad = [
+            spec.with_sliding_window(0),
+            spec.with_softcap(0.0),
+            spec.with_softcap(-1.0),
+            spec.with_softcap(f64::NAN),
+            spec.with_softcap(f64::INFINITY),
+        ];
+        for spec in bad {
+            assert!(attention(&x, &x, &x, &spec, None).is_err(), "{spec:?}");
+        }
+        let good = spec.with_sliding_window(1).with_softcap(1e-3);
+        assert!(attention(&x, &x, &x, &good, None).is_ok());
+    }
+
+    #[test]
+    fn segments_must_cover_the_keys() {
+        let positions = Tensor::from_vec(vec![0u32, 1, 2, 0], (1, 4), &candle_core::Device::Cpu);
+        let segments = Segments::from_positions(&positions.unwrap()).unwrap();
+        let (q, k) = (rand_f64(&[1, 1, 3, 2], 1), rand_f64(&[1, 1, 3, 2], 2));
+        assert!(packed_causal_attention(&q, &k, &k, 0.5, &segments).is_err());
     }
 
     #[test]
