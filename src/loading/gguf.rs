@@ -9,6 +9,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::ops::rope::LongRopeScaling;
 
 /// A GGUF file opened for reading tensors by Hugging Face name.
 pub struct GgufFile {
@@ -104,11 +105,74 @@ impl GgufFile {
     /// Reads and dequantizes (to f32) the tensor with Hugging Face name `hf_name`; q/k projection weights and
     /// biases of `llama` files are un-permuted to the HF layout using the given head counts.
     pub fn tensor(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
-        let (name, info) = gguf_name(hf_name, &self.arch)
-            .and_then(|n| self.content.tensor_infos.get(&n).map(|info| (n, info)))
+        let name = gguf_name(hf_name, &self.arch)
+            .filter(|n| self.content.tensor_infos.contains_key(n))
             .ok_or_else(|| {
                 Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
             })?;
+        let t = self.read(&name)?;
+        let heads = if hf_name.contains("self_attn.q_proj") {
+            Some(n_head)
+        } else if hf_name.contains("self_attn.k_proj") {
+            Some(n_kv_head)
+        } else {
+            None
+        };
+        match (self.arch.as_str(), heads) {
+            ("llama", Some(h)) => Ok(unpermute(&t, h)?),
+            _ => Ok(t),
+        }
+    }
+
+    /// Phi-3's LongRoPE as llama.cpp stores it (`rope_factors_short` / `rope_factors_long` tensors and
+    /// `phi3.rope.scaling.*` keys), if the file has it.
+    pub fn long_rope(&self, max_position_embeddings: usize) -> Result<Option<LongRopeScaling>> {
+        let names = ["rope_factors_short.weight", "rope_factors_long.weight"];
+        if !names
+            .iter()
+            .all(|n| self.content.tensor_infos.contains_key(*n))
+        {
+            return Ok(None);
+        }
+        let factors = |name: &str| -> Result<Vec<f64>> {
+            let v: Vec<f32> = self.read(name)?.flatten_all()?.to_vec1()?;
+            Ok(v.into_iter().map(f64::from).collect())
+        };
+        let key = |k: &str| {
+            self.metadata()
+                .get(&format!("{}.rope.scaling.{k}", self.arch))
+        };
+        let original = key("original_context_length")
+            .and_then(|v| v.to_u64().ok())
+            .filter(|v| *v >= 2)
+            .ok_or_else(|| {
+                Error::invalid_file(
+                    &self.path,
+                    format!(
+                        "LongRoPE factors without `{}.rope.scaling.original_context_length`",
+                        self.arch
+                    ),
+                )
+            })? as usize;
+        let factor = max_position_embeddings as f64 / original as f64;
+        let attention_factor = match key("attn_factor").and_then(|v| v.to_f32().ok()) {
+            Some(f) => f as f64,
+            None if factor <= 1.0 => 1.0,
+            None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+        };
+        Ok(Some(LongRopeScaling {
+            short_factor: factors(names[0])?,
+            long_factor: factors(names[1])?,
+            original_max_position_embeddings: original,
+            attention_factor,
+        }))
+    }
+
+    /// Reads and dequantizes (to f32) the tensor llama.cpp names `name`.
+    fn read(&self, name: &str) -> Result<Tensor> {
+        let info = self.content.tensor_infos.get(name).ok_or_else(|| {
+            Error::invalid_file(&self.path, format!("tensor `{name}` is missing"))
+        })?;
         // Candle computes the byte size from the declared dimensions unchecked (an overflow), and reads an empty
         // tensor through a misaligned pointer (undefined behaviour; a debug build aborts): refuse both here.
         let dims = info.shape.dims();
@@ -133,7 +197,7 @@ impl GgufFile {
                 .lock()
                 .map_err(|_| Error::invalid_file(&self.path, "file handle poisoned"))?;
             self.content
-                .tensor(&mut *file, &name, &Device::Cpu)
+                .tensor(&mut *file, name, &Device::Cpu)
                 .map_err(|e| {
                     Error::invalid_file(
                         &self.path,
@@ -141,18 +205,7 @@ impl GgufFile {
                     )
                 })?
         };
-        let t = q.dequantize(&Device::Cpu)?;
-        let heads = if hf_name.contains("self_attn.q_proj") {
-            Some(n_head)
-        } else if hf_name.contains("self_attn.k_proj") {
-            Some(n_kv_head)
-        } else {
-            None
-        };
-        match (self.arch.as_str(), heads) {
-            ("llama", Some(h)) => Ok(unpermute(&t, h)?),
-            _ => Ok(t),
-        }
+        Ok(q.dequantize(&Device::Cpu)?)
     }
 }
 

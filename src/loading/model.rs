@@ -15,6 +15,7 @@ use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::lora::LoraLinear;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, TextTokenizer};
+use crate::ops::rope::RopeScaling;
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::quant::{Nf4Tensor, QuantConfig};
 
@@ -288,9 +289,8 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
         }
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(&path)?;
-            let has_output = file.has("lm_head.weight");
-            let cfg = ModelConfig::from_gguf(file.content(), &path, has_output)?;
-            let tokenizer = Some(TextTokenizer::from_gguf(file.content(), &path)?);
+            let cfg = gguf_config(&file)?;
+            let tokenizer = gguf_tokenizer(&file)?;
             let weights = Weights::Gguf(Box::new((file, cfg.clone())));
             let model = build_model(&weights, cfg, opts)?;
             Ok(LoadedModel {
@@ -305,6 +305,37 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             loaded.source = format!("{id}@{revision}");
             Ok(loaded)
         }
+    }
+}
+
+/// The configuration of a GGUF file: its metadata, and Phi-3's LongRoPE factors (stored as tensors).
+fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
+    let path = file.path();
+    let mut cfg = ModelConfig::from_gguf(file.content(), path, file.has("lm_head.weight"))?;
+    if let Some(long_rope) = file.long_rope(cfg.max_position_embeddings)? {
+        let expected = cfg.rotary_dim / 2;
+        if long_rope.short_factor.len() != expected || long_rope.long_factor.len() != expected {
+            return Err(Error::invalid_file(
+                path,
+                format!(
+                    "LongRoPE factor tensors hold {} / {} values; the rotary dimension {} needs {expected}",
+                    long_rope.short_factor.len(),
+                    long_rope.long_factor.len(),
+                    cfg.rotary_dim
+                ),
+            ));
+        }
+        cfg.rope_scaling = Some(RopeScaling::LongRope(long_rope));
+    }
+    Ok(cfg)
+}
+
+/// The tokenizer of a GGUF file, if its metadata has one (`tokenizer.ggml.*`).
+fn gguf_tokenizer(file: &GgufFile) -> Result<Option<TextTokenizer>> {
+    if file.metadata().contains_key("tokenizer.ggml.tokens") {
+        TextTokenizer::from_gguf(file.content(), file.path()).map(Some)
+    } else {
+        Ok(None)
     }
 }
 
@@ -323,10 +354,7 @@ fn folder_tokenizer(dir: &Path) -> Result<Option<TextTokenizer>> {
 pub fn load_tokenizer(spec: &str, revision: Option<&str>) -> Result<Option<TextTokenizer>> {
     match ModelSource::parse(spec, revision)? {
         ModelSource::Folder(dir) => folder_tokenizer(&dir),
-        ModelSource::Gguf(path) => {
-            let file = GgufFile::open(&path)?;
-            TextTokenizer::from_gguf(file.content(), &path).map(Some)
-        }
+        ModelSource::Gguf(path) => gguf_tokenizer(&GgufFile::open(&path)?),
         ModelSource::Hub { id, revision } => {
             let fetch = hub_fetcher(&id, &revision)?;
             let config = hub_required(&fetch, &id, &revision, HUB_FILES[0])?;
@@ -347,10 +375,7 @@ pub fn load_model_config(spec: &str, revision: Option<&str>) -> Result<ModelConf
     }
     match ModelSource::parse(spec, revision)? {
         ModelSource::Folder(dir) => ModelConfig::from_hf_config_file(&dir.join("config.json")),
-        ModelSource::Gguf(path) => {
-            let file = GgufFile::open(&path)?;
-            ModelConfig::from_gguf(file.content(), &path, file.has("lm_head.weight"))
-        }
+        ModelSource::Gguf(path) => gguf_config(&GgufFile::open(&path)?),
         ModelSource::Hub { id, revision } => {
             let fetch = hub_fetcher(&id, &revision)?;
             let config = hub_required(&fetch, &id, &revision, HUB_FILES[0])?;

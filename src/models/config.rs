@@ -784,30 +784,30 @@ impl ModelConfig {
         };
         // llama.cpp writes the head width as `attention.key_length` where it differs from hidden / heads, and the
         // rotated dimensions as `rope.dimension_count`.
-        let head_dim = get_u("attention.key_length")
-            .or_else(|_| get_u("rope.dimension_count"))
-            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        let head_dim =
+            get_u("attention.key_length").unwrap_or(hidden_size / num_attention_heads.max(1));
         let rotary_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
         let num_hidden_layers = get_u("block_count")?;
         let sliding_window = get_u("attention.sliding_window").ok().filter(|w| *w > 0);
         let softcap = |k: &str| get_f(k).filter(|v| *v > 0.0);
-        let rope_scaling =
-            match md
-                .get(&key("rope.scaling.type"))
-                .and_then(|v| v.to_string().ok())
-                .map(String::as_str)
-            {
-                None | Some("none") => None,
-                Some("linear") => get_f("rope.scaling.factor")
-                    .filter(|f| *f > 0.0)
-                    .map(|factor| RopeScaling::Linear { factor }),
-                Some(other) => return Err(bad(
+        let rope_scaling = match md
+            .get(&key("rope.scaling.type"))
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+        {
+            None | Some("none") => None,
+            Some("linear") => get_f("rope.scaling.factor")
+                .filter(|f| *f > 0.0)
+                .map(|factor| RopeScaling::Linear { factor }),
+            Some(other) => {
+                return Err(bad(
                     path,
                     format!(
                         "GGUF rope scaling `{other}` is not supported (supported: none, linear)"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
         let config = ModelConfig {
             architecture,

@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use candle_qlora::adapter::Adapters;
 use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::models::{generate, Checkpointing, GenerationConfig, LlamaModel, Positions};
+use candle_qlora::ops::rope::RopeScaling;
 use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::{BnbKernels, QuantConfig};
 use serde_json::Value;
@@ -529,5 +530,68 @@ fn cached_decoding_of_every_family_equals_full_forwards() {
                 "{name}: cached logits at position {position} differ by {d}"
             );
         }
+    }
+}
+
+/// GGUF files written with llama.cpp's conventions (Qwen3's head norms and `key_length`; Phi-3's fused tensors,
+/// partial rotary, sliding window and LongRoPE factors stored as tensors) give the folders' transformers logits,
+/// in float32 and quantized to NF4 on load.
+#[test]
+fn gguf_files_of_qwen3_and_phi3_match_transformers() {
+    for name in ["tiny-qwen3", "tiny-phi3"] {
+        let g = golden(name);
+        let gguf = data_path(&format!("models/{name}/model.gguf"));
+        let load = |quantization| {
+            load_model(
+                gguf.to_str().unwrap(),
+                None,
+                &LoadOptions {
+                    quantization,
+                    compute_dtype: DType::F32,
+                },
+            )
+            .unwrap()
+        };
+        let loaded = load(None);
+        assert!(
+            loaded.tokenizer.is_none(),
+            "{name}: the file has no tokenizer"
+        );
+        let folder = load_tiny(name, None);
+        // The same configuration, but for what GGUF stores differently: epsilon in float32, token ids with the
+        // tokenizer (which these files lack).
+        let mut from_gguf = loaded.model.config().clone();
+        assert_eq!(
+            from_gguf.rms_norm_eps as f32,
+            folder.config().rms_norm_eps as f32
+        );
+        from_gguf.rms_norm_eps = folder.config().rms_norm_eps;
+        from_gguf.bos_token_id = folder.config().bos_token_id;
+        from_gguf.eos_token_ids = folder.config().eos_token_ids.clone();
+        // LongRoPE factors are float32 tensors there.
+        if let (Some(RopeScaling::LongRope(a)), Some(RopeScaling::LongRope(b))) =
+            (&from_gguf.rope_scaling, &folder.config().rope_scaling)
+        {
+            let f32s = |v: &[f64]| v.iter().map(|x| *x as f32).collect::<Vec<_>>();
+            assert_eq!(f32s(&a.short_factor), f32s(&b.short_factor));
+            assert_eq!(f32s(&a.long_factor), f32s(&b.long_factor));
+            assert_eq!(a.attention_factor as f32, b.attention_factor as f32);
+            from_gguf.rope_scaling = folder.config().rope_scaling.clone();
+        }
+        assert_eq!(&from_gguf, folder.config(), "{name}");
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let d = max_abs_diff(&loaded.model.logits(&ids).unwrap(), &g["logits"]);
+        assert!(
+            d <= 1e-5,
+            "{name}: GGUF logits differ from transformers by {d}"
+        );
+        if let Some(short) = g.get("input_ids_short") {
+            let short = short.to_dtype(DType::U32).unwrap();
+            let d = max_abs_diff(&loaded.model.logits(&short).unwrap(), &g["logits_short"]);
+            assert!(d <= 1e-5, "{name}: GGUF short-input logits differ by {d}");
+        }
+        let q = load(Some(nf4_like_bitsandbytes_cpu())).model;
+        let d = max_abs_diff(&q.logits(&ids).unwrap(), &g["logits_nf4"]);
+        assert!(d <= 1e-5, "{name}: GGUF → NF4 logits differ by {d}");
     }
 }
