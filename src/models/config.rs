@@ -969,4 +969,143 @@ mod tests {
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
         assert!(parse(v).unwrap_err().to_string().contains("yarn"));
     }
+
+    fn gemma3_v4() -> Value {
+        json!({"model_type": "gemma3_text", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+               "max_position_embeddings": 1024, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512,
+               "sliding_window_pattern": 6, "query_pre_attn_scalar": 256})
+    }
+
+    #[test]
+    fn reads_gemma3_written_by_transformers_4() {
+        let c = parse(gemma3_v4()).unwrap();
+        let full: Vec<usize> = (0..12)
+            .filter(|&i| c.layer_types[i] == LayerAttention::Full)
+            .collect();
+        assert_eq!(full, vec![5, 11]);
+        assert_eq!(c.window_of(0), Some(512));
+        assert_eq!(c.window_of(5), None);
+        assert_eq!(c.sliding_rope_theta, Some(10000.0));
+        assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!(c.activation, MlpActivation::GeluTanh);
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.attention_scale(), 1.0 / 16.0);
+        assert_eq!(c.embedding_multiplier(), Some(8.0));
+        // transformers 5 writes the same as per-layer-type RoPE parameters.
+        let mut v5 = gemma3_v4();
+        for key in ["rope_theta", "rope_local_base_freq", "rope_scaling"] {
+            v5.as_object_mut().unwrap().remove(key);
+        }
+        v5["rope_parameters"] = json!({
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}});
+        assert_eq!(parse(v5).unwrap(), c);
+    }
+
+    #[test]
+    fn sliding_windows_follow_transformers_defaults() {
+        // Gemma 2 alternates, sliding first.
+        let mut v = gemma3_v4();
+        v["model_type"] = json!("gemma2");
+        v["num_hidden_layers"] = json!(4);
+        let c = parse(v).unwrap();
+        use LayerAttention::{Full, Sliding};
+        assert_eq!(c.layer_types, vec![Sliding, Full, Sliding, Full]);
+        // Qwen2 ignores `sliding_window` unless `use_sliding_window`; then layers from `max_window_layers` slide.
+        let mut v = llama();
+        v["model_type"] = json!("qwen2");
+        v["sliding_window"] = json!(32768);
+        assert_eq!(parse(v.clone()).unwrap().sliding_window, None);
+        v["use_sliding_window"] = json!(true);
+        v["max_window_layers"] = json!(1);
+        let c = parse(v).unwrap();
+        assert_eq!(c.layer_types, vec![Full, Sliding]);
+        // Mistral slides on every layer when it has a window; an explicit list wins.
+        let mut v = llama();
+        v["model_type"] = json!("mistral");
+        v["sliding_window"] = json!(4096);
+        assert_eq!(
+            parse(v.clone()).unwrap().layer_types,
+            vec![Sliding, Sliding]
+        );
+        v["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        assert_eq!(parse(v.clone()).unwrap().layer_types, vec![Full, Sliding]);
+        v["layer_types"] = json!(["full_attention"]);
+        assert!(parse(v.clone())
+            .unwrap_err()
+            .to_string()
+            .contains("lists 1 layers"));
+        v["layer_types"] = json!(["full_attention", "chunked_attention"]);
+        assert!(parse(v)
+            .unwrap_err()
+            .to_string()
+            .contains("chunked_attention"));
+    }
+
+    #[test]
+    fn reads_phi3_longrope_and_partial_rotary() {
+        let mut v = llama();
+        v["model_type"] = json!("phi3");
+        v["num_key_value_heads"] = json!(4);
+        v["partial_rotary_factor"] = json!(0.5);
+        v["max_position_embeddings"] = json!(131072);
+        v["original_max_position_embeddings"] = json!(4096);
+        v["rope_scaling"] = json!({"type": "su", "short_factor": [1.0, 1.0, 1.5, 2.0],
+                                   "long_factor": [2.0, 3.0, 4.0, 5.0]});
+        let c = parse(v.clone()).unwrap();
+        assert_eq!((c.head_dim, c.rotary_dim), (16, 8));
+        let Some(RopeScaling::LongRope(s)) = &c.rope_scaling else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(s.original_max_position_embeddings, 4096);
+        let expected = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt();
+        assert!((s.attention_factor - expected).abs() < 1e-12);
+        assert_eq!(c.architecture.layer_linear_names().len(), 4);
+        assert_eq!(c.layer_linear_shapes()[0], [16 * 4 * 3, 64]);
+        v["rope_scaling"]["long_factor"] = json!([2.0, 3.0]);
+        let err = parse(v).unwrap_err().to_string();
+        assert!(
+            err.contains("long_factor") && err.contains("4 positive numbers"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bad_family_settings_are_named() {
+        let mut v = gemma3_v4();
+        v["hidden_activation"] = json!("relu");
+        assert!(parse(v).unwrap_err().to_string().contains("relu"));
+        let mut v = gemma3_v4();
+        v["attn_logit_softcapping"] = json!(-1.0);
+        assert!(parse(v)
+            .unwrap_err()
+            .to_string()
+            .contains("attn_logit_softcapping"));
+        let mut v = llama();
+        v["partial_rotary_factor"] = json!(1.5);
+        assert!(parse(v)
+            .unwrap_err()
+            .to_string()
+            .contains("partial_rotary_factor"));
+    }
+
+    /// What `to_hf_config` writes reads back to the same configuration, for every family's tiny model.
+    #[test]
+    fn hf_config_round_trips() {
+        let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&models).unwrap() {
+            let path = entry.unwrap().path().join("config.json");
+            if path.exists() {
+                let c = ModelConfig::from_hf_config_file(&path).unwrap();
+                assert_eq!(parse(c.to_hf_config()).unwrap(), c, "{}", path.display());
+                checked += 1;
+            }
+        }
+        assert!(checked >= 7);
+        let c = parse(gemma3_v4()).unwrap();
+        assert_eq!(parse(c.to_hf_config()).unwrap(), c);
+    }
 }

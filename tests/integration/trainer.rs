@@ -408,7 +408,7 @@ fn bundled_configs_are_valid() {
             n += 1;
         }
     }
-    assert_eq!(n, 6);
+    assert_eq!(n, 10);
 }
 
 /// Loss values of `out/log.jsonl`, by step.
