@@ -9,6 +9,7 @@ use serde_json::Value;
 use crate::error::{at_key, Error, Result};
 use crate::files::read_json;
 use crate::ops::rope::{Llama3RopeScaling, LongRopeScaling, RopeScaling};
+use crate::ops::GateActivation;
 
 /// The architectures this implementation covers (family differences are configuration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -143,25 +144,6 @@ impl Architecture {
     }
 }
 
-/// The gated MLP's activation (`hidden_act` / `hidden_activation`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MlpActivation {
-    /// `silu(gate)·up` (SwiGLU).
-    Silu,
-    /// `gelu_tanh(gate)·up` (GeGLU with the tanh GELU, `gelu_pytorch_tanh`).
-    GeluTanh,
-}
-
-impl MlpActivation {
-    /// transformers' name.
-    pub fn name(self) -> &'static str {
-        match self {
-            MlpActivation::Silu => "silu",
-            MlpActivation::GeluTanh => "gelu_pytorch_tanh",
-        }
-    }
-}
-
 /// Which keys a layer's queries see.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerAttention {
@@ -208,7 +190,7 @@ pub struct ModelConfig {
     /// q/k/v projections carry biases (Qwen2).
     pub attention_bias: bool,
     /// The gated MLP's activation.
-    pub activation: MlpActivation,
+    pub activation: GateActivation,
     /// Each layer's attention kind (`layer_types`).
     pub layer_types: Vec<LayerAttention>,
     /// Keys a sliding-window layer sees, the query's own included; `None`: sliding layers see everything.
@@ -298,7 +280,7 @@ impl ModelConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
-            activation_key: self.activation.name(),
+            activation_key: self.activation.hidden_act(),
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids,
             "layer_types": self.layer_types.iter().map(|t| match t {
@@ -583,20 +565,23 @@ fn rope_settings(obj: &Value, path: &Path, head_dim: usize) -> Result<RopeSettin
     })
 }
 
-/// The gated MLP activation a config names.
+/// The gated MLP activation a config names (Gemma's default is the tanh GELU, the others' SiLU).
 fn activation_of(
     name: Option<&str>,
     architecture: Architecture,
     path: &Path,
-) -> Result<MlpActivation> {
+) -> Result<GateActivation> {
     match name {
-        None if architecture.is_gemma() => Ok(MlpActivation::GeluTanh),
-        None | Some("silu") | Some("swish") => Ok(MlpActivation::Silu),
-        Some("gelu_pytorch_tanh") | Some("gelu_tanh") => Ok(MlpActivation::GeluTanh),
-        Some(other) => Err(bad(
-            path,
-            format!("activation `{other}` is not supported (supported: silu, gelu_pytorch_tanh)"),
-        )),
+        None if architecture.is_gemma() => Ok(GateActivation::GeluTanh),
+        None => Ok(GateActivation::Silu),
+        Some(name) => GateActivation::from_hidden_act(name).ok_or_else(|| {
+            bad(
+                path,
+                format!(
+                    "activation `{name}` is not supported (supported: silu, gelu_pytorch_tanh)"
+                ),
+            )
+        }),
     }
 }
 
@@ -989,7 +974,7 @@ mod tests {
         assert_eq!(c.window_of(5), None);
         assert_eq!(c.sliding_rope_theta, Some(10000.0));
         assert_eq!(c.rope_scaling, Some(RopeScaling::Linear { factor: 8.0 }));
-        assert_eq!(c.activation, MlpActivation::GeluTanh);
+        assert_eq!(c.activation, GateActivation::GeluTanh);
         assert!(c.tie_word_embeddings);
         assert_eq!(c.attention_scale(), 1.0 / 16.0);
         assert_eq!(c.embedding_multiplier(), Some(8.0));

@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
-use super::config::{LayerAttention, MlpActivation, ModelConfig};
+use super::config::{LayerAttention, ModelConfig};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
-    self, attention, geglu_tanh, merge_heads, rms_norm, rope, split_heads, swiglu, AttentionSpec,
-    FrozenLinear, FrozenWeight, GradSink, Pass, RopeTables, Segments,
+    self, attention, gated_activation, merge_heads, rms_norm, rope, split_heads, AttentionSpec,
+    FrozenLinear, FrozenWeight, GateActivation, GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -82,7 +82,7 @@ pub struct Mlp {
     pub gate_up: GateUpProjections,
     /// Down projection.
     pub down_proj: Linear,
-    activation: MlpActivation,
+    activation: GateActivation,
 }
 
 /// One decoder layer: normed attention and MLP with residual connections. Llama-style layers norm each block's
@@ -264,10 +264,7 @@ impl Mlp {
                 )
             }
         };
-        let hidden = match self.activation {
-            MlpActivation::Silu => swiglu(&gate, &up)?,
-            MlpActivation::GeluTanh => geglu_tanh(&gate, &up)?,
-        };
+        let hidden = gated_activation(&gate, &up, self.activation)?;
         match residual {
             Some(r) => self.down_proj.forward_plus(&hidden, r, pass),
             None => self.down_proj.forward(&hidden),

@@ -35,6 +35,14 @@ impl GateActivation {
             _ => None,
         }
     }
+
+    /// transformers' name (`hidden_act`).
+    pub fn hidden_act(self) -> &'static str {
+        match self {
+            Self::Silu => "silu",
+            Self::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
 }
 
 /// `act(gate) * up`, element-wise, computed in float32 (f64 stays f64).

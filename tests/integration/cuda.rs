@@ -420,6 +420,134 @@ fn attention_kernels_match_the_cpu_op() {
     }
 }
 
+/// The ops the newer families add, on the GPU (composed Candle ops there) against the CPU ops: attention with a
+/// sliding window shorter than the keys, with soft-capped scores, and both (also after cached keys); GeGLU; the
+/// soft-capped fused cross-entropy.
+#[test]
+fn family_ops_match_the_cpu_ops() {
+    use candle_qlora::ops::{attention, geglu_tanh, linear_cross_entropy_capped, AttentionSpec};
+    let labels: Vec<i64> = (0..120)
+        .map(|i| {
+            if i % 9 == 0 {
+                -100
+            } else {
+                (i * 31 % 500) as i64
+            }
+        })
+        .collect();
+    for dtype in [DType::BF16, DType::F32] {
+        compare_op(
+            "geglu_tanh",
+            |xs| geglu_tanh(&xs[0], &xs[1]),
+            &[
+                input(randn(&[3, 1537], 2.0), dtype, true),
+                input(randn(&[3, 1537], 1.0), dtype, true),
+            ],
+            2e-2,
+        );
+        let causal = AttentionSpec::causal(0.125);
+        for spec in [
+            causal.with_sliding_window(9),
+            causal.with_softcap(5.0),
+            causal.with_sliding_window(20).with_softcap(2.0),
+        ] {
+            for (t, s) in [(77, 77), (5, 70)] {
+                compare_op(
+                    "attention",
+                    move |xs| attention(&xs[0], &xs[1], &xs[2], &spec, None),
+                    &[
+                        input(randn(&[2, 8, t, 64], 1.0), dtype, true),
+                        input(randn(&[2, 2, s, 64], 1.0), dtype, true),
+                        input(randn(&[2, 2, s, 64], 1.0), dtype, true),
+                    ],
+                    3e-2,
+                );
+            }
+        }
+        let labels = labels.clone();
+        compare_op(
+            "linear_cross_entropy_capped",
+            move |xs| {
+                let l = Tensor::new(labels.as_slice(), xs[0].device())?;
+                Ok(linear_cross_entropy_capped(&xs[0], &xs[1], &l, Some(3.0))?.0)
+            },
+            &[
+                input(randn(&[120, 64], 1.0), dtype, true),
+                input(randn(&[500, 64], 0.5), dtype, false),
+            ],
+            2e-2,
+        );
+    }
+}
+
+/// Every family's tiny model on the GPU: float32 logits equal transformers' (to reduction-order noise), NF4 logits
+/// equal transformers + bitsandbytes', and decoding with the KV cache equals full forwards.
+#[test]
+fn every_family_on_the_gpu_matches_transformers() {
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-phi3",
+        "tiny-mistral-sw",
+    ] {
+        let golden = candle_core::safetensors::load(
+            data_path(&format!("models/{name}/golden.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let load = |quantization| {
+            let opts = LoadOptions {
+                quantization,
+                compute_dtype: DType::F32,
+            };
+            load_model(
+                data_path(&format!("models/{name}")).to_str().unwrap(),
+                None,
+                &opts,
+            )
+            .unwrap()
+            .model
+            .to_device(&gpu())
+            .unwrap()
+        };
+        let ids = golden["input_ids"]
+            .to_dtype(DType::U32)
+            .unwrap()
+            .to_device(&gpu())
+            .unwrap();
+        for (model, key) in [
+            (load(None), "logits"),
+            (load(Some(QuantConfig::nf4())), "logits_nf4"),
+        ] {
+            let logits = model.logits(&ids).unwrap();
+            let d =
+                crate::common::max_abs_diff(&logits.to_device(&Device::Cpu).unwrap(), &golden[key]);
+            assert!(d <= 1e-4, "{name} {key}: differs from transformers by {d}");
+        }
+        let model = load(None);
+        let prompt = ids.narrow(1, 0, 12).unwrap();
+        let full = model.logits(&prompt).unwrap();
+        let mut cache = candle_qlora::models::KvCache::default();
+        model
+            .forward_cached(&prompt.narrow(1, 0, 8).unwrap(), &mut cache)
+            .unwrap();
+        for t in 8..12 {
+            let step = model
+                .forward_cached(&prompt.narrow(1, t, 1).unwrap(), &mut cache)
+                .unwrap();
+            let expected = full.narrow(1, t, 1).unwrap().squeeze(1).unwrap();
+            let d = crate::common::max_abs_diff(
+                &step.to_device(&Device::Cpu).unwrap(),
+                &expected.to_device(&Device::Cpu).unwrap(),
+            );
+            assert!(d <= 1e-4, "{name}: cached logits at {t} differ by {d}");
+        }
+    }
+}
+
 /// The optimizers' device kernels keep the parameters and states of the host updates bit for bit — torch AdamW,
 /// bitsandbytes' 32-bit and 8-bit AdamW, resident and paged (with a tensor below `min_8bit_size` on the 32-bit
 /// kernel, a partial absmax block, weight decay, a non-finite gradient element on the 8-bit kernel) — and a state

@@ -2,6 +2,7 @@
 
 mod bad_inputs;
 mod bnb_layout;
+mod chat_templates;
 mod cli;
 mod common;
 #[cfg(feature = "cuda")]
