@@ -226,50 +226,70 @@ mod tests {
 
     #[test]
     fn names_map_to_llama_cpp() {
-        assert_eq!(
-            gguf_name("model.layers.3.self_attn.q_proj.weight", "llama").unwrap(),
-            "blk.3.attn_q.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.mlp.down_proj.weight", "llama").unwrap(),
-            "blk.0.ffn_down.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.1.self_attn.k_proj.bias", "qwen2").unwrap(),
-            "blk.1.attn_k.bias"
-        );
-        assert_eq!(
-            gguf_name("model.embed_tokens.weight", "llama").unwrap(),
-            "token_embd.weight"
-        );
+        let layer = |n: &str| format!("model.layers.2.{n}");
+        let cases = [
+            (
+                "model.embed_tokens.weight".to_string(),
+                "llama",
+                "token_embd.weight",
+            ),
+            (
+                layer("self_attn.q_proj.weight"),
+                "llama",
+                "blk.2.attn_q.weight",
+            ),
+            (
+                layer("mlp.down_proj.weight"),
+                "llama",
+                "blk.2.ffn_down.weight",
+            ),
+            (layer("self_attn.k_proj.bias"), "qwen2", "blk.2.attn_k.bias"),
+            (
+                layer("post_attention_layernorm.weight"),
+                "qwen3",
+                "blk.2.ffn_norm.weight",
+            ),
+            (
+                layer("self_attn.q_norm.weight"),
+                "qwen3",
+                "blk.2.attn_q_norm.weight",
+            ),
+            // Gemma's norms around each block.
+            (
+                layer("post_attention_layernorm.weight"),
+                "gemma2",
+                "blk.2.post_attention_norm.weight",
+            ),
+            (
+                layer("pre_feedforward_layernorm.weight"),
+                "gemma3",
+                "blk.2.ffn_norm.weight",
+            ),
+            (
+                layer("post_feedforward_layernorm.weight"),
+                "gemma2",
+                "blk.2.post_ffw_norm.weight",
+            ),
+            // Phi-3's fused projections.
+            (
+                layer("self_attn.qkv_proj.weight"),
+                "phi3",
+                "blk.2.attn_qkv.weight",
+            ),
+            (
+                layer("mlp.gate_up_proj.weight"),
+                "phi3",
+                "blk.2.ffn_up.weight",
+            ),
+        ];
+        for (hf, arch, expected) in cases {
+            assert_eq!(
+                gguf_name(&hf, arch).as_deref(),
+                Some(expected),
+                "{hf} ({arch})"
+            );
+        }
         assert!(gguf_name("model.layers.0.unknown.weight", "llama").is_none());
-        // Gemma's block norms, Qwen3's head norms, Phi-3's fused projections.
-        let gemma = |n: &str| gguf_name(&format!("model.layers.2.{n}.weight"), "gemma2").unwrap();
-        assert_eq!(
-            gemma("post_attention_layernorm"),
-            "blk.2.post_attention_norm.weight"
-        );
-        assert_eq!(gemma("pre_feedforward_layernorm"), "blk.2.ffn_norm.weight");
-        assert_eq!(
-            gemma("post_feedforward_layernorm"),
-            "blk.2.post_ffw_norm.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.post_attention_layernorm.weight", "qwen3").unwrap(),
-            "blk.0.ffn_norm.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.self_attn.q_norm.weight", "qwen3").unwrap(),
-            "blk.0.attn_q_norm.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.self_attn.qkv_proj.weight", "phi3").unwrap(),
-            "blk.0.attn_qkv.weight"
-        );
-        assert_eq!(
-            gguf_name("model.layers.0.mlp.gate_up_proj.weight", "phi3").unwrap(),
-            "blk.0.ffn_up.weight"
-        );
     }
 
     #[test]

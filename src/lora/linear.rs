@@ -194,6 +194,14 @@ impl LoraLinear {
         }
     }
 
+    /// `forward(merge_heads(y))` for attention heads `y: [b, h, t, d]` (one fused op with a LoRA adapter).
+    pub fn forward_from_heads(&self, y: &Tensor) -> Result<Tensor> {
+        match self.plain_lora() {
+            Some(ad) => low_rank_linear_from_heads(y, &self.base, &ad.branch(), None),
+            None => self.forward(&merge_heads(y)?),
+        }
+    }
+
     /// The active adapter when it is plain LoRA (no DoRA magnitude): the case the fused op computes.
     fn plain_lora(&self) -> Option<&Arc<LoraAdapter>> {
         self.active_adapter().filter(|ad| ad.magnitude.is_none())

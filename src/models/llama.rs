@@ -11,8 +11,8 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use super::config::{LayerAttention, ModelConfig};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
-    self, attention, gated_activation, merge_heads, rms_norm, rope, split_heads, AttentionSpec,
-    FrozenLinear, FrozenWeight, GateActivation, GradSink, Pass, RopeTables, Segments,
+    self, attention, gated_activation, rms_norm, rope, split_heads, AttentionSpec, FrozenLinear,
+    FrozenWeight, GateActivation, GradSink, Pass, RopeTables, Segments,
 };
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
@@ -242,7 +242,7 @@ impl Attention {
         let y = attention(&q, &k, &v, &self.spec, segments)?;
         match residual {
             Some(r) => self.o_proj.forward_from_heads_plus(&y, r),
-            None => self.o_proj.forward(&merge_heads(&y)?),
+            None => self.o_proj.forward_from_heads(&y),
         }
     }
 }

@@ -200,6 +200,36 @@ impl TextTokenizer {
     }
 }
 
+/// transformers' `strftime_now(format)`: `datetime.now().strftime(format)`, the local time formatted by the C
+/// library's `strftime` (in the C locale, as Python leaves `LC_TIME`). Llama 3.x templates put
+/// `strftime_now("%d %b %Y")` into every system prompt ("Today Date: 26 Jul 2024").
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    if format.is_empty() {
+        return Ok(String::new());
+    }
+    let fail = |what: &str| {
+        minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            format!("strftime_now: {what}"),
+        )
+    };
+    let c_format = std::ffi::CString::new(format.as_str())
+        .map_err(|_| fail("the format contains a NUL character"))?;
+    // SAFETY: `time` accepts a null pointer; `localtime_r` writes only into `tm`; `strftime` writes at most
+    // `buf.len()` bytes into `buf` and reads the NUL-terminated format and the `tm` filled above.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    let now = unsafe { libc::time(std::ptr::null_mut()) };
+    if unsafe { libc::localtime_r(&now, &mut tm) }.is_null() {
+        return Err(fail("cannot read the local time"));
+    }
+    // A conversion (two or three format bytes) expands to at most a few dozen bytes in the C locale.
+    let mut buf = vec![0u8; 64 + 32 * format.len()];
+    let n = unsafe { libc::strftime(buf.as_mut_ptr().cast(), buf.len(), c_format.as_ptr(), &tm) };
+    // 0 is either an empty result (e.g. `%p` in some locales) or one that does not fit; both give "".
+    buf.truncate(n);
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
 /// Instructions a chat template may execute per rendering (minijinja's fuel).
 const TEMPLATE_FUEL: u64 = 10_000_000;
 
@@ -238,7 +268,7 @@ pub fn render_chat_template(
             ))
         },
     );
-    env.add_function("strftime_now", |_fmt: String| -> String { String::new() });
+    env.add_function("strftime_now", strftime_now);
     env.add_template("chat", template)
         .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {e}")))?;
     let tmpl = env
@@ -286,6 +316,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("only user and assistant roles"), "{err}");
+    }
+
+    #[test]
+    fn strftime_now_formats_the_local_date_like_python() {
+        // Llama 3.x: `{%- set date_string = strftime_now("%d %b %Y") %}` -> e.g. "09 Mar 2025" (it was "" here).
+        let date =
+            render_chat_template("{{ strftime_now('%d %b %Y') }}", &[], false, None, None).unwrap();
+        let shape: String = date
+            .chars()
+            .map(|c| {
+                if c.is_ascii_digit() {
+                    '0'
+                } else if c.is_ascii_alphabetic() {
+                    'a'
+                } else {
+                    c
+                }
+            })
+            .collect();
+        assert_eq!(shape, "00 aaa 0000", "{date:?}");
+        let t = "{{ strftime_now('%Y') }}|{{ strftime_now('') }}|{{ strftime_now('100%% plain') }}";
+        let out = render_chat_template(t, &[], false, None, None).unwrap();
+        let (year, rest) = out.split_once('|').unwrap();
+        assert!(
+            year.len() == 4 && year.parse::<u32>().unwrap() >= 2024,
+            "{out:?}"
+        );
+        assert_eq!(rest, "|100% plain");
     }
 
     #[test]
