@@ -21,6 +21,8 @@ Outputs:
     tests/data/models/tiny-gemma3/     Gemma3ForCausalLM (model_type gemma3_text), 3 layers
     tests/data/models/tiny-phi3/       Phi3ForCausalLM, + model.gguf
     tests/data/models/tiny-mistral-sw/ MistralForCausalLM with sliding_window 5
+    tests/data/models/tiny-gemma2-gguf/, tiny-gemma3-gguf/   only model.gguf + golden.safetensors: Gemma 2 / 3
+                                       configs a GGUF can express (see "GGUF for Gemma")
         every tiny folder: config.json, model.safetensors (float32), tokenizer.json (word level, "t1".."t127"),
         golden.safetensors tensors:
             input_ids           int64 [2, 19]
@@ -119,6 +121,45 @@ GGUF_CONFIG_MAPPING ignores qwen3.attention.key_length, so head_dim defaults to 
 count / LongRoPE factors / sliding window, and pad_token_id defaults to 32000); those keys follow llama.cpp's
 converter. No GGUF for Gemma 2 / 3: llama.cpp has no key for query_pre_attn_scalar (it uses 1/sqrt(head_dim), or
 1/sqrt(hidden / heads) for 27B) and hard-codes Gemma 3's window pattern 6, so these tiny configs cannot be stored.
+(tiny-gemma2-gguf / tiny-gemma3-gguf are Gemma configs that can, see below.)
+
+GGUF for Gemma (tiny-gemma2-gguf, tiny-gemma3-gguf; `generate-tiny` writes them too). Sizes, weights and goldens
+as the tiny models (generate_tiny runs on a temporary folder, so golden.safetensors has the same tensors, checks and
+"family" metadata, plus "gguf_file": the file's keys and the checks below); only model.gguf and golden.safetensors
+are kept (config.json, model.safetensors and the tokenizer are not needed: the file carries the configuration).
+  tiny-gemma2-gguf  Gemma2ForCausalLM as tiny-gemma2 but query_pre_attn_scalar 16 = head_dim (scale 1/4), seed 18:
+              2 layers [sliding, full], window 6, softcaps 2 / 3, tied, theta 10000.
+  tiny-gemma3-gguf  Gemma3ForCausalLM (gemma3_text), 6 layers [sliding x 5, full] (pattern 6), intermediate 64 (file
+              size), head_dim 16 = query_pre_attn_scalar, window 6, q/k norms, tied, seed 19; full layers theta 1e6
+              with linear factor 2, sliding layers theta 1e4 (legacy kwargs as tiny-gemma3).
+  The file is what llama.cpp's convert_hf_to_gguf.py writes (Gemma2Model / Gemma3Model, read at llama.cpp commit
+  0024aa74): all f32; every "*norm.weight" stored as 1 + w (the effective scale); names from gguf-py's map
+  (token_embd, output_norm, blk.N.attn_norm / attn_q / attn_k / attn_v / attn_output / post_attention_norm
+  (post_attention_layernorm) / ffn_norm (pre_feedforward_layernorm) / ffn_gate / ffn_up / ffn_down / post_ffw_norm
+  (post_feedforward_layernorm), Gemma 3 also attn_q_norm / attn_k_norm), no q/k permutation, no output.weight
+  (tied); keys: general.type, general.name, general.file_type 0, {arch}.context_length, embedding_length,
+  block_count, feed_forward_length, attention.head_count, head_count_kv, layer_norm_rms_epsilon, key_length /
+  value_length (head_dim), attention.sliding_window, vocab_size (added, no tokenizer); gemma2 also
+  attn_logit_softcapping and final_logit_softcapping (Gemma2Model writes no rope key: llama.cpp's base defaults to
+  10000); gemma3 also rope.freq_base (full layers' theta), rope.scaling.type "linear" + rope.scaling.factor (from
+  rope_parameters["full_attention"]) and rope.freq_base_swa (the sliding layers' theta, written by
+  TextModel.set_gguf_parameters; llama.cpp's gemma3 loader sets that base to 10000 itself), no final softcap (null).
+  What llama.cpp builds from such a file (src/llama-model.cpp load_hparams, src/llama-hparams.cpp, the gemma2 /
+  gemma3 graphs): embeddings * sqrt(n_embd); q scaled by 1/sqrt(key_length) (1/sqrt(n_embd / n_head) for the 27B
+  sizes, 46 / 62 layers, which these are not); gemma2: layers alternate sliding-first (swa pattern 2), window from
+  the key (default 4096), attention softcap always on (default 50) applied to the scaled q.k before the mask, final
+  softcap (default 30), every layer at rope.freq_base (default 10000); gemma3: pattern 6 (layer i slides iff
+  i % 6 < 5), window required, sliding layers RoPE base 10000 and scale 1, full layers rope.freq_base and
+  1 / rope.scaling.factor; key p0 masked from query p1 iff p1 - p0 >= window (= transformers' rule); NEOX
+  (rotate_half) RoPE. Verified: read back with gguf-py (every tensor bit-equal to the HF weight, norms to 1 + w;
+  exactly the expected key set, every value equal); the tensor names are exactly those llama.cpp's loader creates;
+  transformers' GGUF config reader agrees on every key it reads (layers, context, hidden, ffn, heads, kv heads,
+  head_dim, window, eps, vocab, tie); transformers loads the GGUF into the HF config's model (its
+  Gemma2TensorProcessor subtracts the 1 again, exactly) and its logits equal the goldens (max diff 0); and the model
+  llama.cpp's rules above build from the file's keys alone (llama_cpp_reading: an HF config from the keys and
+  llama.cpp's defaults, nothing from config.json) gives the golden logits and loss (max diff 0). A transformers
+  GGUF-only load differs (recorded: it does not read the softcaps, so Gemma 2 gets its defaults 50 / 30 and
+  query_pre_attn_scalar 256; for Gemma 3 query_pre_attn_scalar 256 and no rope scaling).
 
 Determinism: torch runs single-threaded with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2); weights and ids come from
 seeded torch.Generators; attention is the eager implementation (plain matmul + softmax). MKL's BLAS still picks its
@@ -144,6 +185,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -958,11 +1000,301 @@ def generate_gguf():
         print(f"{name}: no model.gguf: {why}")
 
 
+# ------------------------------------------------------------------------------------- GGUF-expressible Gemma
+
+# Gemma 2 / 3 configs a GGUF can store (see "GGUF for Gemma" in the module docstring): the score scale is
+# head_dim^-0.5 (query_pre_attn_scalar = head_dim), Gemma 2's layers alternate sliding-first, Gemma 3 has the
+# hard-coded pattern 6. Each folder holds only model.gguf and golden.safetensors; the HF folder that produces them
+# lives in a temporary directory. Same format as TINY.
+GEMMA_GGUF = [
+    ("tiny-gemma2-gguf", Gemma2Config, Gemma2ForCausalLM,
+     dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, layer_types=[SLIDING, FULL],
+          attn_logit_softcapping=2.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+          tie_word_embeddings=True, rope_theta=10000.0), 18,
+     dict(report=True, gemma_norms=True,
+          variants=[("without_softcaps", dict(attn_logit_softcapping=None, final_logit_softcapping=None)),
+                    ("all_full_attention", dict(layer_types=[FULL, FULL])),
+                    ("query_pre_attn_scalar_24", dict(query_pre_attn_scalar=24))])),
+    ("tiny-gemma3-gguf", Gemma3TextConfig, Gemma3ForCausalLM,
+     dict(num_hidden_layers=6, intermediate_size=64, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+          sliding_window_pattern=6, layer_types=[SLIDING] * 5 + [FULL], rope_theta=1000000.0,
+          rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+          hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True), 19,
+     dict(report=True, gemma_norms=True,
+          variants=[("all_full_attention", dict(layer_types=[FULL] * 6)),
+                    ("pattern_3", dict(layer_types=[SLIDING, SLIDING, FULL] * 2)),
+                    ("global_rope_unscaled", dict(rope_parameters={
+                        FULL: {"rope_type": "default", "rope_theta": 1000000.0},
+                        SLIDING: {"rope_type": "default", "rope_theta": 10000.0}})),
+                    ("local_theta_1e6", dict(rope_parameters={
+                        FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                        SLIDING: {"rope_type": "default", "rope_theta": 1000000.0}})),
+                    ("query_pre_attn_scalar_24", dict(query_pre_attn_scalar=24))])),
+]
+
+GEMMA_GGUF_ARCH = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+
+# GGUFWriter method -> key (without the "{arch}." prefix where it has one)
+GEMMA_GGUF_KEYS = {
+    "add_type": "general.type", "add_name": "general.name", "add_file_type": "general.file_type",
+    "add_context_length": "context_length", "add_embedding_length": "embedding_length",
+    "add_block_count": "block_count", "add_feed_forward_length": "feed_forward_length",
+    "add_head_count": "attention.head_count", "add_head_count_kv": "attention.head_count_kv",
+    "add_layer_norm_rms_eps": "attention.layer_norm_rms_epsilon", "add_key_length": "attention.key_length",
+    "add_value_length": "attention.value_length", "add_sliding_window": "attention.sliding_window",
+    "add_attn_logit_softcapping": "attn_logit_softcapping",
+    "add_final_logit_softcapping": "final_logit_softcapping",
+    "add_rope_scaling_type": "rope.scaling.type", "add_rope_scaling_factor": "rope.scaling.factor",
+    "add_rope_freq_base": "rope.freq_base", "add_rope_freq_base_swa": "rope.freq_base_swa",
+    "add_vocab_size": "vocab_size",
+}
+
+
+def gemma_gguf_metadata(cfg):
+    """The (GGUFWriter method, value) calls llama.cpp's convert_hf_to_gguf.py makes for config.json `cfg`, each key
+    once and in its order: Gemma2Model.set_gguf_parameters (no rope keys: llama.cpp's default base is 10000), or for
+    gemma3 TextModel.set_gguf_parameters followed by Gemma3Model.set_gguf_parameters (its repeated keys written once;
+    rope scaling from rope_parameters["full_attention"], rope.freq_base_swa from rope_parameters
+    ["sliding_attention"], the window unless sliding_window_pattern == 1, no final softcap when null). general.type /
+    general.name first; `{arch}.vocab_size` added (no tokenizer)."""
+    calls = [("add_type", "model"), ("add_name", None)]
+    head_dim = cfg["head_dim"]
+    if cfg["model_type"] == "gemma2":
+        assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}, cfg["rope_parameters"]
+        calls += [("add_context_length", cfg["max_position_embeddings"]), ("add_embedding_length", cfg["hidden_size"]),
+                  ("add_block_count", cfg["num_hidden_layers"]), ("add_feed_forward_length", cfg["intermediate_size"]),
+                  ("add_head_count", cfg["num_attention_heads"]), ("add_head_count_kv", cfg["num_key_value_heads"]),
+                  ("add_layer_norm_rms_eps", cfg["rms_norm_eps"]), ("add_key_length", head_dim),
+                  ("add_value_length", head_dim), ("add_file_type", int(gguf.LlamaFileType.ALL_F32)),
+                  ("add_attn_logit_softcapping", cfg["attn_logit_softcapping"]),
+                  ("add_final_logit_softcapping", cfg["final_logit_softcapping"]),
+                  ("add_sliding_window", cfg["sliding_window"])]
+    elif cfg["model_type"] == "gemma3_text":
+        full, local = cfg["rope_parameters"][FULL], cfg["rope_parameters"][SLIDING]
+        assert full["rope_type"] == "linear" and local["rope_type"] == "default", cfg["rope_parameters"]
+        assert cfg["attn_logit_softcapping"] is None and cfg["final_logit_softcapping"] is None
+        assert cfg["sliding_window_pattern"] != 1
+        calls += [("add_block_count", cfg["num_hidden_layers"]), ("add_context_length", cfg["max_position_embeddings"]),
+                  ("add_embedding_length", cfg["hidden_size"]), ("add_feed_forward_length", cfg["intermediate_size"]),
+                  ("add_head_count", cfg["num_attention_heads"]), ("add_head_count_kv", cfg["num_key_value_heads"]),
+                  ("add_rope_scaling_type", gguf.RopeScalingType.LINEAR), ("add_rope_scaling_factor", full["factor"]),
+                  ("add_rope_freq_base", full["rope_theta"]), ("add_rope_freq_base_swa", local["rope_theta"]),
+                  ("add_layer_norm_rms_eps", cfg["rms_norm_eps"]), ("add_key_length", head_dim),
+                  ("add_value_length", head_dim), ("add_file_type", int(gguf.LlamaFileType.ALL_F32)),
+                  ("add_sliding_window", cfg["sliding_window"])]
+    else:
+        raise ValueError(cfg["model_type"])
+    return calls + [("add_vocab_size", cfg["vocab_size"])]
+
+
+def gemma_gguf_tensor_names(cfg):
+    """The tensors llama.cpp's gemma2 / gemma3 loaders create for a tied model (src/llama-model.cpp load_tensors)."""
+    names = {"token_embd.weight", "output_norm.weight"}
+    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm",
+                 "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"]
+    if cfg["model_type"] == "gemma3_text":
+        per_layer += ["attn_q_norm", "attn_k_norm"]
+    return names | {f"blk.{i}.{t}.weight" for i in range(cfg["num_hidden_layers"]) for t in per_layer}
+
+
+def write_gemma_gguf(folder):
+    """model.gguf in `folder` from its config.json + model.safetensors, as Gemma2Model / Gemma3Model.modify_tensors
+    write it: every "*norm.weight" + 1 (the effective (1 + w) scale, in float32), names through gguf-py's map for
+    the architecture (post_attention_layernorm -> post_attention_norm, pre_feedforward_layernorm -> ffn_norm,
+    post_feedforward_layernorm -> post_ffw_norm), no q/k permutation, no output.weight (tied)."""
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    arch = GEMMA_GGUF_ARCH[cfg["model_type"]]
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    assert "lm_head.weight" not in state and cfg["tie_word_embeddings"]
+    shifted = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in state.items()}
+    path = os.path.join(folder, "model.gguf")
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+    name = os.path.basename(folder)
+    for method, value in gemma_gguf_metadata(cfg):
+        getattr(writer, method)(name if method == "add_name" else value)
+    tensors = gguf_tensors(cfg, shifted, arch)
+    assert set(tensors) == gemma_gguf_tensor_names(cfg), sorted(set(tensors) ^ gemma_gguf_tensor_names(cfg))
+    for tname, array in tensors.items():
+        writer.add_tensor(tname, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, cfg, state, tensors
+
+
+def llama_cpp_reading(path):
+    """The Gemma 2 / 3 model llama.cpp builds from the file's keys (src/llama-model.cpp load_hparams: optional keys
+    and their defaults, arch-specific: gemma2 swa pattern 2, window default 4096, attn_soft_cap on with default caps
+    50 / 30; gemma3 swa pattern 6, sliding layers at base 10000 and scale 1; both f_attention_scale =
+    1/sqrt(n_embd_head_k) unless 27B (46 / 62 layers), embeddings * sqrt(n_embd), NEOX rope), as an HF config."""
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    arch = fields["general.architecture"]
+    kv = lambda k, default=None: fields.get(f"{arch}.{k}", default)  # noqa: E731
+    n_layer, n_embd, n_head = kv("block_count"), kv("embedding_length"), kv("attention.head_count")
+    head_dim = kv("attention.key_length", n_embd // n_head)
+    assert kv("attention.value_length", n_embd // n_head) == head_dim
+    assert n_layer not in ({"gemma2": 46, "gemma3": 62}[arch],)  # the 27B scale rule does not apply
+    theta = kv("rope.freq_base", 10000.0)
+    scaling = kv("rope.scaling.type", "linear")
+    factor = kv("rope.scaling.factor", 0.0)
+    full = {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear" and factor not in (0.0, 1.0):
+        full = {"rope_type": "linear", "factor": factor, "rope_theta": theta}
+    common = dict(vocab_size=kv("vocab_size"), hidden_size=n_embd, intermediate_size=kv("feed_forward_length"),
+                  num_hidden_layers=n_layer, num_attention_heads=n_head,
+                  num_key_value_heads=kv("attention.head_count_kv", n_head),
+                  max_position_embeddings=kv("context_length"), rms_norm_eps=kv("attention.layer_norm_rms_epsilon"),
+                  head_dim=head_dim, query_pre_attn_scalar=head_dim, hidden_activation="gelu_pytorch_tanh",
+                  tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors), bos_token_id=1,
+                  eos_token_id=2, attn_implementation=ATTN)
+    if arch == "gemma2":
+        return Gemma2Config(**common, sliding_window=kv("attention.sliding_window", 4096),
+                            layer_types=[SLIDING if i % 2 < 1 else FULL for i in range(n_layer)],
+                            attn_logit_softcapping=kv("attn_logit_softcapping", 50.0),
+                            final_logit_softcapping=kv("final_logit_softcapping", 30.0), rope_parameters=full)
+    assert arch == "gemma3"
+    return Gemma3TextConfig(**common, sliding_window=kv("attention.sliding_window"),
+                            layer_types=[SLIDING if i % 6 < 5 else FULL for i in range(n_layer)],
+                            final_logit_softcapping=kv("final_logit_softcapping"),
+                            rope_parameters={FULL: full, SLIDING: {"rope_type": "default", "rope_theta": 10000.0}})
+
+
+def verify_gemma_gguf(folder, path, cfg, state, tensors):
+    """The checks listed under "GGUF for Gemma" in the module docstring; returns the facts recorded in the golden's
+    gguf_file metadata."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reader = gguf.GGUFReader(path)
+    assert sorted(t.name for t in reader.tensors) == sorted(tensors)
+    for t in reader.tensors:
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+        assert np.array_equal(np.asarray(t.data).reshape(tensors[t.name].shape), tensors[t.name]), t.name
+    names = gguf.get_tensor_name_map(GEMMA_GGUF_ARCH[cfg["model_type"]], cfg["num_hidden_layers"])
+    for hf_name, w in state.items():
+        stored = tensors[names.get_name(hf_name.rsplit(".", 1)[0]) + ".weight"]
+        want = (w + 1.0) if hf_name.endswith("norm.weight") else w
+        assert np.array_equal(stored, want.numpy()), hf_name
+    arch = reader.fields["general.architecture"].contents()
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    expected = {"general.architecture": arch}
+    for method, value in gemma_gguf_metadata(cfg):
+        key = GEMMA_GGUF_KEYS[method]
+        key = key if key.startswith("general.") else f"{arch}.{key}"
+        value = os.path.basename(folder) if method == "add_name" else value
+        expected[key] = value.value if isinstance(value, gguf.RopeScalingType) else value
+    assert sorted(fields) == sorted(expected), (sorted(fields), sorted(expected))
+    for key, value in expected.items():
+        got = fields[key]
+        ok = got == value if isinstance(value, str) else float(np.float32(value)) == float(np.float32(got))
+        assert ok, (key, got, value)
+
+    # transformers' reading of the keys it maps (integrations/ggml.py GGUF_CONFIG_MAPPING)
+    parsed = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    for key in ("num_hidden_layers", "max_position_embeddings", "hidden_size", "intermediate_size",
+                "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings", "head_dim",
+                "sliding_window"):
+        assert parsed[key] == cfg[key], (key, parsed[key], cfg[key])
+    assert abs(parsed["rms_norm_eps"] - cfg["rms_norm_eps"]) <= 1e-6 * cfg["rms_norm_eps"]
+
+    golden = load_file(os.path.join(folder, "golden.safetensors"))
+    ids = golden["input_ids"]
+    # the weights, loaded by transformers from the GGUF into the HF config's model (its Gemma2TensorProcessor
+    # subtracts 1 from the norms again: exact, so 1 + w is the stored float32 scale bit for bit)
+    hf_cfg = transformers.AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", config=hf_cfg, dtype=torch.float32,
+                                                 attn_implementation=ATTN)
+    model.eval()
+    loaded = model.state_dict()
+    for k, v in state.items():
+        assert torch.equal(1.0 + loaded[k], 1.0 + v) if k.endswith("norm.weight") else torch.equal(loaded[k], v), k
+    with torch.no_grad():
+        diff_hf = float((model(ids).logits.float() - golden["logits"]).abs().max())
+    assert diff_hf <= 1e-5, diff_hf
+    del model
+
+    # llama.cpp's reading of the file (its defaults and hard-coded rules, nothing from config.json), as an HF model
+    # with the GGUF's weights
+    reading = llama_cpp_reading(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", config=reading, dtype=torch.float32,
+                                                 attn_implementation=ATTN)
+    model.eval()
+    assert list(model.config.layer_types) == list(hf_cfg.layer_types)
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    diff_llama_cpp = float((out.logits.float() - golden["logits"]).abs().max())
+    assert diff_llama_cpp <= 1e-5, diff_llama_cpp
+    assert abs(float(out.loss) - float(golden["loss"][0])) <= 1e-5
+    del model
+
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()
+    try:  # the GGUF alone: transformers' GGUF config reader does not read every key this file relies on
+        alone = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", dtype=torch.float32,
+                                                     attn_implementation=ATTN)
+        with torch.no_grad():
+            d = float((alone(ids).logits.float() - golden["logits"]).abs().max())
+        outcome = f"loads, max |logits - golden| = {d:.3g}"
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        outcome = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    return {
+        "file": "model.gguf",
+        "architecture": arch,
+        "keys": {k: v for k, v in sorted(expected.items()) if not k.startswith("general.")},
+        "tensors": len(tensors),
+        "norms_stored_as": "1 + w (float32)",
+        "llama_cpp_reading": {"layer_types": list(reading.layer_types), "head_dim": reading.head_dim,
+                              "attention_scale": reading.head_dim ** -0.5, "sliding_window": reading.sliding_window,
+                              "rope_parameters": reading.rope_parameters,
+                              "attn_logit_softcapping": getattr(reading, "attn_logit_softcapping", None),
+                              "final_logit_softcapping": reading.final_logit_softcapping},
+        "llama_cpp_reading_max_abs_logit_diff": diff_llama_cpp,
+        "transformers_gguf_with_hf_config_max_abs_logit_diff": diff_hf,
+        "transformers_gguf_only_load": outcome,
+    }
+
+
+def generate_gemma_gguf():
+    """tests/data/models/tiny-gemma{2,3}-gguf/{model.gguf, golden.safetensors}: generate_tiny builds the HF folder in
+    a temporary directory (the golden there has every tiny-model tensor and check), the GGUF is written and verified
+    next to it, and only the two files are copied (the golden with a gguf_file metadata entry added)."""
+    global OUT
+    for case in GEMMA_GGUF:
+        name = case[0]
+        dest = os.path.join(OUT, name)
+        with tempfile.TemporaryDirectory() as tmp:
+            saved, OUT = OUT, tmp
+            try:
+                generate_tiny(*case)
+            finally:
+                OUT = saved
+            folder = os.path.join(tmp, name)
+            path, cfg, state, tensors = write_gemma_gguf(folder)
+            facts = verify_gemma_gguf(folder, path, cfg, state, tensors)
+            os.makedirs(dest, exist_ok=True)
+            golden = load_file(os.path.join(folder, "golden.safetensors"))
+            with safetensors.safe_open(os.path.join(folder, "golden.safetensors"), "pt") as f:
+                meta = dict(f.metadata())
+            meta["gguf_file"] = json.dumps(facts, sort_keys=True)
+            save_sorted(golden, os.path.join(dest, "golden.safetensors"), meta)
+            shutil.copyfile(path, os.path.join(dest, "model.gguf"))
+        print(f"{name}: model.gguf {os.path.getsize(os.path.join(dest, 'model.gguf'))} bytes, {len(tensors)} f32 "
+              f"tensors; llama.cpp reading off by {facts['llama_cpp_reading_max_abs_logit_diff']:.3g}, transformers "
+              f"(HF config) off by {facts['transformers_gguf_with_hf_config_max_abs_logit_diff']:.3g}; GGUF-only "
+              f"transformers load {facts['transformers_gguf_only_load']}")
+        print(f"{name}: keys {facts['keys']}")
+
+
 def generate(tiny_only=False):
     os.makedirs(OUT, exist_ok=True)
     for case in TINY:
         generate_tiny(*case)
     generate_gguf()
+    generate_gemma_gguf()
     if not tiny_only:
         generate_smollm2()
     total = 0

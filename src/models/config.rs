@@ -610,6 +610,17 @@ fn parse_layer_types(names: &[String], layers: usize, path: &Path) -> Result<Vec
         .collect()
 }
 
+/// `layers`, refused before anything per layer is built when no model has that many.
+fn layer_count(layers: usize, path: &Path) -> Result<usize> {
+    if layers > MAX_LAYERS {
+        return Err(bad(
+            path,
+            format!("num_hidden_layers = {layers} is more than any model has (at most {MAX_LAYERS}); the file is damaged"),
+        ));
+    }
+    Ok(layers)
+}
+
 /// A positive finite value, or an error naming `key`.
 fn positive(value: Option<f64>, key: &str, path: &Path) -> Result<Option<f64>> {
     match value {
@@ -654,6 +665,7 @@ impl ModelConfig {
         if sliding_window == Some(0) {
             return Err(bad(path, "`sliding_window` must be at least 1".into()));
         }
+        layer_count(hf.num_hidden_layers, path)?;
         let layer_types = match &hf.layer_types {
             Some(names) => parse_layer_types(names, hf.num_hidden_layers, path)?,
             None => Self::default_layer_types(
@@ -772,9 +784,18 @@ impl ModelConfig {
         let head_dim =
             get_u("attention.key_length").unwrap_or(hidden_size / num_attention_heads.max(1));
         let rotary_dim = get_u("rope.dimension_count").unwrap_or(head_dim);
-        let num_hidden_layers = get_u("block_count")?;
-        let sliding_window = get_u("attention.sliding_window").ok().filter(|w| *w > 0);
-        let softcap = |k: &str| get_f(k).filter(|v| *v > 0.0);
+        let num_hidden_layers = layer_count(get_u("block_count")?, path)?;
+        let gemma2 = architecture == Architecture::Gemma2;
+        // llama.cpp's defaults where its Gemma 2 keys are missing: a 4096 window, caps of 50 and 30.
+        let sliding_window = get_u("attention.sliding_window")
+            .ok()
+            .or(gemma2.then_some(4096))
+            .filter(|w| *w > 0);
+        let softcap = |k: &str, gemma2_default: f64| {
+            get_f(k)
+                .or(gemma2.then_some(gemma2_default))
+                .filter(|v| *v > 0.0)
+        };
         let rope_scaling = match md
             .get(&key("rope.scaling.type"))
             .and_then(|v| v.to_string().ok())
@@ -805,7 +826,7 @@ impl ModelConfig {
             head_dim,
             rotary_dim,
             rms_norm_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
-            rope_theta: get_f("rope.freq_base").unwrap_or(architecture.default_rope_theta()),
+            rope_theta: get_f("rope.freq_base").unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp's Gemma 3 uses a fixed 10⁴ base on its sliding layers.
             sliding_rope_theta: (architecture == Architecture::Gemma3).then_some(10_000.0),
@@ -821,10 +842,16 @@ impl ModelConfig {
                 None,
             ),
             sliding_window,
-            // llama.cpp's Gemma scales scores by 1/√head_dim (and keeps no `query_pre_attn_scalar`).
-            query_pre_attn_scalar: None,
-            attn_logit_softcapping: softcap("attn_logit_softcapping"),
-            final_logit_softcapping: softcap("final_logit_softcapping"),
+            // llama.cpp keeps no `query_pre_attn_scalar`: Gemma scales scores by 1/√head_dim, but the 27B models
+            // (46 layers of Gemma 2, 62 of Gemma 3) by 1/√(hidden / heads), as their configs say.
+            query_pre_attn_scalar: match (architecture, num_hidden_layers) {
+                (Architecture::Gemma2, 46) | (Architecture::Gemma3, 62) => {
+                    Some((hidden_size / num_attention_heads.max(1)) as f64)
+                }
+                _ => None,
+            },
+            attn_logit_softcapping: softcap("attn_logit_softcapping", 50.0),
+            final_logit_softcapping: softcap("final_logit_softcapping", 30.0),
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
         };

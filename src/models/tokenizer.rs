@@ -234,7 +234,8 @@ fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error>
 const TEMPLATE_FUEL: u64 = 10_000_000;
 
 /// Renders a Hugging Face chat template with minijinja (Python string methods, `raise_exception`,
-/// `strftime_now`, and `trim_blocks`/`lstrip_blocks` as transformers sets them). A template that runs away (more
+/// `strftime_now`, Python's `json.dumps` as `tojson`, `tools` and `documents` set to none, and
+/// `trim_blocks`/`lstrip_blocks` as transformers sets them). A template that runs away (more
 /// than ten million instructions) is an error.
 pub fn render_chat_template(
     template: &str,
@@ -269,6 +270,7 @@ pub fn render_chat_template(
         },
     );
     env.add_function("strftime_now", strftime_now);
+    env.add_filter("tojson", super::pyjson::tojson);
     env.add_template("chat", template)
         .map_err(|e| Error::Tokenizer(format!("the chat template does not parse: {e}")))?;
     let tmpl = env
@@ -283,6 +285,9 @@ pub fn render_chat_template(
             add_generation_prompt => add_generation_prompt,
             bos_token => bos_token.unwrap_or(""),
             eos_token => eos_token.unwrap_or(""),
+            // transformers always passes these (as None): `tools is defined` holds there.
+            tools => minijinja::Value::from(()),
+            documents => minijinja::Value::from(()),
         })
     }))
     .map_err(|_| {

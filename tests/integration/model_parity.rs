@@ -595,3 +595,60 @@ fn gguf_files_of_qwen3_and_phi3_match_transformers() {
         assert!(d <= 1e-5, "{name}: GGUF → NF4 logits differ by {d}");
     }
 }
+
+/// Gemma 2 / 3 GGUF files in llama.cpp's conventions (norms stored as `1 + w`; `post_attention_norm`, `ffn_norm`
+/// and `post_ffw_norm` around the blocks; soft-caps, window and `key_length` as keys; scores scaled by
+/// 1/√key_length; Gemma 2's layers alternating sliding-first, Gemma 3's five sliding then one full, its sliding
+/// layers at RoPE base 10⁴ unscaled and its full ones at `rope.freq_base` with linear scaling) give transformers'
+/// logits for the configs such a file can express, in float32 and quantized to NF4 on load.
+#[test]
+fn gemma_gguf_files_match_transformers() {
+    let cases: [(&str, &[Option<usize>]); 2] = [
+        ("tiny-gemma2-gguf", &[Some(6), None]),
+        (
+            "tiny-gemma3-gguf",
+            &[Some(6), Some(6), Some(6), Some(6), Some(6), None],
+        ),
+    ];
+    for (name, windows) in cases {
+        let g = golden(name);
+        let gguf = data_path(&format!("models/{name}/model.gguf"));
+        let load = |quantization| {
+            load_model(
+                gguf.to_str().unwrap(),
+                None,
+                &LoadOptions {
+                    quantization,
+                    compute_dtype: DType::F32,
+                },
+            )
+            .unwrap()
+        };
+        let loaded = load(None);
+        assert!(
+            loaded.tokenizer.is_none(),
+            "{name}: the file has no tokenizer"
+        );
+        let model = loaded.model;
+        let got: Vec<_> = (0..windows.len())
+            .map(|i| model.config().window_of(i))
+            .collect();
+        assert_eq!(got, windows, "{name}: sliding window per layer");
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
+        assert!(
+            d <= 1e-5,
+            "{name}: GGUF logits differ from transformers by {d}"
+        );
+        let (sum, n) = text_loss(&model, &ids);
+        let loss = sum / n as f32;
+        let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
+        assert!(
+            (loss - expected).abs() <= 1e-5,
+            "{name}: loss {loss} vs {expected}"
+        );
+        let q = load(Some(nf4_like_bitsandbytes_cpu())).model;
+        let d = max_abs_diff(&q.logits(&ids).unwrap(), &g["logits_nf4"]);
+        assert!(d <= 1e-5, "{name}: GGUF → NF4 logits differ by {d}");
+    }
+}
