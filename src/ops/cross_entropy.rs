@@ -416,24 +416,30 @@ fn token_loss<T: CpuTanh>(
     if with_grad {
         scratch.resize(row.len(), T::zero());
     }
-    simd(|| {
-        if with_grad {
-            for (z, d) in row.iter_mut().zip(scratch.iter_mut()) {
-                let t = (*z / cap).tanh();
-                *z = cap * t;
-                *d = T::one() - t * t;
+    simd(
+        #[inline(always)]
+        || {
+            if with_grad {
+                for (z, d) in row.iter_mut().zip(scratch.iter_mut()) {
+                    let t = (*z / cap).tanh();
+                    *z = cap * t;
+                    *d = T::one() - t * t;
+                }
+            } else {
+                row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
             }
-        } else {
-            row.iter_mut().for_each(|z| *z = cap * (*z / cap).tanh());
-        }
-    });
+        },
+    );
     let loss = uncapped_token_loss(row, label, with_grad);
     if with_grad {
-        simd(|| {
-            row.iter_mut()
-                .zip(scratch.iter())
-                .for_each(|(v, &d)| *v *= d)
-        });
+        simd(
+            #[inline(always)]
+            || {
+                row.iter_mut()
+                    .zip(scratch.iter())
+                    .for_each(|(v, &d)| *v *= d)
+            },
+        );
     }
     loss
 }
@@ -442,18 +448,21 @@ fn token_loss<T: CpuTanh>(
 fn uncapped_token_loss<T: CpuFloat>(row: &mut [T], label: i64, with_grad: bool) -> f64 {
     let label = label as usize;
     let picked = row[label].to_f64();
-    simd(|| {
-        let max = vector::max(row);
-        row.iter_mut().for_each(|v| *v = (*v - max).exp());
-        // Partial sums in T, their total in f64.
-        let sum: f64 = row.chunks(512).map(|c| vector::sum(c).to_f64()).sum();
-        if with_grad {
-            let inv = T::from_f64(1.0 / sum);
-            row.iter_mut().for_each(|v| *v *= inv);
-            row[label] -= T::one();
-        }
-        max.to_f64() + sum.ln() - picked
-    })
+    simd(
+        #[inline(always)]
+        || {
+            let max = vector::max(row);
+            row.iter_mut().for_each(|v| *v = (*v - max).exp());
+            // Partial sums in T, their total in f64.
+            let sum: f64 = row.chunks(512).map(|c| vector::sum(c).to_f64()).sum();
+            if with_grad {
+                let inv = T::from_f64(1.0 / sum);
+                row.iter_mut().for_each(|v| *v *= inv);
+                row[label] -= T::one();
+            }
+            max.to_f64() + sum.ln() - picked
+        },
+    )
 }
 
 #[cfg(test)]

@@ -71,12 +71,15 @@ impl RmsNorm {
             y.par_chunks_mut(h)
                 .zip(xs.par_chunks(h))
                 .for_each(|(y, x)| {
-                    simd(|| {
-                        let r = inverse_rms(x, eps);
-                        y.iter_mut()
-                            .zip(x.iter().zip(&w))
-                            .for_each(|(y, (&x, &w))| *y = x * r * w);
-                    })
+                    simd(
+                        #[inline(always)]
+                        || {
+                            let r = inverse_rms(x, eps);
+                            y.iter_mut()
+                                .zip(x.iter().zip(&w))
+                                .for_each(|(y, (&x, &w))| *y = x * r * w);
+                        },
+                    )
                 });
             Ok(y)
         })?;
@@ -97,18 +100,21 @@ impl RmsNorm {
             gx.par_chunks_mut(h)
                 .zip(xs.par_chunks(h).zip(gs.par_chunks(h)))
                 .for_each(|(gx, (x, g))| {
-                    simd(|| {
-                        let r = inverse_rms(x, eps);
-                        // g⊙w first, in the output row.
-                        gx.iter_mut()
-                            .zip(g.iter().zip(&w))
-                            .for_each(|(o, (&g, &w))| *o = g * w);
-                        let proj = vector::sum_zip(gx, x, |gw, x| (gw * x * r).to_f64());
-                        let proj = T::from_f64(proj / h as f64);
-                        gx.iter_mut()
-                            .zip(x)
-                            .for_each(|(o, &x)| *o = r * (*o - x * r * proj));
-                    })
+                    simd(
+                        #[inline(always)]
+                        || {
+                            let r = inverse_rms(x, eps);
+                            // g⊙w first, in the output row.
+                            gx.iter_mut()
+                                .zip(g.iter().zip(&w))
+                                .for_each(|(o, (&g, &w))| *o = g * w);
+                            let proj = vector::sum_zip(gx, x, |gw, x| (gw * x * r).to_f64());
+                            let proj = T::from_f64(proj / h as f64);
+                            gx.iter_mut()
+                                .zip(x)
+                                .for_each(|(o, &x)| *o = r * (*o - x * r * proj));
+                        },
+                    )
                 });
             Ok(gx)
         })?;

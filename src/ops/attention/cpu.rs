@@ -139,19 +139,22 @@ fn block_probs<T: CpuFloat>(
             }
         }
     }
-    simd(|| {
-        for (i, row) in p.chunks_mut(w).enumerate() {
-            let range = visible(i);
-            let (first, end) = (range.start, range.end);
-            let seen = &mut row[range];
-            let max = vector::max(seen);
-            seen.iter_mut().for_each(|v| *v = (*v - max).exp());
-            let inv = T::one() / vector::sum(seen);
-            seen.iter_mut().for_each(|v| *v *= inv);
-            row[..first].fill(T::zero());
-            row[end..].fill(T::zero());
-        }
-    })
+    simd(
+        #[inline(always)]
+        || {
+            for (i, row) in p.chunks_mut(w).enumerate() {
+                let range = visible(i);
+                let (first, end) = (range.start, range.end);
+                let seen = &mut row[range];
+                let max = vector::max(seen);
+                seen.iter_mut().for_each(|v| *v = (*v - max).exp());
+                let inv = T::one() / vector::sum(seen);
+                seen.iter_mut().for_each(|v| *v *= inv);
+                row[..first].fill(T::zero());
+                row[end..].fill(T::zero());
+            }
+        },
+    )
 }
 
 /// The blocks of queries of a sequence of `t` queries: `(start, rows)`.
@@ -269,20 +272,23 @@ pub(super) fn backward<T: CpuFloat>(
                         true,
                     );
                     matmul_into_serial(dpb, gb, vb.t(), 1.0, false);
-                    simd(|| {
-                        for (prow, dprow) in pb.chunks(w).zip(dpb.chunks_mut(w)) {
-                            let dot = vector::dot(prow, dprow);
-                            dprow
-                                .iter_mut()
-                                .zip(prow)
-                                .for_each(|(ds, &x)| *ds = x * (*ds - dot));
-                        }
-                        if softcap.is_some() {
-                            dpb.iter_mut()
-                                .zip(&dcap[..c * w])
-                                .for_each(|(ds, &f)| *ds *= f);
-                        }
-                    });
+                    simd(
+                        #[inline(always)]
+                        || {
+                            for (prow, dprow) in pb.chunks(w).zip(dpb.chunks_mut(w)) {
+                                let dot = vector::dot(prow, dprow);
+                                dprow
+                                    .iter_mut()
+                                    .zip(prow)
+                                    .for_each(|(ds, &x)| *ds = x * (*ds - dot));
+                            }
+                            if softcap.is_some() {
+                                dpb.iter_mut()
+                                    .zip(&dcap[..c * w])
+                                    .for_each(|(ds, &f)| *ds *= f);
+                            }
+                        },
+                    );
                     let ds = Mat::new(&*dpb, c, w);
                     // dQ = scale·dS·K;  dK += scale·dSᵀ·Q.
                     matmul_into_serial(&mut dq_head[i0 * d..(i0 + c) * d], ds, kb, scale, false);

@@ -17,7 +17,9 @@ const LANES: usize = 16;
 /// Elements per parallel task of [`map2`] and [`map3`].
 const CHUNK: usize = 1 << 14;
 
-/// Runs `f` compiled for the widest vector instruction set the CPU has (chosen at run time).
+/// Runs `f` compiled for the widest vector instruction set the CPU has (chosen at run time). Mark the closure
+/// `#[inline(always)]`: a closure the compiler does not inline into the dispatched versions is compiled once, for the
+/// build's baseline (SSE2 without `.cargo/config.toml`, as in a dependent crate).
 #[inline(always)]
 pub fn simd<R>(f: impl FnOnce() -> R) -> R {
     pulp::Arch::new().dispatch(f)
@@ -76,11 +78,14 @@ pub fn map2<T: CpuFloat>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Sync) -> Vec<
         .par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
         .for_each(|(out, (a, b))| {
-            simd(|| {
-                for (o, (&a, &b)) in out.iter_mut().zip(a.iter().zip(b)) {
-                    o.write(f(a, b));
-                }
-            })
+            simd(
+                #[inline(always)]
+                || {
+                    for (o, (&a, &b)) in out.iter_mut().zip(a.iter().zip(b)) {
+                        o.write(f(a, b));
+                    }
+                },
+            )
         });
     // SAFETY: the chunks of the spare capacity cover `a.len()` elements and every one was written above.
     unsafe { out.set_len(a.len()) };
@@ -101,11 +106,14 @@ pub fn map3<T: CpuFloat>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> T + S
                 .zip(b.par_chunks(CHUNK).zip(c.par_chunks(CHUNK))),
         )
         .for_each(|(out, (a, (b, c)))| {
-            simd(|| {
-                for (o, (&a, (&b, &c))) in out.iter_mut().zip(a.iter().zip(b.iter().zip(c))) {
-                    o.write(f(a, b, c));
-                }
-            })
+            simd(
+                #[inline(always)]
+                || {
+                    for (o, (&a, (&b, &c))) in out.iter_mut().zip(a.iter().zip(b.iter().zip(c))) {
+                        o.write(f(a, b, c));
+                    }
+                },
+            )
         });
     // SAFETY: as in `map2`.
     unsafe { out.set_len(a.len()) };
