@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::autograd::{Apply, Op, Value};
+use super::cpu::vector::simd;
 use super::cpu::{with_slice, with_slices, CpuFloat};
 use super::heads::{permute_rows, split_heads, HeadDims};
 use super::work_dtype;
@@ -481,6 +482,7 @@ impl SliceLayout {
 }
 
 /// One `d`-row: `x⊙cos + rotate_half(x)⊙sin`, or with `transposed` the backward's `x⊙cos + rotate_halfᵀ(x⊙sin)`.
+#[inline(always)]
 fn rotate_row<T: CpuFloat>(o: &mut [T], x: &[T], c: &[T], s: &[T], transposed: bool) {
     let half = x.len() / 2;
     let (o1, o2) = o.split_at_mut(half);
@@ -518,13 +520,18 @@ fn rotate<T: CpuFloat>(
         .enumerate()
         .for_each(|(bh, (out, x))| {
             let table = if per_sequence { bh / heads * t * d } else { 0 };
-            for ((o, x), (c, s)) in out.chunks_mut(d).zip(x.chunks(d)).zip(
-                cos[table..table + t * d]
-                    .chunks(d)
-                    .zip(sin[table..table + t * d].chunks(d)),
-            ) {
-                rotate_row(o, x, c, s, transposed);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, x), (c, s)) in out.chunks_mut(d).zip(x.chunks(d)).zip(
+                        cos[table..table + t * d]
+                            .chunks(d)
+                            .zip(sin[table..table + t * d].chunks(d)),
+                    ) {
+                        rotate_row(o, x, c, s, transposed);
+                    }
+                },
+            )
         });
     out
 }
