@@ -3,7 +3,9 @@
 // log-sum-exp; the backward recomputes each tile's probabilities from it. Memory is linear in the sequence length.
 // The causal mask and the packed-row (segment) mask are computed in the kernels: query row i of a sequence of TQ
 // queries sits at position (S − TQ) + i of the S keys and sees keys first..position, where first is 0 or the start
-// of its example (`starts`, per batch and position).
+// of its example (`starts`, per batch and position), and with a sliding window W (`window` > 0) at least
+// position + 1 − W. With `cap` > 0 the scaled scores are soft-capped, s → cap·tanh(s / cap), before the mask (the
+// backward multiplies their gradient by 1 − tanh²).
 //
 // Layouts: q, out [B, HQ, TQ, D]; k, v [B, HKV, S, D]; lse, delta [B, HQ, TQ]; HQ a multiple of HKV. Head dims 64
 // and 128. Dynamic shared memory: the sizes `fwd_shared_bytes` / `bwd_shared_bytes` in src/ops/attention/cuda.rs.
@@ -25,9 +27,14 @@ constexpr int BWD_KEYS = 16 * WARPS;
 constexpr int BWD_QUERIES = 32;
 
 // The first key position query position `pos` of sequence `b` sees.
-__device__ __forceinline__ u64 first_key(const unsigned int *starts, int has_starts, u64 len, u64 b, u64 pos) {
-    return has_starts ? (u64)starts[b * len + pos] : 0;
+__device__ __forceinline__ u64 first_key(const unsigned int *starts, int has_starts, u64 len, u64 b, u64 pos,
+                                         u64 window) {
+    const u64 start = has_starts ? (u64)starts[b * len + pos] : 0;
+    return window > 0 && pos + 1 > window ? max(start, pos + 1 - window) : start;
 }
+
+// A scaled score, soft-capped when `cap` > 0.
+__device__ __forceinline__ float capped(float x, float cap) { return cap > 0.0f ? cap * tanhf(x / cap) : x; }
 
 template <typename T> using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
 template <typename T> using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major>;
@@ -49,7 +56,7 @@ __device__ __forceinline__ void load_rows(T *dst, const T *src, u64 first, u64 a
 
 template <typename T, int D>
 __device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts, u64 HQ,
-                         u64 HKV, u64 TQ, u64 S, float scale, T *out, float *lse) {
+                         u64 HKV, u64 TQ, u64 S, float scale, u64 window, float cap, T *out, float *lse) {
     extern __shared__ __align__(128) unsigned char smem[];
     T *sQ = (T *)smem;                  // [FWD_ROWS][D]
     T *sK = sQ + FWD_ROWS * D;          // [FWD_KEYS][D]
@@ -71,7 +78,7 @@ __device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int 
     const u64 row = i0 + warp * 16 + r;
     const bool valid = row < TQ;
     const u64 pos = offset + row;
-    const u64 first = valid ? first_key(starts, has_starts, S, b, pos) : 0;
+    const u64 first = valid ? first_key(starts, has_starts, S, b, pos, window) : 0;
     float m = -INFINITY, l = 0.0f;
     float acc[D / 2];
 #pragma unroll
@@ -79,7 +86,7 @@ __device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int 
 
     const u64 last = min(i0 + FWD_ROWS, TQ) - 1;
     const u64 key_end = offset + last + 1;
-    const u64 key_begin = first_key(starts, has_starts, S, b, offset + i0) / FWD_KEYS * FWD_KEYS;
+    const u64 key_begin = first_key(starts, has_starts, S, b, offset + i0, window) / FWD_KEYS * FWD_KEYS;
     float *sSw = sS + warp * 16 * FWD_KEYS;
     T *sPw = sP + warp * 16 * FWD_KEYS;
     for (u64 j0 = key_begin; j0 < key_end; j0 += FWD_KEYS) {
@@ -110,7 +117,7 @@ __device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int 
         for (int c = 0; c < 16; ++c) {
             const u64 j = j0 + half * 16 + c;
             const bool visible = valid && j >= first && j <= pos && j < S;
-            s[c] = visible ? sSw[r * FWD_KEYS + half * 16 + c] * scale : -INFINITY;
+            s[c] = visible ? capped(sSw[r * FWD_KEYS + half * 16 + c] * scale, cap) : -INFINITY;
             tile_max = fmaxf(tile_max, s[c]);
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
@@ -177,7 +184,7 @@ __device__ void attn_delta(const T *dout, const T *out, u64 rows, u64 D, float *
 template <typename T, int D>
 __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,
                          const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale,
-                         float *dq, T *dk, T *dv) {
+                         u64 window, float cap, float *dq, T *dk, T *dv) {
     extern __shared__ __align__(128) unsigned char smem[];
     T *sK = (T *)smem;                      // [BWD_KEYS][D]
     T *sV = sK + BWD_KEYS * D;              // [BWD_KEYS][D]
@@ -208,14 +215,18 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
     const int r = lane / 2, half = lane % 2;
     const u64 j = j0 + warp * 16 + r;
     float *scr = scratch + warp * 16 * BWD_QUERIES;
-    // Queries before position j0 see none of these keys.
+    // Queries before position j0 see none of these keys; with a window, neither do those W or more past the last.
     const u64 query_begin = j0 > offset ? (j0 - offset) / BWD_QUERIES * BWD_QUERIES : 0;
+    const u64 last_key = min(j0 + BWD_KEYS, S) - 1;
+    const u64 query_end = window == 0                      ? TQ
+                          : last_key + window > offset ? min(TQ, last_key + window - offset)
+                                                       : 0;
 
     for (u64 g = 0; g < G; ++g) {
         const u64 h = hk * G + g;
         const T *qh = q + (b * HQ + h) * TQ * D;
         const T *dh = dout + (b * HQ + h) * TQ * D;
-        for (u64 i0 = query_begin; i0 < TQ; i0 += BWD_QUERIES) {
+        for (u64 i0 = query_begin; i0 < query_end; i0 += BWD_QUERIES) {
             __syncthreads();
             load_rows<T, D>(sQ, qh, i0, TQ, BWD_QUERIES);
             load_rows<T, D>(sdO, dh, i0, TQ, BWD_QUERIES);
@@ -243,15 +254,18 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
                 wmma::store_matrix_sync(scr + n * 16, c, BWD_QUERIES, wmma::mem_row_major);
             }
             __syncwarp();
-            // Pᵀ, masked, for the lane's half of the queries.
-            float p[BWD_QUERIES / 2];
+            // Pᵀ, masked, for the lane's half of the queries; with a cap, the cap's derivative 1 − tanh² too.
+            float p[BWD_QUERIES / 2], dcap[BWD_QUERIES / 2];
 #pragma unroll
             for (int c = 0; c < BWD_QUERIES / 2; ++c) {
                 const int qi = half * (BWD_QUERIES / 2) + c;
                 const u64 i = i0 + qi, pos = offset + i;
                 const bool visible =
-                    i < TQ && j < S && j <= pos && j >= first_key(starts, has_starts, S, b, pos);
-                p[c] = visible ? expf(scr[r * BWD_QUERIES + qi] * scale - sL[qi]) : 0.0f;
+                    i < TQ && j < S && j <= pos && j >= first_key(starts, has_starts, S, b, pos, window);
+                const float score = capped(scr[r * BWD_QUERIES + qi] * scale, cap);
+                const float t = cap > 0.0f ? score / cap : 0.0f;
+                dcap[c] = 1.0f - t * t;
+                p[c] = visible ? expf(score - sL[qi]) : 0.0f;
                 sPt[(warp * 16 + r) * BWD_QUERIES + qi] = from_float<T>(p[c]);
             }
             __syncwarp();
@@ -283,11 +297,11 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
                 wmma::store_matrix_sync(scr + n * 16, c, BWD_QUERIES, wmma::mem_row_major);
             }
             __syncwarp();
-            // dSᵀ = Pᵀ ⊙ (dPᵀ − Δ).
+            // dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) (⊙ (1 − tanh²) through a cap).
 #pragma unroll
             for (int c = 0; c < BWD_QUERIES / 2; ++c) {
                 const int qi = half * (BWD_QUERIES / 2) + c;
-                const float ds = p[c] * (scr[r * BWD_QUERIES + qi] - sDelta[qi]);
+                const float ds = p[c] * (scr[r * BWD_QUERIES + qi] - sDelta[qi]) * dcap[c];
                 sdSt[(warp * 16 + r) * BWD_QUERIES + qi] = from_float<T>(ds);
             }
             __syncwarp();
@@ -350,19 +364,20 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
 
 #define FWD(T)                                                                                                 \
     (const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ,  \
-     u64 S, float scale, T *out, float *lse)
+     u64 S, float scale, u64 window, float cap, T *out, float *lse)
 #define BWD(T)                                                                                                 \
     (const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,                  \
-     const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, float *dq, T *dk, \
-     T *dv)
+     const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, u64 window,      \
+     float cap, float *dq, T *dk, T *dv)
 #define DELTA(T) (const T *dout, const T *out, u64 rows, u64 D, float *delta)
 
 #define FOR_HEAD_DIM(T, suffix, D)                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd_##suffix##_d##D FWD(T) {                   \
-        attn_fwd<T, D>(q, k, v, starts, has_starts, HQ, HKV, TQ, S, scale, out, lse);                          \
+        attn_fwd<T, D>(q, k, v, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, out, lse);             \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS) attn_bwd_##suffix##_d##D BWD(T) {                   \
-        attn_bwd<T, D>(q, k, v, dout, lse, delta, starts, has_starts, HQ, HKV, TQ, S, scale, dq, dk, dv);      \
+        attn_bwd<T, D>(q, k, v, dout, lse, delta, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, dq, dk, \
+                       dv);                                                                                    \
     }
 
 FOR_HEAD_DIM(__nv_bfloat16, bf16, 64)

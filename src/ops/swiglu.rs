@@ -142,7 +142,7 @@ fn gelu_parts<T: CpuFloat>(g: T) -> (T, T) {
 impl Activation for GeluTanh {
     const NAME: &'static str = "geglu-tanh";
     #[cfg(feature = "cuda")]
-    const CUDA_KERNELS: Option<&'static str> = None;
+    const CUDA_KERNELS: Option<&'static str> = Some("geglu_tanh");
 
     #[inline(always)]
     fn value<T: CpuFloat>(g: T) -> T {

@@ -420,9 +420,9 @@ fn attention_kernels_match_the_cpu_op() {
     }
 }
 
-/// The ops the newer families add, on the GPU (composed Candle ops there) against the CPU ops: attention with a
-/// sliding window shorter than the keys, with soft-capped scores, and both (also after cached keys); GeGLU; the
-/// soft-capped fused cross-entropy.
+/// The ops the newer families add, on the GPU against the CPU ops: attention with a sliding window shorter than the
+/// keys, with soft-capped scores, and both (also after cached keys) — bf16 on the tensor-core kernels, f32 on the
+/// composed path; GeGLU (its kernel); the soft-capped fused cross-entropy (composed).
 #[test]
 fn family_ops_match_the_cpu_ops() {
     use candle_qlora::ops::{attention, geglu_tanh, linear_cross_entropy_capped, AttentionSpec};

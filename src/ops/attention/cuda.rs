@@ -1,15 +1,13 @@
 //! Causal attention on a CUDA device: `kernels/attention.cu` (tensor cores, FlashAttention-2 style) for bf16/f16
-//! heads of 64 or 128, with the causal and packed-row masks computed in the kernels.
-//!
-//! The kernels know neither sliding windows nor logit soft-capping: `CausalAttention` sends a call with either (a
-//! window shorter than the keys, or a soft cap) to the composed path of Candle's ops, which runs on the GPU too.
+//! heads of 64 or 128, with the causal, packed-row and sliding-window masks and the score soft-cap computed in the
+//! kernels.
 
 use candle_core::cuda_backend::cudarc::driver::{
     result::DriverError, sys::CUfunction_attribute, LaunchConfig, PushKernelArg,
 };
 use candle_core::{DType, Result, Tensor};
 
-use super::{Dims, Segments};
+use super::{AttentionSpec, Dims, Segments};
 use crate::cuda::{alloc, device_of, grid, hold, kernel, run, storage, suffix, tensor, ATTENTION};
 use crate::ops::autograd::Value;
 
@@ -21,8 +19,7 @@ const FWD_KEYS: usize = 32;
 const BWD_KEYS: usize = 64;
 const BWD_QUERIES: usize = 32;
 
-/// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128 (the caller also
-/// checks that the spec has no sliding window and no soft cap).
+/// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128.
 pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
     q.device().is_cuda()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
@@ -62,6 +59,14 @@ fn starts_on(segments: Option<&Segments>, like: &Tensor) -> Result<(Tensor, i32)
     })
 }
 
+/// The kernels' `window` (0: none) and `cap` (0: none) arguments.
+fn window_and_cap(spec: &AttentionSpec) -> (u64, f32) {
+    (
+        spec.sliding_window.map_or(0, |w| w as u64),
+        spec.softcap.map_or(0.0, |c| c as f32),
+    )
+}
+
 /// Allows a kernel `bytes` of dynamic shared memory (above the 48 KiB default where needed).
 fn allow_shared(func: &crate::cuda::Kernel, bytes: usize) -> Result<()> {
     func.function()
@@ -76,7 +81,7 @@ fn allow_shared(func: &crate::cuda::Kernel, bytes: usize) -> Result<()> {
 pub(super) fn forward(
     [q, k, v]: [&Tensor; 3],
     dims: Dims,
-    scale: f64,
+    spec: &AttentionSpec,
     segments: Option<&Segments>,
 ) -> Result<(Value, Tensor)> {
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -93,7 +98,9 @@ pub(super) fn forward(
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    let (hq_u, hkv_u, t_u, s_u, scale) = (hq as u64, hkv as u64, t as u64, s as u64, scale as f32);
+    let (hq_u, hkv_u, t_u, s_u, scale) =
+        (hq as u64, hkv as u64, t as u64, s as u64, spec.scale as f32);
+    let (window, cap) = window_and_cap(spec);
     let mut lse = alloc::<f32>(&device, b * hq * t)?;
     let out = crate::cuda::with_float_type!(q.dtype(), T => {
         let mut out = alloc::<T>(&device, q.elem_count())?;
@@ -113,6 +120,8 @@ pub(super) fn forward(
             .arg(&t_u)
             .arg(&s_u)
             .arg(&scale)
+            .arg(&window)
+            .arg(&cap)
             .arg(&mut out)
             .arg(&mut lse);
         run(&mut args, cfg)?;
@@ -132,7 +141,7 @@ pub(super) fn backward(
     grad: &Tensor,
     lse: &Tensor,
     dims: Dims,
-    scale: f64,
+    spec: &AttentionSpec,
     segments: Option<&Segments>,
     needs: [bool; 3],
 ) -> Result<[Option<Tensor>; 3]> {
@@ -144,7 +153,9 @@ pub(super) fn backward(
     let hq = hkv * g;
     let (starts, has_starts) = starts_on(segments, &q)?;
     let (rows, d_u) = ((b * hq * t) as u64, d as u64);
-    let (hq_u, hkv_u, t_u, s_u, scale) = (hq as u64, hkv as u64, t as u64, s as u64, scale as f32);
+    let (hq_u, hkv_u, t_u, s_u, scale) =
+        (hq as u64, hkv as u64, t as u64, s as u64, spec.scale as f32);
+    let (window, cap) = window_and_cap(spec);
     let delta_fn = kernel(
         &device,
         &ATTENTION,
@@ -191,6 +202,8 @@ pub(super) fn backward(
             .arg(&t_u)
             .arg(&s_u)
             .arg(&scale)
+            .arg(&window)
+            .arg(&cap)
             .arg(&mut dq)
             .arg(&mut dk)
             .arg(&mut dv);

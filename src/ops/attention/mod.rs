@@ -231,9 +231,8 @@ pub fn packed_causal_attention(
 /// `max(start, p + 1 − window)..=p`, `start` being 0 or the first token of its example; scores are
 /// `scale·q·kᵀ`, soft-capped to `cap·tanh(score/cap)` before the mask where `spec.softcap` is set.
 ///
-/// On a CUDA device the tensor-core kernels run plain causal attention (packed rows included); a sliding window
-/// shorter than the keys or a soft cap runs the composed path of Candle's ops there instead (correct, but slower and
-/// with a `[batch, heads, QUERY_BLOCK, keys]` score block per step).
+/// On a CUDA device the tensor-core kernels run it (packed rows, windows and caps included) for bf16/f16 heads of
+/// [`CUDA_HEAD_DIMS`]; other calls run the composed path of Candle's ops there.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -299,12 +298,10 @@ impl CausalAttention {
         }
     }
 
-    /// Whether the CUDA kernels compute this op: they know neither sliding windows nor soft caps.
+    /// Whether the CUDA kernels compute this op (windows and soft caps included).
     #[cfg(feature = "cuda")]
     fn on_cuda_kernels(&self, [q, k, v]: [&Tensor; 3]) -> bool {
-        self.spec.sliding_window.is_none()
-            && self.spec.softcap.is_none()
-            && cuda::applies(q, k, v, self.dims)
+        cuda::applies(q, k, v, self.dims)
     }
 
     fn cpu_fwd<T: CpuFloat>(&self, [q, k, v]: [&Tensor; 3]) -> Result<Value> {
@@ -479,7 +476,7 @@ impl Op<3> for CausalAttention {
         #[cfg(feature = "cuda")]
         if self.on_cuda_kernels(inputs) {
             let segments = self.segments.as_ref();
-            let (value, lse) = cuda::forward(inputs, self.dims, self.spec.scale, segments)?;
+            let (value, lse) = cuda::forward(inputs, self.dims, &self.spec, segments)?;
             self.lse = Some(lse);
             return Ok(value);
         }
@@ -514,8 +511,8 @@ impl Op<3> for CausalAttention {
         #[cfg(feature = "cuda")]
         if let Some(lse) = &self.lse {
             let segments = self.segments.as_ref();
-            let scale = self.spec.scale;
-            return cuda::backward(inputs, output, grad, lse, self.dims, scale, segments, needs);
+            let spec = &self.spec;
+            return cuda::backward(inputs, output, grad, lse, self.dims, spec, segments, needs);
         }
         let _ = output;
         self.bwd(inputs, grad, needs)
