@@ -640,6 +640,16 @@ impl ModelConfig {
 
     /// Parses a `config.json` object; `path` names it in errors.
     pub fn from_hf_config(obj: &Value, path: &Path) -> Result<Self> {
+        if obj.get("model_type").and_then(Value::as_str) == Some("gemma3") {
+            // GGUF's `gemma3` is the text model; a Hugging Face `gemma3` folder is the vision-language model.
+            return Err(bad(
+                path,
+                "model_type `gemma3` is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), which is not \
+                 supported; the text-only models (`gemma3_text`, e.g. gemma-3-1b) and GGUF files of the language \
+                 model are"
+                    .into(),
+            ));
+        }
         let hf: HfConfig =
             serde_path_to_error::deserialize(obj).map_err(|e| bad(path, at_key(e)))?;
         let architecture = Architecture::parse(&hf.model_type).ok_or_else(|| {
