@@ -533,6 +533,20 @@ fn cached_decoding_of_every_family_equals_full_forwards() {
     }
 }
 
+/// `tests/data/models/{name}/model.gguf`, float32 compute.
+fn load_gguf(name: &str, quantization: Option<QuantConfig>) -> candle_qlora::loading::LoadedModel {
+    let gguf = data_path(&format!("models/{name}/model.gguf"));
+    load_model(
+        gguf.to_str().unwrap(),
+        None,
+        &LoadOptions {
+            quantization,
+            compute_dtype: DType::F32,
+        },
+    )
+    .unwrap()
+}
+
 /// GGUF files written with llama.cpp's conventions (Qwen3's head norms and `key_length`; Phi-3's fused tensors,
 /// partial rotary, sliding window and LongRoPE factors stored as tensors) give the folders' transformers logits,
 /// in float32 and quantized to NF4 on load.
@@ -540,19 +554,7 @@ fn cached_decoding_of_every_family_equals_full_forwards() {
 fn gguf_files_of_qwen3_and_phi3_match_transformers() {
     for name in ["tiny-qwen3", "tiny-phi3"] {
         let g = golden(name);
-        let gguf = data_path(&format!("models/{name}/model.gguf"));
-        let load = |quantization| {
-            load_model(
-                gguf.to_str().unwrap(),
-                None,
-                &LoadOptions {
-                    quantization,
-                    compute_dtype: DType::F32,
-                },
-            )
-            .unwrap()
-        };
-        let loaded = load(None);
+        let loaded = load_gguf(name, None);
         assert!(
             loaded.tokenizer.is_none(),
             "{name}: the file has no tokenizer"
@@ -590,7 +592,7 @@ fn gguf_files_of_qwen3_and_phi3_match_transformers() {
             let d = max_abs_diff(&loaded.model.logits(&short).unwrap(), &g["logits_short"]);
             assert!(d <= 1e-5, "{name}: GGUF short-input logits differ by {d}");
         }
-        let q = load(Some(nf4_like_bitsandbytes_cpu())).model;
+        let q = load_gguf(name, Some(nf4_like_bitsandbytes_cpu())).model;
         let d = max_abs_diff(&q.logits(&ids).unwrap(), &g["logits_nf4"]);
         assert!(d <= 1e-5, "{name}: GGUF → NF4 logits differ by {d}");
     }
@@ -612,19 +614,7 @@ fn gemma_gguf_files_match_transformers() {
     ];
     for (name, windows) in cases {
         let g = golden(name);
-        let gguf = data_path(&format!("models/{name}/model.gguf"));
-        let load = |quantization| {
-            load_model(
-                gguf.to_str().unwrap(),
-                None,
-                &LoadOptions {
-                    quantization,
-                    compute_dtype: DType::F32,
-                },
-            )
-            .unwrap()
-        };
-        let loaded = load(None);
+        let loaded = load_gguf(name, None);
         assert!(
             loaded.tokenizer.is_none(),
             "{name}: the file has no tokenizer"
@@ -647,7 +637,7 @@ fn gemma_gguf_files_match_transformers() {
             (loss - expected).abs() <= 1e-5,
             "{name}: loss {loss} vs {expected}"
         );
-        let q = load(Some(nf4_like_bitsandbytes_cpu())).model;
+        let q = load_gguf(name, Some(nf4_like_bitsandbytes_cpu())).model;
         let d = max_abs_diff(&q.logits(&ids).unwrap(), &g["logits_nf4"]);
         assert!(d <= 1e-5, "{name}: GGUF → NF4 logits differ by {d}");
     }
