@@ -17,7 +17,6 @@ use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
 use super::autograd::{Apply, Op, Value};
-use super::cpu::fastmath::tanh_f32;
 use super::cpu::gemm::{matmul_into, Mat};
 use super::cpu::vector::{self, simd};
 use super::cpu::{slice_dtype, with_slices, CpuFloat};
@@ -124,28 +123,9 @@ fn block_logits(
     Ok((logits, lse, tanh))
 }
 
-/// `tanh` on the slice path: float32 through [`tanh_f32`] (vectorizable), float64 through libm.
-trait CpuTanh: CpuFloat {
-    fn tanh(self) -> Self;
-}
-
-impl CpuTanh for f32 {
-    #[inline(always)]
-    fn tanh(self) -> Self {
-        tanh_f32(self)
-    }
-}
-
-impl CpuTanh for f64 {
-    #[inline(always)]
-    fn tanh(self) -> Self {
-        f64::tanh(self)
-    }
-}
-
 impl LinearCrossEntropy {
     /// The loss, and the hidden states' gradient when `hidden` needs one, block by block on CPU slices.
-    fn cpu_fwd<T: CpuTanh>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
+    fn cpu_fwd<T: CpuFloat>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
         let (n, d) = hidden.dims2()?;
         let vocab = weight.dim(0)?;
         let with_grad = hidden.track_op();
@@ -397,7 +377,7 @@ impl Op<2> for LinearCrossEntropy {
 /// The loss of one token from its logits `row`, soft-capped first with `cap`; with `with_grad`, `row` becomes
 /// `d loss / d logits` (`softmax − onehot`, times `1 − tanh²(z/cap)` with a cap, which `scratch` holds meanwhile;
 /// zero for an ignored token).
-fn token_loss<T: CpuTanh>(
+fn token_loss<T: CpuFloat>(
     row: &mut [T],
     label: i64,
     with_grad: bool,

@@ -122,22 +122,28 @@ fn block_probs<T: CpuFloat>(
         starts.first(b, last) - blk.lo..last + 1 - blk.lo
     };
     if let Some(cap) = params.softcap {
+        let cap = T::from_f64(cap);
         let mut dcap = dcap;
-        for (i, row) in p.chunks_mut(w).enumerate() {
-            let range = visible(i);
-            let mut drow = dcap.as_deref_mut().map(|x| &mut x[i * w..(i + 1) * w]);
-            if let Some(drow) = drow.as_deref_mut() {
-                drow[..range.start].fill(T::zero());
-                drow[range.end..].fill(T::zero());
-            }
-            for j in range {
-                let th = (row[j].to_f64() / cap).tanh();
-                row[j] = T::from_f64(cap * th);
-                if let Some(drow) = drow.as_deref_mut() {
-                    drow[j] = T::from_f64(1.0 - th * th);
+        simd(
+            #[inline(always)]
+            || {
+                for (i, row) in p.chunks_mut(w).enumerate() {
+                    let range = visible(i);
+                    let mut drow = dcap.as_deref_mut().map(|x| &mut x[i * w..(i + 1) * w]);
+                    if let Some(drow) = drow.as_deref_mut() {
+                        drow[..range.start].fill(T::zero());
+                        drow[range.end..].fill(T::zero());
+                    }
+                    for j in range {
+                        let th = (row[j] / cap).tanh();
+                        row[j] = cap * th;
+                        if let Some(drow) = drow.as_deref_mut() {
+                            drow[j] = T::one() - th * th;
+                        }
+                    }
                 }
-            }
-        }
+            },
+        );
     }
     simd(
         #[inline(always)]

@@ -12,12 +12,14 @@ pub mod vector;
 
 use candle_core::{DType, Result, Shape, Storage, Tensor, WithDType};
 
-use fastmath::exp_f32;
+use fastmath::{exp_f32, tanh_f32};
 
 /// Element types the slice kernels run on.
 pub trait CpuFloat: WithDType + Copy + Default + Send + Sync + 'static {
     /// `e^self`: float32 through [`exp_f32`] (vectorizable), float64 through libm.
     fn exp(self) -> Self;
+    /// `tanh(self)`: float32 through [`tanh_f32`] (vectorizable), float64 through libm.
+    fn tanh(self) -> Self;
 }
 
 impl CpuFloat for f32 {
@@ -25,12 +27,22 @@ impl CpuFloat for f32 {
     fn exp(self) -> Self {
         exp_f32(self)
     }
+
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        tanh_f32(self)
+    }
 }
 
 impl CpuFloat for f64 {
     #[inline(always)]
     fn exp(self) -> Self {
         f64::exp(self)
+    }
+
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        f64::tanh(self)
     }
 }
 
