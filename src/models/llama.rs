@@ -272,6 +272,36 @@ impl Mlp {
     }
 }
 
+/// A layer's projections with their relative names, borrowed shared (`named_linears!(layer)`) or mutably
+/// (`named_linears!(layer, mut)`).
+macro_rules! named_linears {
+    ($layer:expr $(, $m:ident)?) => {{
+        let layer = $layer;
+        let mut out = Vec::with_capacity(7);
+        match &$($m)? layer.self_attn.qkv {
+            QkvProjections::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => out.extend([
+                ("self_attn.q_proj", q_proj),
+                ("self_attn.k_proj", k_proj),
+                ("self_attn.v_proj", v_proj),
+            ]),
+            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+        }
+        out.push(("self_attn.o_proj", &$($m)? layer.self_attn.o_proj));
+        match &$($m)? layer.mlp.gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => {
+                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+            }
+            GateUpProjections::Fused { gate_up_proj } => out.push(("mlp.gate_up_proj", gate_up_proj)),
+        }
+        out.push(("mlp.down_proj", &$($m)? layer.mlp.down_proj));
+        out
+    }};
+}
+
 impl DecoderLayer {
     /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full).
     fn run(
@@ -317,62 +347,12 @@ impl DecoderLayer {
     /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...), in
     /// [`crate::models::Architecture::layer_linear_names`]' order.
     pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
-        let mut out = Vec::with_capacity(7);
-        match &self.self_attn.qkv {
-            QkvProjections::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => out.extend([
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
-            ]),
-            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
-        }
-        out.push(("self_attn.o_proj", &self.self_attn.o_proj));
-        match &self.mlp.gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => {
-                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
-            }
-            GateUpProjections::Fused { gate_up_proj } => {
-                out.push(("mlp.gate_up_proj", gate_up_proj))
-            }
-        }
-        out.push(("mlp.down_proj", &self.mlp.down_proj));
-        out
+        named_linears!(self)
     }
 
     /// [`DecoderLayer::linears`], mutable.
     pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
-        let mut out = Vec::with_capacity(7);
-        let Attention { qkv, o_proj, .. } = &mut self.self_attn;
-        match qkv {
-            QkvProjections::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => out.extend([
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
-            ]),
-            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
-        }
-        out.push(("self_attn.o_proj", o_proj));
-        let Mlp {
-            gate_up, down_proj, ..
-        } = &mut self.mlp;
-        match gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => {
-                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
-            }
-            GateUpProjections::Fused { gate_up_proj } => {
-                out.push(("mlp.gate_up_proj", gate_up_proj))
-            }
-        }
-        out.push(("mlp.down_proj", down_proj));
-        out
+        named_linears!(self, mut)
     }
 
     /// The layer's norm weights with their names relative to the layer (`input_layernorm`, ...), as the model
