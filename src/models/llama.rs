@@ -106,10 +106,13 @@ pub struct DecoderLayer {
     eps: f64,
 }
 
-/// Keys and values of the positions seen so far, per layer (`[batch, kv_heads, seq, head_dim]`).
+/// Keys and values of the positions seen so far, per layer (`[batch, kv_heads, seq, head_dim]`). A sliding-window
+/// layer keeps only the keys its next query can see (the last `window − 1`), as transformers' sliding cache does.
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Positions seen.
+    seen: usize,
 }
 
 impl KvCache {
@@ -117,16 +120,13 @@ impl KvCache {
     pub fn new(layers: usize) -> Self {
         KvCache {
             layers: vec![None; layers],
+            seen: 0,
         }
     }
 
-    /// Positions cached.
+    /// Positions seen (the next token's position).
     pub fn len(&self) -> usize {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .map(|(k, _)| k.dims()[2])
-            .unwrap_or(0)
+        self.seen
     }
 
     /// True when nothing is cached.
@@ -234,7 +234,16 @@ impl Attention {
                     Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
                     None => (k, v),
                 };
-                *slot = Some((k.clone(), v.clone()));
+                // Positions are relative to the keys held, so a window's mask is the same on the kept suffix.
+                let held = k.dim(2)?;
+                let kept = self
+                    .spec
+                    .sliding_window
+                    .map_or(held, |w| held.min(w.saturating_sub(1)));
+                *slot = Some((
+                    k.narrow(2, held - kept, kept)?,
+                    v.narrow(2, held - kept, kept)?,
+                ));
                 (k, v)
             }
             None => (k, v),
@@ -846,6 +855,7 @@ impl LlamaModel {
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer.run(&x, &tables, Some(slot), None, Pass::Forward)?;
         }
+        cache.seen += seq;
         let last = x.narrow(1, seq - 1, 1)?;
         let h = rms_norm(&last, &self.norm, self.config.rms_norm_eps)?.squeeze(1)?;
         self.head_logits(&h)
