@@ -27,8 +27,8 @@ Models:
             $QLORA_TEST_MODEL_DIR; scripts/fetch-test-model.sh downloads it) dequantized to f32 once by
             transformers and saved as a safetensors folder with its tokenizer, which every system loads.
   llama-1b  a Llama-3.2-1B-shaped model with random weights (hidden 2048, 16 layers, 32 heads / 8 KV heads,
-            intermediate 8192, vocabulary --vocab, default 128256, tied embeddings) written once as f32
-            safetensors, with SmolLM2's tokenizer (its ids are all below the vocabulary size; generated ids the
+            intermediate 8192, vocabulary --vocab, default 128256, tied embeddings) written once as f32 (or,
+            with --weights-dtype bf16, bf16 as the published model is) safetensors, with SmolLM2's tokenizer (its ids are all below the vocabulary size; generated ids the
             tokenizer does not know are skipped when printing). Needs about 5 GiB of disk and, per system, up to
             about 10 GiB of memory at load.
 
@@ -92,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads on both sides (default 2)")
     p.add_argument("--prompt", default="The capital of France is", help="the prompt (plain text, no chat template)")
     p.add_argument("--vocab", type=int, default=128256, help="vocabulary of the 1B model (default 128256)")
+    p.add_argument("--weights-dtype", choices=("f32", "bf16"), default="f32",
+                   help="dtype the 1B model's folder is written in (bf16: as Llama-3.2-1B is published; every "
+                        "system still computes in f32 — transformers upcasts on load)")
     p.add_argument("--gguf", help="the SmolLM2 GGUF (default: the cached test model)")
     p.add_argument("--work-dir", help="keep the prepared model folders here (reused when present)")
     p.add_argument("--wait-load", type=float,
@@ -142,13 +145,14 @@ def prepare_smollm2(args: argparse.Namespace, out: Path) -> None:
 
 
 def prepare_llama_1b(args: argparse.Namespace, out: Path, tokenizer_dir: Path) -> None:
-    """A Llama-3.2-1B-shaped model with random weights (transformers' initialization, seed 0) in f32."""
+    """A Llama-3.2-1B-shaped model with random weights (transformers' initialization, seed 0) in --weights-dtype."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, bos_token_id=1, eos_token_id=2, **LLAMA_1B)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    dtype = torch.bfloat16 if args.weights_dtype == "bf16" else torch.float32
+    model = LlamaForCausalLM(config).to(dtype)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
@@ -209,14 +213,15 @@ def worker_main(args: argparse.Namespace) -> None:
 
 def child_args(args: argparse.Namespace, **extra) -> list[str]:
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
-           "--prompt", args.prompt, "--vocab", str(args.vocab), "--gguf", str(args.gguf)]
+           "--prompt", args.prompt, "--vocab", str(args.vocab), "--gguf", str(args.gguf),
+           "--weights-dtype", args.weights_dtype]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     return cmd
 
 
 def prepare(args: argparse.Namespace, work: Path, models: list[str]) -> dict[str, Path]:
-    dirs = {"smollm2": work / "smollm2-f32", "llama-1b": work / f"llama-1b-v{args.vocab}-f32"}
+    dirs = {"smollm2": work / "smollm2-f32", "llama-1b": work / f"llama-1b-v{args.vocab}-{args.weights_dtype}"}
     # The 1B model borrows SmolLM2's tokenizer, so SmolLM2's folder is made first either way.
     needed = ["smollm2"] + [m for m in models if m != "smollm2"]
     for m in needed:

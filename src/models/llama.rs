@@ -742,10 +742,17 @@ impl LlamaModel {
     }
 
     /// Float32 logits of final hidden states `[..., hidden]`.
-    /// (Soft-capped, in Gemma 2) float32 logits of final hidden states `[..., hidden]`.
+    /// (Soft-capped, in Gemma 2) float32 logits of final hidden states `[..., hidden]`. A decoding step multiplies by
+    /// a bf16 head as stored (see [`FrozenLinear`]'s inference mode) instead of converting it per token.
     fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
-        let w = self.head_weight()?.to_dtype(DType::F32)?;
-        let logits = h.to_dtype(DType::F32)?.broadcast_matmul(&w.t()?)?;
+        let w = self.head_weight()?;
+        let h = h.to_dtype(DType::F32)?;
+        let logits = if InferenceMode::is_active() {
+            let head = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w), None));
+            ops::frozen_linear(&h, &head)?
+        } else {
+            h.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?)?
+        };
         match self.config.final_logit_softcapping {
             Some(cap) => ops::softcap(&logits, cap),
             None => Ok(logits),

@@ -2,8 +2,8 @@
 //!
 //! `W` never enters the autograd graph. A 4-bit `W` is dequantized inside the op for the forward and again in the
 //! backward, so only one layer's dequantized weight exists at a time. In [`InferenceMode`] (generation) a CPU 4-bit
-//! `W` times a few float32 rows is computed from the 4-bit codes directly (the kernel in `ops/cpu/nf4_matvec.rs`)
-//! instead.
+//! or bfloat16 `W` times a few float32 rows is computed from the stored values directly (the kernels in
+//! `ops/cpu/nf4_matvec.rs` and `ops/cpu/bf16_matvec.rs`) instead.
 
 use std::cell::Cell;
 use std::marker::PhantomData;
@@ -12,8 +12,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::autograd::{Apply, Op, Value};
+use super::cpu::bf16_matvec::bf16_matvec;
 use super::cpu::nf4_matvec::{nf4_matvec, MAX_ROWS};
-use super::cpu::with_slice;
+use super::cpu::{with_elements, with_slice};
 use crate::quant::{DeviceNf4, Nf4Tensor};
 
 thread_local! {
@@ -194,16 +195,30 @@ pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
 struct FrozenLinearOp(Arc<FrozenLinear>);
 
 impl FrozenLinearOp {
-    /// `x·Wᵀ (+ b)` from the 4-bit codes for a CPU float32 `x` where [`decoding_codes`] gives them; `None` elsewhere.
+    /// `x·Wᵀ (+ b)` for a CPU float32 `x` of a decoding step from the 4-bit codes where [`decoding_codes`] gives
+    /// them, or from a CPU bfloat16 weight read in place; `None` elsewhere.
     fn decode_step(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let layer = &self.0;
         let mut dims = x.dims().to_vec();
         let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-        let q = match decoding_codes(&layer.weight, rows) {
-            Some(q) if x.dtype() == DType::F32 && x.device().is_cpu() && x.rank() > 0 => q,
+        if !(x.dtype() == DType::F32 && x.device().is_cpu() && x.rank() > 0) {
+            return Ok(None);
+        }
+        let y = match (&layer.weight, decoding_codes(&layer.weight, rows)) {
+            (_, Some(q)) => with_slice::<f32, _>(x, |xs| nf4_matvec(q, xs, rows))?,
+            (FrozenWeight::Dense(w), None)
+                if w.dtype() == DType::BF16
+                    && w.device().is_cpu()
+                    && rows <= MAX_ROWS
+                    && InferenceMode::is_active() =>
+            {
+                let out = w.dim(0)?;
+                with_slice::<f32, _>(x, |xs| {
+                    with_elements([w], |[ws]| bf16_matvec(ws, out, xs, rows))
+                })?
+            }
             _ => return Ok(None),
         };
-        let y = with_slice::<f32, _>(x, |xs| nf4_matvec(q, xs, rows))?;
         if let Some(last) = dims.last_mut() {
             *last = layer.weight.dims2()?.0;
         }
@@ -354,6 +369,35 @@ mod tests {
                     "{dims:?}: the kernel's own summation order"
                 );
             }
+        }
+    }
+
+    /// A bf16 weight in inference mode is read as stored: the same values as converting it to float32 first (to the
+    /// order of the sums), for 1 and 3 rows; more rows than a decoding step take the GEMM.
+    #[test]
+    fn inference_mode_reads_a_bf16_weight_in_place() {
+        let w = Tensor::randn(0f32, 0.5, (70, 96), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let layer = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w), None));
+        for rows in [1, 3, MAX_ROWS + 1] {
+            let x = Tensor::randn(0f32, 1.0, (1, rows, 96), &Device::Cpu).unwrap();
+            let plain = frozen_linear(&x, &layer).unwrap();
+            let decoded = {
+                let _mode = InferenceMode::enter();
+                frozen_linear(&x, &layer).unwrap()
+            };
+            assert_eq!(decoded.dims(), plain.dims());
+            let diff = (&decoded - &plain)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(diff < 1e-4, "{rows} rows: {diff}");
         }
     }
 

@@ -1,10 +1,11 @@
 //! What the ops' CPU paths are built from: matrix products on slices ([`gemm`]), vectorized element-wise loops and
-//! reductions ([`vector`], [`fastmath`]), the product of a few rows with a 4-bit weight read in place
-//! ([`nf4_matvec`], for decoding), and access to a tensor's elements as a slice.
+//! reductions ([`vector`], [`fastmath`]), the product of a few rows with a 4-bit or bfloat16 weight read in place
+//! ([`nf4_matvec`], [`bf16_matvec`], for decoding), and access to a tensor's elements as a slice.
 //!
 //! An op takes its CPU path when its inputs are on the CPU in one float type the kernels are written for (f32 in
 //! training, f64 in gradient checks): [`slice_dtype`] says which.
 
+pub mod bf16_matvec;
 pub mod fastmath;
 pub mod gemm;
 pub mod nf4_matvec;
@@ -63,6 +64,14 @@ pub fn with_slice<T: CpuFloat, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>)
 
 /// [`with_slice`] for several tensors at once.
 pub fn with_slices<T: CpuFloat, R, const N: usize>(
+    tensors: [&Tensor; N],
+    f: impl FnOnce([&[T]; N]) -> Result<R>,
+) -> Result<R> {
+    with_elements(tensors, f)
+}
+
+/// [`with_slices`] for any element type Candle stores (bf16 weights read in place, say).
+pub fn with_elements<T: WithDType, R, const N: usize>(
     tensors: [&Tensor; N],
     f: impl FnOnce([&[T]; N]) -> Result<R>,
 ) -> Result<R> {
