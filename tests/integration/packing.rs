@@ -1,5 +1,7 @@
-//! Packing on the tiny Llama: a packed batch gives the same loss and the same adapter gradients as its examples
-//! run one by one (positions restart, attention stays inside each example), with and without checkpointing.
+//! Packing on every family's tiny model: a packed batch gives the same loss and the same adapter gradients as its
+//! examples run one by one (positions restart, attention stays inside each example — with sliding windows and
+//! soft-capping too, and Phi-3's LongRoPE choosing its factors by the restarted positions), with and without
+//! checkpointing.
 
 use candle_core::{DType, Device};
 use candle_qlora::adapter::Adapters;
@@ -11,9 +13,9 @@ use candle_qlora::models::{Checkpointing, LlamaModel};
 
 use crate::common::data_path;
 
-fn model_and_examples() -> (LlamaModel, Vec<TokenizedExample>) {
+fn model_and_examples(name: &str) -> (LlamaModel, Vec<TokenizedExample>) {
     let loaded = load_model(
-        data_path("models/tiny-llama").to_str().unwrap(),
+        data_path(&format!("models/{name}")).to_str().unwrap(),
         None,
         &LoadOptions::default(),
     )
@@ -71,7 +73,21 @@ fn loss_and_grads(
 
 #[test]
 fn packed_rows_compute_what_their_examples_compute_alone() {
-    let (model, examples) = model_and_examples();
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-phi3",
+        "tiny-mistral-sw",
+    ] {
+        packed_equals_alone(name);
+    }
+}
+
+fn packed_equals_alone(name: &str) {
+    let (model, examples) = model_and_examples(name);
     let rows = pack(&examples, 24);
     assert!(rows.len() < examples.len() && rows.iter().any(|r| r.segments.len() > 1));
     for checkpointing in [false, true] {
@@ -94,12 +110,15 @@ fn packed_rows_compute_what_their_examples_compute_alone() {
         }
         assert!(
             (loss - alone_loss).abs() < 1e-5 * alone_loss.abs(),
-            "checkpointing {checkpointing}: packed {loss} vs alone {alone_loss}"
+            "{name}, checkpointing {checkpointing}: packed {loss} vs alone {alone_loss}"
         );
         for ((k, g), a) in grads.iter().zip(&alone) {
             let d = crate::common::max_abs_diff(g, a);
             let scale = crate::common::max_abs_diff(a, &a.zeros_like().unwrap());
-            assert!(d <= 1e-4 * scale.max(1e-6), "{k}: {d} (scale {scale})");
+            assert!(
+                d <= 1e-4 * scale.max(1e-6),
+                "{name} {k}: {d} (scale {scale})"
+            );
         }
     }
 }
