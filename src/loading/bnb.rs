@@ -24,6 +24,7 @@ use crate::files::{
     candle_float_dtype, read_json, refuse_existing, replace_dir, view_to_f32, write_safetensors,
     MappedSafetensors, RawTensor,
 };
+use crate::models::pyjson::python_float;
 use crate::precision::TorchDtype;
 use crate::quant::{
     check_nested_blocksize, BlockScales, NestedAbsmax, Nf4Tensor, QuantConfig, QuantType,
@@ -43,34 +44,6 @@ struct QuantStateJson {
     nested_offset: Option<f64>,
 }
 
-/// Formats a float like Python's `repr` (shortest round-trip digits; exponent form below 1e-4 or from 1e16).
-fn python_float_repr(x: f64) -> String {
-    if x == 0.0 {
-        return if x.is_sign_negative() {
-            "-0.0".into()
-        } else {
-            "0.0".into()
-        };
-    }
-    let sci = format!("{x:e}");
-    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    if (-4..16).contains(&exp) {
-        let s = format!("{x}");
-        if s.contains('.') {
-            s
-        } else {
-            format!("{s}.0")
-        }
-    } else {
-        format!(
-            "{mantissa}e{}{:02}",
-            if exp < 0 { '-' } else { '+' },
-            exp.abs()
-        )
-    }
-}
-
 /// The quant-state JSON exactly as bitsandbytes serializes it (`json.dumps` key order and separators).
 fn quant_state_json(t: &Nf4Tensor) -> String {
     let shape: Vec<String> = t.shape().iter().map(|d| d.to_string()).collect();
@@ -85,7 +58,7 @@ fn quant_state_json(t: &Nf4Tensor) -> String {
         json.push_str(&format!(
             ", \"nested_blocksize\": {}, \"nested_dtype\": \"float32\", \"nested_offset\": {}",
             n.blocksize,
-            python_float_repr(n.offset as f64)
+            python_float(n.offset as f64)
         ));
     }
     json.push('}');
@@ -558,21 +531,6 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn python_repr_of_floats() {
-        assert_eq!(
-            python_float_repr(0.051685333251953125),
-            "0.051685333251953125"
-        );
-        assert_eq!(python_float_repr(1.0), "1.0");
-        assert_eq!(python_float_repr(1e-5), "1e-05");
-        assert_eq!(python_float_repr(1.5e-7), "1.5e-07");
-        assert_eq!(python_float_repr(0.0001), "0.0001");
-        assert_eq!(python_float_repr(-0.00012345), "-0.00012345");
-        assert_eq!(python_float_repr(1e16), "1e+16");
-        assert_eq!(python_float_repr(123.0), "123.0");
-    }
 
     #[test]
     fn linear_weights_are_recognized() {

@@ -4,7 +4,7 @@
 pub mod config;
 pub mod generate;
 pub mod llama;
-mod pyjson;
+pub(crate) mod pyjson;
 pub mod tokenizer;
 
 pub use config::{Architecture, LayerAttention, ModelConfig};

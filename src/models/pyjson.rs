@@ -167,9 +167,9 @@ fn write_string(out: &mut String, s: &str, style: &Style) {
     out.push('"');
 }
 
-/// Python's `repr(float)`: the shortest digits that read back, positional for exponents −4 … 15 (with at least
+/// Python's `repr(float)` (also how `json.dumps` and bitsandbytes' quant-state JSON write floats): the shortest digits that read back, positional for exponents −4 … 15 (with at least
 /// one decimal), else `1.5e+16` / `1e-05`; `NaN`, `Infinity`.
-fn python_float(x: f64) -> String {
+pub(crate) fn python_float(x: f64) -> String {
     if x.is_nan() {
         return "NaN".into();
     }
@@ -251,6 +251,11 @@ mod tests {
             (1.5e16, "1.5e+16"),
             (0.0001, "0.0001"),
             (1.25e-7, "1.25e-07"),
+            (0.051685333251953125, "0.051685333251953125"),
+            (1e-5, "1e-05"),
+            (-0.00012345, "-0.00012345"),
+            (1e16, "1e+16"),
+            (123.0, "123.0"),
             (f64::NAN, "NaN"),
             (f64::NEG_INFINITY, "-Infinity"),
         ] {
