@@ -17,6 +17,18 @@ pub fn repo_root() -> PathBuf {
     }
 }
 
+/// The tiny golden models under `tests/data/models`, one per family (and Mistral with a sliding window shorter
+/// than the golden inputs), written by `scripts/golden_model.py`.
+pub const TINY_MODELS: [&str; 7] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-mistral-sw",
+];
+
 /// `tests/data/<rel>`.
 pub fn data_path(rel: &str) -> PathBuf {
     repo_root().join("tests").join("data").join(rel)

@@ -484,15 +484,7 @@ fn family_ops_match_the_cpu_ops() {
 /// equal transformers + bitsandbytes', and decoding with the KV cache equals full forwards.
 #[test]
 fn every_family_on_the_gpu_matches_transformers() {
-    for name in [
-        "tiny-llama",
-        "tiny-qwen2",
-        "tiny-qwen3",
-        "tiny-gemma2",
-        "tiny-gemma3",
-        "tiny-phi3",
-        "tiny-mistral-sw",
-    ] {
+    for name in crate::common::TINY_MODELS {
         let golden = candle_core::safetensors::load(
             data_path(&format!("models/{name}/golden.safetensors")),
             &Device::Cpu,

@@ -10,7 +10,7 @@ use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::{BnbKernels, QuantConfig};
 use serde_json::Value;
 
-use crate::common::{data_path, embeds_loss, max_abs_diff, test_model, text_loss};
+use crate::common::{data_path, embeds_loss, max_abs_diff, test_model, text_loss, TINY_MODELS};
 
 fn golden(name: &str) -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(
@@ -40,17 +40,6 @@ fn nf4_like_bitsandbytes_cpu() -> QuantConfig {
         ..QuantConfig::nf4()
     }
 }
-
-/// The tiny golden models, one per family (and Mistral with a sliding window shorter than the inputs).
-const TINY_MODELS: [&str; 7] = [
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-gemma2",
-    "tiny-gemma3",
-    "tiny-phi3",
-    "tiny-mistral-sw",
-];
 
 #[test]
 fn tiny_models_of_every_family_match_transformers_logits() {

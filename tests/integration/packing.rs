@@ -73,15 +73,7 @@ fn loss_and_grads(
 
 #[test]
 fn packed_rows_compute_what_their_examples_compute_alone() {
-    for name in [
-        "tiny-llama",
-        "tiny-qwen2",
-        "tiny-qwen3",
-        "tiny-gemma2",
-        "tiny-gemma3",
-        "tiny-phi3",
-        "tiny-mistral-sw",
-    ] {
+    for name in crate::common::TINY_MODELS {
         packed_equals_alone(name);
     }
 }
