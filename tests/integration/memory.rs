@@ -168,3 +168,26 @@ fn estimate_command_prints_the_table_and_json() {
     let (ok, text) = run(&["no/such-folder-or-id/x"]);
     assert!(!ok && text.contains("no/such-folder-or-id/x"), "{text}");
 }
+
+/// The estimate's weight bytes follow each family's architecture table (Phi-3's fused projections, Qwen3's and
+/// Gemma 3's head norms, Gemma's four norms per layer, Qwen2's biases, tied heads): to the byte of the loaded NF4
+/// model, for every tiny family model.
+#[test]
+fn every_family_weight_bytes_match_the_prediction() {
+    let opts = LoadOptions {
+        quantization: Some(QuantConfig::nf4()),
+        ..Default::default()
+    };
+    for name in crate::common::TINY_MODELS {
+        let path = data_path(&format!("models/{name}"));
+        let path = path.to_str().unwrap();
+        let model = load_model(path, None, &opts).unwrap().model;
+        let config = load_model_config(path, None).unwrap();
+        let predicted = estimate(&config, &EstimateArgs::default()).unwrap();
+        assert_eq!(
+            model.weight_bytes() as u64,
+            predicted.weights_bytes,
+            "{name}"
+        );
+    }
+}
