@@ -157,8 +157,7 @@ impl GgufFile {
         let factor = max_position_embeddings as f64 / original as f64;
         let attention_factor = match key("attn_factor").and_then(|v| v.to_f32().ok()) {
             Some(f) => f as f64,
-            None if factor <= 1.0 => 1.0,
-            None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+            None => LongRopeScaling::default_attention_factor(factor, original),
         };
         Ok(Some(LongRopeScaling {
             short_factor: factors(names[0])?,

@@ -159,8 +159,8 @@ struct Counts {
 fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
     (
         c.hidden_size as u64,
-        (c.num_attention_heads * c.head_dim) as u64,
-        (c.num_key_value_heads * c.head_dim) as u64,
+        c.q_width() as u64,
+        c.kv_width() as u64,
         c.intermediate_size as u64,
     )
 }

@@ -429,7 +429,8 @@ struct RopeSettings {
     theta: Option<f64>,
     scaling: Option<RopeScaling>,
     sliding_theta: Option<f64>,
-    partial_rotary_factor: f64,
+    /// Leading dimensions of each head that RoPE rotates.
+    rotary_dim: usize,
 }
 
 /// A `rope_scaling` / `rope_parameters` object's scaling (`obj` is the whole config, for keys transformers 4 kept
@@ -498,8 +499,7 @@ fn rope_scaling_of(
             let factor = number("factor")?.unwrap_or(max / original as f64);
             let attention_factor = match opt_f64(scaling, "attention_factor", path)? {
                 Some(f) => f,
-                None if factor <= 1.0 => 1.0,
-                None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                None => LongRopeScaling::default_attention_factor(factor, original),
             };
             Ok(Some(RopeScaling::LongRope(LongRopeScaling {
                 short_factor: factors("short_factor")?,
@@ -561,7 +561,7 @@ fn rope_settings(obj: &Value, path: &Path, head_dim: usize) -> Result<RopeSettin
         theta,
         scaling,
         sliding_theta,
-        partial_rotary_factor,
+        rotary_dim,
     })
 }
 
@@ -700,7 +700,7 @@ impl ModelConfig {
             num_attention_heads: hf.num_attention_heads,
             num_key_value_heads: hf.num_key_value_heads.unwrap_or(hf.num_attention_heads),
             head_dim,
-            rotary_dim: (head_dim as f64 * rope.partial_rotary_factor) as usize,
+            rotary_dim: rope.rotary_dim,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope.theta.unwrap_or(architecture.default_rope_theta()),
             rope_scaling: rope.scaling,

@@ -39,6 +39,18 @@ pub struct LongRopeScaling {
     pub attention_factor: f64,
 }
 
+impl LongRopeScaling {
+    /// The cos/sin multiplier a config leaves unset: `√(1 + ln(factor) / ln(original))` for a context extended by
+    /// `factor` (`max_position_embeddings / original`), 1 when it is not extended (transformers' rule).
+    pub fn default_attention_factor(factor: f64, original: usize) -> f64 {
+        if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / (original as f64).ln()).sqrt()
+        }
+    }
+}
+
 /// How RoPE frequencies are scaled (`rope_scaling`, or `rope_parameters` in transformers 5).
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
