@@ -1,0 +1,136 @@
+// Warp matrix multiply-accumulate (`nvcuda::wmma`) for the emulated device: the m16n16k16 shape with __half or
+// __nv_bfloat16 inputs and float accumulators, the shapes and types tensor-core kernels use for training.
+//
+// Which lane holds which element of a fragment is unspecified in CUDA, and code may only treat a fragment's
+// elements uniformly (fill, scale, convert). Here each fragment kind spreads its 256 elements over the 32 lanes in
+// its own scrambled order, so code that assumes a layout gets wrong numbers instead of working by accident. The
+// pointers must be 256-bit aligned and `ldm` a multiple of 16 bytes, as the CUDA documentation requires; a kernel
+// that breaks either stops with its name.
+#pragma once
+
+#include "emu_defs.h"
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+namespace detail {
+constexpr int TILE = 16;
+constexpr int PER_LANE = TILE * TILE / 32;
+
+// The kind of a fragment: 0 = matrix_a, 1 = matrix_b, 2 = accumulator (each gets its own element order).
+template <typename Use> struct kind;
+template <> struct kind<matrix_a> { static constexpr unsigned value = 0; };
+template <> struct kind<matrix_b> { static constexpr unsigned value = 1; };
+template <> struct kind<accumulator> { static constexpr unsigned value = 2; };
+
+// The position (row · 16 + column) of element `i` of `lane` in a fragment of kind `k`: an affine bijection of
+// [0, 256) with an odd multiplier, different per kind.
+__device__ inline unsigned position(unsigned k, unsigned lane, unsigned i) {
+    static const unsigned multiplier[3] = {97, 181, 59};
+    static const unsigned shift[3] = {13, 202, 111};
+    return (multiplier[k] * (lane * PER_LANE + i) + shift[k]) & 255u;
+}
+
+__device__ inline unsigned lane() { return threadIdx.x & 31u; }
+
+// The alignment and leading dimension CUDA requires of a WMMA load or store.
+__device__ inline void check(const void *p, unsigned ldm, unsigned element_bytes, bool load) {
+    if ((uintptr_t)p % 32 != 0)
+        cuemu_trap(load ? "wmma::load_matrix_sync: pointer not 256-bit aligned"
+                        : "wmma::store_matrix_sync: pointer not 256-bit aligned");
+    if ((ldm * element_bytes) % 16 != 0)
+        cuemu_trap(load ? "wmma::load_matrix_sync: ldm is not a multiple of 16 bytes"
+                        : "wmma::store_matrix_sync: ldm is not a multiple of 16 bytes");
+}
+
+// Offset of element (row, col) of a 16x16 tile stored with leading dimension `ldm`.
+__device__ inline size_t offset(unsigned row, unsigned col, unsigned ldm, bool row_major_storage) {
+    return row_major_storage ? (size_t)row * ldm + col : (size_t)col * ldm + row;
+}
+
+template <typename T> __device__ inline float widen(T v) { return (float)v; }
+template <> __device__ inline float widen<__half>(__half v) { return __half2float(v); }
+template <> __device__ inline float widen<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+} // namespace detail
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> class fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "the emulated device has WMMA m16n16k16 only");
+
+  public:
+    using element_type = T;
+    enum { num_elements = detail::PER_LANE };
+    T x[num_elements];
+};
+
+template <typename Use, int M, int N, int K, typename T, typename Layout, typename V>
+__device__ inline void fill_fragment(fragment<Use, M, N, K, T, Layout> &f, const V &v) {
+    for (int i = 0; i < f.num_elements; ++i) f.x[i] = v;
+}
+
+// matrix_a / matrix_b: the layout is the fragment's. A's element (row m, column k); B's element (row k, column n).
+template <typename Use, typename T, typename Layout>
+__device__ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
+    static_assert(sizeof(T) == 2, "WMMA inputs are __half or __nv_bfloat16 on the emulated device");
+    detail::check(p, ldm, sizeof(T), true);
+    const unsigned k = detail::kind<Use>::value, lane = detail::lane();
+    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
+        const unsigned pos = detail::position(k, lane, i);
+        f.x[i] = p[detail::offset(pos / 16, pos % 16, ldm, std::is_same<Layout, row_major>::value)];
+    }
+}
+
+template <typename T>
+__device__ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, T> &f, const T *p, unsigned ldm,
+                                        layout_t layout) {
+    detail::check(p, ldm, sizeof(T), true);
+    const unsigned lane = detail::lane();
+    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
+        const unsigned pos = detail::position(2, lane, i);
+        f.x[i] = p[detail::offset(pos / 16, pos % 16, ldm, layout == mem_row_major)];
+    }
+}
+
+template <typename T>
+__device__ inline void store_matrix_sync(T *p, const fragment<accumulator, 16, 16, 16, T> &f, unsigned ldm,
+                                         layout_t layout) {
+    detail::check(p, ldm, sizeof(T), false);
+    const unsigned lane = detail::lane();
+    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
+        const unsigned pos = detail::position(2, lane, i);
+        p[detail::offset(pos / 16, pos % 16, ldm, layout == mem_row_major)] = f.x[i];
+    }
+}
+
+// D = A · B + C in float32, the products summed in k order. A warp-collective step: every lane lays its elements
+// of A, B and C out in the warp's scratch, the warp meets, and each lane computes its own elements of D.
+template <typename TA, typename LA, typename TB, typename LB>
+__device__ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
+                                const fragment<matrix_a, 16, 16, 16, TA, LA> &a,
+                                const fragment<matrix_b, 16, 16, 16, TB, LB> &b,
+                                const fragment<accumulator, 16, 16, 16, float> &c) {
+    float *scratch = static_cast<float *>(cuemu_warp_scratch());
+    float *sa = scratch, *sb = scratch + 256, *sc = scratch + 512;
+    const unsigned lane = detail::lane();
+    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
+        sa[detail::position(0, lane, i)] = detail::widen(a.x[i]);
+        sb[detail::position(1, lane, i)] = detail::widen(b.x[i]);
+        sc[detail::position(2, lane, i)] = c.x[i];
+    }
+    cuemu_syncwarp(0xffffffffu);
+    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
+        const unsigned pos = detail::position(2, lane, i), row = pos / 16, col = pos % 16;
+        float acc = sc[pos];
+        for (unsigned kk = 0; kk < 16; ++kk) acc += sa[row * 16 + kk] * sb[kk * 16 + col];
+        d.x[i] = acc;
+    }
+}
+
+} // namespace wmma
+} // namespace nvcuda

@@ -1,0 +1,204 @@
+// The emulator's process-wide state that is not memory: its configuration, error reporting and the counters a
+// test reads.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "emu.h"
+
+namespace emu {
+namespace {
+
+// "80e9", "16GiB", "512MiB", "1000000" → bytes.
+uint64_t parse_bytes(const char *text, uint64_t fallback) {
+    if (!text || !*text) return fallback;
+    char *end = nullptr;
+    const double value = strtod(text, &end);
+    if (end == text || value < 0) return fallback;
+    const std::string unit(end);
+    double scale = 1;
+    if (unit == "KiB") scale = 1024.0;
+    else if (unit == "MiB") scale = 1024.0 * 1024;
+    else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
+    else if (unit == "KB") scale = 1e3;
+    else if (unit == "MB") scale = 1e6;
+    else if (unit == "GB") scale = 1e9;
+    else if (!unit.empty()) return fallback;
+    return (uint64_t)(value * scale);
+}
+
+// The folder of this library (libcuda.so.1), where the kernel modules are built next to it.
+std::string own_folder() {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void *>(&own_folder), &info) && info.dli_fname) {
+        std::string path(info.dli_fname);
+        const size_t slash = path.rfind('/');
+        if (slash != std::string::npos) return path.substr(0, slash);
+    }
+    return ".";
+}
+
+Config read_config() {
+    Config c;
+    c.capacity = parse_bytes(getenv("CUDA_EMU_MEMORY"), 80000000000ull);
+    c.cc_major = 9;
+    c.cc_minor = 0;
+    if (const char *cc = getenv("CUDA_EMU_COMPUTE_CAP")) {
+        // "8.6" or "86".
+        int major = 0, minor = 0;
+        if (sscanf(cc, "%d.%d", &major, &minor) == 2) {
+            c.cc_major = major, c.cc_minor = minor;
+        } else if (sscanf(cc, "%d", &major) == 1 && major >= 10) {
+            c.cc_major = major / 10, c.cc_minor = major % 10;
+        }
+    }
+    c.driver_version = 13000;
+    if (const char *v = getenv("CUDA_EMU_DRIVER_VERSION")) c.driver_version = atoi(v);
+    c.devices = 1;
+    if (const char *v = getenv("CUDA_EMU_DEVICES")) c.devices = atoi(v) > 0 ? atoi(v) : 1;
+    const char *race = getenv("CUDA_EMU_RACECHECK");
+    c.race_check = race && *race && strcmp(race, "0") != 0;
+    const char *abort_env = getenv("CUDA_EMU_ABORT");
+    c.abort_on_error = abort_env && *abort_env && strcmp(abort_env, "0") != 0;
+    if (const char *p = getenv("CUDA_EMU_COUNTERS")) c.counters_path = p;
+    const char *k = getenv("CUDA_EMU_KERNELS");
+    c.kernels_dir = k && *k ? std::string(k) : own_folder() + "/kernels";
+    return c;
+}
+
+thread_local int t_last_code = 0;
+thread_local std::string t_last_message;
+std::atomic<int> g_sticky{0};
+
+struct Counters {
+    std::mutex lock;
+    uint64_t copies[4] = {0, 0, 0, 0}, copy_bytes[4] = {0, 0, 0, 0};
+    uint64_t allocations = 0, allocated_bytes = 0, launches = 0;
+    std::map<std::string, uint64_t> launches_by_kernel;
+};
+Counters &counters() {
+    static Counters *c = new Counters;
+    return *c;
+}
+
+// Writes the counters to CUDA_EMU_COUNTERS at exit.
+void write_counters_at_exit() {
+    const std::string &path = config().counters_path;
+    if (path.empty()) return;
+    if (FILE *f = fopen(path.c_str(), "w")) {
+        const std::string json = counters_json();
+        fwrite(json.data(), 1, json.size(), f);
+        fclose(f);
+    }
+}
+
+}  // namespace
+
+const Config &config() {
+    static const Config c = [] {
+        Config read = read_config();
+        if (!read.counters_path.empty()) atexit(write_counters_at_exit);
+        return read;
+    }();
+    return c;
+}
+
+std::string format(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    va_list copy;
+    va_copy(copy, ap);
+    const int n = vsnprintf(nullptr, 0, fmt, copy);
+    va_end(copy);
+    std::string out(n > 0 ? n : 0, '\0');
+    if (n > 0) vsnprintf(&out[0], n + 1, fmt, ap);
+    va_end(ap);
+    return out;
+}
+
+int fail(int code, const std::string &message) {
+    t_last_code = code;
+    t_last_message = message;
+    fprintf(stderr, "cuda-emu: %s\n", message.c_str());
+    fflush(stderr);
+    if (config().abort_on_error) abort();
+    return code;
+}
+
+const char *last_message(int code) { return code == t_last_code && code != 0 ? t_last_message.c_str() : nullptr; }
+
+int sticky_error() { return g_sticky.load(std::memory_order_acquire); }
+
+void set_sticky_error(int code) {
+    int expected = 0;
+    g_sticky.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+}
+
+void count_copy(Copy direction, size_t bytes) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.copies[(int)direction] += 1;
+    c.copy_bytes[(int)direction] += bytes;
+}
+
+void count_launch(const std::string &kernel) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.launches += 1;
+    c.launches_by_kernel[kernel] += 1;
+}
+
+void count_allocation(size_t bytes) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.allocations += 1;
+    c.allocated_bytes += bytes;
+}
+
+std::string counters_json() {
+    const PoolStats pool = pool_stats();
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    static const char *names[4] = {"host_to_device", "device_to_host", "device_to_device", "host_to_host"};
+    std::string out = "{\"copies\": {";
+    for (int i = 0; i < 4; ++i) {
+        out += format("%s\"%s\": {\"count\": %llu, \"bytes\": %llu}", i ? ", " : "", names[i],
+                      (unsigned long long)c.copies[i], (unsigned long long)c.copy_bytes[i]);
+    }
+    out += format("}, \"allocations\": {\"count\": %llu, \"bytes\": %llu}, \"pool\": {\"used\": %llu, \"peak\": %llu}",
+                  (unsigned long long)c.allocations, (unsigned long long)c.allocated_bytes,
+                  (unsigned long long)pool.used, (unsigned long long)pool.used_high);
+    out += format(", \"launches\": {\"count\": %llu, \"by_kernel\": {", (unsigned long long)c.launches);
+    bool first = true;
+    for (const auto &kv : c.launches_by_kernel) {
+        out += format("%s\"%s\": %llu", first ? "" : ", ", kv.first.c_str(), (unsigned long long)kv.second);
+        first = false;
+    }
+    out += "}}}";
+    return out;
+}
+
+void reset_counters() {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    for (int i = 0; i < 4; ++i) c.copies[i] = c.copy_bytes[i] = 0;
+    c.allocations = c.allocated_bytes = c.launches = 0;
+    c.launches_by_kernel.clear();
+}
+
+}  // namespace emu
+
+// For tests: the counters as JSON (a static string, valid until the next call on this thread), and their reset.
+extern "C" __attribute__((visibility("default"))) const char *cuemu_counters(void) {
+    thread_local std::string json;
+    json = emu::counters_json();
+    return json.c_str();
+}
+extern "C" __attribute__((visibility("default"))) void cuemu_reset_counters(void) { emu::reset_counters(); }
