@@ -17,6 +17,12 @@ fn main() {
     let nvcc = nvcc();
     let arch = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let arch: String = arch.chars().filter(char::is_ascii_digit).collect();
+    // What the crate checks the GPU and its driver against at start (src/cuda.rs, `check_device`).
+    println!("cargo::rustc-env=QLORA_CUDA_COMPUTE_CAP={arch}");
+    println!(
+        "cargo::rustc-env=QLORA_CUDA_TOOLKIT={}",
+        toolkit_version(&nvcc)
+    );
     let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")
         .expect("the kernels folder")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -47,6 +53,25 @@ fn main() {
             });
         assert!(status.success(), "nvcc failed on {}", source.display());
     }
+}
+
+/// The CUDA version of `nvcc` ("13.0"), as `nvcc --version` prints it ("… release 13.0, V13.0.88").
+fn toolkit_version(nvcc: &Path) -> String {
+    let output = Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", nvcc.display()));
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.split("release ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .map(str::to_owned)
+        .unwrap_or_else(|| {
+            panic!(
+                "cannot read the CUDA version from `{} --version`: {text}",
+                nvcc.display()
+            )
+        })
 }
 
 /// `nvcc` of `CUDA_HOME`/`CUDA_PATH`, else the one on `PATH`.

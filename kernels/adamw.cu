@@ -114,3 +114,31 @@ extern "C" __global__ void adamw_torch(float *p, const float *g, float *m, float
         p[i] = pi - step_size * mi / denom;
     }
 }
+
+// Gradient clipping's squared global norm without a read per tensor: `sum_squares` writes Σ g² of one gradient
+// (float64, one block of blockDim.x threads, a multiple of 32) to `*partial`, and `sum_partials` adds the tensors'
+// partials in order into `*total`. Deterministic: the same gradients give the same bits on every run.
+extern "C" __global__ void sum_squares(const float *g, u64 n, double *partial) {
+    __shared__ double warp_sums[32];
+    double s = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        const double v = (double)g[i];
+        s += v * v;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (unsigned w = 0; w < blockDim.x / 32; ++w) total += warp_sums[w];
+        *partial = total;
+    }
+}
+
+extern "C" __global__ void sum_partials(const double *partials, u64 n, double *total) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+        double s = 0.0;
+        for (u64 i = 0; i < n; ++i) s += partials[i];
+        *total = s;
+    }
+}

@@ -380,8 +380,11 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
                        dv);                                                                                    \
     }
 
+// bfloat16 tensor cores start at compute 8.0: a build for a T4 (CUDA_COMPUTE_CAP=75) has the float16 kernels only.
+#if __CUDA_ARCH__ >= 800
 FOR_HEAD_DIM(__nv_bfloat16, bf16, 64)
 FOR_HEAD_DIM(__nv_bfloat16, bf16, 128)
+#endif
 FOR_HEAD_DIM(__half, f16, 64)
 FOR_HEAD_DIM(__half, f16, 128)
 

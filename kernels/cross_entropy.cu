@@ -34,3 +34,21 @@ __device__ void ce_rows(const float *logits, const long long *labels, u64 rows, 
     (const float *logits, const long long *labels, u64 rows, u64 vocab, int with_grad, float *losses, T *dlogits)
 
 FOR_FLOAT_TYPES(ce_rows, ce_rows, ROWS, (logits, labels, rows, vocab, with_grad, losses, dlogits))
+
+// The loss: Σ of the `n` token losses, by one block (deterministic), into `*total`.
+extern "C" __global__ void ce_sum(const float *losses, u64 n, float *total) {
+    float s = 0.0f;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) s += losses[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) *total = s;
+}
+
+// The backward: the hidden states' gradient `dh` (float32) times the upstream gradient of the loss `*g`, rounded
+// once to the activations' dtype — what the CPU path computes.
+template <typename T> __device__ void ce_scale(const float *dh, const float *g, u64 n, T *out) {
+    const float scale = *g;
+    FOR_EACH(i, n) { out[i] = from_float<T>(dh[i] * scale); }
+}
+
+#define SCALE(T) (const float *dh, const float *g, u64 n, T *out)
+FOR_FLOAT_TYPES(ce_scale, ce_scale, SCALE, (dh, g, n, out))

@@ -7,6 +7,7 @@
 //! tensor of more than 2³² elements is covered whole.
 
 use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{
@@ -15,6 +16,93 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+
+/// Whether the ops run the crate's own kernels on CUDA (see [`fused_kernels`]).
+static FUSED_KERNELS: AtomicBool = AtomicBool::new(true);
+
+/// Whether the ops run the crate's own kernels on a CUDA device — RMSNorm, RoPE and the head moves, SwiGLU/GeGLU,
+/// attention, the fused linear cross-entropy, the LoRA projection, 4-bit dequantization and the decoding product —
+/// (the default), or Candle's composed ops in their place (`TrainingArguments::use_liger_kernel = false`). Dropout
+/// masks, NEFTune noise and the optimizers keep their kernels either way: those make the CPU's exact numbers on the
+/// device, and any other route would move every element through the host.
+pub(crate) fn fused_kernels() -> bool {
+    FUSED_KERNELS.load(Ordering::Relaxed)
+}
+
+/// Sets [`fused_kernels`] for the whole process.
+pub fn set_fused_kernels(on: bool) {
+    FUSED_KERNELS.store(on, Ordering::Relaxed);
+}
+
+/// The compute capability this build's kernels target (`CUDA_COMPUTE_CAP` at build time, e.g. "80"): PTX for it runs
+/// on that GPU generation and every later one.
+pub(crate) const BUILD_COMPUTE_CAP: &str = env!("QLORA_CUDA_COMPUTE_CAP");
+/// The CUDA toolkit that compiled the kernels ("13.0"): a driver must support it to compile their PTX.
+const BUILD_TOOLKIT: &str = env!("QLORA_CUDA_TOOLKIT");
+
+/// `"13.0"` → 13000, CUDA's integer form of a version.
+fn cuda_version_number(version: &str) -> i32 {
+    let mut parts = version.split('.').map(|p| p.parse::<i32>().unwrap_or(0));
+    let major = parts.next().unwrap_or(0);
+    let minor = parts.next().unwrap_or(0);
+    major * 1000 + minor * 10
+}
+
+/// The oldest NVIDIA driver branch that runs a CUDA version's PTX (NVIDIA's release notes, table 3).
+fn minimum_driver(cuda: i32) -> &'static str {
+    match cuda {
+        ..=12009 => "525",
+        12010..=12019 => "530",
+        12020..=12029 => "535",
+        12030..=12039 => "545",
+        12040..=12049 => "550",
+        12050..=12059 => "555",
+        12060..=12079 => "560",
+        12080..=12089 => "570",
+        12090..=12999 => "575",
+        _ => "580",
+    }
+}
+
+/// Checks at start that `device` can run this build's kernels: its driver compiles PTX of the build's toolkit,
+/// and its compute capability is at least the build's target. The error says what to update or rebuild, instead of
+/// a failure at the first kernel.
+pub fn check_device(device: &CudaDevice) -> Result<()> {
+    let context = device.cuda_stream().context().clone();
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(candle_core::Error::wrap)?;
+    let name = context.name().unwrap_or_else(|_| "?".into());
+    let ordinal = context.ordinal();
+    let mut driver = 0;
+    // SAFETY: cuDriverGetVersion writes one int.
+    unsafe { candle_core::cuda_backend::cudarc::driver::sys::cuDriverGetVersion(&mut driver) }
+        .result()
+        .map_err(candle_core::Error::wrap)?;
+    let needed = cuda_version_number(BUILD_TOOLKIT);
+    if driver < needed {
+        candle_core::bail!(
+            "GPU {ordinal} ({name}): its NVIDIA driver supports CUDA {}.{}, but this build's kernels are PTX from CUDA \
+             {BUILD_TOOLKIT}, which needs a driver for CUDA {BUILD_TOOLKIT} or newer (NVIDIA driver {} or later): \
+             update the driver, or build with an older CUDA toolkit (README, \"GPU builds\")",
+            driver / 1000,
+            driver % 1000 / 10,
+            minimum_driver(needed),
+        );
+    }
+    let capability = major * 10 + minor;
+    let target: i32 = BUILD_COMPUTE_CAP.parse().unwrap_or(0);
+    if capability < target {
+        candle_core::bail!(
+            "GPU {ordinal} ({name}) has compute capability {major}.{minor}, but this build has kernels for compute \
+             {}.{} and later only: rebuild with CUDA_COMPUTE_CAP={capability} (scripts/build-cuda.sh; README, \
+             \"GPU builds\")",
+            target / 10,
+            target % 10,
+        );
+    }
+    Ok(())
+}
 
 /// A kernel module: the name Candle caches it under, and its PTX.
 pub(crate) struct Module {
@@ -33,6 +121,10 @@ macro_rules! module {
 
 /// `kernels/dequant.cu`: 4-bit dequantization.
 pub(crate) const DEQUANT: Module = module!("dequant");
+/// `kernels/nf4_matvec.cu`: decoding products straight from 4-bit codes.
+pub(crate) const NF4_MATVEC: Module = module!("nf4_matvec");
+/// `kernels/embedding.cu`: rows of a frozen embedding table.
+pub(crate) const EMBEDDING: Module = module!("embedding");
 /// `kernels/dropout.cu`: dropout masks and NEFTune noise from the counter-based generator.
 pub(crate) const DROPOUT: Module = module!("dropout");
 /// `kernels/norm.cu`: RMSNorm forward and backward.

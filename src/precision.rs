@@ -87,6 +87,10 @@ impl Precision {
                 _ => DType::F32,
             },
         };
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(gpu) = device {
+            check_gpu_dtype(gpu, compute_dtype)?;
+        }
         if device.is_cpu() && compute_dtype != DType::F32 {
             CPU_BF16_NOTE.call_once(|| {
                 eprintln!(
@@ -99,9 +103,70 @@ impl Precision {
     }
 }
 
+/// Why a GPU of compute capability `device` (major · 10 + minor) running kernels built for compute `build` cannot
+/// compute in `dtype`, or `None` when it can: bfloat16 tensor cores start at 8.0 (A100, A10, L4, RTX 30xx), so a
+/// T4 or V100 — and a build for one (`CUDA_COMPUTE_CAP=75`, which leaves the bf16 kernels out) — trains in float16
+/// or float32.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decision is unit-tested in every build
+pub(crate) fn gpu_dtype_problem(dtype: DType, device: u32, build: u32) -> Option<String> {
+    const FP16: &str = "train in float16 instead (fp16 = true, bf16 = false, bnb_4bit_compute_dtype = \"float16\")";
+    if dtype != DType::BF16 {
+        None
+    } else if device < 80 {
+        Some(format!(
+            "compute capability {}.{}: bfloat16 needs 8.0 or later (A100, A10, L4, RTX 30xx and newer); {FP16}",
+            device / 10,
+            device % 10
+        ))
+    } else if build < 80 {
+        Some(format!(
+            "this build's kernels target compute {}.{} (CUDA_COMPUTE_CAP), which has no bfloat16 tensor cores, so it \
+             has no bfloat16 attention: {FP16}, or use the default build",
+            build / 10,
+            build % 10
+        ))
+    } else {
+        None
+    }
+}
+
+/// Whether `gpu` can compute in `dtype` with this build's kernels ([`gpu_dtype_problem`]); an error that says what
+/// to use instead otherwise.
+#[cfg(feature = "cuda")]
+fn check_gpu_dtype(gpu: &candle_core::CudaDevice, dtype: DType) -> Result<()> {
+    let context = gpu.cuda_stream().context().clone();
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(candle_core::Error::wrap)?;
+    let build = crate::cuda::BUILD_COMPUTE_CAP.parse().unwrap_or(0);
+    match gpu_dtype_problem(dtype, (major * 10 + minor) as u32, build) {
+        Some(problem) => Err(Error::InvalidInput(format!(
+            "GPU {} ({}): {problem}",
+            context.ordinal(),
+            context.name().unwrap_or_else(|_| "?".into())
+        ))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bfloat16_needs_compute_8_on_the_gpu_and_in_the_build() {
+        assert_eq!(gpu_dtype_problem(DType::BF16, 80, 80), None);
+        assert_eq!(gpu_dtype_problem(DType::BF16, 90, 80), None);
+        assert_eq!(gpu_dtype_problem(DType::F16, 75, 75), None);
+        assert_eq!(gpu_dtype_problem(DType::F32, 70, 70), None);
+        let t4 = gpu_dtype_problem(DType::BF16, 75, 75).unwrap();
+        assert!(t4.contains("7.5") && t4.contains("fp16 = true"), "{t4}");
+        let t4_build = gpu_dtype_problem(DType::BF16, 86, 75).unwrap();
+        assert!(
+            t4_build.contains("compute 7.5") && t4_build.contains("fp16 = true"),
+            "{t4_build}"
+        );
+    }
 
     #[test]
     fn flags_map_to_compute_dtypes() {

@@ -829,8 +829,12 @@ impl LlamaModel {
         if t < 2 {
             return Ok((Tensor::zeros((), DType::F32, hidden.device())?, 0));
         }
-        let h = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), hdim))?;
-        let l = labels.narrow(1, 1, t - 1)?.flatten_all()?;
+        // Position i predicts token i + 1: the labels shift left by one and each row's last position is ignored,
+        // so the hidden states go in whole (a narrowed view would be copied).
+        let h = hidden.reshape((b * t, hdim))?;
+        let ignored =
+            Tensor::full(ops::IGNORE_INDEX, (b, 1), labels.device())?.to_dtype(labels.dtype())?;
+        let l = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)?.flatten_all()?;
         ops::linear_cross_entropy_capped(
             &h,
             &self.head_weight()?,

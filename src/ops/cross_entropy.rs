@@ -260,9 +260,37 @@ impl LinearCrossEntropy {
     /// Whether the CUDA path takes these inputs: a frozen head in the hidden states' float dtype, on a GPU.
     fn cuda_applies(hidden: &Tensor, weight: &Tensor) -> bool {
         hidden.device().is_cuda()
+            && crate::cuda::fused_kernels()
             && !weight.track_op()
             && hidden.dtype() == weight.dtype()
             && matches!(hidden.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// `dh · grad` in `dtype` by one kernel (the upstream gradient read on the device: a broadcast product would
+    /// upload its layout).
+    fn cuda_scale(dh: &Tensor, grad: &Tensor, dtype: DType) -> Result<Tensor> {
+        use crate::cuda::{
+            alloc, device_of, grid, hold, kernel, run, suffix, tensor, with_float_type,
+            CROSS_ENTROPY,
+        };
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
+        let device = device_of(dh)?;
+        let n = dh.elem_count() as u64;
+        let func = kernel(
+            &device,
+            &CROSS_ENTROPY,
+            &format!("ce_scale{}", suffix(dtype)?),
+        )?;
+        let (dhh, gh) = (hold(dh)?, hold(&grad)?);
+        let (dhv, gv) = (dhh.view::<f32>()?, gh.view::<f32>()?);
+        Ok(with_float_type!(dtype, T => {
+            let mut out = alloc::<T>(&device, dh.elem_count())?;
+            let mut args = func.builder();
+            args.arg(&dhv).arg(&gv).arg(&n).arg(&mut out);
+            run(&mut args, grid(n))?;
+            tensor(out, &device, dh.shape().clone())
+        }))
     }
 
     /// Block by block of tokens: float32 logits from the head in its own dtype (cuBLAS, no float32 copy of the
@@ -338,7 +366,14 @@ impl LinearCrossEntropy {
                 self.hidden_gradient = Some(tensor(dh, &device, (n, h)));
             }
         });
-        Ok(Value::Tensor(tensor(losses, &device, n).sum_all()?))
+        // Summed by a kernel of ours: Candle's reduction would upload the layout, a copy per micro-batch.
+        let mut total = alloc::<f32>(&device, 1)?;
+        let sum = kernel(&device, &CROSS_ENTROPY, "ce_sum")?;
+        let mut args = sum.builder();
+        let n_u = n as u64;
+        args.arg(&losses).arg(&n_u).arg(&mut total);
+        run(&mut args, rows_grid(1))?;
+        Ok(Value::Tensor(tensor(total, &device, ())))
     }
 }
 
@@ -366,6 +401,10 @@ impl Op<2> for LinearCrossEntropy {
     ) -> Result<[Option<Tensor>; 2]> {
         match &self.hidden_gradient {
             Some(dh) => {
+                #[cfg(feature = "cuda")]
+                if dh.device().is_cuda() {
+                    return Ok([Some(Self::cuda_scale(dh, grad, inputs[0].dtype())?), None]);
+                }
                 let scaled = dh.broadcast_mul(&grad.to_dtype(dh.dtype())?)?;
                 Ok([Some(scaled.to_dtype(inputs[0].dtype())?), None])
             }

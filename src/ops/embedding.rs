@@ -19,7 +19,42 @@ pub fn embedding(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         candle_core::bail!("token id {bad} is out of range for a vocabulary of {vocab}");
     }
     let flat = flat.to_device(table.device())?;
+    #[cfg(feature = "cuda")]
+    if table.device().is_cuda() && crate::cuda::fused_kernels() && !table.track_op() {
+        return cuda_rows(table, &flat)?.reshape((b, t, hidden));
+    }
     table.index_select(&flat, 0)?.reshape((b, t, hidden))
+}
+
+/// The rows of a frozen table on a CUDA device for range-checked `ids` there (`kernels/embedding.cu`).
+#[cfg(feature = "cuda")]
+fn cuda_rows(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    use crate::cuda::{
+        alloc, device_of, hold, kernel, rows_grid, run, suffix, tensor, with_float_type, EMBEDDING,
+    };
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+    let (table, ids) = (
+        table.contiguous()?,
+        ids.to_dtype(candle_core::DType::U32)?.contiguous()?,
+    );
+    let (n, hidden) = (ids.elem_count(), table.dim(1)?);
+    let device = device_of(&table)?;
+    let func = kernel(
+        &device,
+        &EMBEDDING,
+        &format!("embedding_rows{}", suffix(table.dtype())?),
+    )?;
+    let (th, ih) = (hold(&table)?, hold(&ids)?);
+    let iv = ih.view::<u32>()?;
+    let (n_u, hidden_u) = (n as u64, hidden as u64);
+    Ok(with_float_type!(table.dtype(), T => {
+        let tv = th.view::<T>()?;
+        let mut out = alloc::<T>(&device, n * hidden)?;
+        let mut args = func.builder();
+        args.arg(&tv).arg(&iv).arg(&n_u).arg(&hidden_u).arg(&mut out);
+        run(&mut args, rows_grid(n_u))?;
+        tensor(out, &device, (n, hidden))
+    }))
 }
 
 #[cfg(test)]

@@ -69,6 +69,28 @@ pub(crate) fn decoding_codes(weight: &FrozenWeight, rows: usize) -> Option<&Nf4T
     }
 }
 
+/// The 4-bit weight on a GPU to multiply by in place ([`DeviceNf4::matvec`]) instead of dequantizing it: when this
+/// thread is in [`InferenceMode`], `x` is on a CUDA device, the weight's codes are there too, the input has at most
+/// [`MAX_ROWS`] rows and the fused kernels are on ([`crate::cuda::fused_kernels`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn decoding_device_codes<'a>(
+    weight: &'a FrozenWeight,
+    x: &Tensor,
+    rows: usize,
+) -> Option<&'a DeviceNf4> {
+    match weight {
+        FrozenWeight::Nf4OnDevice(q)
+            if x.device().is_cuda()
+                && rows <= MAX_ROWS.min(DeviceNf4::MATVEC_MAX_ROWS)
+                && InferenceMode::is_active()
+                && crate::cuda::fused_kernels() =>
+        {
+            Some(q)
+        }
+        _ => None,
+    }
+}
+
 /// A frozen weight `[out_features, in_features]`.
 #[derive(Clone, Debug)]
 pub enum FrozenWeight {
@@ -195,16 +217,44 @@ pub fn frozen_linear(x: &Tensor, layer: &Arc<FrozenLinear>) -> Result<Tensor> {
 struct FrozenLinearOp(Arc<FrozenLinear>);
 
 impl FrozenLinearOp {
-    /// `x·Wᵀ (+ b)` for a CPU float32 `x` of a decoding step from the 4-bit codes where [`decoding_codes`] gives
-    /// them, or from a CPU bfloat16 weight read in place; `None` elsewhere.
+    /// `x·Wᵀ (+ b)` for `x` of a decoding step: from the 4-bit codes where [`decoding_codes`] (a CPU float32 `x`)
+    /// or [`decoding_device_codes`] (a GPU) gives them, or from a CPU bfloat16 weight read in place; `None`
+    /// elsewhere.
     fn decode_step(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let layer = &self.0;
-        let mut dims = x.dims().to_vec();
-        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-        if !(x.dtype() == DType::F32 && x.device().is_cpu() && x.rank() > 0) {
+        if x.rank() == 0 {
             return Ok(None);
         }
-        let y = match (&layer.weight, decoding_codes(&layer.weight, rows)) {
+        let mut dims = x.dims().to_vec();
+        let (rows, inp) = (
+            dims[..dims.len() - 1].iter().product(),
+            dims[dims.len() - 1],
+        );
+        let out = layer.weight.dims2()?.0;
+        let y = self.decode_rows(x, rows, inp)?;
+        let Some(y) = y else { return Ok(None) };
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        let y = y.reshape(dims)?;
+        Ok(Some(match &layer.bias {
+            Some(b) => y.broadcast_add(&b.to_dtype(x.dtype())?)?,
+            None => y,
+        }))
+    }
+
+    /// `x·Wᵀ` as `[rows, out_features]` by a decoding kernel (see [`FrozenLinearOp::decode_step`]), if one applies.
+    fn decode_rows(&self, x: &Tensor, rows: usize, inp: usize) -> Result<Option<Tensor>> {
+        let weight = &self.0.weight;
+        #[cfg(feature = "cuda")]
+        if let Some(q) = decoding_device_codes(weight, x, rows) {
+            return Ok(Some(q.matvec(&x.reshape((rows, inp))?)?));
+        }
+        if !(x.dtype() == DType::F32 && x.device().is_cpu()) {
+            return Ok(None);
+        }
+        let out = weight.dims2()?.0;
+        let y = match (weight, decoding_codes(weight, rows)) {
             (_, Some(q)) => with_slice::<f32, _>(x, |xs| nf4_matvec(q, xs, rows))?,
             (FrozenWeight::Dense(w), None)
                 if w.dtype() == DType::BF16
@@ -212,21 +262,14 @@ impl FrozenLinearOp {
                     && rows <= MAX_ROWS
                     && InferenceMode::is_active() =>
             {
-                let out = w.dim(0)?;
                 with_slice::<f32, _>(x, |xs| {
                     with_elements([w], |[ws]| bf16_matvec(ws, out, xs, rows))
                 })?
             }
             _ => return Ok(None),
         };
-        if let Some(last) = dims.last_mut() {
-            *last = layer.weight.dims2()?.0;
-        }
-        let y = Tensor::from_vec(y, dims, &Device::Cpu)?;
-        Ok(Some(match &layer.bias {
-            Some(b) => y.broadcast_add(&b.to_dtype(DType::F32)?)?,
-            None => y,
-        }))
+        debug_assert_eq!(x.elem_count(), rows * inp);
+        Ok(Some(Tensor::from_vec(y, (rows, out), &Device::Cpu)?))
     }
 }
 

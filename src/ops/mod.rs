@@ -57,6 +57,11 @@ pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_split_heads, RopeTables};
 pub use swiglu::{gated_activation, geglu_tanh, swiglu, GateActivation};
 
+/// With the `cuda` feature: whether the ops run the crate's own CUDA kernels (the default) or Candle's composed ops
+/// on a GPU, for the whole process (`TrainingArguments::use_liger_kernel` sets it for a training run).
+#[cfg(feature = "cuda")]
+pub use crate::cuda::set_fused_kernels;
+
 /// The working dtype of the composed paths: f64 stays f64 (gradient checks), everything else runs in f32.
 pub(crate) fn work_dtype(dtype: DType) -> DType {
     if dtype == DType::F64 {

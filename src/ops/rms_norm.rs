@@ -163,6 +163,7 @@ impl RmsNorm {
     /// Whether the kernels take these inputs: a frozen weight, a float input on a CUDA device.
     fn cuda_applies(x: &Tensor, w: &Tensor) -> bool {
         x.device().is_cuda()
+            && crate::cuda::fused_kernels()
             && !w.track_op()
             && x.rank() > 0
             && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)

@@ -33,7 +33,9 @@ struct MoveRows {
 
 /// Whether the kernel takes `x`: a float tensor on a CUDA device.
 pub(crate) fn applies(x: &Tensor) -> bool {
-    x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    x.device().is_cuda()
+        && crate::cuda::fused_kernels()
+        && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
 }
 
 /// `x` (in `from`, of `dims`) moved to `to` and rotated by `tables` (cos, sin of `[1 or b, 1, t, d]`) when given.

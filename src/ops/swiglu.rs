@@ -248,6 +248,7 @@ impl<A: Activation> Gated<A> {
 #[cfg(feature = "cuda")]
 fn cuda_path<A: Activation>(gate: &Tensor, up: &Tensor) -> Option<&'static str> {
     let fits = gate.device().is_cuda()
+        && crate::cuda::fused_kernels()
         && gate.dtype() == up.dtype()
         && gate.dims() == up.dims()
         && matches!(gate.dtype(), DType::F32 | DType::BF16 | DType::F16);

@@ -67,6 +67,10 @@ fn scale_blocks(values: &Tensor, scale: &Tensor, block: usize) -> Result<Tensor>
 }
 
 impl DeviceNf4 {
+    /// Rows of `x` the decoding product (`matvec`, with the `cuda` feature) takes at most: the kernel keeps one sum
+    /// per row in registers.
+    pub const MATVEC_MAX_ROWS: usize = 8;
+
     /// Copies `q`'s codes and statistics to `device`.
     pub fn new(q: &Nf4Tensor, device: &Device) -> Result<Self> {
         let code = q.code();
@@ -102,7 +106,7 @@ impl DeviceNf4 {
     /// The dense weight as `dtype` (f32, f16 or bf16) on the device, bit-identical to [`Nf4Tensor::dequantize`].
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.packed.device().is_cuda() {
+        if self.packed.device().is_cuda() && crate::cuda::fused_kernels() {
             return match dtype {
                 DType::F32 => self.dequantize_cuda::<f32>(dtype),
                 DType::BF16 => self.dequantize_cuda::<half::bf16>(dtype),
@@ -207,6 +211,111 @@ impl DeviceNf4 {
             }
         }
         Ok(tensor(out, &device, self.shape.as_slice()))
+    }
+
+    /// `x·Wᵀ` for a few rows of `x` (`[rows, in_features]`, a decoding step) from the 4-bit codes on a CUDA device,
+    /// without a dequantized copy of the weight: `[rows, out_features]` in `x`'s dtype (f32, bf16 or f16), each
+    /// weight decoded as [`DeviceNf4::dequantize`] decodes it and the products summed in float32.
+    #[cfg(feature = "cuda")]
+    pub fn matvec(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        use crate::cuda::{alloc, device_of, tensor, with_float_type};
+        let (rows, out) = (x.dim(0)?, self.shape[0]);
+        let device = device_of(x)?;
+        Ok(with_float_type!(x.dtype(), T => {
+            let mut y = alloc::<T>(&device, rows * out)?;
+            self.matvec_into(x, &mut y)?;
+            tensor(y, &device, (rows, out))
+        }))
+    }
+
+    /// [`DeviceNf4::matvec`] into `y` (`rows · out_features` elements of `x`'s dtype).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn matvec_into<T>(
+        &self,
+        x: &Tensor,
+        y: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<T>,
+    ) -> candle_core::Result<()>
+    where
+        T: candle_core::cuda_backend::CudaDType
+            + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
+    {
+        use crate::cuda::{device_of, hold, kernel, run, suffix, NF4_MATVEC};
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        let (rows, inp) = x.dims2()?;
+        let out = self.shape[0];
+        if self.shape.len() != 2
+            || inp != self.shape[1]
+            || rows > Self::MATVEC_MAX_ROWS
+            || y.len() != rows * out
+        {
+            candle_core::bail!(
+                "4-bit matrix-vector product: {rows} rows of {inp} features (at most {}) with a {:?} weight",
+                Self::MATVEC_MAX_ROWS,
+                self.shape
+            );
+        }
+        let x = x.contiguous()?;
+        let dtype = x.dtype();
+        let device = device_of(&x)?;
+        // One warp per output feature, 8 a block.
+        let cfg = LaunchConfig {
+            grid_dim: ((out as u64).div_ceil(8).clamp(1, 65_535 * 4) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (packed, code, xh) = (hold(&self.packed)?, hold(&self.code)?, hold(&x)?);
+        let (packed, code, xv) = (packed.view::<u8>()?, code.view::<f32>()?, xh.view::<T>()?);
+        let blocksize = self.config.blocksize as u64;
+        let sizes = [rows as u64, out as u64, inp as u64];
+        match &self.scales {
+            DeviceScales::Plain(absmax) => {
+                let absmax = hold(absmax)?;
+                let absmax = absmax.view::<f32>()?;
+                let func = kernel(
+                    &device,
+                    &NF4_MATVEC,
+                    &format!("nf4_matvec_plain{}", suffix(dtype)?),
+                )?;
+                let mut args = func.builder();
+                args.arg(&xv)
+                    .arg(&packed)
+                    .arg(&code)
+                    .arg(&absmax)
+                    .arg(&blocksize);
+                args.arg(&sizes[0]).arg(&sizes[1]).arg(&sizes[2]).arg(y);
+                run(&mut args, cfg)?;
+            }
+            DeviceScales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+                blocksize: nested_blocksize,
+            } => {
+                let (codes, absmax, map) = (hold(codes)?, hold(absmax)?, hold(map)?);
+                let (codes, absmax, map) = (
+                    codes.view::<u8>()?,
+                    absmax.view::<f32>()?,
+                    map.view::<f32>()?,
+                );
+                let nested_blocksize = *nested_blocksize as u64;
+                let func = kernel(
+                    &device,
+                    &NF4_MATVEC,
+                    &format!("nf4_matvec_nested{}", suffix(dtype)?),
+                )?;
+                let mut args = func.builder();
+                args.arg(&xv).arg(&packed).arg(&code).arg(&absmax);
+                args.arg(&codes)
+                    .arg(&map)
+                    .arg(offset)
+                    .arg(&blocksize)
+                    .arg(&nested_blocksize);
+                args.arg(&sizes[0]).arg(&sizes[1]).arg(&sizes[2]).arg(y);
+                run(&mut args, cfg)?;
+            }
+        }
+        Ok(())
     }
 
     /// `[out_features, in_features]`.

@@ -138,6 +138,12 @@ pub struct TrainingArguments {
     /// candle-qlora: stop with an error after this many consecutive steps with a non-finite loss (each such step
     /// is skipped and logged; 0 never stops).
     pub max_consecutive_nonfinite_losses: usize,
+    /// transformers' switch of Liger's fused kernels; here the crate's own CUDA kernels (RMSNorm, RoPE, SwiGLU and
+    /// GeGLU, attention, the fused linear cross-entropy, the LoRA projection, 4-bit dequantization and decoding).
+    /// `true` — the default here, unlike transformers', since they are this crate's GPU path — runs them; `false`
+    /// runs Candle's composed ops in their place: slower and hungrier, a way around a kernel that misbehaves on
+    /// some GPU. Dropout masks, NEFTune noise and the optimizer updates keep their kernels. No effect on the CPU.
+    pub use_liger_kernel: bool,
 }
 
 impl Default for TrainingArguments {
@@ -187,6 +193,7 @@ impl Default for TrainingArguments {
             metric_for_best_model: None,
             use_cpu: false,
             max_consecutive_nonfinite_losses: 5,
+            use_liger_kernel: true,
         }
     }
 }
@@ -227,16 +234,21 @@ impl Range {
 
 impl TrainingArguments {
     /// The device to train on: CUDA GPU 0 when this build has the `cuda` feature, a GPU answers and `use_cpu` is
-    /// off; otherwise the CPU (with a note on stderr when a GPU was wanted but none answered).
-    pub fn device(&self) -> candle_core::Device {
+    /// off; otherwise the CPU (with a note on stderr when a GPU was wanted but none answered). A GPU that answers
+    /// but cannot run this build's kernels (too old a driver or compute capability) is an error saying what to do.
+    pub fn device(&self) -> Result<candle_core::Device> {
         if self.use_cpu || !cfg!(feature = "cuda") {
-            return candle_core::Device::Cpu;
+            return Ok(candle_core::Device::Cpu);
         }
         match candle_core::Device::new_cuda(0) {
-            Ok(device) => device,
+            Ok(device) => {
+                #[cfg(feature = "cuda")]
+                crate::cuda::check_device(device.as_cuda_device()?)?;
+                Ok(device)
+            }
             Err(e) => {
                 eprintln!("note: no CUDA GPU answered ({e}); training on the CPU");
-                candle_core::Device::Cpu
+                Ok(candle_core::Device::Cpu)
             }
         }
     }

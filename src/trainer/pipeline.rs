@@ -68,7 +68,7 @@ impl Trainer {
         for note in notes {
             eprintln!("{note}");
         }
-        let device = args.device();
+        let device = args.device()?;
         let quant_compute = config.quant_compute_dtype().map(|d| d.dtype());
         let precision = Precision::from_flags(args.bf16, args.fp16, quant_compute, &device)?;
         let options = LoadOptions {

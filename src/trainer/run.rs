@@ -97,7 +97,7 @@ impl Trainer {
     /// (a [`Dataset`], or a `Vec` of tokenized examples; the evaluation set may be empty). As transformers' Trainer,
     /// it moves the model to the device `args` select (a GPU unless `use_cpu`, where this build and the machine
     /// have one) and computes in bf16/fp16 when `args` ask; otherwise the model keeps the compute dtype it was
-    /// loaded with.
+    /// loaded with. `use_liger_kernel` chooses the CUDA kernels or Candle's composed ops for the whole process.
     pub fn new(
         model: LlamaModel,
         args: TrainingArguments,
@@ -112,13 +112,15 @@ impl Trainer {
         }
         train.check_learnable("the training set")?;
         let mut model = match (model.device().is_cpu(), args.use_cpu) {
-            (true, false) => match args.device() {
+            (true, false) => match args.device()? {
                 gpu if !gpu.is_cpu() => model.to_device(&gpu)?,
                 _ => model,
             },
             (false, true) => model.to_device(&candle_core::Device::Cpu)?,
             _ => model,
         };
+        #[cfg(feature = "cuda")]
+        crate::cuda::set_fused_kernels(args.use_liger_kernel);
         if args.bf16 || args.fp16 {
             let precision = Precision::from_flags(args.bf16, args.fp16, None, model.device())?;
             model.set_compute_dtype(precision.compute_dtype);

@@ -1709,6 +1709,7 @@ const TRAINING_KEYS: &[&str] = &[
     "metric_for_best_model",
     "use_cpu",
     "max_consecutive_nonfinite_losses",
+    "use_liger_kernel",
 ];
 
 /// The sections of a run config with their keys (and a section that does not exist).
@@ -1852,6 +1853,7 @@ fn kind_of(key: &str) -> Kind {
         | "dataloader_drop_last"
         | "disable_tqdm"
         | "use_cpu"
+        | "use_liger_kernel"
         | "ignore_base_model_mismatch"
         | "use_rslora"
         | "use_dora"

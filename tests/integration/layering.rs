@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &["error"],
     &["names", "rng"],
-    &["cuda", "files", "plot", "precision"],
-    &["quant"],
+    &["cuda", "files", "plot"],
+    &["precision", "quant"],
     &["ops"],
     &["lora"],
     &["models"],

@@ -22,6 +22,7 @@ const BWD_QUERIES: usize = 32;
 /// Whether the kernels take these inputs: bf16 or f16 on a GPU, one dtype, heads of 64 or 128.
 pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
     q.device().is_cuda()
+        && crate::cuda::fused_kernels()
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && k.dtype() == q.dtype()
         && v.dtype() == q.dtype()

@@ -94,7 +94,9 @@ impl Op<2> for Checkpoint {
             input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
             Pass::Recompute,
         )?;
-        let grads = (y * grad)?.sum_all()?.backward()?;
+        // The vector-Jacobian product: Candle seeds a backward with ones, so y·grad needs no sum (a reduction on
+        // a GPU would upload its layout every layer).
+        let grads = (y * grad)?.backward()?;
         for p in &self.params {
             if let Some(g) = grads.get(p) {
                 self.sink.add(p, g)?;

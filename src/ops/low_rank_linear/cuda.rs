@@ -12,10 +12,12 @@ use crate::cuda::{
     GemmShape, DROPOUT,
 };
 use crate::ops::autograd::Value;
+use crate::ops::frozen_linear::decoding_device_codes;
 
 /// Whether the CUDA path takes these inputs: float activations on a GPU, float32 masters.
 pub(super) fn applies(x: &Tensor, a: &Tensor, b: &Tensor) -> bool {
     x.device().is_cuda()
+        && crate::cuda::fused_kernels()
         && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
         && a.dtype() == DType::F32
         && b.dtype() == DType::F32
@@ -57,7 +59,8 @@ impl LowRankComposed {
         let dtype = x.dtype();
         let r = a.dim(0)?;
         let x = x.contiguous()?;
-        let w = self.base.weight.to_dense(dtype)?.contiguous()?;
+        // A decoding step multiplies by the 4-bit codes in place; otherwise the weight is dequantized for cuBLAS.
+        let codes = decoding_device_codes(&self.base.weight, &x, rows);
         let xd = self.dropped_out(&x)?;
         let (a, b) = (
             a.to_dtype(dtype)?.contiguous()?,
@@ -67,12 +70,19 @@ impl LowRankComposed {
         let y = with_float_type!(dtype, T => {
             let mut y = alloc::<T>(&device, rows * out)?;
             let mut h = alloc::<T>(&device, rows * r)?;
-            let held = [hold(&x)?, hold(&w)?, hold(&xd)?, hold(&a)?, hold(&b)?];
-            let [xv, wv, xdv, av, bv] = [0, 1, 2, 3, 4].map(|i| held[i].view::<T>());
-            let (xv, wv, xdv, av, bv) = (xv?, wv?, xdv?, av?, bv?);
+            let held = [hold(&x)?, hold(&xd)?, hold(&a)?, hold(&b)?];
+            let [xv, xdv, av, bv] = [0, 1, 2, 3].map(|i| held[i].view::<T>());
+            let (xv, xdv, av, bv) = (xv?, xdv?, av?, bv?);
             // y = x·Wᵀ;  h = dropout(x)·Aᵀ;  y += s·h·Bᵀ.
-            let base = GemmShape { m: rows, n: out, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
-            product(&device, base, (&xv, dtype), (&wv, dtype), (&mut y, dtype))?;
+            match codes {
+                Some(q) => q.matvec_into(&x.reshape((rows, inp))?, &mut y)?,
+                None => {
+                    let w = self.base.weight.to_dense(dtype)?.contiguous()?;
+                    let wh = hold(&w)?;
+                    let base = GemmShape { m: rows, n: out, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
+                    product(&device, base, (&xv, dtype), (&wh.view::<T>()?, dtype), (&mut y, dtype))?;
+                }
+            }
             let down = GemmShape { m: rows, n: r, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
             product(&device, down, (&xdv, dtype), (&av, dtype), (&mut h, dtype))?;
             let hv = h.slice(0..rows * r);
