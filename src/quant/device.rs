@@ -66,6 +66,47 @@ fn scale_blocks(values: &Tensor, scale: &Tensor, block: usize) -> Result<Tensor>
     })
 }
 
+/// Launches kernel `{base}_plain{suffix}` or `{base}_nested{suffix}` of `module` (as the weight's scales are) with
+/// `lead` arguments, then the packed codes, the code book and the scales — the order every 4-bit kernel takes them
+/// in — then `tail`. A macro rather than a function: the held views must outlive the launch arguments borrowing them.
+#[cfg(feature = "cuda")]
+macro_rules! launch_4bit {
+    ($q:expr, $device:expr, $module:expr, $base:literal, $dtype:expr, $cfg:expr, [$($lead:expr),*], [$($tail:expr),*]) => {{
+        use crate::cuda::{hold, kernel, run, suffix};
+        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        let q = $q;
+        let (packed, code) = (hold(&q.packed)?, hold(&q.code)?);
+        let (packed, code) = (packed.view::<u8>()?, code.view::<f32>()?);
+        let blocksize = q.config.blocksize as u64;
+        match &q.scales {
+            DeviceScales::Plain(absmax) => {
+                let absmax = hold(absmax)?;
+                let absmax = absmax.view::<f32>()?;
+                let name = format!(concat!($base, "_plain{}"), suffix($dtype)?);
+                let func = kernel($device, $module, &name)?;
+                let mut args = func.builder();
+                $(args.arg($lead);)*
+                args.arg(&packed).arg(&code).arg(&absmax).arg(&blocksize);
+                $(args.arg($tail);)*
+                run(&mut args, $cfg)?;
+            }
+            DeviceScales::Nested { codes, absmax, map, offset, blocksize: nested } => {
+                let (codes, absmax, map) = (hold(codes)?, hold(absmax)?, hold(map)?);
+                let (codes, absmax, map) = (codes.view::<u8>()?, absmax.view::<f32>()?, map.view::<f32>()?);
+                let nested = *nested as u64;
+                let name = format!(concat!($base, "_nested{}"), suffix($dtype)?);
+                let func = kernel($device, $module, &name)?;
+                let mut args = func.builder();
+                $(args.arg($lead);)*
+                args.arg(&packed).arg(&code).arg(&absmax).arg(&codes).arg(&map).arg(offset);
+                args.arg(&blocksize).arg(&nested);
+                $(args.arg($tail);)*
+                run(&mut args, $cfg)?;
+            }
+        }
+    }};
+}
+
 impl DeviceNf4 {
     /// Rows of `x` the decoding product (`matvec`, with the `cuda` feature) takes at most: the kernel keeps one sum
     /// per row in registers.
@@ -149,67 +190,22 @@ impl DeviceNf4 {
         T: candle_core::cuda_backend::CudaDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
-        use crate::cuda::{alloc, device_of, grid, hold, kernel, run, suffix, tensor, DEQUANT};
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+        use crate::cuda::{alloc, device_of, grid, tensor, DEQUANT};
 
         let n: usize = self.shape.iter().product();
         let device = device_of(&self.packed)?;
         let mut out = alloc::<T>(&device, n)?;
-        let (packed, code) = (hold(&self.packed)?, hold(&self.code)?);
-        let (packed, code) = (packed.view::<u8>()?, code.view::<f32>()?);
-        let (blocksize, count) = (self.config.blocksize as u64, n as u64);
-        let cfg = grid(count.div_ceil(2));
-        match &self.scales {
-            DeviceScales::Plain(absmax) => {
-                let absmax = hold(absmax)?;
-                let absmax = absmax.view::<f32>()?;
-                let func = kernel(
-                    &device,
-                    &DEQUANT,
-                    &format!("dequant_4bit_plain{}", suffix(dtype)?),
-                )?;
-                let mut args = func.builder();
-                args.arg(&packed)
-                    .arg(&code)
-                    .arg(&absmax)
-                    .arg(&blocksize)
-                    .arg(&count)
-                    .arg(&mut out);
-                run(&mut args, cfg)?;
-            }
-            DeviceScales::Nested {
-                codes,
-                absmax,
-                map,
-                offset,
-                blocksize: nested_blocksize,
-            } => {
-                let (codes, absmax, map) = (hold(codes)?, hold(absmax)?, hold(map)?);
-                let (codes, absmax, map) = (
-                    codes.view::<u8>()?,
-                    absmax.view::<f32>()?,
-                    map.view::<f32>()?,
-                );
-                let nested_blocksize = *nested_blocksize as u64;
-                let func = kernel(
-                    &device,
-                    &DEQUANT,
-                    &format!("dequant_4bit_nested{}", suffix(dtype)?),
-                )?;
-                let mut args = func.builder();
-                args.arg(&packed)
-                    .arg(&code)
-                    .arg(&absmax)
-                    .arg(&codes)
-                    .arg(&map)
-                    .arg(offset)
-                    .arg(&blocksize)
-                    .arg(&nested_blocksize)
-                    .arg(&count)
-                    .arg(&mut out);
-                run(&mut args, cfg)?;
-            }
-        }
+        let count = n as u64;
+        launch_4bit!(
+            self,
+            &device,
+            &DEQUANT,
+            "dequant_4bit",
+            dtype,
+            grid(count.div_ceil(2)),
+            [],
+            [&count, &mut out]
+        );
         Ok(tensor(out, &device, self.shape.as_slice()))
     }
 
@@ -239,8 +235,8 @@ impl DeviceNf4 {
         T: candle_core::cuda_backend::CudaDType
             + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
     {
-        use crate::cuda::{device_of, hold, kernel, run, suffix, NF4_MATVEC};
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use crate::cuda::{device_of, hold, NF4_MATVEC};
+        use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
         let (rows, inp) = x.dims2()?;
         let out = self.shape[0];
         if self.shape.len() != 2
@@ -263,58 +259,19 @@ impl DeviceNf4 {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (packed, code, xh) = (hold(&self.packed)?, hold(&self.code)?, hold(&x)?);
-        let (packed, code, xv) = (packed.view::<u8>()?, code.view::<f32>()?, xh.view::<T>()?);
-        let blocksize = self.config.blocksize as u64;
+        let xh = hold(&x)?;
+        let xv = xh.view::<T>()?;
         let sizes = [rows as u64, out as u64, inp as u64];
-        match &self.scales {
-            DeviceScales::Plain(absmax) => {
-                let absmax = hold(absmax)?;
-                let absmax = absmax.view::<f32>()?;
-                let func = kernel(
-                    &device,
-                    &NF4_MATVEC,
-                    &format!("nf4_matvec_plain{}", suffix(dtype)?),
-                )?;
-                let mut args = func.builder();
-                args.arg(&xv)
-                    .arg(&packed)
-                    .arg(&code)
-                    .arg(&absmax)
-                    .arg(&blocksize);
-                args.arg(&sizes[0]).arg(&sizes[1]).arg(&sizes[2]).arg(y);
-                run(&mut args, cfg)?;
-            }
-            DeviceScales::Nested {
-                codes,
-                absmax,
-                map,
-                offset,
-                blocksize: nested_blocksize,
-            } => {
-                let (codes, absmax, map) = (hold(codes)?, hold(absmax)?, hold(map)?);
-                let (codes, absmax, map) = (
-                    codes.view::<u8>()?,
-                    absmax.view::<f32>()?,
-                    map.view::<f32>()?,
-                );
-                let nested_blocksize = *nested_blocksize as u64;
-                let func = kernel(
-                    &device,
-                    &NF4_MATVEC,
-                    &format!("nf4_matvec_nested{}", suffix(dtype)?),
-                )?;
-                let mut args = func.builder();
-                args.arg(&xv).arg(&packed).arg(&code).arg(&absmax);
-                args.arg(&codes)
-                    .arg(&map)
-                    .arg(offset)
-                    .arg(&blocksize)
-                    .arg(&nested_blocksize);
-                args.arg(&sizes[0]).arg(&sizes[1]).arg(&sizes[2]).arg(y);
-                run(&mut args, cfg)?;
-            }
-        }
+        launch_4bit!(
+            self,
+            &device,
+            &NF4_MATVEC,
+            "nf4_matvec",
+            dtype,
+            cfg,
+            [&xv],
+            [&sizes[0], &sizes[1], &sizes[2], y]
+        );
         Ok(())
     }
 
