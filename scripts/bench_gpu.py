@@ -33,7 +33,7 @@ relative).
 Results accumulate in WORK/results.jsonl (a run already there is not repeated), so the benchmark can go on over
 several invocations; --report prints the table from what is there.
 
-    scripts/build-cuda.sh && scripts/bench_gpu.py --prepare-bnb   # here: builds .gpu/ (binaries, trimmed bitsandbytes)
+    QLORA_CUDA_VERSION=13.0 scripts/build-cuda.sh && scripts/bench_gpu.py --prepare-bnb   # here: .gpu/ (CUDA 13)
     # on the GPU machine, from the repository (carry .gpu):
     PYTHONPATH=.gpu/site python3 scripts/bench_gpu.py --work /tmp/bench_gpu
 """

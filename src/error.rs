@@ -85,6 +85,10 @@ pub enum Error {
         checkpoint: Option<PathBuf>,
     },
 
+    /// A distributed job cannot go on: a rank failed, hung or disagrees, named in the message.
+    #[error("distributed training: {0}")]
+    Distributed(String),
+
     /// The user asked for something that would overwrite or lose data.
     #[error("{0}")]
     WouldOverwrite(String),

@@ -21,6 +21,7 @@
 //! - [`optim`]: AdamW (PyTorch and bitsandbytes 8-bit semantics), SGD, transformers' schedules, clipping;
 //!   [`data`]: JSONL formats, tokenization and labels, data sets, packing, batches.
 //! - [`memory`]: heap accounting, memory statistics and timeline, memory estimates.
+//! - [`distributed`]: torchrun's environment, the rendezvous, and (feature `nccl`) the NCCL communicator.
 //! - [`trainer`]: `TrainingArguments`, TOML run configs, and the `Trainer`.
 //!
 //! ## Train an adapter
@@ -126,6 +127,7 @@ pub mod adapter;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 pub mod data;
+pub mod distributed;
 pub mod error;
 pub mod files;
 pub mod loading;

@@ -130,6 +130,17 @@ pub(crate) fn gpu_dtype_problem(dtype: DType, device: u32, build: u32) -> Option
     }
 }
 
+/// Whether `device` computes in bfloat16 with this build's kernels, as `torch.cuda.is_bf16_supported()` answers:
+/// always on the CPU; on a GPU, from compute capability 8.0 in a build for it (not a `CUDA_COMPUTE_CAP=75` one).
+/// A program picks `bf16` where this holds and `fp16` elsewhere (a T4).
+pub fn is_bf16_supported(device: &Device) -> bool {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => check_gpu_dtype(gpu, DType::BF16).is_ok(),
+        _ => true,
+    }
+}
+
 /// Whether `gpu` can compute in `dtype` with this build's kernels ([`gpu_dtype_problem`]); an error that says what
 /// to use instead otherwise.
 #[cfg(feature = "cuda")]

@@ -180,9 +180,37 @@ struct TrainArgs {
     /// Resume from a checkpoint folder, or from the latest checkpoint in output_dir when given without a value.
     #[arg(long, num_args = 0..=1, default_missing_value = "latest")]
     resume: Option<String>,
+    /// Train data-parallel on N GPUs of this machine, one process each, as torchrun --nproc-per-node N does (a
+    /// build with the `nccl` feature; several machines: start this command under torchrun or srun instead).
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<usize>,
+}
+
+/// The command line without `--nproc-per-node` (and its value): what each rank runs.
+fn rank_args() -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut args = std::env::args_os().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--nproc-per-node" {
+            args.next();
+        } else if !a.to_string_lossy().starts_with("--nproc-per-node=") {
+            out.push(a);
+        }
+    }
+    out
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
+    if let Some(n) = args
+        .nproc_per_node
+        .filter(|_| std::env::var_os("WORLD_SIZE").is_none())
+    {
+        let status = candle_qlora::distributed::launch_local(n, &rank_args())?;
+        if !status.success() {
+            std::process::exit(status.code().unwrap_or(1));
+        }
+        return Ok(());
+    }
     let mut config = RunConfig::load(&args.config, &args.set)?;
     if let Some(resume) = args.resume {
         config.training.resume_from_checkpoint = Some(resume);

@@ -546,6 +546,11 @@ pub struct LayerWeights {
     pub linears: Vec<Linear>,
 }
 
+/// Whether `dtype` is a 16-bit float.
+fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
 impl LlamaModel {
     /// Assembles a model; `compute_dtype` is the dtype of activations and matmuls (f32 on CPU by default).
     pub fn new(
@@ -556,6 +561,26 @@ impl LlamaModel {
         lm_head: Arc<FrozenLinear>,
         compute_dtype: DType,
     ) -> Result<Self> {
+        // A bf16 checkpoint computed in float16 (a T4) or the reverse: the embedding table and a dense head are
+        // held in the compute dtype, as transformers loads them with `torch_dtype`; every use converted them to it
+        // anyway, and the fused cross-entropy needs the head in the hidden states' dtype.
+        let other_half =
+            |t: &Tensor| is_half(t.dtype()) && is_half(compute_dtype) && t.dtype() != compute_dtype;
+        let (embed_tokens, lm_head) = if other_half(&embed_tokens) {
+            let converted = embed_tokens.to_dtype(compute_dtype)?;
+            let head = match &lm_head.weight {
+                FrozenWeight::Dense(w) if w.id() == embed_tokens.id() => Arc::new(
+                    FrozenLinear::new(FrozenWeight::Dense(converted.clone()), None),
+                ),
+                FrozenWeight::Dense(w) if other_half(w) && lm_head.bias.is_none() => Arc::new(
+                    FrozenLinear::new(FrozenWeight::Dense(w.to_dtype(compute_dtype)?), None),
+                ),
+                _ => lm_head,
+            };
+            (converted, head)
+        } else {
+            (embed_tokens, lm_head)
+        };
         let (rope, sliding_rope) = rope_tables(&config, embed_tokens.device())?;
         let fused = config.architecture.has_fused_projections();
         let layers = layers
@@ -696,7 +721,8 @@ impl LlamaModel {
         self.compute_dtype
     }
 
-    /// Sets the activation / matmul dtype (weights stay as stored; each op converts them).
+    /// Sets the activation / matmul dtype (weights stay as stored, or as [`LlamaModel::new`] converted them; each
+    /// op converts them).
     pub fn set_compute_dtype(&mut self, dtype: DType) {
         self.compute_dtype = dtype;
     }

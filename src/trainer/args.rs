@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint::latest_checkpoint;
 use super::config::read_section;
+use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::names::named_enum;
 use crate::optim::schedule::warmup_steps;
@@ -144,6 +145,17 @@ pub struct TrainingArguments {
     /// runs Candle's composed ops in their place: slower and hungrier, a way around a kernel that misbehaves on
     /// some GPU. Dropout masks, NEFTune noise and the optimizer updates keep their kernels. No effect on the CPU.
     pub use_liger_kernel: bool,
+    /// The collective backend of a distributed run (several processes, torchrun's `WORLD_SIZE`): `"nccl"`, the one
+    /// supported (also when unset).
+    pub ddp_backend: Option<String>,
+    /// Seconds a distributed run waits for the rendezvous or a collective before every rank stops with an error
+    /// naming what hung (transformers' default 1800).
+    pub ddp_timeout: u64,
+    /// The gradient all-reduce's bucket size in MiB (PyTorch DDP's 25 when unset).
+    pub ddp_bucket_cap_mb: Option<f64>,
+    /// Accepted for compatibility: a LoRA model has no buffers to broadcast (the frozen base is loaded alike by
+    /// every rank).
+    pub ddp_broadcast_buffers: Option<bool>,
 }
 
 impl Default for TrainingArguments {
@@ -194,6 +206,10 @@ impl Default for TrainingArguments {
             use_cpu: false,
             max_consecutive_nonfinite_losses: 5,
             use_liger_kernel: true,
+            ddp_backend: None,
+            ddp_timeout: 1800,
+            ddp_bucket_cap_mb: None,
+            ddp_broadcast_buffers: None,
         }
     }
 }
@@ -240,7 +256,9 @@ impl TrainingArguments {
         if self.use_cpu || !cfg!(feature = "cuda") {
             return Ok(candle_core::Device::Cpu);
         }
-        match candle_core::Device::new_cuda(0) {
+        // A rank of a distributed run trains on the GPU of its LOCAL_RANK.
+        let ordinal = WorldEnv::from_env()?.map_or(0, |w| w.local_rank);
+        match candle_core::Device::new_cuda(ordinal) {
             Ok(device) => {
                 #[cfg(feature = "cuda")]
                 crate::cuda::check_device(device.as_cuda_device()?)?;
@@ -336,6 +354,20 @@ impl TrainingArguments {
             .is_some_and(|a| a.is_nan() || a < 0.0)
         {
             return bad("neftune_noise_alpha must be a non-negative number".into());
+        }
+        if let Some(backend) = self.ddp_backend.as_deref().filter(|b| *b != "nccl") {
+            return bad(format!(
+                "ddp_backend = \"{backend}\" is not supported: the GPUs talk over NCCL (\"nccl\")"
+            ));
+        }
+        if self.ddp_timeout == 0 {
+            return bad("ddp_timeout must be at least 1 second".into());
+        }
+        if self
+            .ddp_bucket_cap_mb
+            .is_some_and(|m| !m.is_finite() || m <= 0.0)
+        {
+            return bad("ddp_bucket_cap_mb must be a positive number of MiB".into());
         }
         Ok(())
     }

@@ -224,6 +224,14 @@ pub struct DataPosition {
     pub micro_batches_done: usize,
     /// Epoch the next micro-batch belongs to.
     pub epoch: usize,
+    /// Processes of the run (`WORLD_SIZE`; 1 when not distributed). Each rank's RNG is a function of the seed and
+    /// the global micro-batch index, so this one file is every rank's random state (HF's `rng_state_{rank}`).
+    #[serde(default = "single_process")]
+    pub world_size: usize,
+}
+
+fn single_process() -> usize {
+    1
 }
 
 impl DataPosition {
@@ -257,6 +265,15 @@ impl DataPosition {
                 now.train_rows.to_string(),
             ),
         ];
+        if self.world_size != now.world_size {
+            eprintln!(
+                "note: {} was written by {} process(es), this run has {}: training goes on from its step with \
+                 this world size's sharding of the data, so the order differs from the uninterrupted run's",
+                ckpt.display(),
+                self.world_size,
+                now.world_size
+            );
+        }
         for (name, then, now) in pairs {
             if then != now {
                 return Err(Error::invalid_file(
@@ -428,6 +445,7 @@ mod tests {
             per_device_train_batch_size: 2,
             gradient_accumulation_steps: 1,
             train_rows: 10,
+            world_size: 1,
             micro_batches_done: 4,
             epoch: 0,
         }

@@ -3,7 +3,8 @@
 //! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`pipeline`]: a `Trainer` built from a run config
 //!   (model, data, callbacks).
 //! - [`run`]: the `Trainer` and its loop; `window`: one accumulation window's forward and backward; `sampler`:
-//!   the data order; [`mod@evaluate`]: the evaluation loss.
+//!   the data order and each rank's share; `ddp` (feature `nccl`): a rank of a distributed run (gradient
+//!   all-reduce, agreement, adapter checks); [`mod@evaluate`]: the evaluation loss.
 //! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
 //!   hooks, early stopping, memory monitor; `progress`: what the user sees; `oom`: the out-of-memory report;
 //!   `neftune`: embedding noise; [`interrupt`]: a clean stop on Ctrl-C.
@@ -12,6 +13,8 @@ pub mod args;
 pub mod callbacks;
 pub mod checkpoint;
 pub mod config;
+#[cfg(feature = "nccl")]
+mod ddp;
 pub mod evaluate;
 pub mod interrupt;
 pub mod lock;

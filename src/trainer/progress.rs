@@ -13,6 +13,8 @@ pub struct Progress {
     first_step: usize,
     started: Instant,
     bar: bool,
+    /// Prints nothing (a rank other than 0 of a distributed run).
+    quiet: bool,
 }
 
 /// Figures shown for the latest step.
@@ -47,6 +49,16 @@ impl Progress {
             first_step,
             started: Instant::now(),
             bar: !disabled && std::io::stderr().is_terminal(),
+            quiet: false,
+        }
+    }
+
+    /// Progress that shows nothing: the other ranks of a distributed run leave the terminal to rank 0.
+    pub fn quiet(total: usize, first_step: usize) -> Self {
+        Progress {
+            bar: false,
+            quiet: true,
+            ..Progress::new(total, first_step, true)
         }
     }
 
@@ -77,6 +89,9 @@ impl Progress {
 
     /// Prints a log line above the bar (or alone without one).
     pub fn println(&self, line: &str) {
+        if self.quiet {
+            return;
+        }
         if self.bar {
             eprint!("\r\x1b[2K");
         }

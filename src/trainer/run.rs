@@ -11,6 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
@@ -20,14 +21,17 @@ use super::checkpoint::{
     verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
     Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
+#[cfg(feature = "nccl")]
+use super::ddp::Ddp;
 use super::evaluate::{evaluate, exact_match, EvalReport};
 use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::DataPlan;
 use super::state::{LogEntry, TrainOutput, TrainerState};
-use super::window::{gradient_bytes, StepMemory, Window};
+use super::window::{gradient_bytes, Shard, StepMemory, Window, WindowBatches};
 use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::Dataset;
+use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
 use crate::memory::{process_memory, MemoryTimeline, Phase};
@@ -73,7 +77,8 @@ struct Run {
     /// The arguments, as the run started (callbacks see `Trainer::args`, the same values).
     args: TrainingArguments,
     out: PathBuf,
-    log_path: PathBuf,
+    /// The log file (rank 0's; `None` on the other ranks).
+    log_path: Option<PathBuf>,
     plan: DataPlan,
     total: usize,
     warmup: usize,
@@ -88,8 +93,22 @@ struct Run {
     control: TrainerControl,
     /// The base model, recorded in checkpoints.
     base_model: BaseModelId,
-    /// The output folder's lock, released when the run ends.
-    _lock: OutputLock,
+    /// This process's share of the data (rank 0 of 1 alone).
+    shard: Shard,
+    /// Whether the ranks of a distributed run agreed to stop after this step (`None` alone).
+    agreed_stop: Option<bool>,
+    /// The other ranks of a distributed run.
+    #[cfg(feature = "nccl")]
+    ddp: Option<Ddp>,
+    /// The output folder's lock, released when the run ends (rank 0 alone holds it and writes there).
+    _lock: Option<OutputLock>,
+}
+
+impl Run {
+    /// Whether this process writes the run's files: alone, or rank 0 of a distributed run.
+    fn writes(&self) -> bool {
+        self.shard.rank == 0
+    }
 }
 
 impl Trainer {
@@ -208,13 +227,17 @@ impl Trainer {
         let mut run = self.setup(resume)?;
         let accumulation = run.args.gradient_accumulation_steps;
         let windows = run.plan.batches_per_epoch.div_ceil(accumulation);
+        // Micro-batches of all ranks: a window holds `accumulation` of each rank's.
         let mut micro = 0usize;
         'epochs: for epoch in 0.. {
             if self.state.global_step >= run.total || run.control.should_training_stop {
                 break;
             }
             let batches = run.plan.batches(epoch, &run.args);
-            for (w, window) in batches.chunks(accumulation).enumerate() {
+            for (w, window) in batches
+                .chunks(accumulation * run.shard.world_size)
+                .enumerate()
+            {
                 let first_micro = micro;
                 micro += window.len();
                 if epoch * windows + w < self.state.global_step {
@@ -232,13 +255,15 @@ impl Trainer {
             }
         }
         run.progress.finish();
-        save_adapter(
-            &self.model,
-            ADAPTER,
-            &run.out,
-            self.base_model_name.as_deref(),
-        )?;
-        run.memory.timeline.write(&run.out)?;
+        if run.writes() {
+            save_adapter(
+                &self.model,
+                ADAPTER,
+                &run.out,
+                self.base_model_name.as_deref(),
+            )?;
+            run.memory.timeline.write(&run.out)?;
+        }
         let output = self.finish(&run, self.state.global_step < run.total)?;
         self.each_callback(|cb, a, s| cb.on_train_end(a, s))?;
         Ok(output)
@@ -252,11 +277,29 @@ impl Trainer {
         let args = self.args.clone();
         let out = PathBuf::from(&args.output_dir);
         let prepared = self.prepared.take();
+        let world = WorldEnv::from_env()?;
+        let shard = Shard {
+            rank: world.as_ref().map_or(0, |w| w.rank),
+            world_size: world.as_ref().map_or(1, |w| w.world_size),
+        };
         let (lock, checked) = match prepared {
             Some(p) => (p.lock, p.checkpoint),
             None => (prepare_output_dir(&args, &out, resume.is_some())?, None),
         };
-        let plan = DataPlan::new(&self.train.rows, &args);
+        #[cfg(feature = "nccl")]
+        let ddp = match &world {
+            Some(w) if w.world_size > 1 => Some(Ddp::join(self.model.device(), w, &args)?),
+            _ => None,
+        };
+        #[cfg(not(feature = "nccl"))]
+        if shard.world_size > 1 {
+            return Err(Error::InvalidInput(format!(
+                "WORLD_SIZE={}: this build runs one process; distributed training needs a build with the `nccl` \
+                 feature (cargo build --release --features nccl)",
+                shard.world_size
+            )));
+        }
+        let plan = DataPlan::new(&self.train.rows, &args, shard.world_size);
         let total = args.total_steps(plan.batches_per_epoch);
         let warmup = args.warmup_for(total);
         let schedule = Schedule::new(
@@ -302,8 +345,8 @@ impl Trainer {
             eval_steps: every.eval,
             save_steps: every.save,
             train_batch_size: args.per_device_train_batch_size,
-            is_world_process_zero: true,
-            is_local_process_zero: true,
+            is_world_process_zero: shard.rank == 0,
+            is_local_process_zero: world.as_ref().is_none_or(|w| w.local_rank == 0),
             ..Default::default()
         };
         let base_model = BaseModelId::of(&self.model, self.base_model_name.as_deref())?;
@@ -318,19 +361,25 @@ impl Trainer {
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
         // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
-        let log_path = out.join(LOG_FILE);
-        let history: String = self
-            .state
-            .log_history
-            .iter()
-            .map(|e| serde_json::to_string(e).unwrap_or_default() + "\n")
-            .collect();
-        std::fs::write(&log_path, history).map_err(|e| Error::io("cannot write", &log_path, e))?;
+        let log_path = (shard.rank == 0).then(|| out.join(LOG_FILE));
+        if let Some(log_path) = &log_path {
+            let history: String = self
+                .state
+                .log_history
+                .iter()
+                .map(|e| serde_json::to_string(e).unwrap_or_default() + "\n")
+                .collect();
+            std::fs::write(log_path, history)
+                .map_err(|e| Error::io("cannot write", log_path, e))?;
+        }
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
             _lock: lock,
             base_model,
-            progress: Progress::new(total, self.state.global_step, args.disable_tqdm),
+            progress: match shard.rank {
+                0 => Progress::new(total, self.state.global_step, args.disable_tqdm),
+                _ => Progress::quiet(total, self.state.global_step),
+            },
             args,
             out,
             log_path,
@@ -345,6 +394,10 @@ impl Trainer {
             started: Instant::now(),
             tokens_at_start: self.state.num_input_tokens_seen,
             control: TrainerControl::default(),
+            shard,
+            agreed_stop: None,
+            #[cfg(feature = "nccl")]
+            ddp,
         })
     }
 
@@ -362,12 +415,16 @@ impl Trainer {
         let step_started = Instant::now();
         run.memory.step = step;
         let rows = &self.train.rows;
+        let batches = WindowBatches {
+            batches: window,
+            first_micro,
+            shard: run.shard,
+        };
         let result = Window::run(
             &self.model,
             rows,
             args,
-            window,
-            first_micro,
+            &batches,
             &run.vars,
             &mut run.memory,
         )
@@ -376,14 +433,22 @@ impl Trainer {
         self.state.epoch = epoch;
         self.state.num_input_tokens_seen += result.input_tokens;
         let mut grads = result.grads;
-        // The one read from the device in a step: the loss and the squared gradient norm together.
+        let (loss_sum, stop_flag) =
+            Self::reduce_over_ranks(run, &mut grads, result.loss_sum, step)?;
+        // The one read from the device in a step: the loss and the squared gradient norm together (and a
+        // distributed run's stop flag).
         let squared_norm = squared_norm(&run.vars, &grads)?;
-        let read: Vec<f64> = match &squared_norm {
-            Some(norm) => Tensor::stack(&[&result.loss_sum, norm], 0)?,
-            None => result.loss_sum.unsqueeze(0)?,
-        }
+        let read: Vec<f64> = Tensor::stack(
+            &[Some(&loss_sum), squared_norm.as_ref(), stop_flag.as_ref()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>(),
+            0,
+        )?
         .to_vec1()?;
-        let grad_norm = read.get(1).map_or(0.0, |s| s.sqrt());
+        let grad_norm = squared_norm.as_ref().map_or(0.0, |_| read[1].sqrt());
+        // A distributed run stops where the ranks agreed (a Ctrl-C arriving later on one rank counts next step).
+        run.agreed_stop = stop_flag.map(|_| read[read.len() - 1] > 0.0);
         let loss = read[0] / result.counted.max(1) as f64;
         let lr = run.schedule.lr_for_update(step);
         let mut entry = LogEntry {
@@ -433,6 +498,24 @@ impl Trainer {
         Ok(entry)
     }
 
+    /// A distributed run's gradients summed over the ranks (in place) and its loss sum too, with the flag that
+    /// is positive when any rank was asked to stop; alone, `loss_sum` and no flag.
+    #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
+    fn reduce_over_ranks(
+        run: &Run,
+        grads: &mut GradStore,
+        loss_sum: Tensor,
+        step: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        #[cfg(feature = "nccl")]
+        if let Some(ddp) = &run.ddp {
+            ddp.reduce_gradients(&run.vars, grads, step)?;
+            let agreed = ddp.agree(&loss_sum, super::interrupt::stop_requested(), step)?;
+            return Ok((agreed.get(0)?, Some(agreed.get(1)?)));
+        }
+        Ok((loss_sum, None))
+    }
+
     /// Whether `step` is logged.
     fn log_now(run: &Run, args: &TrainingArguments, step: usize) -> bool {
         step % run.every.log == 0 || (step == 1 && args.logging_first_step) || step == run.total
@@ -449,7 +532,7 @@ impl Trainer {
     ) -> Result<()> {
         let (step, lr) = (entry.step, entry.learning_rate.unwrap_or_default());
         if Self::log_now(run, &run.args, step) || entry.skipped {
-            self.log(&run.log_path, entry)?;
+            self.log(run.log_path.as_deref(), entry)?;
         }
         let args = &run.args;
         let limit = args.max_consecutive_nonfinite_losses;
@@ -466,7 +549,7 @@ impl Trainer {
             IntervalStrategy::No => false,
         };
         if evaluate_now && !self.eval.is_empty() {
-            self.evaluate_and_log(&run.log_path, &run.progress, &mut run.control)?;
+            self.evaluate_and_log(run.log_path.as_deref(), &run.progress, &mut run.control)?;
         }
         for cb in &mut self.callbacks {
             cb.on_step_end(args, &self.state, &mut run.control)?;
@@ -477,7 +560,9 @@ impl Trainer {
             IntervalStrategy::Epoch => last_window,
             IntervalStrategy::No => false,
         };
-        let interrupted = super::interrupt::stop_requested();
+        let interrupted = run
+            .agreed_stop
+            .unwrap_or_else(super::interrupt::stop_requested);
         if (save_now && !run.control.should_training_stop) || interrupted {
             let data = run.plan.position(args, micro);
             let scheduler = SchedulerState {
@@ -488,6 +573,10 @@ impl Trainer {
                 last_step: step,
                 last_lr: lr,
             };
+            #[cfg(feature = "nccl")]
+            if let Some(ddp) = &run.ddp {
+                ddp.check_same_adapter(&run.vars, step)?;
+            }
             let checkpoint = self.save_checkpoint(run, &data, &scheduler)?;
             if interrupted {
                 run.progress.finish();
@@ -500,7 +589,7 @@ impl Trainer {
     /// Evaluates, logs the result, tracks the best metric and runs the callbacks' `on_evaluate`.
     fn evaluate_and_log(
         &mut self,
-        log_path: &Path,
+        log_path: Option<&Path>,
         progress: &Progress,
         control: &mut TrainerControl,
     ) -> Result<EvalReport> {
@@ -533,14 +622,18 @@ impl Trainer {
         Ok(report)
     }
 
-    fn log(&mut self, path: &Path, entry: LogEntry) -> Result<()> {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| Error::io("cannot write", path, e))?;
-        writeln!(f, "{}", serde_json::to_string(&entry).unwrap_or_default())
-            .map_err(|e| Error::io("cannot write", path, e))?;
+    /// Records `entry` in the history, appends it to the log file (rank 0's: `path` is `None` on the others) and
+    /// runs the callbacks' `on_log`.
+    fn log(&mut self, path: Option<&Path>, entry: LogEntry) -> Result<()> {
+        if let Some(path) = path {
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| Error::io("cannot write", path, e))?;
+            writeln!(f, "{}", serde_json::to_string(&entry).unwrap_or_default())
+                .map_err(|e| Error::io("cannot write", path, e))?;
+        }
         self.state.log_history.push(entry.clone());
         self.each_callback(|cb, a, s| cb.on_log(a, s, &entry))
     }
@@ -579,13 +672,20 @@ impl Trainer {
             run_config: self.run_config.as_deref(),
             base_model: &run.base_model,
         };
-        let dir = write_checkpoint(out, step, &files, |tmp| {
-            save_adapter(&self.model, ADAPTER, tmp, self.base_model_name.as_deref())?;
-            optimizer.save(tmp)
-        })?;
-        if let Some(limit) = self.args.save_total_limit {
-            rotate_checkpoints(out, limit)?;
-        }
+        // Rank 0 writes the checkpoint; the ranks' states are the same (checked before), and so is their RNG, a
+        // function of the seed and the micro-batch index.
+        let dir = if run.writes() {
+            let dir = write_checkpoint(out, step, &files, |tmp| {
+                save_adapter(&self.model, ADAPTER, tmp, self.base_model_name.as_deref())?;
+                optimizer.save(tmp)
+            })?;
+            if let Some(limit) = self.args.save_total_limit {
+                rotate_checkpoints(out, limit)?;
+            }
+            dir
+        } else {
+            out.join(format!("checkpoint-{step}"))
+        };
         for cb in &mut self.callbacks {
             cb.on_save(&self.args, &self.state, &dir)?;
         }
@@ -673,6 +773,9 @@ impl Trainer {
             stopped_early,
             log_history: self.state.log_history.clone(),
         };
+        if !run.writes() {
+            return Ok(output);
+        }
         let train: Vec<(usize, f64)> = self
             .state
             .log_history
@@ -790,8 +893,8 @@ fn check_same_lora(then: &LoraConfig, now: &LoraConfig, path: &Path) -> Result<(
 
 /// What [`Trainer::from_run_config`] checks before loading the model.
 pub(super) struct Prepared {
-    /// The claimed output folder.
-    pub(super) lock: OutputLock,
+    /// The claimed output folder (rank 0's; `None` on the other ranks of a distributed run).
+    pub(super) lock: Option<OutputLock>,
     /// The resume checkpoint and its verified manifest (`None` for one written before manifests).
     pub(super) checkpoint: Option<(PathBuf, Option<Manifest>)>,
 }
@@ -799,12 +902,15 @@ pub(super) struct Prepared {
 /// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an
 /// adapter or checkpoints) unless resuming or `overwrite_output_dir`; with it, removes that run's adapter and
 /// checkpoints (the user asked for it). A log without any checkpoint (a run killed early) holds nothing to keep
-/// and is replaced.
+/// and is replaced. The other ranks of a distributed run leave the folder to rank 0 (`None`).
 pub(super) fn prepare_output_dir(
     args: &TrainingArguments,
     out: &Path,
     resuming: bool,
-) -> Result<OutputLock> {
+) -> Result<Option<OutputLock>> {
+    if WorldEnv::from_env()?.is_some_and(|w| w.rank != 0) {
+        return Ok(None); // rank 0 claims and writes the folder of a distributed run
+    }
     std::fs::create_dir_all(out).map_err(|e| Error::io("cannot create", out, e))?;
     let lock = OutputLock::acquire(out)?;
     let earlier: Vec<PathBuf> = std::fs::read_dir(out)
@@ -837,5 +943,5 @@ pub(super) fn prepare_output_dir(
         }
     }
     remove_partial_checkpoints(out)?;
-    Ok(lock)
+    Ok(Some(lock))
 }

@@ -40,17 +40,34 @@ fn epoch_batches(
     batches
 }
 
+/// `batches` made a multiple of `world_size` long by repeating its first batches (accelerate's `even_batches`), so
+/// every rank of a distributed run takes as many; rank `r` takes batches `r`, `r + world_size`, … (accelerate's
+/// `BatchSamplerShard`, which the HF Trainer's data loader uses). One process's window of `accumulation × world_size`
+/// consecutive batches is then the union of the ranks' windows of `accumulation`.
+fn even_out(mut batches: Vec<Vec<usize>>, world_size: usize) -> Vec<Vec<usize>> {
+    let short = (world_size - batches.len() % world_size) % world_size;
+    let filler: Vec<Vec<usize>> = batches.iter().cycle().take(short).cloned().collect();
+    batches.extend(filler);
+    batches
+}
+
 /// How the data is walked: fixed once per run.
 pub(super) struct DataPlan {
     lengths: Vec<usize>,
     strategy: SamplingStrategy,
     data_seed: u64,
-    /// Micro-batches in one epoch.
+    /// Processes of the run; each takes every `world_size`-th micro-batch.
+    pub world_size: usize,
+    /// Micro-batches in one epoch, of one rank.
     pub batches_per_epoch: usize,
 }
 
 impl DataPlan {
-    pub(super) fn new(train: &[TokenizedExample], args: &TrainingArguments) -> Self {
+    pub(super) fn new(
+        train: &[TokenizedExample],
+        args: &TrainingArguments,
+        world_size: usize,
+    ) -> Self {
         let lengths: Vec<usize> = train.iter().map(|e| e.input_ids.len()).collect();
         let strategy = args.sampling();
         let data_seed = args.data_seed.unwrap_or(args.seed);
@@ -58,15 +75,16 @@ impl DataPlan {
             lengths,
             strategy,
             data_seed,
+            world_size,
             batches_per_epoch: 0,
         };
-        plan.batches_per_epoch = plan.batches(0, args).len();
+        plan.batches_per_epoch = plan.batches(0, args).len() / world_size;
         plan
     }
 
-    /// The micro-batches of `epoch`.
+    /// The micro-batches of `epoch`, of all ranks: micro-batch `i` is rank `i % world_size`'s (see [`even_out`]).
     pub(super) fn batches(&self, epoch: usize, args: &TrainingArguments) -> Vec<Vec<usize>> {
-        epoch_batches(
+        let batches = epoch_batches(
             self.lengths.len(),
             args.per_device_train_batch_size,
             self.data_seed,
@@ -74,10 +92,11 @@ impl DataPlan {
             &self.lengths,
             self.strategy,
             args.dataloader_drop_last,
-        )
+        );
+        even_out(batches, self.world_size)
     }
 
-    /// Where the data stream stands after `micro_batches_done` micro-batches.
+    /// Where the data stream stands after `micro_batches_done` micro-batches (of all ranks).
     pub(super) fn position(
         &self,
         args: &TrainingArguments,
@@ -91,7 +110,8 @@ impl DataPlan {
             gradient_accumulation_steps: args.gradient_accumulation_steps,
             train_rows: self.lengths.len(),
             micro_batches_done,
-            epoch: micro_batches_done / self.batches_per_epoch.max(1),
+            epoch: micro_batches_done / (self.batches_per_epoch * self.world_size).max(1),
+            world_size: self.world_size,
         }
     }
 }
@@ -117,6 +137,31 @@ mod tests {
             epoch_batches(23, 4, 9, 0, &lengths, SamplingStrategy::Random, true).len(),
             5
         );
+    }
+
+    #[test]
+    fn ranks_share_an_epoch_evenly_and_together_make_the_single_process_windows() {
+        let lengths = vec![5; 10];
+        let single = epoch_batches(10, 2, 4, 0, &lengths, SamplingStrategy::Random, false);
+        assert_eq!(even_out(single.clone(), 1), single);
+        // 5 batches on 2 ranks: the first batch again, so each rank takes 3.
+        let two = even_out(single.clone(), 2);
+        assert_eq!(two.len(), 6);
+        assert_eq!(two[5], single[0]);
+        let rank1: Vec<&Vec<usize>> = two.iter().skip(1).step_by(2).collect();
+        assert_eq!(rank1, vec![&single[1], &single[3], &single[0]]);
+        // 3 batches on 4 ranks: cycled.
+        let four = even_out(single[..3].to_vec(), 4);
+        assert_eq!(
+            four,
+            vec![
+                single[0].clone(),
+                single[1].clone(),
+                single[2].clone(),
+                single[0].clone()
+            ]
+        );
+        assert_eq!(even_out(single[..4].to_vec(), 4).len(), 4);
     }
 
     #[test]

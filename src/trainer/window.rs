@@ -70,29 +70,46 @@ impl StepMemory {
 
 /// The outcome of one accumulation window.
 pub(super) struct Window {
-    /// Sum of the token losses: a float64 scalar on the model's device (read with the gradient norm).
+    /// Sum of this rank's token losses: a float64 scalar on the model's device (read with the gradient norm).
     pub loss_sum: Tensor,
-    /// Label tokens counted.
+    /// Label tokens counted, of all ranks.
     pub counted: usize,
-    /// Input tokens.
+    /// Input tokens, of all ranks.
     pub input_tokens: usize,
-    /// Gradients of the trainable variables, summed over the micro-batches.
+    /// Gradients of the trainable variables, summed over this rank's micro-batches.
     pub grads: GradStore,
 }
 
+/// Where this process stands in a run: rank `rank` of `world_size` (0 of 1 alone).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shard {
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+/// The micro-batches of one window, of every rank (micro-batch `k` is rank `k % world_size`'s), and the run's
+/// index of the first.
+pub(super) struct WindowBatches<'a> {
+    pub batches: &'a [Vec<usize>],
+    pub first_micro: usize,
+    pub shard: Shard,
+}
+
 impl Window {
-    /// Forward and backward of every micro-batch of a window, gradients summed, the loss normalized by the
-    /// window's label tokens.
+    /// Forward and backward of this rank's micro-batches of `window`, gradients summed, the loss normalized by the
+    /// label tokens of the whole window (all ranks'), so the ranks' gradients sum to one process's over the same
+    /// window. Micro-batch `k` draws its dropout and noise from `first_micro + k` whichever rank runs it.
     pub(super) fn run(
         model: &LlamaModel,
         rows: &[TokenizedExample],
         args: &TrainingArguments,
-        window: &[Vec<usize>],
-        first_micro: usize,
+        window: &WindowBatches<'_>,
         vars: &[Var],
         memory: &mut StepMemory,
     ) -> Result<Self> {
+        let (first_micro, shard) = (window.first_micro, window.shard);
         let examples: Vec<Vec<&TokenizedExample>> = window
+            .batches
             .iter()
             .map(|b| b.iter().map(|i| &rows[*i]).collect())
             .collect();
@@ -101,7 +118,12 @@ impl Window {
         // The loss sums stay on the device (read once per step, with the gradient norm).
         let mut loss_sum: Option<Tensor> = None;
         model.lora_runtime.set_training(true);
-        for (k, ex) in examples.iter().enumerate() {
+        let mine = examples
+            .iter()
+            .enumerate()
+            .skip(shard.rank)
+            .step_by(shard.world_size);
+        for (k, ex) in mine {
             let seed = micro_batch_seed(args.seed, first_micro + k);
             model.lora_runtime.set_step_seed(seed);
             // Built on the host: the model uploads the ids and positions and reads labels and packing segments

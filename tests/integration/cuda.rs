@@ -8,6 +8,7 @@ use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::memory::{reset_device_peak, stats};
 use candle_qlora::optim::OptimizerName;
+use candle_qlora::precision::is_bf16_supported;
 use candle_qlora::quant::{DeviceNf4, Nf4Tensor, QuantConfig};
 use candle_qlora::trainer::{Trainer, TrainingArguments};
 use candle_qlora::Error;
@@ -20,6 +21,35 @@ fn gpu() -> Device {
     static GPU: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
     GPU.get_or_init(|| Device::new_cuda(0).expect("these tests need a CUDA GPU (cuda:0)"))
         .clone()
+}
+
+/// The half-precision dtypes GPU 0 computes in: float16 everywhere, bfloat16 where the GPU and the build have it
+/// (not a T4 or its build, `CUDA_COMPUTE_CAP=75`, which the emulated device runs as such too).
+fn half_dtypes() -> Vec<DType> {
+    if is_bf16_supported(&gpu()) {
+        vec![DType::BF16, DType::F16]
+    } else {
+        vec![DType::F16]
+    }
+}
+
+/// The dtypes GPU 0 computes in: float32 and [`half_dtypes`].
+fn gpu_dtypes() -> Vec<DType> {
+    [vec![DType::F32], half_dtypes()].concat()
+}
+
+/// The dtype a QLoRA user of GPU 0 trains in: bfloat16, or float16 where it has none.
+fn training_half() -> DType {
+    half_dtypes()[0]
+}
+
+/// `args` set to train in [`training_half`] (`bf16` or `fp16`).
+fn in_training_half(args: TrainingArguments) -> TrainingArguments {
+    TrainingArguments {
+        bf16: training_half() == DType::BF16,
+        fp16: training_half() == DType::F16,
+        ..args
+    }
 }
 
 #[test]
@@ -89,7 +119,7 @@ fn four_bit_weights_dequantize_on_the_gpu_bit_for_bit() {
         };
         let q = Nf4Tensor::quantize(&w, &config).unwrap();
         let on_gpu = DeviceNf4::new(&q, &dev).unwrap();
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for dtype in gpu_dtypes() {
             let got = on_gpu.dequantize(dtype).unwrap();
             assert!(got.device().is_cuda() && got.dtype() == dtype);
             assert_eq!(
@@ -108,7 +138,7 @@ fn dropout_masks_are_made_on_the_gpu_bit_for_bit() {
     use candle_qlora::ops::low_rank_linear::dropout_mask;
     let dev = gpu();
     for (seed, p) in [(7u64, 0.05), (0x1234_5678_9abc, 0.5), (u64::MAX, 0.1)] {
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for dtype in gpu_dtypes() {
             let dims = [3, 1001];
             let cpu = dropout_mask(seed, p, &dims, dtype, &Device::Cpu).unwrap();
             let gpu_mask = dropout_mask(seed, p, &dims, dtype, &dev).unwrap();
@@ -230,7 +260,7 @@ fn elementwise_kernels_match_the_cpu_ops() {
     use candle_qlora::ops::{
         merge_heads, rms_norm, rope, rope_split_heads, split_heads, swiglu, RopeTables,
     };
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in half_dtypes() {
         let w = (randn(&[576], 0.1) + 1.0).unwrap();
         let x = randn(&[2, 9, 576], 1.0);
         compare_op(
@@ -317,7 +347,7 @@ fn cross_entropy_kernel_matches_the_cpu_op() {
             }
         })
         .collect();
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in half_dtypes() {
         let labels = labels.clone();
         compare_op(
             "linear_cross_entropy",
@@ -347,7 +377,7 @@ fn low_rank_linear_kernel_matches_the_cpu_op() {
     let bases = [FrozenWeight::Nf4(q), FrozenWeight::Dense(w.clone())];
     for base in bases {
         for dropout in [None, Some(BranchDropout { p: 0.1, seed: 11 })] {
-            for dtype in [DType::BF16, DType::F16] {
+            for dtype in half_dtypes() {
                 let cpu_base = Arc::new(FrozenLinear::new(base.clone(), Some(randn(&[192], 0.1))));
                 let gpu_base = Arc::new(cpu_base.to_device(&gpu()).unwrap());
                 compare_op(
@@ -383,7 +413,7 @@ fn low_rank_linear_kernel_matches_the_cpu_op() {
 #[test]
 fn attention_kernels_match_the_cpu_op() {
     use candle_qlora::ops::{causal_attention, packed_causal_attention, Segments};
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in half_dtypes() {
         for (d, t, s) in [(64, 77, 77), (128, 130, 130), (64, 5, 70)] {
             compare_op(
                 "causal_attention",
@@ -435,7 +465,7 @@ fn family_ops_match_the_cpu_ops() {
             }
         })
         .collect();
-    for dtype in [DType::BF16, DType::F32] {
+    for dtype in [training_half(), DType::F32] {
         compare_op(
             "geglu_tanh",
             |xs| geglu_tanh(&xs[0], &xs[1]),
@@ -716,16 +746,13 @@ fn training_on_the_gpu_matches_the_cpu_with(fused: bool) {
     let (cpu_losses, cpu_adapter, _) = run(&Device::Cpu, "cpu");
     let (gpu_losses, gpu_adapter, gpu_out) = run(&gpu(), "gpu");
     assert_eq!(cpu_losses.len(), 6);
-    for (c, g) in cpu_losses.iter().zip(&gpu_losses) {
-        assert!(
-            (c - g).abs() <= 1e-4 * c.abs().max(1.0),
-            "fused kernels {fused}: cpu {cpu_losses:?} gpu {gpu_losses:?}"
-        );
-    }
-    for (k, t) in &cpu_adapter {
-        let d = crate::common::max_abs_diff(t, &gpu_adapter[k]);
-        assert!(d < 1e-3, "fused kernels {fused}: {k}: {d}");
-    }
+    assert_runs_agree(
+        &format!("fused kernels {fused}"),
+        (&cpu_losses, &cpu_adapter),
+        (&gpu_losses, &gpu_adapter),
+        1e-4,
+        1e-3,
+    );
     // The memory timeline of the GPU run reads the device's pool.
     let timeline = std::fs::read_to_string(gpu_out.join("memory_timeline.json")).unwrap();
     assert!(timeline.contains("device pool"), "{timeline}");
@@ -886,7 +913,7 @@ fn the_estimate_predicts_the_gpu_peak() {
     for &(batch, seq, checkpointing) in configs {
         let opts = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
-            compute_dtype: DType::BF16,
+            compute_dtype: training_half(),
         };
         let model = load_model(folder.to_str().unwrap(), None, &opts)
             .unwrap()
@@ -897,16 +924,15 @@ fn the_estimate_predicts_the_gpu_peak() {
         let out = dir
             .path()
             .join(format!("run-{batch}-{seq}-{checkpointing}"));
-        let args = TrainingArguments {
+        let args = in_training_half(TrainingArguments {
             output_dir: out.display().to_string(),
             per_device_train_batch_size: batch,
             max_steps: 1,
             save_strategy: candle_qlora::trainer::IntervalStrategy::No,
-            bf16: true,
             gradient_checkpointing: checkpointing,
             optim: OptimizerName::PagedAdamW8bit,
             ..Default::default()
-        };
+        });
         let lora = LoraConfig {
             r: 16,
             lora_alpha: 32.0,
@@ -1014,7 +1040,7 @@ fn a_training_step_copies_only_the_batch_in_and_one_small_read_out() {
     let folder = random_smollm2(dir.path(), 2);
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
-        compute_dtype: DType::BF16,
+        compute_dtype: training_half(),
     };
     let model = load_model(folder.to_str().unwrap(), None, &opts)
         .unwrap()
@@ -1023,16 +1049,15 @@ fn a_training_step_copies_only_the_batch_in_and_one_small_read_out() {
         .unwrap();
     let (rows, seq) = (2, 32);
     let data = synthetic_rows(8, seq);
-    let args = TrainingArguments {
+    let args = in_training_half(TrainingArguments {
         output_dir: dir.path().join("run").display().to_string(),
         per_device_train_batch_size: rows,
         max_steps: 4,
         save_strategy: candle_qlora::trainer::IntervalStrategy::No,
-        bf16: true,
         gradient_checkpointing: true,
         optim: OptimizerName::AdamW8bit,
         ..Default::default()
-    };
+    });
     let lora = LoraConfig {
         r: 8,
         lora_alpha: 16.0,
@@ -1146,7 +1171,7 @@ fn four_bit_decoding_product_matches_the_cpu() {
             let want = x
                 .matmul(&q.dequantize(DType::F32).unwrap().t().unwrap())
                 .unwrap();
-            for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for dtype in gpu_dtypes() {
                 let xd = x.to_dtype(dtype).unwrap();
                 let want = xd
                     .to_dtype(DType::F32)
@@ -1290,15 +1315,34 @@ fn smollm2_qlora_on_the_gpu_matches_the_cpu() {
     let (cpu_losses, cpu_adapter) = run(&Device::Cpu, "cpu");
     let (gpu_losses, gpu_adapter) = run(&gpu(), "gpu");
     assert_eq!(cpu_losses.len(), 2);
-    for (c, g) in cpu_losses.iter().zip(&gpu_losses) {
+    assert_runs_agree(
+        "SmolLM2 cpu vs gpu",
+        (&cpu_losses, &cpu_adapter),
+        (&gpu_losses, &gpu_adapter),
+        1e-3,
+        2e-3,
+    );
+}
+
+/// Asserts that two runs agree: each loss within `loss_tol` relative (to at least 1), every adapter tensor within
+/// `adapter_tol` absolute.
+fn assert_runs_agree(
+    what: &str,
+    (a_losses, a_adapter): (&[f64], &std::collections::HashMap<String, Tensor>),
+    (b_losses, b_adapter): (&[f64], &std::collections::HashMap<String, Tensor>),
+    loss_tol: f64,
+    adapter_tol: f64,
+) {
+    assert_eq!(a_losses.len(), b_losses.len(), "{what}");
+    for (a, b) in a_losses.iter().zip(b_losses) {
         assert!(
-            (c - g).abs() <= 1e-3 * c.abs(),
-            "cpu {cpu_losses:?} gpu {gpu_losses:?}"
+            (a - b).abs() <= loss_tol * a.abs().max(1.0),
+            "{what}: {a_losses:?} vs {b_losses:?}"
         );
     }
-    for (k, t) in &cpu_adapter {
-        let d = crate::common::max_abs_diff(t, &gpu_adapter[k]);
-        assert!(d < 2e-3, "{k}: {d}");
+    for (k, t) in a_adapter {
+        let d = crate::common::max_abs_diff(t, &b_adapter[k]);
+        assert!(d < adapter_tol, "{what}: {k} differs by {d}");
     }
 }
 
@@ -1360,4 +1404,362 @@ fn the_device_is_checked_against_the_build_at_start() {
     // The same configuration runs where the device can.
     let (ok, err) = train(&[("CUDA_EMU_COMPUTE_CAP", "8.6")]);
     assert!(ok, "{err}");
+}
+
+/// Runs this binary's test `name` as `world` processes (ranks) with torchrun's environment and `scenario`, and
+/// returns each rank's success and standard error. The test, started so, plays its rank (see [`rank_role`]).
+#[cfg(feature = "nccl")]
+fn spawn_ranks(name: &str, world: usize, scenario: &str) -> Vec<(bool, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([name, "--exact", "--test-threads", "1", "--nocapture"])
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", world.to_string()),
+                    ("LOCAL_RANK", rank.to_string()),
+                    ("LOCAL_WORLD_SIZE", world.to_string()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.to_string()),
+                    ("QLORA_TEST_RANK_OF", name.into()),
+                    ("QLORA_TEST_SCENARIO", scenario.into()),
+                ])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        })
+        .collect()
+}
+
+/// The rank this process plays in [`spawn_ranks`]'s test `name` and its scenario, or `None` in the test's own run.
+#[cfg(feature = "nccl")]
+fn rank_role(name: &str) -> Option<(candle_qlora::distributed::WorldEnv, String)> {
+    if std::env::var("QLORA_TEST_RANK_OF").ok()? != name {
+        return None;
+    }
+    let env = candle_qlora::distributed::WorldEnv::from_env()
+        .unwrap()
+        .unwrap();
+    Some((env, std::env::var("QLORA_TEST_SCENARIO").unwrap()))
+}
+
+/// NCCL across processes (the emulated libnccl's ranks): three ranks sum f32 and bf16 tensors exactly; a rank that
+/// exits stops the others at once with an error naming it; a rank that hangs stops the others at `ddp_timeout`, and
+/// itself, arriving late, learns that they left.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_ranks_sum_tensors_and_stop_on_a_dead_or_hung_rank() {
+    use candle_qlora::distributed::{Communicator, Reduce};
+    use std::time::{Duration, Instant};
+    const NAME: &str = "cuda::nccl_ranks_sum_tensors_and_stop_on_a_dead_or_hung_rank";
+    if let Some((env, scenario)) = rank_role(NAME) {
+        let dev = gpu();
+        let cuda = dev.as_cuda_device().unwrap();
+        let timeout = Duration::from_secs(if scenario == "hangs" { 1 } else { 60 });
+        let comm = Communicator::new(cuda, &env, timeout).unwrap();
+        let mine = Tensor::full((env.rank + 1) as f32, (3, 1000), &dev).unwrap();
+        match (scenario.as_str(), env.rank) {
+            ("sums", _) => {
+                for dtype in [DType::F32, DType::BF16] {
+                    let sum = comm
+                        .all_reduce(&mine.to_dtype(dtype).unwrap(), Reduce::Sum, "a test tensor")
+                        .unwrap();
+                    assert_eq!(sum.dtype(), dtype);
+                    let values = sum.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                    assert!(values.to_vec1::<f32>().unwrap().iter().all(|v| *v == 6.0));
+                }
+            }
+            ("dies", 1) => std::process::exit(0),
+            ("hangs", 1) => {
+                std::thread::sleep(Duration::from_secs(3));
+                let err = comm
+                    .all_reduce(&mine, Reduce::Sum, "step 1's gradients")
+                    .unwrap_err();
+                assert!(err.to_string().contains("rank 0 aborted"), "{err}");
+            }
+            (_, _) => {
+                let start = Instant::now();
+                let err = comm
+                    .all_reduce(&mine, Reduce::Sum, "step 1's gradients")
+                    .unwrap_err();
+                eprintln!(
+                    "RANK-ERROR {err} after {:.1} s",
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        }
+        return;
+    }
+    for (ok, err) in spawn_ranks(NAME, 3, "sums") {
+        assert!(ok, "{err}");
+    }
+    let dies = spawn_ranks(NAME, 2, "dies");
+    let (ok, err) = &dies[0];
+    assert!(*ok, "{err}");
+    assert!(
+        err.contains("RANK-ERROR distributed training: rank 0 stopped in the all-reduce of step 1's gradients")
+            && err.contains("rank 1 exited"),
+        "{err}"
+    );
+    let hangs = spawn_ranks(NAME, 2, "hangs");
+    assert!(hangs.iter().all(|(ok, _)| *ok), "{hangs:?}");
+    assert!(
+        hangs[0].1.contains(
+            "RANK-ERROR distributed training: rank 0: the all-reduce of step 1's gradients did not finish within \
+             ddp_timeout (1 s)"
+        ),
+        "{}",
+        hangs[0].1
+    );
+}
+
+/// A run config of the tiny Llama for the distributed tests — NF4 base, LoRA r=4 on every linear without dropout,
+/// float32 compute, batches of 2, `accumulation` micro-batches a step, `steps` steps, a checkpoint every
+/// `save_steps` — over 16 examples of varied length, written in `dir`; its output folder is `dir/out`.
+#[cfg(feature = "nccl")]
+fn ddp_config(
+    dir: &std::path::Path,
+    accumulation: usize,
+    steps: usize,
+    save_steps: usize,
+) -> std::path::PathBuf {
+    let data = dir.join("train.jsonl");
+    let rows: String = (0..16)
+        .map(|i| {
+            let words: Vec<String> = (0..5 + i % 6)
+                .map(|j| format!("t{}", 1 + (i * 5 + j * 3) % 40))
+                .collect();
+            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let config = dir.join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\n\
+             bnb_4bit_compute_dtype = \"float32\"\n[lora]\nr = 4\nlora_alpha = 8\nlora_dropout = 0.0\n\
+             target_modules = \"all-linear\"\n[data]\ntrain_file = {:?}\nmax_length = 32\n[training]\n\
+             output_dir = {:?}\nper_device_train_batch_size = 2\ngradient_accumulation_steps = {accumulation}\n\
+             max_steps = {steps}\nlearning_rate = 0.005\nlogging_steps = 1\nsave_steps = {save_steps}\nseed = 7\n\
+             ddp_timeout = 60\ndisable_tqdm = true\n",
+            data_path("models/tiny-llama").display().to_string(),
+            data.display().to_string(),
+            dir.join("out").display().to_string(),
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// `qlora train --config config` with `args`, as rank `rank` of `world` when given (torchrun's variables, rendezvous
+/// on `port`), its standard error going to `dir/stderr-{rank}`. The emulated machine has 4 GPUs.
+#[cfg(feature = "nccl")]
+fn qlora_train(
+    config: &std::path::Path,
+    args: &[&str],
+    rank: Option<(usize, usize, u16)>,
+    stderr: &std::path::Path,
+) -> std::process::Child {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"));
+    cmd.args(["train", "--config", config.to_str().unwrap()])
+        .args(args)
+        .env("CUDA_EMU_DEVICES", "4")
+        .env("CUDA_EMU_MEMORY", "2GiB")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(stderr).unwrap());
+    for v in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ] {
+        cmd.env_remove(v);
+    }
+    if let Some((rank, world, port)) = rank {
+        cmd.envs([
+            ("RANK", rank.to_string()),
+            ("LOCAL_RANK", rank.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("MASTER_ADDR", "127.0.0.1".to_string()),
+            ("MASTER_PORT", port.to_string()),
+        ]);
+    }
+    cmd.spawn().unwrap()
+}
+
+/// The losses of a run's log and its adapter.
+#[cfg(feature = "nccl")]
+fn run_outcome(out: &std::path::Path) -> (Vec<f64>, std::collections::HashMap<String, Tensor>) {
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    let losses = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+        .collect();
+    (losses, read_adapter(out))
+}
+
+#[cfg(feature = "nccl")]
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Data-parallel training with the launcher (`--nproc-per-node`) on 2 and 4 emulated GPUs gives the loss curve and
+/// adapter of one process whose accumulation is 4 (the same 8 examples a step, the ranks' gradients summed): equal
+/// to float32 reduction-order noise (losses 1e-5 relative, adapter 1e-4), across an epoch's end.
+#[cfg(feature = "nccl")]
+#[test]
+fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
+    let root = tempfile::tempdir().unwrap();
+    let run = |name: &str, accumulation: usize, nproc: Option<usize>| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = ddp_config(&dir, accumulation, 3, 100);
+        let n = nproc.map(|n| n.to_string());
+        let args: Vec<&str> = match &n {
+            Some(n) => vec!["--nproc-per-node", n],
+            None => vec![],
+        };
+        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
+            .wait()
+            .unwrap();
+        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+        assert!(status.success(), "{name}: {err}");
+        run_outcome(&dir.join("out"))
+    };
+    let (single_losses, single) = run("single", 4, None);
+    assert_eq!(single_losses.len(), 3);
+    for (name, accumulation, nproc) in [("two", 2, 2), ("four", 1, 4)] {
+        let (losses, adapter) = run(name, accumulation, Some(nproc));
+        assert_runs_agree(
+            name,
+            (&single_losses, &single),
+            (&losses, &adapter),
+            1e-5,
+            1e-4,
+        );
+    }
+}
+
+/// Ranks started from torchrun's variables, without the launcher: a 2-rank run's checkpoint resumes on 2 ranks to
+/// the uninterrupted adapter bit for bit; and a rank killed mid-run stops the other at once (well within
+/// `ddp_timeout`) with an error naming it.
+#[cfg(feature = "nccl")]
+#[test]
+fn ddp_ranks_from_torchrun_variables_resume_exactly_and_stop_when_one_dies() {
+    let root = tempfile::tempdir().unwrap();
+    let ranks = |dir: &std::path::Path,
+                 config: &std::path::Path,
+                 args: &[&str]|
+     -> Vec<std::process::Child> {
+        let port = free_port();
+        (0..2)
+            .map(|r| {
+                qlora_train(
+                    config,
+                    args,
+                    Some((r, 2, port)),
+                    &dir.join(format!("stderr-{r}")),
+                )
+            })
+            .collect()
+    };
+    let stderr = |dir: &std::path::Path, r: usize| {
+        std::fs::read_to_string(dir.join(format!("stderr-{r}"))).unwrap()
+    };
+    let whole = root.path().join("whole");
+    std::fs::create_dir_all(&whole).unwrap();
+    let config = ddp_config(&whole, 1, 4, 2);
+    for (r, mut child) in ranks(&whole, &config, &[]).into_iter().enumerate() {
+        assert!(
+            child.wait().unwrap().success(),
+            "rank {r}: {}",
+            stderr(&whole, r)
+        );
+    }
+    assert!(whole.join("out/checkpoint-2").is_dir() && whole.join("out/checkpoint-4").is_dir());
+
+    let resumed = root.path().join("resumed");
+    std::fs::create_dir_all(resumed.join("out")).unwrap();
+    let config = ddp_config(&resumed, 1, 4, 2);
+    let copy = std::process::Command::new("cp")
+        .args([
+            "-r",
+            whole.join("out/checkpoint-2").to_str().unwrap(),
+            resumed.join("out").to_str().unwrap(),
+        ])
+        .status()
+        .unwrap();
+    assert!(copy.success());
+    let checkpoint = resumed.join("out/checkpoint-2");
+    for (r, mut child) in ranks(
+        &resumed,
+        &config,
+        &["--resume", checkpoint.to_str().unwrap()],
+    )
+    .into_iter()
+    .enumerate()
+    {
+        assert!(
+            child.wait().unwrap().success(),
+            "rank {r}: {}",
+            stderr(&resumed, r)
+        );
+    }
+    let (whole_adapter, resumed_adapter) = (
+        read_adapter(&whole.join("out")),
+        read_adapter(&resumed.join("out")),
+    );
+    for (k, t) in &whole_adapter {
+        assert_eq!(bits(t), bits(&resumed_adapter[k]), "{k}");
+    }
+
+    let killed = root.path().join("killed");
+    std::fs::create_dir_all(&killed).unwrap();
+    let config = ddp_config(&killed, 1, 500, 1000);
+    let mut children = ranks(&killed, &config, &[]);
+    let log = killed.join("out/log.jsonl");
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(&log).map_or(true, |l| l.lines().count() < 2) {
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "rank 0 logged no step: {}",
+            stderr(&killed, 0)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    children[1].kill().unwrap();
+    let killed_at = std::time::Instant::now();
+    let status = children[0].wait().unwrap();
+    let waited = killed_at.elapsed().as_secs_f64();
+    children[1].wait().unwrap();
+    let err = stderr(&killed, 0);
+    assert!(!status.success(), "{err}");
+    assert!(
+        err.contains("rank 0 stopped in the all-reduce of step") && err.contains("rank 1 exited"),
+        "{err}"
+    );
+    assert!(waited < 30.0, "rank 0 took {waited:.1} s to stop");
 }

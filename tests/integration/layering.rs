@@ -17,6 +17,7 @@ const LAYERS: &[&[&str]] = &[
     &["adapter"],
     &["optim", "data"],
     &["memory"],
+    &["distributed"],
     &["trainer"],
 ];
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the emulated CUDA device into OUT (default target/cuda-emu):
 #   OUT/lib/libcuda.so.1, libcublas.so.N, libcublasLt.so.N, libcurand.so.10, libnvrtc.so.N, libcudart.so.N
-#       (N = the toolkit's major version), with their unversioned link names;
+#       (N = the toolkit's major version), libnccl.so.2, with their unversioned link names;
 #   OUT/lib/kernels/*.so   the CPU builds of the kernel modules: ours (kernels/*.cu) and the Candle modules the
 #                          crate loads (from the locked candle-kernels in Cargo's registry);
-#   OUT/bin/selftest       the emulator's own tests (tests/selftest.cpp), and OUT/bin/numeric_test (its numbers).
+#   OUT/bin/selftest       the emulator's own tests (tests/selftest.cpp), OUT/bin/numeric_test (its numbers) and
+#                          OUT/bin/nccl_test (NCCL across processes).
 #
 #   tools/cuda-emu/build.sh [OUT]
 # Needs CUDA_HOME (a toolkit: include/cuda.h, bin/nvcc — scripts/build-cuda.sh sets it up from PyPI) and
@@ -39,7 +40,7 @@ cudarc="$(package_dir cudarc)"
 mkdir -p "$out/lib/kernels" "$out/bin" "$out/obj"
 stamp="$out/obj/config"
 echo "cuda $version arch $arch cxx $("$cxx" --version | head -1)" >"$stamp.new"
-if ! cmp -s "$stamp.new" "$stamp"; then rm -f "$out"/obj/*.o "$out"/lib/kernels/*.so; fi
+if ! cmp -s "$stamp.new" "$stamp"; then rm -f "$out"/obj/*.o "$out"/lib/kernels/*.so "$out"/lib/*.so*; fi
 mv "$stamp.new" "$stamp"
 
 common=(-std=c++17 -O2 -fPIC -Wall -Wextra -Wno-unused-parameter -I"$here/runtime" -I"$CUDA_HOME/include")
@@ -94,6 +95,8 @@ stubs nvrtc 11 "$cudarc/src/nvrtc/sys/mod.rs"
 library nvrtc "libnvrtc.so.$major"
 stubs cudart 801 "$cudarc/src/runtime/sys/mod.rs"
 library cudart "libcudart.so.$major" "$here/runtime/cudart.cpp"
+stubs nccl 5 "$cudarc/src/nccl/sys/mod.rs"
+library nccl libnccl.so.2 "$here/runtime/nccl.cpp"
 
 # The kernel modules, two at a time per core: ours and Candle's (those the crate loads).
 # Each item is SOURCE:OUTPUT.so; a module is rebuilt when its source, its folder's headers or the shim changed.
@@ -118,6 +121,9 @@ printf '%s\n' "${modules[@]}" | xargs -P "$jobs" -I{} bash -c 'build_module "$@"
 # driver API by tests/selftest.cpp.
 mkdir -p "$out/tests/kernels"
 "$cxx" "${common[@]}" -o "$out/bin/selftest" "$here/tests/selftest.cpp" -L"$out/lib" -lcuda -Wl,-rpath,"$out/lib"
+# NCCL across forked ranks: collectives, a rank that exits, a rank that hangs.
+"$cxx" "${common[@]}" -o "$out/bin/nccl_test" "$here/tests/nccl_test.cpp" -L"$out/lib" -l:libnccl.so.2 -lcuda -lpthread \
+  -Wl,-rpath,"$out/lib"
 # The half-precision types and device math of the shim against references (built as the kernels are: no FMA).
 if [ ! -e "$out/bin/numeric_test" ] || [ -n "$(find "$here/include" "$here/tests/numeric_test.cpp" -newer "$out/bin/numeric_test" -type f | head -1)" ]; then
   "$cxx" -std=c++17 -O2 -ffp-contract=off -I"$here/include" "$here/tests/numeric_test.cpp" -o "$out/bin/numeric_test"

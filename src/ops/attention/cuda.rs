@@ -27,6 +27,22 @@ pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
         && k.dtype() == q.dtype()
         && v.dtype() == q.dtype()
         && super::CUDA_HEAD_DIMS.contains(&dims.d)
+        && tiles_fit(q, dims.d)
+}
+
+/// Whether both kernels' tiles for head dim `d` fit the GPU's shared memory per block (with the opt-in): a T4
+/// (64 KiB) has no room for the backward's tiles of heads of 128 (82 KiB), which then take the composed path.
+fn tiles_fit(q: &Tensor, d: usize) -> bool {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+    let Ok(device) = device_of(q) else {
+        return false;
+    };
+    let limit = device
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_or(0, |b| b.max(0) as usize);
+    fwd_shared_bytes(d).max(bwd_shared_bytes(d)) <= limit
 }
 
 /// Dynamic shared memory of the forward kernel for head dim `d` (the layout at the top of `attn_fwd`).

@@ -518,11 +518,26 @@ CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr *base, size_t *size, CUdevicep
     return CUDA_SUCCESS;
 }
 
+// CUDA 13 gave these the location arguments of CUDA 12's `_v2` forms (and dropped the names `_v2`).
+#if CUDA_VERSION >= 13000
 CUresult CUDAAPI cuMemPrefetchAsync(CUdeviceptr, size_t, CUmemLocation, unsigned int, CUstream stream) {
     return check_stream(stream, "cuMemPrefetchAsync");
 }
 
 CUresult CUDAAPI cuMemAdvise(CUdeviceptr, size_t, CUmem_advise, CUmemLocation) { return ready("cuMemAdvise"); }
+#else
+CUresult CUDAAPI cuMemPrefetchAsync(CUdeviceptr, size_t, CUdevice, CUstream stream) {
+    return check_stream(stream, "cuMemPrefetchAsync");
+}
+
+CUresult CUDAAPI cuMemPrefetchAsync_v2(CUdeviceptr, size_t, CUmemLocation, unsigned int, CUstream stream) {
+    return check_stream(stream, "cuMemPrefetchAsync_v2");
+}
+
+CUresult CUDAAPI cuMemAdvise(CUdeviceptr, size_t, CUmem_advise, CUdevice) { return ready("cuMemAdvise"); }
+
+CUresult CUDAAPI cuMemAdvise_v2(CUdeviceptr, size_t, CUmem_advise, CUmemLocation) { return ready("cuMemAdvise_v2"); }
+#endif
 
 // ---- the memory pool ----
 

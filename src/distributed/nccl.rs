@@ -1,0 +1,306 @@
+//! The NCCL communicator of a data-parallel job (feature `nccl`): one per process, over its GPU, created from the
+//! rendezvous's unique id. Collectives run under a watchdog, as torch's ProcessGroupNCCL does: a peer that exited
+//! (NCCL's asynchronous error) or a collective that has not finished within `ddp_timeout` aborts the communicator,
+//! which ends the waiting call, and the error names the rank and what it was doing.
+
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use candle_core::cuda_backend::cudarc::nccl::{result, sys};
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{DType, Tensor};
+
+use super::env::WorldEnv;
+use super::rendezvous::share_from_rank0;
+use crate::error::{Error, Result};
+
+/// How [`Communicator::all_reduce`] combines the ranks' elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// The sum, in rank order.
+    Sum,
+    /// The largest.
+    Max,
+    /// The smallest.
+    Min,
+}
+
+/// A job's communicator on this process's GPU.
+pub struct Communicator {
+    shared: Arc<Shared>,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+/// What the caller and the watchdog share.
+struct Shared {
+    comm: Comm,
+    rank: usize,
+    world_size: usize,
+    device: CudaDevice,
+    timeout: Duration,
+    state: Mutex<State>,
+    aborted: AtomicBool,
+}
+
+#[derive(Default)]
+struct State {
+    /// The collective in flight: when it started and what it is ("the all-reduce of step 3's gradients").
+    current: Option<(Instant, String)>,
+    /// Why the watchdog aborted the communicator.
+    fault: Option<String>,
+    closed: bool,
+}
+
+/// NCCL's communicator handle. NCCL allows a communicator's abort from another thread while a call waits on it
+/// (that is what the abort is for); every other call is made by the owning thread.
+struct Comm(sys::ncclComm_t);
+// SAFETY: see `Comm`: the watchdog thread only queries the asynchronous error and aborts.
+unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
+
+impl Communicator {
+    /// The communicator of `env`'s job on `device` (this rank's GPU): rank 0 makes NCCL's unique id and the
+    /// rendezvous at `MASTER_ADDR:MASTER_PORT` hands it to the others; then every rank joins. `timeout`
+    /// (`ddp_timeout`) bounds the rendezvous and every later collective.
+    pub fn new(device: &CudaDevice, env: &WorldEnv, timeout: Duration) -> Result<Self> {
+        let id_bytes = if env.is_main() {
+            let id = result::get_uniqueid()
+                .map_err(|e| nccl_error(env.rank, "ncclGetUniqueId", e, None))?;
+            let bytes: Vec<u8> = id.internal.iter().map(|c| *c as u8).collect();
+            share_from_rank0(env, Some(&bytes), timeout)?
+        } else {
+            share_from_rank0(env, None, timeout)?
+        };
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if id_bytes.len() != id.internal.len() {
+            return Err(Error::Distributed(format!(
+                "rank {}: the rendezvous gave {} bytes, not an NCCL unique id (128)",
+                env.rank,
+                id_bytes.len()
+            )));
+        }
+        for (dst, src) in id.internal.iter_mut().zip(&id_bytes) {
+            *dst = *src as _;
+        }
+        device
+            .cuda_stream()
+            .context()
+            .bind_to_thread()
+            .map_err(candle_core::Error::wrap)?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: `comm` is written by a successful init; the id is rank 0's, the sizes checked by `WorldEnv`.
+        let comm = unsafe {
+            result::comm_init_rank(
+                comm.as_mut_ptr(),
+                env.world_size as i32,
+                id,
+                env.rank as i32,
+            )
+            .map_err(|e| nccl_error(env.rank, "joining the communicator", e, None))?;
+            comm.assume_init()
+        };
+        let shared = Arc::new(Shared {
+            comm: Comm(comm),
+            rank: env.rank,
+            world_size: env.world_size,
+            device: device.clone(),
+            timeout,
+            state: Mutex::new(State::default()),
+            aborted: AtomicBool::new(false),
+        });
+        let watched = shared.clone();
+        let watchdog = std::thread::Builder::new()
+            .name(format!("nccl-watchdog-{}", env.rank))
+            .spawn(move || watch(&watched))
+            .map_err(|e| {
+                Error::Distributed(format!("rank {}: cannot start the watchdog: {e}", env.rank))
+            })?;
+        Ok(Communicator {
+            shared,
+            watchdog: Some(watchdog),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.shared.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.shared.world_size
+    }
+
+    /// `t` reduced element-wise over all ranks by `op` (f64, f32, bf16 or f16, on this rank's GPU), finished when
+    /// this returns; every rank gets the same bits. `what` says what it is for ("step 3's gradients"), for the
+    /// error when a rank fails.
+    pub fn all_reduce(&self, t: &Tensor, op: Reduce, what: &str) -> Result<Tensor> {
+        use sys::ncclDataType_t as Nccl;
+        match t.dtype() {
+            DType::F64 => self.all_reduce_typed::<f64>(t, Nccl::ncclFloat64, op, what),
+            DType::F32 => self.all_reduce_typed::<f32>(t, Nccl::ncclFloat32, op, what),
+            DType::BF16 => self.all_reduce_typed::<half::bf16>(t, Nccl::ncclBfloat16, op, what),
+            DType::F16 => self.all_reduce_typed::<half::f16>(t, Nccl::ncclFloat16, op, what),
+            other => Err(Error::Distributed(format!(
+                "all-reduce of {what}: {other:?} tensors are not reduced (f64, f32, bf16 or f16)"
+            ))),
+        }
+    }
+
+    fn all_reduce_typed<T: CudaDType + DeviceRepr>(
+        &self,
+        t: &Tensor,
+        dtype: sys::ncclDataType_t,
+        op: Reduce,
+        what: &str,
+    ) -> Result<Tensor> {
+        let s = &*self.shared;
+        let what = format!("the all-reduce of {what}");
+        let t = t.contiguous()?;
+        let n = t.elem_count();
+        let held = crate::cuda::hold(&t)?;
+        let input = held.view::<T>()?;
+        let mut out = crate::cuda::alloc::<T>(&s.device, n)?;
+        let stream = s.device.cuda_stream();
+        self.begin(&what)?;
+        let issued = {
+            let (src, _read) = input.device_ptr(&stream);
+            let (dst, _write) = out.device_ptr_mut(&stream);
+            // SAFETY: both buffers hold `n` elements of `dtype` on this communicator's device and stream.
+            unsafe {
+                result::all_reduce(
+                    src as *const _,
+                    dst as *mut _,
+                    n,
+                    dtype,
+                    match op {
+                        Reduce::Sum => sys::ncclRedOp_t::ncclSum,
+                        Reduce::Max => sys::ncclRedOp_t::ncclMax,
+                        Reduce::Min => sys::ncclRedOp_t::ncclMin,
+                    },
+                    s.comm.0,
+                    stream.cu_stream() as _,
+                )
+            }
+        };
+        let finished = issued
+            .map_err(|e| nccl_error(s.rank, &what, e, Some(&s.comm)))
+            .and_then(|_| {
+                stream
+                    .synchronize()
+                    .map_err(|e| Error::Distributed(format!("rank {}: {what}: {e}", s.rank)))
+            });
+        self.end(finished)?;
+        Ok(crate::cuda::tensor(out, &s.device, t.shape().clone()))
+    }
+
+    /// Marks `what` in flight (the watchdog's clock starts), or the fault that already stopped the communicator.
+    fn begin(&self, what: &str) -> Result<()> {
+        let mut state = self.shared.state.lock().unwrap();
+        if let Some(fault) = &state.fault {
+            return Err(Error::Distributed(fault.clone()));
+        }
+        state.current = Some((Instant::now(), what.to_string()));
+        Ok(())
+    }
+
+    /// Ends the collective in flight: its outcome, unless the watchdog aborted it, whose reason comes first.
+    fn end(&self, outcome: Result<()>) -> Result<()> {
+        let mut state = self.shared.state.lock().unwrap();
+        state.current = None;
+        match (&state.fault, outcome) {
+            (Some(fault), _) => Err(Error::Distributed(fault.clone())),
+            (None, outcome) => outcome,
+        }
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        self.shared.state.lock().unwrap().closed = true;
+        if let Some(dog) = self.watchdog.take() {
+            let _ = dog.join();
+        }
+        if !self.shared.aborted.swap(true, Ordering::SeqCst) {
+            // SAFETY: the watchdog has stopped and no call is in flight: the handle is ours alone.
+            unsafe {
+                let _ = result::comm_destroy(self.shared.comm.0);
+            }
+        }
+    }
+}
+
+/// The watchdog: every 10 ms, NCCL's asynchronous error (a peer exited or aborted) and the age of the collective in
+/// flight; on either, the reason is recorded and the communicator aborted, which ends the waiting call.
+fn watch(s: &Shared) {
+    loop {
+        std::thread::sleep(Duration::from_millis(10));
+        let mut state = s.state.lock().unwrap();
+        if state.closed {
+            return;
+        }
+        let doing = state.current.as_ref().map_or_else(
+            || "between collectives".to_string(),
+            |(_, what)| format!("in {what}"),
+        );
+        let mut async_error = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: querying the asynchronous error is allowed from any thread.
+        unsafe { sys::ncclCommGetAsyncError(s.comm.0, &mut async_error) };
+        let fault = if async_error != sys::ncclResult_t::ncclSuccess
+            && async_error != sys::ncclResult_t::ncclInProgress
+        {
+            Some(format!(
+                "rank {} stopped {doing}: {}; every rank stops (a checkpoint, if any, is the place to resume)",
+                s.rank,
+                last_error(&s.comm).unwrap_or_else(|| format!("NCCL reports {async_error:?}"))
+            ))
+        } else {
+            match &state.current {
+                Some((start, what)) if start.elapsed() > s.timeout => Some(format!(
+                    "rank {}: {what} did not finish within ddp_timeout ({} s): another rank died or hangs; every \
+                     rank stops",
+                    s.rank,
+                    s.timeout.as_secs_f64()
+                )),
+                _ => None,
+            }
+        };
+        if let Some(fault) = fault {
+            eprintln!("{fault}");
+            state.fault = Some(fault);
+            drop(state);
+            if !s.aborted.swap(true, Ordering::SeqCst) {
+                // SAFETY: NCCL's abort is meant to be called while another thread waits on the communicator.
+                unsafe {
+                    let _ = result::comm_abort(s.comm.0);
+                }
+            }
+            return;
+        }
+    }
+}
+
+/// NCCL's last error message for `comm` (or the process), if it has one.
+fn last_error(comm: &Comm) -> Option<String> {
+    // SAFETY: NCCL returns a NUL-terminated string it owns, valid until its next call on this thread.
+    let text = unsafe { sys::ncclGetLastError(comm.0) };
+    if text.is_null() {
+        return None;
+    }
+    let message = unsafe { CStr::from_ptr(text) }
+        .to_string_lossy()
+        .trim()
+        .to_string();
+    (!message.is_empty()).then_some(message)
+}
+
+fn nccl_error(rank: usize, what: &str, e: result::NcclError, comm: Option<&Comm>) -> Error {
+    let detail = comm
+        .and_then(last_error)
+        .map_or(String::new(), |m| format!(": {m}"));
+    Error::Distributed(format!("rank {rank}: {what}: NCCL {:?}{detail}", e.0))
+}
