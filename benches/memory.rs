@@ -26,12 +26,7 @@ fn rows(n: usize, seq: usize) -> Vec<TokenizedExample> {
             let ids: Vec<u32> = (0..seq)
                 .map(|i| (1000 + (r * 7919 + i * 104_729) % 40_000) as u32)
                 .collect();
-            TokenizedExample {
-                labels: ids.iter().map(|&i| i as i64).collect(),
-                input_ids: ids,
-                truncated: false,
-                segments: vec![],
-            }
+            TokenizedExample::learning_every_token(ids)
         })
         .collect()
 }

@@ -68,6 +68,16 @@ pub struct TokenizedExample {
 }
 
 impl TokenizedExample {
+    /// An example of `ids` learning every token (labels = ids, as plain text's), not truncated, not packed.
+    pub fn learning_every_token(ids: Vec<u32>) -> Self {
+        TokenizedExample {
+            labels: ids.iter().map(|&i| i as i64).collect(),
+            input_ids: ids,
+            truncated: false,
+            segments: vec![],
+        }
+    }
+
     /// The tokens whose loss is taken: labels after the first (a position predicts the next token's label) that
     /// are not −100.
     pub fn learned_tokens(&self) -> usize {

@@ -71,12 +71,7 @@ mod tests {
 
     fn example(len: usize, first: u32) -> TokenizedExample {
         let ids: Vec<u32> = (first..first + len as u32).collect();
-        TokenizedExample {
-            labels: ids.iter().map(|&i| i as i64).collect(),
-            input_ids: ids,
-            truncated: false,
-            segments: vec![],
-        }
+        TokenizedExample::learning_every_token(ids)
     }
 
     #[test]

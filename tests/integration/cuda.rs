@@ -874,12 +874,7 @@ fn synthetic_rows(count: usize, seq: usize) -> Vec<TokenizedExample> {
             let ids: Vec<u32> = (0..seq)
                 .map(|i| ((i * 7919 + b * 104729) % 49000) as u32 + 3)
                 .collect();
-            TokenizedExample {
-                labels: ids.iter().map(|&i| i as i64).collect(),
-                input_ids: ids,
-                truncated: false,
-                segments: vec![],
-            }
+            TokenizedExample::learning_every_token(ids)
         })
         .collect()
 }
