@@ -98,6 +98,7 @@ fn main() {
             activation_memory_budget_mib: budget,
             quantize: nf4,
             device: DeviceKind::Cpu,
+            ..Default::default()
         };
         let predicted = estimate(&config, &args).expect("estimate").total_bytes;
         let (measured, act) = measure(&path, &args);

@@ -101,6 +101,10 @@ struct EstimateCliArgs {
     /// Device: cpu (float32 compute) or cuda (bfloat16 compute).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// Data-parallel ranks (GPUs, each holding the whole model; with --device cuda): the figures stay per GPU,
+    /// and the gradient all-reduce of each optimizer step is added.
+    #[arg(long = "world-size", default_value_t = 1)]
+    world_size: usize,
     /// Print one JSON object for the configuration given instead of the table.
     #[arg(long)]
     json: bool,
@@ -122,6 +126,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             DeviceArg::Cpu => DeviceKind::Cpu,
             DeviceArg::Cuda => DeviceKind::Cuda,
         },
+        world_size: args.world_size,
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;
@@ -130,7 +135,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{} — batch {} × {} tokens, LoRA r={}, {}, checkpointing {}\n",
+        "{} — batch {} × {} tokens, LoRA r={}, {}, checkpointing {}{}\n",
         args.model,
         args.batch,
         args.seq,
@@ -140,6 +145,10 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             "on"
         } else {
             "off"
+        },
+        match args.world_size {
+            1 => String::new(),
+            n => format!(", per GPU of {n}"),
         }
     );
     println!(
@@ -157,6 +166,19 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             human_bytes(e.activations_bytes),
             human_bytes(e.other_bytes),
             human_bytes(e.total_bytes)
+        );
+    }
+    if let Some(d) = &asked.data_parallel {
+        println!(
+            "\ndata parallel over {} GPUs, per optimizer step: {} of float32 LoRA gradients all-reduced in {} \
+             bucket(s); each GPU sends and receives {} (ring: 2 (N − 1) / N of it). At NCCL's bus bandwidth B \
+             the exchange takes {} / B (e.g. {} at 100 GB/s).",
+            d.world_size,
+            human_bytes(d.all_reduce_bytes),
+            d.buckets,
+            human_bytes(d.bytes_sent_per_gpu),
+            human_bytes(d.bytes_sent_per_gpu),
+            format_args!("{:.3} ms", d.bytes_sent_per_gpu as f64 / 100e9 * 1e3),
         );
     }
     println!("\nassumed:");
@@ -219,16 +241,33 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
     let mut trainer = Trainer::from_run_config(&config)?;
     candle_qlora::trainer::interrupt::stop_on_ctrl_c()
         .context("cannot install the Ctrl-C handler")?;
-    eprintln!("Ctrl-C stops after the current step, with a checkpoint to resume from");
+    // Rank 0 alone speaks for a distributed run (the others stop with it).
+    let world = candle_qlora::distributed::WorldEnv::from_env()?;
+    let main = world.as_ref().is_none_or(|w| w.is_main());
+    if main {
+        eprintln!("Ctrl-C stops after the current step, with a checkpoint to resume from");
+    }
     match trainer.train(resume.as_deref()) {
+        Err(candle_qlora::Error::Interrupted { .. }) if !main => std::process::exit(130),
         Err(candle_qlora::Error::Interrupted {
             step,
             checkpoint: Some(dir),
         }) => {
             let sets: String = args.set.iter().map(|s| format!(" --set {s:?}")).collect();
+            // The same ranks replay the run exactly: a one-node job as our launcher starts it, otherwise under
+            // the same launcher.
+            let ranks = match &world {
+                Some(w) if w.world_size > 1 && w.local_world_size == w.world_size => {
+                    format!(" --nproc-per-node {}", w.world_size)
+                }
+                Some(w) if w.world_size > 1 => {
+                    format!(" (under your launcher, {} ranks)", w.world_size)
+                }
+                _ => String::new(),
+            };
             eprintln!(
                 "stopped by Ctrl-C after step {step}; checkpoint saved in {}\nresume with: qlora train --config {}{sets} \
-                 --resume {}",
+                 --resume {}{ranks}",
                 dir.display(),
                 args.config.display(),
                 dir.display()

@@ -1,8 +1,9 @@
 //! Starting the ranks of a one-node job, as `torchrun --nproc-per-node N` does: this program again, N times, each
-//! with torchrun's environment, then waiting for them.
+//! with torchrun's environment, then waiting for them and passing them the signals the launcher gets.
 
 use std::ffi::OsString;
 use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
@@ -13,8 +14,11 @@ const GRACE: Duration = Duration::from_secs(60);
 
 /// Runs this executable `nproc` times with `args`, as ranks 0…nproc−1 of one node (`RANK`, `LOCAL_RANK`,
 /// `WORLD_SIZE`, `LOCAL_WORLD_SIZE`; `MASTER_ADDR` and `MASTER_PORT` from this environment, else 127.0.0.1 and a
-/// free port), and waits for them. Ctrl-C reaches every rank (one process group), which stop together after the
-/// current step; the launcher itself ignores it. Returns the first failed rank's exit status, else success.
+/// free port), and waits for them. The ranks run in a process group of their own, and the launcher passes each
+/// SIGINT and SIGTERM it gets to every rank once (Ctrl-C, or `kill -INT` of the launcher alone: the ranks agree to
+/// stop after the same step, with a checkpoint; a second Ctrl-C stops them at once); a rank whose launcher dies is
+/// sent SIGTERM by the kernel (Linux), so none is left behind. Returns the first failed rank's exit status, else
+/// success.
 pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
     if nproc == 0 {
         return Err(Error::InvalidInput(
@@ -32,14 +36,12 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
             .port()
             .to_string(),
     };
-    #[cfg(unix)]
-    // SAFETY: ignoring SIGINT in this process only; the ranks install their own handlers.
-    unsafe {
-        libc::signal(libc::SIGINT, libc::SIG_IGN);
-    }
+    forward_signals()?;
     let mut ranks: Vec<Option<Child>> = Vec::new();
     for rank in 0..nproc {
-        let child = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        rank_process(&mut command);
+        let child = command
             .args(args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -58,7 +60,9 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
         ranks.push(Some(child));
     }
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
+    let mut forwarded = [0; 2];
     while ranks.iter().any(Option::is_some) {
+        pass_on_signals(&ranks, &mut forwarded);
         for (rank, slot) in ranks.iter_mut().enumerate() {
             let Some(child) = slot else { continue };
             let status = child
@@ -93,4 +97,74 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
         Some((_, status, _)) => status,
         None => ExitStatus::default(),
     })
+}
+
+/// Signals the launcher got and has to pass on to the ranks: SIGINT and SIGTERM, counted.
+static RECEIVED: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+#[cfg(unix)]
+const FORWARDED: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
+
+#[cfg(unix)]
+extern "C" fn on_signal(signal: libc::c_int) {
+    if let Some(i) = FORWARDED.iter().position(|&s| s == signal) {
+        RECEIVED[i].fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Makes SIGINT and SIGTERM of the launcher counted (and passed on by [`pass_on_signals`]) instead of fatal.
+fn forward_signals() -> Result<()> {
+    #[cfg(unix)]
+    for signal in FORWARDED {
+        // SAFETY: the handler only increments an atomic.
+        let previous =
+            unsafe { libc::signal(signal, on_signal as *const () as libc::sighandler_t) };
+        if previous == libc::SIG_ERR {
+            return Err(Error::io(
+                "cannot install",
+                "the launcher's signal handler",
+                std::io::Error::last_os_error(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Sends every running rank the signals received since the last call (`forwarded` counts those already sent).
+fn pass_on_signals(ranks: &[Option<Child>], forwarded: &mut [usize; 2]) {
+    #[cfg(unix)]
+    for (i, signal) in FORWARDED.into_iter().enumerate() {
+        let received = RECEIVED[i].load(Ordering::SeqCst);
+        for _ in forwarded[i]..received {
+            for child in ranks.iter().flatten() {
+                // SAFETY: kill(2) on a child this process started and has not yet reaped.
+                unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+            }
+        }
+        forwarded[i] = received;
+    }
+    #[cfg(not(unix))]
+    let _ = (ranks, forwarded);
+}
+
+/// Puts a rank in a process group of its own, so a terminal's Ctrl-C reaches it once, through the launcher, and
+/// (Linux) has the kernel send it SIGTERM when the launcher dies.
+fn rank_process(command: &mut Command) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        command.process_group(0);
+        #[cfg(target_os = "linux")]
+        // SAFETY: prctl(2) is async-signal-safe, as code between fork and exec must be.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = command;
 }

@@ -39,7 +39,13 @@ pub struct EstimateArgs {
     pub quantize: bool,
     /// Device.
     pub device: DeviceKind,
+    /// Ranks of a data-parallel run (GPUs, each holding the whole model): 1 alone.
+    pub world_size: usize,
 }
+
+/// PyTorch DDP's gradient bucket size in MiB, which a data-parallel run uses unless `ddp_bucket_cap_mb` says
+/// otherwise.
+pub const DDP_BUCKET_CAP_MB: f64 = 25.0;
 
 /// The most tokens a micro-batch may have for an estimate (far beyond any GPU; keeps every byte count in 64 bits).
 const MAX_ESTIMATE_TOKENS: usize = 1 << 31;
@@ -52,6 +58,7 @@ impl EstimateArgs {
             ("batch", self.batch),
             ("seq", self.seq),
             ("lora_r", self.lora_r),
+            ("world_size", self.world_size),
         ] {
             if value == 0 {
                 return bad(format!("{name} must be at least 1"));
@@ -72,6 +79,12 @@ impl EstimateArgs {
         {
             return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
         }
+        if self.world_size > 1 && self.device == DeviceKind::Cpu {
+            return bad(format!(
+                "world_size {}: data-parallel training runs on GPUs (one per rank); estimate it with device cuda",
+                self.world_size
+            ));
+        }
         Ok(())
     }
 }
@@ -87,6 +100,7 @@ impl Default for EstimateArgs {
             activation_memory_budget_mib: None,
             quantize: true,
             device: DeviceKind::Cpu,
+            world_size: 1,
         }
     }
 }
@@ -140,6 +154,40 @@ pub struct Estimate {
     pub total_bytes: u64,
     /// What the numbers assume.
     pub assumptions: Vec<String>,
+    /// The gradient exchange of a data-parallel run (the configuration asked, with more than one rank).
+    pub data_parallel: Option<DataParallel>,
+}
+
+/// What a data-parallel step exchanges: the LoRA gradients (float32), summed over the ranks once per optimizer
+/// step (after the accumulation window) in buckets, as PyTorch's DDP does.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DataParallel {
+    /// Ranks (GPUs).
+    pub world_size: usize,
+    /// Bytes all-reduced per optimizer step (the adapter's float32 gradients).
+    pub all_reduce_bytes: u64,
+    /// All-reduce calls per optimizer step (buckets of [`DDP_BUCKET_CAP_MB`]).
+    pub buckets: u64,
+    /// Bytes each GPU sends (and receives) per optimizer step in a ring all-reduce: `2 (N − 1) / N` times the
+    /// gradients. Divided by NCCL's bus bandwidth (`busbw` of nccl-tests) it gives the exchange's time.
+    pub bytes_sent_per_gpu: u64,
+    /// Memory of the exchange on each GPU, counted in `other_bytes`: a bucket's flattened gradients and its sum.
+    pub bucket_bytes: u64,
+}
+
+impl DataParallel {
+    /// The exchange of `gradient_bytes` of float32 gradients over `world_size` ranks.
+    fn new(world_size: usize, gradient_bytes: u64) -> Self {
+        let bucket = (DDP_BUCKET_CAP_MB * (1u64 << 20) as f64) as u64;
+        let n = world_size as u64;
+        DataParallel {
+            world_size,
+            all_reduce_bytes: gradient_bytes,
+            buckets: gradient_bytes.div_ceil(bucket),
+            bytes_sent_per_gpu: 2 * (n - 1) * gradient_bytes / n,
+            bucket_bytes: 2 * bucket.min(gradient_bytes),
+        }
+    }
 }
 
 /// Parameter counts of a model.
@@ -347,6 +395,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
         other_bytes,
         total_bytes: parts.iter().sum(),
         assumptions,
+        data_parallel: None,
     }
 }
 
@@ -364,11 +413,13 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     } else {
         (n.block_linear + n.rest) * e
     };
+    let data_parallel =
+        (args.world_size > 1).then(|| DataParallel::new(args.world_size, 4 * n.lora));
     let other = match args.device {
         DeviceKind::Cpu => 0,
         DeviceKind::Cuda => 512 << 20,
-    };
-    let assumptions = vec![
+    } + data_parallel.as_ref().map_or(0, |d| d.bucket_bytes);
+    let mut assumptions = vec![
         format!(
             "{} compute; LoRA r={} on every linear layer of the blocks, float32 adapter weights and gradients",
             if e == 4 { "float32" } else { "bfloat16" },
@@ -415,7 +466,15 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
         },
     ];
-    Ok(finish(
+    if let Some(d) = &data_parallel {
+        assumptions.push(format!(
+            "data parallel over {} GPUs: the figures are per GPU (each holds the whole model and its own \
+             micro-batches); other adds a gradient bucket (up to {DDP_BUCKET_CAP_MB} MiB) and its sum; NCCL's own buffers \
+             (NCCL_BUFFSIZE per channel and peer) are not counted",
+            d.world_size
+        ));
+    }
+    let mut estimate = finish(
         Regime::Configured,
         [
             weights,
@@ -426,7 +485,9 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             other,
         ],
         assumptions,
-    ))
+    );
+    estimate.data_parallel = data_parallel;
+    Ok(estimate)
 }
 
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
@@ -514,6 +575,38 @@ mod tests {
         assert!(full < partial && partial < none, "{full} {partial} {none}");
         // Every layer kept: nothing is recomputed, as without checkpointing.
         assert_eq!(activations(args(true, Some(1e9))), none);
+    }
+
+    /// Data parallel on 8 GPUs: the per-GPU figures are one GPU's plus a bucket and its sum; the exchange is
+    /// the adapter's float32 gradients (Llama-2-7B, r=16 on every linear: PEFT's 39,976,960 trainable
+    /// parameters), 7 buckets of 25 MiB, 2·7/8 of it sent by each GPU. A CPU run with ranks is refused.
+    #[test]
+    fn data_parallel_adds_the_bucket_and_counts_the_exchange() {
+        let c = llama2_7b();
+        let args = |world_size: usize| EstimateArgs {
+            device: DeviceKind::Cuda,
+            world_size,
+            ..Default::default()
+        };
+        let alone = estimate(&c, &args(1)).unwrap();
+        let eight = estimate(&c, &args(8)).unwrap();
+        assert_eq!(alone.data_parallel, None);
+        let d = eight.data_parallel.clone().unwrap();
+        let gradients = 4 * 39_976_960;
+        assert_eq!(
+            (d.world_size, d.all_reduce_bytes, d.buckets),
+            (8, gradients, 7)
+        );
+        assert_eq!(d.bytes_sent_per_gpu, 2 * 7 * gradients / 8);
+        assert_eq!(d.bucket_bytes, 2 * (25 << 20));
+        assert_eq!(eight.total_bytes, alone.total_bytes + d.bucket_bytes);
+        assert_eq!(eight.other_bytes, alone.other_bytes + d.bucket_bytes);
+        let cpu = EstimateArgs {
+            world_size: 2,
+            ..Default::default()
+        };
+        let err = estimate(&c, &cpu).unwrap_err().to_string();
+        assert!(err.contains("runs on GPUs"), "{err}");
     }
 
     fn llama2_7b() -> ModelConfig {

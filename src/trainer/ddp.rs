@@ -13,13 +13,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::args::TrainingArguments;
 use crate::distributed::{Communicator, Reduce, WorldEnv};
 use crate::error::{Error, Result};
-
-/// PyTorch DDP's default bucket size (`bucket_cap_mb`).
-const DEFAULT_BUCKET_MIB: f64 = 25.0;
+use crate::memory::DDP_BUCKET_CAP_MB;
 
 /// This rank's part in a distributed run.
 pub(super) struct Ddp {
     comm: Communicator,
+    /// This rank's GPU.
+    device: Device,
     bucket_bytes: usize,
 }
 
@@ -42,7 +42,8 @@ impl Ddp {
         let timeout = Duration::from_secs(args.ddp_timeout);
         Ok(Ddp {
             comm: Communicator::new(gpu, world, timeout)?,
-            bucket_bytes: (args.ddp_bucket_cap_mb.unwrap_or(DEFAULT_BUCKET_MIB) * (1 << 20) as f64)
+            device: device.clone(),
+            bucket_bytes: (args.ddp_bucket_cap_mb.unwrap_or(DDP_BUCKET_CAP_MB) * (1 << 20) as f64)
                 as usize,
         })
     }
@@ -112,6 +113,15 @@ impl Ddp {
         let both = Tensor::cat(&[&loss_sum.reshape(1)?, &stop], 0)?;
         self.comm
             .all_reduce(&both, Reduce::Sum, &format!("step {step}'s loss"))
+    }
+
+    /// `values` summed over the ranks (in float64, exact for counts below 2^53); `what` names them in errors.
+    pub(super) fn sum<const N: usize>(&self, values: [f64; N], what: &str) -> Result<[f64; N]> {
+        let summed = self
+            .comm
+            .all_reduce(&Tensor::new(&values[..], &self.device)?, Reduce::Sum, what)?
+            .to_vec1::<f64>()?;
+        Ok(std::array::from_fn(|i| summed[i]))
     }
 
     /// An error unless every rank holds the same values of `vars` (each parameter's sum, compared by the largest

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device};
 
+use super::sampler::Shard;
 use crate::data::{collate, TokenizedExample};
 use crate::error::Result;
 use crate::models::{generate, Checkpointing, GenerationConfig, LlamaModel};
@@ -31,12 +32,24 @@ pub fn evaluate(
     examples: &[TokenizedExample],
     batch_size: usize,
 ) -> Result<EvalReport> {
+    let (nll, tokens) = loss_sums(model, examples, batch_size, Shard::ALONE)?;
+    Ok(EvalReport::from_sums(examples, nll, tokens, None))
+}
+
+/// This rank's part of an evaluation: the summed negative log-likelihood and the label tokens of its batches
+/// (batch `k` of the length-sorted order is rank `k % world_size`'s, so the ranks' sums add up to one process's).
+pub(super) fn loss_sums(
+    model: &LlamaModel,
+    examples: &[TokenizedExample],
+    batch_size: usize,
+    shard: Shard,
+) -> Result<(f64, usize)> {
     let mut total = 0f64;
     let mut tokens = 0usize;
     // Sort by length so batches pad little; the result does not depend on the order.
     let mut order: Vec<&TokenizedExample> = examples.iter().collect();
     order.sort_by_key(|e| e.input_ids.len());
-    for batch in order.chunks(batch_size.max(1)) {
+    for batch in shard.share(order.chunks(batch_size.max(1))) {
         // Built on the host: the model uploads the ids and reads the labels where they are (no readback).
         let b = collate(batch, &Device::Cpu)?;
         let (sum, n) =
@@ -44,19 +57,34 @@ pub fn evaluate(
         total += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         tokens += n;
     }
-    let loss = if tokens == 0 {
-        f64::NAN
-    } else {
-        total / tokens as f64
-    };
-    Ok(EvalReport {
-        loss,
-        perplexity: loss.exp(),
-        tokens,
-        examples: examples.len(),
-        truncated: examples.iter().filter(|e| e.truncated).count(),
-        exact_match: None,
-    })
+    Ok((total, tokens))
+}
+
+impl EvalReport {
+    /// The report of `examples` from the summed negative log-likelihood, the label tokens and, with
+    /// `predict_with_generate`, the exact answers among those counted.
+    pub(super) fn from_sums(
+        examples: &[TokenizedExample],
+        nll: f64,
+        tokens: usize,
+        exact: Option<(usize, usize)>,
+    ) -> Self {
+        let loss = if tokens == 0 {
+            f64::NAN
+        } else {
+            nll / tokens as f64
+        };
+        EvalReport {
+            loss,
+            perplexity: loss.exp(),
+            tokens,
+            examples: examples.len(),
+            truncated: examples.iter().filter(|e| e.truncated).count(),
+            exact_match: exact
+                .filter(|(_, counted)| *counted > 0)
+                .map(|(hits, counted)| hits as f64 / counted as f64),
+        }
+    }
 }
 
 /// How many of `examples` `model` answers exactly: each example's prompt (its tokens before the first label) is
@@ -65,9 +93,18 @@ pub fn evaluate(
 /// exact-match metric. Examples without a prompt (plain text, labelled from its first token) or without labels are
 /// not counted.
 pub fn exact_match(model: &LlamaModel, examples: &[TokenizedExample]) -> Result<(usize, usize)> {
+    exact_match_share(model, examples, Shard::ALONE)
+}
+
+/// This rank's part of [`exact_match`]: examples `rank`, `rank + world_size`, ….
+pub(super) fn exact_match_share(
+    model: &LlamaModel,
+    examples: &[TokenizedExample],
+    shard: Shard,
+) -> Result<(usize, usize)> {
     let eos = &model.config().eos_token_ids;
     let (mut hits, mut counted) = (0, 0);
-    for example in examples {
+    for example in shard.share(examples) {
         let Some(start) = example
             .labels
             .iter()

@@ -23,12 +23,12 @@ use super::checkpoint::{
 };
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
-use super::evaluate::{evaluate, exact_match, EvalReport};
+use super::evaluate::{exact_match_share, loss_sums, EvalReport};
 use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
-use super::sampler::DataPlan;
+use super::sampler::{DataPlan, Shard};
 use super::state::{LogEntry, TrainOutput, TrainerState};
-use super::window::{gradient_bytes, Shard, StepMemory, Window, WindowBatches};
+use super::window::{gradient_bytes, StepMemory, Window, WindowBatches};
 use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::Dataset;
 use crate::distributed::WorldEnv;
@@ -107,7 +107,17 @@ struct Run {
 impl Run {
     /// Whether this process writes the run's files: alone, or rank 0 of a distributed run.
     fn writes(&self) -> bool {
-        self.shard.rank == 0
+        self.shard.is_main()
+    }
+
+    /// `values` summed over the ranks of a distributed run (as they are alone); `what` names them in errors.
+    #[cfg_attr(not(feature = "nccl"), allow(unused_variables))]
+    fn sum_over_ranks<const N: usize>(&self, values: [f64; N], what: &str) -> Result<[f64; N]> {
+        #[cfg(feature = "nccl")]
+        if let Some(ddp) = &self.ddp {
+            return ddp.sum(values, what);
+        }
+        Ok(values)
     }
 }
 
@@ -199,16 +209,34 @@ impl Trainer {
 
     /// Evaluates the model on the evaluation rows (token-level mean loss and perplexity).
     pub fn evaluate(&self) -> Result<EvalReport> {
-        let mut report = evaluate(
+        self.evaluate_share(Shard::ALONE, Ok)
+    }
+
+    /// The evaluation of `shard`'s part of the evaluation rows, made whole by `sum_over_ranks` (of
+    /// `[negative log-likelihood, label tokens, exact answers, answers counted]`).
+    fn evaluate_share(
+        &self,
+        shard: Shard,
+        sum_over_ranks: impl FnOnce([f64; 4]) -> Result<[f64; 4]>,
+    ) -> Result<EvalReport> {
+        let rows = &self.eval.rows;
+        let (nll, tokens) = loss_sums(
             &self.model,
-            &self.eval.rows,
+            rows,
             self.args.per_device_eval_batch_size,
+            shard,
         )?;
-        if self.args.predict_with_generate {
-            let (hits, counted) = exact_match(&self.model, &self.eval.rows)?;
-            report.exact_match = (counted > 0).then(|| hits as f64 / counted as f64);
-        }
-        Ok(report)
+        let (hits, counted) = match self.args.predict_with_generate {
+            true => exact_match_share(&self.model, rows, shard)?,
+            false => (0, 0),
+        };
+        let [nll, tokens, hits, counted] =
+            sum_over_ranks([nll, tokens as f64, hits as f64, counted as f64])?;
+        let exact = self
+            .args
+            .predict_with_generate
+            .then_some((hits as usize, counted as usize));
+        Ok(EvalReport::from_sums(rows, nll, tokens as usize, exact))
     }
 
     fn each_callback(
@@ -278,10 +306,10 @@ impl Trainer {
         let out = PathBuf::from(&args.output_dir);
         let prepared = self.prepared.take();
         let world = WorldEnv::from_env()?;
-        let shard = Shard {
-            rank: world.as_ref().map_or(0, |w| w.rank),
-            world_size: world.as_ref().map_or(1, |w| w.world_size),
-        };
+        let shard = world.as_ref().map_or(Shard::ALONE, |w| Shard {
+            rank: w.rank,
+            world_size: w.world_size,
+        });
         let (lock, checked) = match prepared {
             Some(p) => (p.lock, p.checkpoint),
             None => (prepare_output_dir(&args, &out, resume.is_some())?, None),
@@ -345,7 +373,7 @@ impl Trainer {
             eval_steps: every.eval,
             save_steps: every.save,
             train_batch_size: args.per_device_train_batch_size,
-            is_world_process_zero: shard.rank == 0,
+            is_world_process_zero: shard.is_main(),
             is_local_process_zero: world.as_ref().is_none_or(|w| w.local_rank == 0),
             ..Default::default()
         };
@@ -361,7 +389,7 @@ impl Trainer {
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
         // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
-        let log_path = (shard.rank == 0).then(|| out.join(LOG_FILE));
+        let log_path = shard.is_main().then(|| out.join(LOG_FILE));
         if let Some(log_path) = &log_path {
             let history: String = self
                 .state
@@ -376,9 +404,9 @@ impl Trainer {
         Ok(Run {
             _lock: lock,
             base_model,
-            progress: match shard.rank {
-                0 => Progress::new(total, self.state.global_step, args.disable_tqdm),
-                _ => Progress::quiet(total, self.state.global_step),
+            progress: match shard.is_main() {
+                true => Progress::new(total, self.state.global_step, args.disable_tqdm),
+                false => Progress::quiet(total, self.state.global_step),
             },
             args,
             out,
@@ -549,8 +577,9 @@ impl Trainer {
             IntervalStrategy::No => false,
         };
         if evaluate_now && !self.eval.is_empty() {
-            self.evaluate_and_log(run.log_path.as_deref(), &run.progress, &mut run.control)?;
+            self.evaluate_and_log(run)?;
         }
+        let args = &run.args;
         for cb in &mut self.callbacks {
             cb.on_step_end(args, &self.state, &mut run.control)?;
         }
@@ -587,19 +616,17 @@ impl Trainer {
     }
 
     /// Evaluates, logs the result, tracks the best metric and runs the callbacks' `on_evaluate`.
-    fn evaluate_and_log(
-        &mut self,
-        log_path: Option<&Path>,
-        progress: &Progress,
-        control: &mut TrainerControl,
-    ) -> Result<EvalReport> {
-        let report = self.evaluate()?;
+    fn evaluate_and_log(&mut self, run: &mut Run) -> Result<EvalReport> {
         let step = self.state.global_step;
+        // Each rank evaluates its share of the batches; the sums travel together (one all-reduce).
+        let report = self.evaluate_share(run.shard, |sums| {
+            run.sum_over_ranks(sums, &format!("step {step}'s evaluation"))
+        })?;
         let exact = report
             .exact_match
             .map(|m| format!("  exact match {:.1}%", 100.0 * m))
             .unwrap_or_default();
-        progress.println(&format!(
+        run.progress.println(&format!(
             "step {step}: eval_loss {:.4}  perplexity {:.3}{exact}",
             report.loss, report.perplexity
         ));
@@ -615,9 +642,9 @@ impl Trainer {
             eval_exact_match: report.exact_match,
             ..Default::default()
         };
-        self.log(log_path, entry)?;
+        self.log(run.log_path.as_deref(), entry)?;
         for cb in &mut self.callbacks {
-            cb.on_evaluate(&self.args, &self.state, control, &report)?;
+            cb.on_evaluate(&self.args, &self.state, &mut run.control, &report)?;
         }
         Ok(report)
     }

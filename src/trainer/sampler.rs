@@ -5,6 +5,32 @@ use super::args::{SamplingStrategy, TrainingArguments};
 use super::checkpoint::DataPosition;
 use crate::data::TokenizedExample;
 
+/// Where this process stands in a run: rank `rank` of `world_size` (0 of 1 alone).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shard {
+    pub rank: usize,
+    pub world_size: usize,
+}
+
+impl Shard {
+    /// One process alone.
+    pub const ALONE: Shard = Shard {
+        rank: 0,
+        world_size: 1,
+    };
+
+    /// Whether this process writes the run's files and prints its progress: alone, or rank 0.
+    pub fn is_main(self) -> bool {
+        self.rank == 0
+    }
+
+    /// This rank's items of `items`: `rank`, `rank + world_size`, … (how micro-batches and evaluation batches are
+    /// dealt).
+    pub fn share<T>(self, items: impl IntoIterator<Item = T>) -> impl Iterator<Item = T> {
+        items.into_iter().skip(self.rank).step_by(self.world_size)
+    }
+}
+
 /// Micro-batches of example indices for `epoch` (seeded shuffle, or length-grouped).
 fn epoch_batches(
     n: usize,

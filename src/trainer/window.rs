@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::args::TrainingArguments;
 use super::neftune::neftune_noise;
 use super::oom::oom_report;
+use super::sampler::Shard;
 use crate::data::{collate, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
@@ -80,13 +81,6 @@ pub(super) struct Window {
     pub grads: GradStore,
 }
 
-/// Where this process stands in a run: rank `rank` of `world_size` (0 of 1 alone).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Shard {
-    pub rank: usize,
-    pub world_size: usize,
-}
-
 /// The micro-batches of one window, of every rank (micro-batch `k` is rank `k % world_size`'s), and the run's
 /// index of the first.
 pub(super) struct WindowBatches<'a> {
@@ -118,12 +112,7 @@ impl Window {
         // The loss sums stay on the device (read once per step, with the gradient norm).
         let mut loss_sum: Option<Tensor> = None;
         model.lora_runtime.set_training(true);
-        let mine = examples
-            .iter()
-            .enumerate()
-            .skip(shard.rank)
-            .step_by(shard.world_size);
-        for (k, ex) in mine {
+        for (k, ex) in shard.share(examples.iter().enumerate()) {
             let seed = micro_batch_seed(args.seed, first_micro + k);
             model.lora_runtime.set_step_seed(seed);
             // Built on the host: the model uploads the ids and positions and reads labels and packing segments

@@ -284,6 +284,16 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(estimate(&["--batch", "0"]), 1, "batch must be at least 1"),
         case(estimate(&["--seq", "0"]), 1, "seq must be at least 1"),
         case(
+            estimate(&["--world-size", "0"]),
+            1,
+            "world_size must be at least 1",
+        ),
+        case(
+            estimate(&["--world-size", "2"]),
+            1,
+            "data-parallel training runs on GPUs",
+        ),
+        case(
             estimate(&["--batch", "10000000", "--seq", "10000000"]),
             1,
             "too large",

@@ -956,6 +956,7 @@ fn the_estimate_predicts_the_gpu_peak() {
                 activation_memory_budget_mib: None,
                 quantize: true,
                 device: DeviceKind::Cuda,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1563,13 +1564,24 @@ fn ddp_config(
     config
 }
 
-/// `qlora train --config config` with `args`, as rank `rank` of `world` when given (torchrun's variables, rendezvous
-/// on `port`), its standard error going to `dir/stderr-{rank}`. The emulated machine has 4 GPUs.
+/// Where a process started from torchrun's variables stands: rank `rank` of `world`, on a node of `per_node`
+/// ranks (its `LOCAL_RANK` is `rank % per_node`), meeting the others on `port`.
+#[cfg(feature = "nccl")]
+#[derive(Clone, Copy)]
+struct RankEnv {
+    rank: usize,
+    world: usize,
+    per_node: usize,
+    port: u16,
+}
+
+/// `qlora train --config config` with `args`, as the rank `rank` says when given (torchrun's variables), its
+/// standard error going to `stderr`. The emulated machine has 4 GPUs.
 #[cfg(feature = "nccl")]
 fn qlora_train(
     config: &std::path::Path,
     args: &[&str],
-    rank: Option<(usize, usize, u16)>,
+    rank: Option<RankEnv>,
     stderr: &std::path::Path,
 ) -> std::process::Child {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"));
@@ -1589,27 +1601,52 @@ fn qlora_train(
     ] {
         cmd.env_remove(v);
     }
-    if let Some((rank, world, port)) = rank {
+    if let Some(r) = rank {
         cmd.envs([
-            ("RANK", rank.to_string()),
-            ("LOCAL_RANK", rank.to_string()),
-            ("WORLD_SIZE", world.to_string()),
+            ("RANK", r.rank.to_string()),
+            ("LOCAL_RANK", (r.rank % r.per_node).to_string()),
+            ("WORLD_SIZE", r.world.to_string()),
+            ("LOCAL_WORLD_SIZE", r.per_node.to_string()),
             ("MASTER_ADDR", "127.0.0.1".to_string()),
-            ("MASTER_PORT", port.to_string()),
+            ("MASTER_PORT", r.port.to_string()),
         ]);
     }
     cmd.spawn().unwrap()
 }
 
+/// The values of `key` in a run's log, in order.
+#[cfg(feature = "nccl")]
+fn logged(out: &std::path::Path, key: &str) -> Vec<f64> {
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_f64())
+        .collect()
+}
+
 /// The losses of a run's log and its adapter.
 #[cfg(feature = "nccl")]
 fn run_outcome(out: &std::path::Path) -> (Vec<f64>, std::collections::HashMap<String, Tensor>) {
-    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
-    let losses = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
-        .collect();
-    (losses, read_adapter(out))
+    (logged(out, "loss"), read_adapter(out))
+}
+
+/// Waits until rank 0 of the run in `dir` has logged `steps` steps (its standard error is `dir/stderr-0`, or
+/// `dir/stderr` for a launcher), failing after 5 minutes.
+#[cfg(feature = "nccl")]
+fn wait_for_steps(dir: &std::path::Path, steps: usize) {
+    let started = std::time::Instant::now();
+    while std::fs::read_to_string(dir.join("out/log.jsonl"))
+        .map_or(true, |l| l.lines().count() < steps)
+    {
+        let stderr = ["stderr-0", "stderr"]
+            .iter()
+            .find_map(|f| std::fs::read_to_string(dir.join(f)).ok())
+            .unwrap_or_default();
+        assert!(
+            started.elapsed().as_secs() < 300,
+            "rank 0 logged no step: {stderr}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 #[cfg(feature = "nccl")]
@@ -1623,31 +1660,57 @@ fn free_port() -> u16 {
 
 /// Data-parallel training with the launcher (`--nproc-per-node`) on 2 and 4 emulated GPUs gives the loss curve and
 /// adapter of one process whose accumulation is 4 (the same 8 examples a step, the ranks' gradients summed): equal
-/// to float32 reduction-order noise (losses 1e-5 relative, adapter 1e-4), across an epoch's end.
+/// to float32 reduction-order noise (losses 1e-5 relative, adapter 1e-4), across an epoch's end. The evaluation
+/// after each step, sharded over the ranks (3 batches: on 4 ranks one has none), gives one process's loss (1e-6
+/// relative: the same batches, summed in another order).
 #[cfg(feature = "nccl")]
 #[test]
 fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
     let root = tempfile::tempdir().unwrap();
+    let eval = root.path().join("eval.jsonl");
+    let rows: String = (0..6)
+        .map(|i| {
+            format!(
+                "{{\"text\": \"t{} t{} t{} t{}\"}}\n",
+                i + 2,
+                3 * i + 1,
+                i + 9,
+                40 - i
+            )
+        })
+        .collect();
+    std::fs::write(&eval, rows).unwrap();
+    let eval_file = format!("data.eval_file={:?}", eval.display().to_string());
     let run = |name: &str, accumulation: usize, nproc: Option<usize>| {
         let dir = root.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = ddp_config(&dir, accumulation, 3, 100);
         let n = nproc.map(|n| n.to_string());
-        let args: Vec<&str> = match &n {
-            Some(n) => vec!["--nproc-per-node", n],
-            None => vec![],
-        };
+        let mut args: Vec<&str> = vec![
+            "--set",
+            &eval_file,
+            "--set",
+            "training.eval_strategy=\"steps\"",
+            "--set",
+            "training.per_device_eval_batch_size=2",
+        ];
+        if let Some(n) = &n {
+            args.extend(["--nproc-per-node", n]);
+        }
         let status = qlora_train(&config, &args, None, &dir.join("stderr"))
             .wait()
             .unwrap();
         let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
         assert!(status.success(), "{name}: {err}");
-        run_outcome(&dir.join("out"))
+        (
+            run_outcome(&dir.join("out")),
+            logged(&dir.join("out"), "eval_loss"),
+        )
     };
-    let (single_losses, single) = run("single", 4, None);
-    assert_eq!(single_losses.len(), 3);
+    let ((single_losses, single), single_eval) = run("single", 4, None);
+    assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
     for (name, accumulation, nproc) in [("two", 2, 2), ("four", 1, 4)] {
-        let (losses, adapter) = run(name, accumulation, Some(nproc));
+        let ((losses, adapter), eval) = run(name, accumulation, Some(nproc));
         assert_runs_agree(
             name,
             (&single_losses, &single),
@@ -1655,11 +1718,62 @@ fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
             1e-5,
             1e-4,
         );
+        assert_eq!(eval.len(), 3, "{name}");
+        for (a, b) in single_eval.iter().zip(&eval) {
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs(),
+                "{name}: {single_eval:?} vs {eval:?}"
+            );
+        }
     }
 }
 
-/// Ranks started from torchrun's variables, without the launcher: a 2-rank run's checkpoint resumes on 2 ranks to
-/// the uninterrupted adapter bit for bit; and a rank killed mid-run stops the other at once (well within
+/// Ctrl-C reaches the launcher alone (a SIGINT to its pid; a terminal's goes to the launcher's process group, and
+/// the ranks run in one of their own): it passes it to every rank, they agree to stop after the same step, rank 0
+/// writes that step's checkpoint and says how to resume on as many ranks, and the launcher exits with 130.
+#[cfg(feature = "nccl")]
+#[test]
+fn ddp_launcher_passes_ctrl_c_to_every_rank_which_stop_at_one_checkpoint() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path();
+    let config = ddp_config(dir, 1, 500, 1000);
+    let mut launcher = qlora_train(
+        &config,
+        &["--nproc-per-node", "2"],
+        None,
+        &dir.join("stderr"),
+    );
+    wait_for_steps(dir, 2);
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let status = launcher.wait().unwrap();
+    let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+    assert_eq!(status.code(), Some(130), "{err}");
+    let steps = logged(&dir.join("out"), "loss").len();
+    let checkpoints: Vec<String> = std::fs::read_dir(dir.join("out"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("checkpoint-"))
+        .collect();
+    assert_eq!(checkpoints, [format!("checkpoint-{steps}")], "{err}");
+    assert_eq!(
+        err.matches("stopped by Ctrl-C after step").count(),
+        1,
+        "rank 0 alone reports: {err}"
+    );
+    assert!(
+        err.contains(&format!("stopped by Ctrl-C after step {steps};"))
+            && err.contains("--nproc-per-node 2"),
+        "{err}"
+    );
+}
+
+/// Ranks started from torchrun's variables, without the launcher, as two nodes of one GPU each (both ranks on their
+/// node's GPU 0, as a multi-node job places them): a 2-rank run's checkpoint resumes on 2 ranks to the
+/// uninterrupted adapter bit for bit; and a rank killed mid-run stops the other at once (well within
 /// `ddp_timeout`) with an error naming it.
 #[cfg(feature = "nccl")]
 #[test]
@@ -1671,13 +1785,14 @@ fn ddp_ranks_from_torchrun_variables_resume_exactly_and_stop_when_one_dies() {
      -> Vec<std::process::Child> {
         let port = free_port();
         (0..2)
-            .map(|r| {
-                qlora_train(
-                    config,
-                    args,
-                    Some((r, 2, port)),
-                    &dir.join(format!("stderr-{r}")),
-                )
+            .map(|rank| {
+                let env = RankEnv {
+                    rank,
+                    world: 2,
+                    per_node: 1,
+                    port,
+                };
+                qlora_train(config, args, Some(env), &dir.join(format!("stderr-{rank}")))
             })
             .collect()
     };
@@ -1735,16 +1850,7 @@ fn ddp_ranks_from_torchrun_variables_resume_exactly_and_stop_when_one_dies() {
     std::fs::create_dir_all(&killed).unwrap();
     let config = ddp_config(&killed, 1, 500, 1000);
     let mut children = ranks(&killed, &config, &[]);
-    let log = killed.join("out/log.jsonl");
-    let started = std::time::Instant::now();
-    while std::fs::read_to_string(&log).map_or(true, |l| l.lines().count() < 2) {
-        assert!(
-            started.elapsed().as_secs() < 300,
-            "rank 0 logged no step: {}",
-            stderr(&killed, 0)
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    wait_for_steps(&killed, 2);
     children[1].kill().unwrap();
     let killed_at = std::time::Instant::now();
     let status = children[0].wait().unwrap();

@@ -165,6 +165,23 @@ fn estimate_command_prints_the_table_and_json() {
         v["optimizer_bytes"].as_u64().unwrap(),
         2 * v["lora_bytes"].as_u64().unwrap()
     );
+    // Data parallel: the same per-GPU rows and the exchange of each optimizer step.
+    let (ok, text) = run(&[m, "--device", "cuda", "--world-size", "8"]);
+    assert!(
+        ok && text.contains("per GPU of 8")
+            && text.contains("data parallel over 8 GPUs, per optimizer step")
+            && text.contains("all-reduced in 1 bucket(s)"),
+        "{text}"
+    );
+    let (ok, text) = run(&[m, "--device", "cuda", "--world-size", "8", "--json"]);
+    assert!(ok, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let d = &v["data_parallel"];
+    assert_eq!(d["world_size"], 8);
+    assert_eq!(
+        d["all_reduce_bytes"].as_u64().unwrap(),
+        v["gradients_bytes"].as_u64().unwrap()
+    );
     let (ok, text) = run(&["no/such-folder-or-id/x"]);
     assert!(!ok && text.contains("no/such-folder-or-id/x"), "{text}");
 }
