@@ -257,6 +257,20 @@ impl Attention {
 }
 
 impl Mlp {
+    /// A gated MLP `down(act(gate(x)) · up(x))`.
+    pub fn new(gate_up: GateUpProjections, down_proj: Linear, activation: GateActivation) -> Self {
+        Mlp {
+            gate_up,
+            down_proj,
+            activation,
+        }
+    }
+
+    /// `mlp(x)`.
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward(x, None, Pass::Forward)
+    }
+
     /// `mlp(x)`, plus `residual` when given: then in a [`Pass::Recompute`] the last projection's value is not
     /// computed (only its graph is differentiated).
     fn forward(&self, x: &Tensor, residual: Option<&Tensor>, pass: Pass) -> Result<Tensor> {

@@ -13,6 +13,7 @@ mod layering;
 mod memory;
 mod model_cli;
 mod model_parity;
+mod moe;
 mod optim_golden;
 mod packing;
 mod peft_parity;

@@ -1,0 +1,331 @@
+//! The mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE and Qwen3-MoE, as transformers computes it: a
+//! router (`gate`, a linear layer to one logit per expert), its softmax in float32, each token's `top_k` experts
+//! (their probabilities renormalized to sum to 1 where the family says so: `norm_topk_prob`, always for Mixtral),
+//! each expert a gated MLP, and Qwen2-MoE's shared expert added under a sigmoid gate. Plus transformers'
+//! auxiliary load-balancing loss over the layers' router logits ([`load_balancing_loss`]).
+//!
+//! The compute scales with the active parameters: tokens are grouped by expert, each expert that got tokens runs
+//! once over exactly those rows (one product per projection), and the results are scaled by their routing weights
+//! and added back to their tokens in one indexed sum. Experts that got no token are not touched (a 4-bit expert is
+//! not dequantized). Gradients flow to the input, to every expert that ran, and to the router through the selected
+//! probabilities (the choice of experts itself has no gradient, as in PyTorch).
+
+use candle_core::{DType, Result, Tensor, D};
+
+use super::llama::{Linear, Mlp};
+
+/// Qwen2-MoE's shared expert: an MLP every token goes through, scaled by `sigmoid(gate(x))`.
+#[derive(Clone, Debug)]
+pub struct SharedExpert {
+    /// The MLP (`shared_expert`).
+    pub mlp: Mlp,
+    /// Its gate (`shared_expert_gate`), hidden → 1.
+    pub gate: Linear,
+}
+
+/// A sparse mixture-of-experts block.
+#[derive(Clone, Debug)]
+pub struct SparseMoe {
+    /// The router (`gate`): hidden → one logit per expert.
+    pub gate: Linear,
+    /// The experts.
+    pub experts: Vec<Mlp>,
+    /// Qwen2-MoE's shared expert.
+    pub shared_expert: Option<SharedExpert>,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+/// Which experts each token goes to: per expert, its tokens (rows of the flattened input) and, for each, the
+/// position of its routing weight in the `[tokens, top_k]` selection (flattened).
+struct Assignment {
+    tokens: Vec<Vec<u32>>,
+    slots: Vec<Vec<u32>>,
+}
+
+impl SparseMoe {
+    /// A block routing each token to `top_k` of `experts`, renormalizing their probabilities when
+    /// `norm_topk_prob`.
+    pub fn new(
+        gate: Linear,
+        experts: Vec<Mlp>,
+        shared_expert: Option<SharedExpert>,
+        top_k: usize,
+        norm_topk_prob: bool,
+    ) -> crate::Result<Self> {
+        if top_k == 0 || top_k > experts.len() {
+            return Err(crate::Error::Model(format!(
+                "num_experts_per_tok = {top_k}: a token goes to 1 to {} experts (the model has {})",
+                experts.len(),
+                experts.len()
+            )));
+        }
+        Ok(SparseMoe {
+            gate,
+            experts,
+            shared_expert,
+            top_k,
+            norm_topk_prob,
+        })
+    }
+
+    /// Experts per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// The block's output for `x` (`[..., hidden]`, the same shape) and the router's logits (`[tokens, experts]`,
+    /// float32, float64 for a float64 `x`; for the auxiliary loss).
+    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let shape = x.shape().clone();
+        let hidden = x.dim(D::Minus1)?;
+        let rows = x.reshape(((), hidden))?;
+        // The router's softmax in float32 at least (float64 stays, for gradient checks).
+        let logits = self.gate.forward(&rows)?;
+        let logits = match logits.dtype() {
+            DType::F64 => logits,
+            _ => logits.to_dtype(DType::F32)?,
+        };
+        if rows.dim(0)? == 0 {
+            return Ok((x.clone(), logits));
+        }
+        let probs = softmax_rows(&logits)?;
+        let (assignment, selected) = self.select(&probs)?;
+        let mut weights = probs.gather(&selected, 1)?;
+        if self.norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let weights = weights.to_dtype(x.dtype())?.flatten_all()?;
+        let device = x.device();
+        let (mut outputs, mut tokens, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for (expert, (mine, my_slots)) in self
+            .experts
+            .iter()
+            .zip(assignment.tokens.iter().zip(&assignment.slots))
+        {
+            if mine.is_empty() {
+                continue;
+            }
+            let index = Tensor::new(mine.as_slice(), device)?;
+            outputs.push(expert.apply(&rows.index_select(&index, 0)?)?);
+            tokens.extend_from_slice(mine);
+            slots.extend_from_slice(my_slots);
+        }
+        let mut out = rows.zeros_like()?;
+        if !outputs.is_empty() {
+            let scale = weights.index_select(&Tensor::new(slots.as_slice(), device)?, 0)?;
+            let routed = Tensor::cat(&outputs, 0)?.broadcast_mul(&scale.unsqueeze(1)?)?;
+            out = out.index_add(&Tensor::new(tokens.as_slice(), device)?, &routed, 0)?;
+        }
+        if let Some(shared) = &self.shared_expert {
+            let gate = sigmoid(&shared.gate.forward(&rows)?)?;
+            out = (out + shared.mlp.apply(&rows)?.broadcast_mul(&gate)?)?;
+        }
+        Ok((out.reshape(shape)?, logits))
+    }
+
+    /// Each token's `top_k` experts by probability (highest first, as `torch.topk`), grouped by expert, and their
+    /// indices `[tokens, top_k]` (u32) for gathering the probabilities.
+    fn select(&self, probs: &Tensor) -> Result<(Assignment, Tensor)> {
+        let experts = self.experts.len();
+        let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
+        let mut assignment = Assignment {
+            tokens: vec![Vec::new(); experts],
+            slots: vec![Vec::new(); experts],
+        };
+        let mut selected = Vec::with_capacity(rows.len() * self.top_k);
+        for (token, p) in rows.iter().enumerate() {
+            for (j, e) in top_k_indices(p, self.top_k).into_iter().enumerate() {
+                assignment.tokens[e].push(token as u32);
+                assignment.slots[e].push((token * self.top_k + j) as u32);
+                selected.push(e as u32);
+            }
+        }
+        let selected = Tensor::from_vec(selected, (rows.len(), self.top_k), probs.device())?;
+        Ok((assignment, selected))
+    }
+}
+
+/// The indices of the `k` largest values of `p`, largest first (ties: the lower index first).
+fn top_k_indices(p: &[f32], k: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    order
+}
+
+/// Softmax over the last dimension of `[rows, n]` from differentiable ops (Candle's fused softmax has no backward).
+fn softmax_rows(x: &Tensor) -> Result<Tensor> {
+    let shifted = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?;
+    let e = shifted.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// `1 / (1 + e^−x)` from differentiable ops.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// transformers' auxiliary load-balancing loss (Switch Transformer, eq. 4–6) over the router logits of the layers
+/// (`[tokens, experts]` each): `experts · Σₑ fₑ · Pₑ`, where `fₑ` is the share of the layers' top-`top_k`
+/// assignments that went to expert `e` per token and `Pₑ` its mean router probability, both over every layer's
+/// tokens together. Only `Pₑ` carries a gradient. Multiplied by `router_aux_loss_coef` it joins the training loss.
+pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Tensor> {
+    let Some(first) = router_logits.first() else {
+        candle_core::bail!("load_balancing_loss: no router logits");
+    };
+    let experts = first.dim(1)?;
+    let device = first.device();
+    let mut counts = vec![0f32; experts];
+    let mut prob_sum = Tensor::zeros(experts, DType::F32, device)?;
+    let mut rows = 0usize;
+    for logits in router_logits {
+        let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+        for p in probs.to_vec2::<f32>()? {
+            for e in top_k_indices(&p, top_k) {
+                counts[e] += 1.0;
+            }
+        }
+        rows += probs.dim(0)?;
+        prob_sum = (prob_sum + probs.sum(0)?)?;
+    }
+    let rows = rows as f64;
+    let tokens_per_expert = (Tensor::new(counts.as_slice(), device)? / rows)?;
+    let prob_per_expert = (prob_sum / rows)?;
+    (tokens_per_expert * prob_per_expert)?.sum_all()? * experts as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use candle_core::{DType, Tensor, Var};
+
+    use super::*;
+    use crate::lora::{LoraAdapter, LoraLinear};
+    use crate::models::llama::GateUpProjections;
+    use crate::ops::autograd::gradcheck::{check, rand_f64};
+    use crate::ops::{FrozenLinear, FrozenWeight, GateActivation};
+
+    const HIDDEN: usize = 4;
+    const EXPERTS: usize = 3;
+    const WIDTH: usize = 5;
+
+    fn frozen(out: usize, inp: usize, seed: u64) -> Linear {
+        LoraLinear::new(Arc::new(FrozenLinear::new(
+            FrozenWeight::Dense(rand_f64(&[out, inp], seed)),
+            None,
+        )))
+    }
+
+    fn mlp(seed: u64) -> Mlp {
+        Mlp::new(
+            GateUpProjections::Separate {
+                gate_proj: frozen(WIDTH, HIDDEN, seed),
+                up_proj: frozen(WIDTH, HIDDEN, seed + 1),
+            },
+            frozen(HIDDEN, WIDTH, seed + 2),
+            GateActivation::Silu,
+        )
+    }
+
+    /// A block (top-2 of 3, renormalized or not, with a shared expert) whose router carries a LoRA adapter with
+    /// factors `a` and `b`.
+    fn block(a: &Tensor, b: &Tensor, norm_topk_prob: bool) -> SparseMoe {
+        let mut router = frozen(EXPERTS, HIDDEN, 1);
+        router.adapters.insert(
+            "default".into(),
+            Arc::new(LoraAdapter {
+                a: Var::from_tensor(a).unwrap(),
+                b: Var::from_tensor(b).unwrap(),
+                scaling: 0.5,
+                dropout: 0.0,
+                magnitude: None,
+                module_id: 0,
+                runtime: Arc::default(),
+            }),
+        );
+        router.active = Some("default".into());
+        let experts = (0..EXPERTS as u64).map(|e| mlp(10 + 3 * e)).collect();
+        let shared = SharedExpert {
+            mlp: mlp(30),
+            gate: frozen(1, HIDDEN, 40),
+        };
+        SparseMoe::new(router, experts, Some(shared), 2, norm_topk_prob).unwrap()
+    }
+
+    /// The same block computed densely: every expert on every token, weighted by the router's probabilities where
+    /// the token chose the expert (the choice read from the values, as the block makes it) and zero elsewhere.
+    fn dense_reference(block: &SparseMoe, x: &Tensor, norm_topk_prob: bool) -> Result<Tensor> {
+        let probs = softmax_rows(&block.gate.forward(x)?)?;
+        let chosen: Vec<f64> = probs
+            .to_vec2::<f64>()?
+            .iter()
+            .flat_map(|p| {
+                let p: Vec<f32> = p.iter().map(|v| *v as f32).collect();
+                let top = top_k_indices(&p, 2);
+                (0..EXPERTS).map(move |e| if top.contains(&e) { 1.0 } else { 0.0 })
+            })
+            .collect();
+        let mask = Tensor::from_vec(chosen, probs.shape(), x.device())?;
+        let mut weights = (probs * mask)?;
+        if norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
+        }
+        let mut out = x.zeros_like()?;
+        for (e, expert) in block.experts.iter().enumerate() {
+            out = (out + expert.apply(x)?.broadcast_mul(&weights.narrow(1, e, 1)?)?)?;
+        }
+        let shared = block
+            .shared_expert
+            .as_ref()
+            .expect("the test block has one");
+        out + shared
+            .mlp
+            .apply(x)?
+            .broadcast_mul(&sigmoid(&shared.gate.forward(x)?)?)?
+    }
+
+    /// Gradients of the block for its input and the router's adapter against finite differences and the dense
+    /// composite, with and without renormalization.
+    #[test]
+    fn moe_block_gradients() {
+        for norm_topk_prob in [false, true] {
+            let f =
+                move |xs: &[Tensor]| Ok(block(&xs[1], &xs[2], norm_topk_prob).forward(&xs[0])?.0);
+            let r = move |xs: &[Tensor]| {
+                dense_reference(
+                    &block(&xs[1], &xs[2], norm_topk_prob),
+                    &xs[0],
+                    norm_topk_prob,
+                )
+            };
+            let inputs = [
+                rand_f64(&[6, HIDDEN], 2),
+                rand_f64(&[2, HIDDEN], 3),
+                rand_f64(&[EXPERTS, 2], 4),
+            ];
+            check(&f, &r, &inputs, &[true, true, true], 20, 1e-5, 1e-10);
+        }
+    }
+
+    /// Softmax rows sum to one, top-k takes the largest values first, and a block with no tokens gives none.
+    #[test]
+    fn routing_helpers() {
+        let p = softmax_rows(&rand_f64(&[3, 5], 7)).unwrap();
+        let sums: Vec<f64> = p.sum(1).unwrap().to_vec1().unwrap();
+        assert!(sums.iter().all(|s| (s - 1.0).abs() < 1e-12));
+        assert_eq!(top_k_indices(&[0.1, 0.5, 0.2, 0.5], 3), vec![1, 3, 2]);
+        let b = block(
+            &rand_f64(&[2, HIDDEN], 3),
+            &rand_f64(&[EXPERTS, 2], 4),
+            true,
+        );
+        let empty = Tensor::zeros((0, HIDDEN), DType::F64, &candle_core::Device::Cpu).unwrap();
+        let (out, logits) = b.forward(&empty).unwrap();
+        assert_eq!(
+            (out.dims(), logits.dims()),
+            (&[0, HIDDEN][..], &[0, EXPERTS][..])
+        );
+    }
+}
