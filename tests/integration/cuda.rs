@@ -1744,11 +1744,9 @@ fn ddp_launcher_passes_ctrl_c_to_every_rank_which_stop_at_one_checkpoint() {
         &dir.join("stderr"),
     );
     wait_for_steps(dir, 2);
-    let sent = std::process::Command::new("kill")
-        .args(["-INT", &launcher.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    let sent = unsafe { libc::kill(launcher.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(sent, 0);
     let status = launcher.wait().unwrap();
     let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
     assert_eq!(status.code(), Some(130), "{err}");
