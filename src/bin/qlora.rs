@@ -171,14 +171,13 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     if let Some(d) = &asked.data_parallel {
         println!(
             "\ndata parallel over {} GPUs, per optimizer step: {} of float32 LoRA gradients all-reduced in {} \
-             bucket(s); each GPU sends and receives {} (ring: 2 (N − 1) / N of it). At NCCL's bus bandwidth B \
-             the exchange takes {} / B (e.g. {} at 100 GB/s).",
+             bucket(s); each GPU sends and receives {} (ring: 2 (N − 1) / N of it), {:.3} ms at a bus bandwidth \
+             (nccl-tests' busbw) of 100 GB/s.",
             d.world_size,
             human_bytes(d.all_reduce_bytes),
             d.buckets,
             human_bytes(d.bytes_sent_per_gpu),
-            human_bytes(d.bytes_sent_per_gpu),
-            format_args!("{:.3} ms", d.bytes_sent_per_gpu as f64 / 100e9 * 1e3),
+            d.bytes_sent_per_gpu as f64 / 100e9 * 1e3,
         );
     }
     println!("\nassumed:");

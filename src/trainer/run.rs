@@ -404,9 +404,10 @@ impl Trainer {
         Ok(Run {
             _lock: lock,
             base_model,
-            progress: match shard.is_main() {
-                true => Progress::new(total, self.state.global_step, args.disable_tqdm),
-                false => Progress::quiet(total, self.state.global_step),
+            progress: if shard.is_main() {
+                Progress::new(total, self.state.global_step, args.disable_tqdm)
+            } else {
+                Progress::quiet(total, self.state.global_step)
             },
             args,
             out,
