@@ -9,7 +9,29 @@ Versions used for the committed files: torch 2.15.0, transformers 5.23.0, safete
     pip install torch==2.15.0 transformers==5.23.0 safetensors numpy
 
 Usage:
-    python3 scripts/golden_moe.py        # (re)writes tests/data/moe/*.safetensors
+    python3 scripts/golden_moe.py            # (re)writes tests/data/moe/*.safetensors
+    python3 scripts/golden_moe.py models     # (re)writes tests/data/models/tiny-{mixtral,qwen2-moe,qwen3-moe}/
+    python3 scripts/golden_moe.py check-ours ADAPTER_DIR BASE_DIR LOGITS_FILE
+        loads our adapter onto BASE_DIR with PEFT and compares its logits on the golden input_ids with the float32
+        tensor `logits` of LOGITS_FILE (what our model computed), printing the largest difference
+
+Whole tiny models (`models`): vocab 128, hidden 64, 4 heads / 2 kv heads, 4 experts of width 32, top-2, the same
+word-level tokenizer as scripts/golden_model.py (copied from tiny-llama); weights 0.1 * randn, norms 1 + 0.1 * randn.
+    tiny-mixtral     MixtralForCausalLM, 2 layers, saved by save_pretrained (the Hub layout:
+                     block_sparse_moe.experts.{e}.w1/w2/w3)
+    tiny-qwen2-moe   Qwen2MoeForCausalLM, 2 layers, shared expert of width 48, output_router_logits = true and
+                     router_aux_loss_coef = 0.1 (the loss includes the auxiliary loss), Hub layout
+                     (mlp.experts.{e}.gate_proj/up_proj/down_proj)
+    tiny-qwen3-moe   Qwen3MoeForCausalLM, 3 layers, layer 1 dense (mlp_only_layers = [1], width 96),
+                     norm_topk_prob = true, saved in transformers 5's fused layout (mlp.experts.gate_up_proj
+                     [4, 64, 64], mlp.experts.down_proj [4, 64, 32]), which from_pretrained reads back (asserted)
+    golden.safetensors: input_ids [2, 19]; logits [2, 19, 128]; loss [1] (model(ids, labels=ids).loss: the mean
+    token loss, plus router_aux_loss_coef * aux_loss where the config asks); lm_loss [1]; aux_loss [1] (all three
+    configs' load_balancing_loss_func over their sparse layers); grad_inputs_embeds [2, 19, 64] (d loss / d the
+    embeddings); logits_adapter [2, 19, 128] (with adapter/ loaded by PEFT); logits_merged (the same merged by
+    merge_and_unload).
+    adapter/: PEFT 0.21.2 LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=
+    ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), every lora_A / lora_B 0.1 * randn.
 
 Each family's file (tests/data/moe/{mixtral,qwen2_moe,qwen3_moe}.safetensors), float32, hidden 64, 8 experts of
 width 48, top-2 (Qwen2-MoE: a shared expert of width 80), the weights under the names a checkpoint on the Hub uses
@@ -135,5 +157,132 @@ def main():
         print(f"wrote {path}: |out| max {out.abs().max():.4f}, experts hit {metadata['experts_hit']}")
 
 
+MODEL_SIZES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+TARGET_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def tiny_models():
+    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+
+    experts = dict(num_experts_per_tok=2)
+    yield "tiny-mixtral", MixtralForCausalLM, MixtralConfig(
+        num_hidden_layers=2, num_local_experts=4, intermediate_size=32, **experts, **MODEL_SIZES), "hub"
+    yield "tiny-qwen2-moe", Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        num_hidden_layers=2, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        intermediate_size=96, output_router_logits=True, router_aux_loss_coef=0.1, **experts, **MODEL_SIZES), "hub"
+    yield "tiny-qwen3-moe", Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        num_hidden_layers=3, mlp_only_layers=[1], num_experts=4, moe_intermediate_size=32, intermediate_size=96,
+        norm_topk_prob=True, head_dim=16, **experts, **MODEL_SIZES), "fused"
+
+
+def randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
+
+
+def models():
+    import copy
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    import peft
+
+    # scripts/golden_model.py's word-level tokenizer over t1 .. t127
+    tokenizer = os.path.join(OUT, "..", "models", "tiny-llama", "tokenizer.json")
+
+    torch.set_num_threads(1)
+    for seed, (name, cls, cfg, layout) in enumerate(tiny_models()):
+        folder = os.path.join(OUT, "..", "models", name)
+        os.makedirs(folder, exist_ok=True)
+        torch.manual_seed(seed)
+        model = cls(cfg).float().eval()
+        randomize(model, 10 + seed)
+        if layout == "hub":
+            model.save_pretrained(folder, safe_serialization=True)
+            os.remove(os.path.join(folder, "generation_config.json"))
+        else:
+            cfg.save_pretrained(folder)
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            safetensors.torch.save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        keys = safetensors.torch.load_file(os.path.join(folder, "model.safetensors")).keys()
+        shutil.copy(tokenizer, os.path.join(folder, "tokenizer.json"))
+        ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(100 + seed))
+        with torch.no_grad():
+            out = model(ids, labels=ids, output_router_logits=True)
+            reread = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            assert torch.equal(reread(ids).logits, out.logits), f"{name}: the saved folder does not read back"
+        embeds = model.model.embed_tokens(ids).detach().requires_grad_(True)
+        total = model(inputs_embeds=embeds, labels=ids)  # with aux_loss where the config asks
+        total.loss.backward()
+        lm_loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 128), ids[:, 1:].reshape(-1))
+        with_aux = cfg.output_router_logits
+        expected = lm_loss.detach() + (cfg.router_aux_loss_coef * out.aux_loss if with_aux else 0.0)
+        assert abs(float(total.loss) - float(expected)) < 1e-5, (float(total.loss), float(expected))
+
+        peft_model = peft.get_peft_model(
+            copy.deepcopy(model),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=TARGET_PARAMETERS),
+        )
+        g = torch.Generator().manual_seed(200 + seed)
+        with torch.no_grad():
+            for n, p in sorted(peft_model.named_parameters()):
+                if "lora_" in n:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        peft_model.eval()
+        adapter_dir = os.path.join(folder, "adapter")
+        peft_model.save_pretrained(adapter_dir)
+        os.remove(os.path.join(adapter_dir, "README.md"))  # PEFT's model card
+        with torch.no_grad():
+            logits_adapter = peft_model(ids).logits
+            merged = peft_model.merge_and_unload()
+            logits_merged = merged(ids).logits
+        reloaded = peft.PeftModel.from_pretrained(cls.from_pretrained(folder, dtype=torch.float32).eval(), adapter_dir)
+        with torch.no_grad():
+            assert torch.allclose(reloaded(ids).logits, logits_adapter, atol=1e-5), f"{name}: the adapter reloads"
+        tensors = {
+            "input_ids": ids,
+            "logits": out.logits,
+            "loss": total.loss.detach().reshape(1),
+            "lm_loss": lm_loss.reshape(1),
+            "aux_loss": out.aux_loss.reshape(1),
+            "grad_inputs_embeds": embeds.grad,
+            "logits_adapter": logits_adapter,
+            "logits_merged": logits_merged,
+        }
+        metadata = {"versions": json.dumps({**VERSIONS, "peft": peft.__version__}, sort_keys=True), "layout": layout,
+                    "expert_keys": json.dumps(sorted(k for k in keys if "experts" in k)[:4])}
+        safetensors.torch.save_file({k: v.detach().contiguous() for k, v in tensors.items()},
+                                    os.path.join(folder, "golden.safetensors"), metadata=metadata)
+        print(f"{name}: loss {float(total.loss):.5f} (aux {float(out.aux_loss):.5f}), |adapter - base| "
+              f"{float((logits_adapter - out.logits).abs().max()):.4f}, keys {metadata['expert_keys']}")
+
+
+def check_ours(adapter_dir, base_dir, logits_file):
+    from transformers import AutoModelForCausalLM
+    import peft
+
+    golden = safetensors.torch.load_file(os.path.join(base_dir, "golden.safetensors"))
+    ours = safetensors.torch.load_file(logits_file)["logits"]
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    model = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        theirs = model(golden["input_ids"]).logits
+    diff = float((theirs - ours).abs().max())
+    moved = float((theirs - golden["logits"]).abs().max())
+    print(f"PEFT loaded {adapter_dir}: max |PEFT - ours| = {diff:.3g} (the adapter moves the logits by {moved:.3g})")
+    assert diff < 1e-4, diff
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["models"]:
+        models()
+    elif sys.argv[1:2] == ["check-ours"]:
+        check_ours(*sys.argv[2:5])
+    else:
+        main()

@@ -9,8 +9,9 @@ use candle_core::{DType, Result, Tensor};
 use crate::error::Error;
 use crate::files::{read_json, refuse_existing, replace_dir, write_safetensors, RawTensor};
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
+use crate::lora::targets::parameter_of;
 use crate::lora::{LoraAdapter, LoraLinear};
-use crate::models::{LlamaModel, ModelConfig, TextTokenizer};
+use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
 use crate::precision::TorchDtype;
 use crate::quant::{Nf4Tensor, QuantConfig};
 
@@ -64,6 +65,50 @@ pub struct MergeReport {
 }
 
 /// A Hugging Face `config.json` for `config` (used when the source has none, e.g. a GGUF file).
+/// The weight tensors a Hub checkpoint holds for projection `name` (weight `w`): `{name}.weight`, except for a
+/// mixture's router and experts, written in the Hub's per-expert layout that transformers reads for every family:
+/// the fused gate/up weight split in two (Qwen: `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral:
+/// `block_sparse_moe.experts.{e}.w1` / `w3` / `w2` and `block_sparse_moe.gate`).
+fn hub_tensors(arch: Architecture, name: &str, w: Tensor) -> Result<Vec<(String, Tensor)>> {
+    let mixtral = arch == Architecture::Mixtral;
+    let block = |layer: &str| {
+        if mixtral {
+            format!("{layer}.block_sparse_moe")
+        } else {
+            format!("{layer}.mlp")
+        }
+    };
+    if let Some(layer) = name.strip_suffix(".mlp.gate") {
+        return Ok(vec![(format!("{}.gate.weight", block(layer)), w)]);
+    }
+    let Some((layer, rest)) = name.split_once(".mlp.experts.") else {
+        return Ok(vec![(format!("{name}.weight"), w)]);
+    };
+    let (expert, projection) = rest.split_once('.').unwrap_or((rest, ""));
+    let prefix = format!("{}.experts.{expert}", block(layer));
+    let (gate, up, down) = if mixtral {
+        ("w1", "w3", "w2")
+    } else {
+        ("gate_proj", "up_proj", "down_proj")
+    };
+    Ok(match projection {
+        "gate_up_proj" => {
+            let half = w.dim(0)? / 2;
+            vec![
+                (
+                    format!("{prefix}.{gate}.weight"),
+                    w.narrow(0, 0, half)?.contiguous()?,
+                ),
+                (
+                    format!("{prefix}.{up}.weight"),
+                    w.narrow(0, half, half)?.contiguous()?,
+                ),
+            ]
+        }
+        _ => vec![(format!("{prefix}.{down}.weight"), w)],
+    })
+}
+
 fn hf_config_json(config: &ModelConfig, dtype: DType) -> serde_json::Value {
     let mut v = config.to_hf_config();
     v["torch_dtype"] = serde_json::json!(TorchDtype::of(dtype));
@@ -131,13 +176,19 @@ pub fn merge_to_folder(
             report.max_abs_change = report.max_abs_change.max(change);
             report.merged_modules += 1;
         }
-        let key = format!("{name}.weight");
-        match &options.requantize {
-            Some(cfg) => {
-                let q = Nf4Tensor::quantize_named(&w.to_dtype(options.dtype)?, cfg, &key)?;
-                tensors.extend(bnb_entries(&key, &q));
+        // transformers + bitsandbytes quantize `nn.Linear`s only: a mixture's router and experts stay dense.
+        let requantize = options
+            .requantize
+            .as_ref()
+            .filter(|_| parameter_of(&name).is_none());
+        for (key, w) in hub_tensors(model.config().architecture, &name, w)? {
+            match requantize {
+                Some(cfg) => {
+                    let q = Nf4Tensor::quantize_named(&w.to_dtype(options.dtype)?, cfg, &key)?;
+                    tensors.extend(bnb_entries(&key, &q));
+                }
+                None => tensors.push((key, raw(&w)?)),
             }
-            None => tensors.push((key, raw(&w)?)),
         }
         if let Some(b) = &lin.base.bias {
             tensors.push((format!("{name}.bias"), raw(b)?));

@@ -6,9 +6,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use candle_core::safetensors::Load;
-use candle_core::{DType, Device};
+use candle_core::{DType, Device, Tensor};
 
-use crate::adapter::Adapters;
+use crate::adapter::registry::peft_key;
+use crate::adapter::{AdapterSlot, Adapters};
 use crate::error::{Error, Result};
 use crate::files::{read_json, write_atomic, write_safetensors, MappedSafetensors, RawTensor};
 use crate::lora::LoraConfig;
@@ -36,6 +37,106 @@ struct BaseQuantizationFile {
     bnb_4bit_blocksize: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     bnb_4bit_use_double_quant: Option<bool>,
+}
+
+/// An expert projection's adapter tensor in the model's naming (one module per expert): `(layer, expert,
+/// projection, part)` of `base_model.model.{layer}.mlp.experts.{expert}.{projection}.{part}.weight`.
+fn expert_key(key: &str) -> Option<(&str, usize, &str, &str)> {
+    let (layer, rest) = key.split_once(".mlp.experts.")?;
+    let mut parts = rest.split('.');
+    let expert = parts.next()?.parse().ok()?;
+    let (projection, part, weight) = (parts.next()?, parts.next()?, parts.next()?);
+    (weight == "weight" && parts.next().is_none()).then_some((layer, expert, projection, part))
+}
+
+/// PEFT's key of a layer's stacked expert adapter `part` for `projection`: PEFT wraps the experts module once per
+/// targeted parameter in registration order, so with both targeted `gate_up_proj`'s wrapper is the inner one
+/// (`base_layer`).
+fn stacked_key(layer: &str, projection: &str, part: &str, both: bool) -> String {
+    let inner = if both && projection == "gate_up_proj" {
+        "base_layer."
+    } else {
+        ""
+    };
+    format!("{layer}.mlp.experts.{inner}{part}.weight")
+}
+
+/// Adapter tensors with each layer's per-expert pairs stacked as PEFT's `ParamWrapper` holds a 3-D parameter's
+/// adapter: `lora_A` `[experts · r, in]` (expert by expert), `lora_B` `[out, r · experts]` (column `k · experts +
+/// e` is expert `e`'s column `k`). Other tensors pass through.
+fn stack_experts(tensors: Vec<(String, Tensor)>) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    let mut groups: BTreeMap<(String, String, String), Vec<(usize, Tensor)>> = BTreeMap::new();
+    for (key, t) in tensors {
+        match expert_key(&key) {
+            Some((layer, expert, projection, part)) => groups
+                .entry((layer.into(), projection.into(), part.into()))
+                .or_default()
+                .push((expert, t)),
+            None => out.push((key, t)),
+        }
+    }
+    let adapted = |layer: &str, projection: &str| {
+        groups.contains_key(&(layer.into(), projection.into(), "lora_A".into()))
+    };
+    for ((layer, projection, part), mut experts) in
+        groups.iter().map(|(k, v)| (k.clone(), v.clone()))
+    {
+        experts.sort_by_key(|(e, _)| *e);
+        let parts: Vec<Tensor> = experts.into_iter().map(|(_, t)| t).collect();
+        let stacked = if part == "lora_A" {
+            Tensor::cat(&parts, 0)?
+        } else {
+            let (rows, r) = parts[0].dims2()?;
+            Tensor::stack(&parts, 2)?.reshape((rows, r * parts.len()))?
+        };
+        let both = adapted(&layer, "gate_up_proj") && adapted(&layer, "down_proj");
+        out.push((stacked_key(&layer, &projection, &part, both), stacked));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+/// The reverse of [`stack_experts`] for the expert projections among `slots`: PEFT's stacked tensors split into
+/// the model's per-expert ones (a stacked tensor missing or of the wrong size is left for the caller to name).
+fn unstack_experts(
+    mut tensors: BTreeMap<String, Tensor>,
+    slots: &[AdapterSlot],
+) -> Result<BTreeMap<String, Tensor>> {
+    let mut experts: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for slot in slots {
+        let key = peft_key(&slot.module, "lora_A.weight");
+        if let Some((layer, _, projection, _)) = expert_key(&key) {
+            *experts
+                .entry((layer.to_string(), projection.to_string()))
+                .or_default() += 1;
+        }
+    }
+    for ((layer, projection), count) in &experts {
+        let both = experts.contains_key(&(layer.clone(), "gate_up_proj".into()))
+            && experts.contains_key(&(layer.clone(), "down_proj".into()));
+        for part in ["lora_A", "lora_B"] {
+            let key = stacked_key(layer, projection, part, both);
+            let Some(t) = tensors.get(&key) else { continue };
+            let (rows, cols) = t.dims2()?;
+            let along = if part == "lora_A" { rows } else { cols };
+            if along % count != 0 {
+                continue;
+            }
+            let r = along / count;
+            let t = tensors.remove(&key).expect("present above");
+            for e in 0..*count {
+                let one = if part == "lora_A" {
+                    t.narrow(0, e * r, r)?
+                } else {
+                    t.reshape((rows, r, *count))?.narrow(2, e, 1)?.squeeze(2)?
+                };
+                let key = format!("{layer}.mlp.experts.{e}.{projection}.{part}.weight");
+                tensors.insert(key, one.contiguous()?);
+            }
+        }
+    }
+    Ok(tensors)
 }
 
 /// How `model`'s linear weights are stored: the 4-bit config of the first quantized one, `None` when they are
@@ -95,10 +196,14 @@ pub fn save_adapter(
         config.base_model_name_or_path = Some(base.to_string());
     }
     std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
+    let params = model
+        .adapter_parameters(name)?
+        .into_iter()
+        .map(|(key, var)| (key, var.as_tensor().detach()))
+        .collect();
     let mut tensors = Vec::new();
-    for (key, var) in model.adapter_parameters(name)? {
-        let t = RawTensor::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?;
-        tensors.push((key, t));
+    for (key, t) in stack_experts(params)? {
+        tensors.push((key, RawTensor::from_tensor(&t.to_dtype(DType::F32)?)?));
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors(&dir.join(ADAPTER_WEIGHTS), tensors, Some(meta))?;
@@ -135,6 +240,8 @@ pub fn load_adapter(model: &mut LlamaModel, dir: &Path, name: &str) -> Result<Lo
             .map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
         tensors.insert(key.to_string(), t);
     }
+    let tensors =
+        unstack_experts(tensors, &slots).map_err(|e| Error::invalid_file(&path, e.to_string()))?;
     model
         .insert_adapter(name, &config, &slots, tensors, false)
         .map_err(|e| Error::invalid_file(&path, e.to_string()))?;

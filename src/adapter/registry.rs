@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::error::{Error, Result};
-use crate::lora::targets::{is_target, rank_and_alpha};
+use crate::lora::targets::{is_target, parameter_of, rank_and_alpha};
 use crate::lora::{InitLoraWeights, LoraAdapter, LoraConfig};
 use crate::models::{LlamaModel, SavedModules};
 
@@ -112,11 +112,13 @@ impl Adapters for LlamaModel {
         }
         if slots.is_empty() {
             let arch = self.config().architecture;
-            let names: Vec<&str> = arch
-                .layer_linear_names()
+            let layer_linears = self.config().layer_linears(0);
+            let mut names: Vec<&str> = layer_linears
                 .iter()
-                .filter_map(|n| n.rsplit('.').next())
+                .filter(|(n, _)| parameter_of(n).is_none())
+                .filter_map(|(n, _)| n.rsplit('.').next())
                 .collect();
+            names.dedup();
             let targets = match &config.target_modules {
                 Some(t) => format!("{t:?}"),
                 None => match arch.default_lora_targets() {
@@ -130,12 +132,18 @@ impl Adapters for LlamaModel {
                     ),
                 },
             };
+            let experts = if arch.is_moe() {
+                " (the router and the experts are parameters to PEFT: target them with target_parameters = \
+                 [\"mlp.gate.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"])"
+            } else {
+                ""
+            };
             return Err(Error::InvalidInput(format!(
                 "target_modules {targets} (exclude_modules {:?}) match no module of this model; its linear modules \
-                 are {} (e.g. model.layers.0.{}); or use \"all-linear\"",
+                 are {} (e.g. model.layers.0.{}){experts}; or use \"all-linear\"",
                 config.exclude_modules,
                 names.join(", "),
-                arch.layer_linear_names()[0],
+                layer_linears[0].0,
             )));
         }
         Ok(slots)

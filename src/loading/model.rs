@@ -14,7 +14,7 @@ use super::safetensors::ShardedSafetensors;
 use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::lora::LoraLinear;
-use crate::models::{LayerWeights, LlamaModel, ModelConfig, TextTokenizer};
+use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
 use crate::ops::rope::RopeScaling;
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::quant::{Nf4Tensor, QuantConfig};
@@ -134,6 +134,36 @@ impl Weights {
         read_bnb_weight(&st, name, file.path()).map(Some)
     }
 
+    /// A dense tensor, also when stored as bitsandbytes 4-bit (then dequantized to float32).
+    fn dense_or_dequantized(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        match self.nf4(name)? {
+            Some(q) if q.shape() != shape => Err(Error::Model(format!(
+                "4-bit tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
+                self.where_(),
+                q.shape()
+            ))),
+            Some(q) => Ok(q.dequantize(DType::F32)?),
+            None => self.dense(name, shape),
+        }
+    }
+
+    /// The first of `names` stored, or an error naming them all.
+    fn first_of<'a>(&self, names: &'a [String]) -> Result<&'a str> {
+        names
+            .iter()
+            .find(|n| self.has(n))
+            .map(String::as_str)
+            .ok_or_else(|| {
+                Error::Model(
+                    format!(
+                        "tensor `{}` is missing from {}",
+                        names.join("` (or `"),
+                        self.where_()
+                    ) + if names.len() > 1 { ")" } else { "" },
+                )
+            })
+    }
+
     fn linear(
         &self,
         prefix: &str,
@@ -153,15 +183,7 @@ impl Weights {
                 }
                 FrozenWeight::Nf4(Arc::new(q))
             }
-            None => {
-                let dense = self.dense(&wname, &shape)?;
-                match quant {
-                    Some(cfg) => {
-                        FrozenWeight::Nf4(Arc::new(Nf4Tensor::quantize_named(&dense, cfg, &wname)?))
-                    }
-                    None => FrozenWeight::Dense(dense),
-                }
-            }
+            None => frozen_weight(self.dense(&wname, &shape)?, &wname, quant)?,
         };
         let bias = if bias {
             Some(
@@ -173,6 +195,82 @@ impl Weights {
         };
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
     }
+}
+
+/// `dense` as the model holds it: quantized with `quant` (errors naming `name`), or as stored.
+fn frozen_weight(dense: Tensor, name: &str, quant: Option<&QuantConfig>) -> Result<FrozenWeight> {
+    Ok(match quant {
+        Some(cfg) => FrozenWeight::Nf4(Arc::new(Nf4Tensor::quantize_named(&dense, cfg, name)?)),
+        None => FrozenWeight::Dense(dense),
+    })
+}
+
+/// The router and experts of sparse layer `p` (`model.layers.{l}`) in [`ModelConfig::layer_linears`]' order, from
+/// either layout transformers reads: one tensor per expert (the Hub's: Mixtral's `block_sparse_moe.experts.{e}.w1`
+/// / `w3` / `w2`, Qwen's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; bitsandbytes 4-bit ones are
+/// dequantized), or the fused 3-D tensors transformers 5 holds (`mlp.experts.gate_up_proj` `[experts, 2·width,
+/// hidden]`, `mlp.experts.down_proj` `[experts, hidden, width]`). Each expert's gate and up projections become one
+/// `[2·width, hidden]` weight (gate rows first), quantized on its own; the router stays dense, as in transformers,
+/// where it is no `nn.Linear` that bitsandbytes would replace.
+fn sparse_linears(
+    weights: &Weights,
+    p: &str,
+    moe: &MoeConfig,
+    hidden: usize,
+    quant: Option<&QuantConfig>,
+) -> Result<Vec<LoraLinear>> {
+    let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
+    let block = if weights.has(&format!("{p}.block_sparse_moe.gate.weight")) {
+        "block_sparse_moe"
+    } else {
+        "mlp"
+    };
+    let wrap = |w: FrozenWeight| LoraLinear::new(Arc::new(FrozenLinear::new(w, None)));
+    let router = weights.dense(&format!("{p}.{block}.gate.weight"), &[experts, hidden])?;
+    let mut out = vec![wrap(FrozenWeight::Dense(router))];
+    let fused_gate_up = format!("{p}.{block}.experts.gate_up_proj");
+    let fused = if weights.has(&fused_gate_up) {
+        let down = format!("{p}.{block}.experts.down_proj");
+        Some((
+            weights.dense(&fused_gate_up, &[experts, 2 * width, hidden])?,
+            weights.dense(&down, &[experts, hidden, width])?,
+        ))
+    } else {
+        None
+    };
+    for e in 0..experts {
+        let ours = format!("{p}.mlp.experts.{e}");
+        let (gate_up, down) = match &fused {
+            Some((gate_up, down)) => (gate_up.get(e)?, down.get(e)?),
+            None => {
+                let one = |mixtral: &str, qwen: &str, shape: [usize; 2]| -> Result<Tensor> {
+                    let names = [
+                        format!("{p}.{block}.experts.{e}.{mixtral}.weight"),
+                        format!("{p}.{block}.experts.{e}.{qwen}.weight"),
+                    ];
+                    let name = weights.first_of(&names)?;
+                    weights.dense_or_dequantized(name, &shape)
+                };
+                let gate = one("w1", "gate_proj", [width, hidden])?;
+                let up = one("w3", "up_proj", [width, hidden])?;
+                (
+                    Tensor::cat(&[gate, up], 0)?,
+                    one("w2", "down_proj", [hidden, width])?,
+                )
+            }
+        };
+        out.push(wrap(frozen_weight(
+            gate_up,
+            &format!("{ours}.gate_up_proj.weight"),
+            quant,
+        )?));
+        out.push(wrap(frozen_weight(
+            down,
+            &format!("{ours}.down_proj.weight"),
+            quant,
+        )?));
+    }
+    Ok(out)
 }
 
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
@@ -213,7 +311,6 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
         Ok(if offset != 0.0 { (w + offset)? } else { w })
     };
     let embed = weights.dense("model.embed_tokens.weight", &[v, h])?;
-    let shapes = cfg.layer_linear_shapes();
     let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
     for l in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{l}");
@@ -222,17 +319,20 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
                 .then(|| norm(&format!("{p}.{name}.weight"), width))
                 .transpose()
         };
-        let linears = arch
-            .layer_linear_names()
-            .iter()
-            .zip(&shapes)
-            .map(|(name, shape)| {
+        let sparse = cfg.moe.as_ref().filter(|m| m.sparse_layers[l]);
+        let mut linears = Vec::new();
+        for (name, shape) in cfg.layer_linears(l) {
+            if name == "mlp.gate" {
+                // The router opens the experts, loaded together (see `sparse_linears`).
+                let moe = sparse.expect("only sparse layers have a router");
+                linears.extend(sparse_linears(weights, &p, moe, h, quant)?);
+            } else if !name.starts_with("mlp.experts.") {
                 let bias = cfg.attention_bias
                     && name.starts_with("self_attn.")
-                    && *name != "self_attn.o_proj";
-                weights.linear(&format!("{p}.{name}"), *shape, bias, quant)
-            })
-            .collect::<Result<Vec<_>>>()?;
+                    && name != "self_attn.o_proj";
+                linears.push(weights.linear(&format!("{p}.{name}"), shape, bias, quant)?);
+            }
+        }
         layers.push(LayerWeights {
             input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
             post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,

@@ -143,6 +143,10 @@ pub struct LoraConfig {
     pub init_lora_weights: InitLoraWeights,
     /// Weight-decomposed LoRA (DoRA): a trainable magnitude per output row.
     pub use_dora: bool,
+    /// Parameters to adapt (PEFT's `target_parameters`): a mixture of experts' router (`mlp.gate.weight`) and
+    /// experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`: one rank-`r` pair per expert), matched like a
+    /// `target_modules` list.
+    pub target_parameters: Option<Vec<String>>,
     /// Modules trained in full and saved with the adapter (e.g. `lm_head`, `embed_tokens`).
     pub modules_to_save: Option<Vec<String>>,
     /// The base model's name or path, recorded in `adapter_config.json`.
@@ -165,6 +169,7 @@ impl Default for LoraConfig {
             alpha_pattern: BTreeMap::new(),
             init_lora_weights: InitLoraWeights::Default,
             use_dora: false,
+            target_parameters: None,
             modules_to_save: None,
             base_model_name_or_path: None,
             revision: None,
@@ -261,6 +266,25 @@ impl LoraConfig {
                 self.bias
             ));
         }
+        if self
+            .target_parameters
+            .as_ref()
+            .is_some_and(|t| !t.is_empty())
+        {
+            // PEFT's `ParamWrapper` refuses these too.
+            if self.lora_dropout != 0.0 {
+                return bad(format!(
+                    "lora_dropout = {} with target_parameters: PEFT adapts parameters without dropout; set \
+                     lora_dropout = 0",
+                    self.lora_dropout
+                ));
+            }
+            if self.use_dora {
+                return bad(
+                    "use_dora with target_parameters: PEFT has no DoRA for parameters".into(),
+                );
+            }
+        }
         if let Some((k, _)) = self.rank_pattern.iter().find(|(_, r)| **r == 0) {
             return bad(format!("rank_pattern[{k:?}] must be at least 1"));
         }
@@ -331,7 +355,6 @@ impl LoraConfig {
             "lora_ga_config",
             "megatron_config",
             "monteclora_config",
-            "target_parameters",
             "trainable_token_indices",
             "use_bdlora",
             "velora_config",

@@ -22,9 +22,35 @@ fn matches(targets: &TargetModules, name: &str) -> Result<bool> {
     })
 }
 
+/// The PEFT parameter a projection of a mixture-of-experts layer stands for, `None` for the other projections
+/// (`nn.Linear` modules in transformers). transformers 5 holds a sparse layer's router as a module with one
+/// `weight` (`mlp.gate` → `mlp.gate.weight`) and its experts as 3-D parameters of one module (`mlp.experts.{e}.
+/// gate_up_proj` → `mlp.experts.gate_up_proj`), which PEFT adapts through `target_parameters`, not
+/// `target_modules`.
+pub fn parameter_of(name: &str) -> Option<String> {
+    if let Some(layer) = name.strip_suffix(".mlp.gate") {
+        return Some(format!("{layer}.mlp.gate.weight"));
+    }
+    let (layer, rest) = name.split_once(".mlp.experts.")?;
+    let (expert, projection) = rest.split_once('.')?;
+    expert
+        .parse::<usize>()
+        .ok()
+        .map(|_| format!("{layer}.mlp.experts.{projection}"))
+}
+
 /// True if the linear module `name` (e.g. `model.layers.0.self_attn.q_proj`) gets an adapter. The output head
-/// (`lm_head`) is never targeted by `"all-linear"`.
+/// (`lm_head`) is never targeted by `"all-linear"`. A mixture's router and experts (see [`parameter_of`]) are
+/// targeted by `target_parameters` alone, matched as PEFT matches them: the parameter's name equals an entry or
+/// ends with `.` + it.
 pub fn is_target(config: &LoraConfig, name: &str) -> Result<bool> {
+    if let Some(parameter) = parameter_of(name) {
+        return Ok(config
+            .target_parameters
+            .iter()
+            .flatten()
+            .any(|t| parameter == *t || parameter.ends_with(&format!(".{t}"))));
+    }
     let targeted = match &config.target_modules {
         None => matches(
             &TargetModules::List(
@@ -59,8 +85,11 @@ fn pattern_value<T: Copy>(
     Ok(None)
 }
 
-/// The rank and alpha of module `name` (from `rank_pattern` / `alpha_pattern`, else `r` / `lora_alpha`).
+/// The rank and alpha of module `name` (from `rank_pattern` / `alpha_pattern`, else `r` / `lora_alpha`; an expert's
+/// projection is looked up by its parameter's name, as PEFT does).
 pub fn rank_and_alpha(config: &LoraConfig, name: &str) -> Result<(usize, f64)> {
+    let parameter = parameter_of(name);
+    let name = parameter.as_deref().unwrap_or(name);
     Ok((
         pattern_value(&config.rank_pattern, name)?.unwrap_or(config.r),
         pattern_value(&config.alpha_pattern, name)?.unwrap_or(config.lora_alpha),

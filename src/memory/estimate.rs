@@ -203,30 +203,49 @@ struct Counts {
     lora_tensors: Vec<u64>,
 }
 
-/// Hidden, query, key/value and MLP widths.
+/// Hidden, query, key/value and MLP widths; a mixture of experts' MLP width is what a token runs through: its
+/// `num_experts_per_tok` experts' widths, plus the shared expert's.
 fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
+    let mlp = match &c.moe {
+        Some(m) => {
+            (m.num_experts_per_tok * m.moe_intermediate_size
+                + m.shared_expert_intermediate_size.unwrap_or(0)) as u64
+        }
+        None => c.intermediate_size as u64,
+    };
     (
         c.hidden_size as u64,
         c.q_width() as u64,
         c.kv_width() as u64,
-        c.intermediate_size as u64,
+        mlp,
     )
 }
 
-/// `(in, out)` of a block's projections (q, k, v, o, gate, up, down; or Phi-3's fused qkv, o, gate_up, down: one
-/// adapter pair each).
-fn block_linear_shapes(c: &ModelConfig) -> Vec<(u64, u64)> {
-    c.layer_linear_shapes()
-        .into_iter()
-        .map(|[out, inp]| (inp as u64, out as u64))
+/// `(in, out, adapted)` of every layer's quantized projections (q, k, v, o, gate, up, down; Phi-3's fused qkv, o,
+/// gate_up, down; each expert's gate_up and down), where `adapted` says whether `"all-linear"` gives it an adapter
+/// pair: PEFT gives none to experts, which transformers holds as 3-D parameters, not `nn.Linear`s. Routers stay
+/// dense (see [`router_params`]).
+fn block_linear_shapes(c: &ModelConfig) -> Vec<(u64, u64, bool)> {
+    (0..c.num_hidden_layers)
+        .flat_map(|l| c.layer_linears(l))
+        .filter(|(name, _)| name != "mlp.gate")
+        .map(|(name, [out, inp])| (inp as u64, out as u64, !name.starts_with("mlp.experts.")))
         .collect()
+}
+
+/// Parameters of the routers of the sparse layers (kept dense).
+fn router_params(c: &ModelConfig) -> u64 {
+    c.moe.as_ref().map_or(0, |m| {
+        let sparse = m.sparse_layers.iter().filter(|s| **s).count();
+        (sparse * m.num_experts * c.hidden_size) as u64
+    })
 }
 
 fn counts(c: &ModelConfig, r: usize) -> Counts {
     let (h, hq, hkv, _) = widths(c);
     let l = c.num_hidden_layers as u64;
     let shapes = block_linear_shapes(c);
-    let block_linear = l * shapes.iter().map(|(a, b)| a * b).sum::<u64>();
+    let block_linear = shapes.iter().map(|(a, b, _)| a * b).sum::<u64>();
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
     let bias = if c.attention_bias {
@@ -242,12 +261,14 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
     };
     let norms = (block_norms * l + 1) * h + l * head_norms;
     let r = r as u64;
-    let lora_tensors: Vec<u64> = (0..l)
-        .flat_map(|_| shapes.iter().flat_map(move |(a, b)| [r * a, r * b]))
+    let lora_tensors: Vec<u64> = shapes
+        .iter()
+        .filter(|(_, _, adapted)| *adapted)
+        .flat_map(|(a, b, _)| [r * a, r * b])
         .collect();
     Counts {
         block_linear,
-        rest: embed + head + bias + norms,
+        rest: embed + head + bias + norms + router_params(c),
         lora: lora_tensors.iter().sum(),
         lora_tensors,
     }
@@ -287,7 +308,12 @@ pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
         DeviceKind::Cpu => (hq, hkv, hkv, hq, 0),
         DeviceKind::Cuda => (3 * hq, 3 * hkv, 2 * hkv, 2 * hq, 2 * h),
     };
-    let mlp = 3 * i; // gate, up, SwiGLU
+    // Gate, up, SwiGLU; a mixture of experts also keeps each token's rows gathered for its experts, their outputs
+    // and their weighted outputs, and the router's logits and probabilities.
+    let mlp = 3 * i
+        + c.moe.as_ref().map_or(0, |m| {
+            (3 * m.num_experts_per_tok as u64) * h + 2 * m.num_experts as u64
+        });
     let norms_and_sums = 4 * h;
     q + k + v + attention + projection_outputs + mlp + norms_and_sums
 }
@@ -492,11 +518,10 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
 
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
 fn per_layer_nf4(c: &ModelConfig) -> u64 {
-    let layer: u64 = block_linear_shapes(c)
+    block_linear_shapes(c)
         .iter()
-        .map(|(a, b)| nf4_bytes(a * b))
-        .sum();
-    c.num_hidden_layers as u64 * layer
+        .map(|(a, b, _)| nf4_bytes(a * b))
+        .sum()
 }
 
 /// The comparison table: full fine-tuning in float32 and in mixed precision (AdamW), LoRA on a bf16 base and QLoRA

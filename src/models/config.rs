@@ -31,11 +31,18 @@ pub enum Architecture {
     /// Phi-3 / Phi-3.5 / Phi-4-mini (`model_type = "phi3"`): fused `qkv_proj` and `gate_up_proj`, partial rotary,
     /// LongRoPE.
     Phi3,
+    /// Mixtral (`model_type = "mixtral"`): Mistral with a sparse mixture of experts in every layer.
+    Mixtral,
+    /// Qwen1.5-MoE / Qwen2-MoE (`model_type = "qwen2_moe"`): Qwen2 with experts and a gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE (`model_type = "qwen3_moe"`, e.g. Qwen3-30B-A3B): Qwen3 with experts.
+    Qwen3Moe,
 }
 
 /// The supported `model_type` values, for error messages.
 pub const SUPPORTED_MODEL_TYPES: &str =
-    "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2, qwen3, gemma2, gemma3_text, phi3";
+    "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2, qwen3, \
+     gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe";
 
 impl Architecture {
     /// From a `model_type` (HF) or `general.architecture` (GGUF).
@@ -48,6 +55,9 @@ impl Architecture {
             "gemma2" => Some(Architecture::Gemma2),
             "gemma3_text" | "gemma3" => Some(Architecture::Gemma3),
             "phi3" => Some(Architecture::Phi3),
+            "mixtral" => Some(Architecture::Mixtral),
+            "qwen2_moe" => Some(Architecture::Qwen2Moe),
+            "qwen3_moe" => Some(Architecture::Qwen3Moe),
             _ => None,
         }
     }
@@ -62,13 +72,16 @@ impl Architecture {
             Architecture::Gemma2 => "gemma2",
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Phi3 => "phi3",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen2Moe => "qwen2_moe",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
     /// The RoPE base when a config gives none (transformers' defaults).
     pub fn default_rope_theta(self) -> f64 {
         match self {
-            Architecture::Gemma3 => 1_000_000.0,
+            Architecture::Gemma3 | Architecture::Mixtral => 1_000_000.0,
             _ => 10_000.0,
         }
     }
@@ -83,6 +96,9 @@ impl Architecture {
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
             Architecture::Phi3 => "Phi3ForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -94,7 +110,29 @@ impl Architecture {
 
     /// Each query and key head is RMS-normed before RoPE (`q_norm`, `k_norm`).
     pub fn has_qk_norm(self) -> bool {
-        matches!(self, Architecture::Qwen3 | Architecture::Gemma3)
+        matches!(
+            self,
+            Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe
+        )
+    }
+
+    /// Its feed-forward blocks can be mixtures of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(
+            self,
+            Architecture::Mixtral | Architecture::Qwen2Moe | Architecture::Qwen3Moe
+        )
+    }
+
+    /// Like Qwen2 / Qwen3, it reads `sliding_window` only with `use_sliding_window`.
+    fn gates_sliding_window(self) -> bool {
+        matches!(
+            self,
+            Architecture::Qwen2
+                | Architecture::Qwen3
+                | Architecture::Qwen2Moe
+                | Architecture::Qwen3Moe
+        )
     }
 
     /// q/k/v and gate/up are one projection each (`qkv_proj`, `gate_up_proj`).
@@ -112,33 +150,11 @@ impl Architecture {
         }
     }
 
-    /// The linear modules of one decoder layer, relative to it, in transformers' order.
-    pub fn layer_linear_names(self) -> &'static [&'static str] {
-        if self.has_fused_projections() {
-            &[
-                "self_attn.qkv_proj",
-                "self_attn.o_proj",
-                "mlp.gate_up_proj",
-                "mlp.down_proj",
-            ]
-        } else {
-            &[
-                "self_attn.q_proj",
-                "self_attn.k_proj",
-                "self_attn.v_proj",
-                "self_attn.o_proj",
-                "mlp.gate_proj",
-                "mlp.up_proj",
-                "mlp.down_proj",
-            ]
-        }
-    }
-
     /// The adapter targets PEFT picks for this family when `target_modules` is not set (`None`: PEFT has no default
     /// and asks for them).
     pub fn default_lora_targets(self) -> Option<&'static [&'static str]> {
         match self {
-            Architecture::Phi3 => None,
+            Architecture::Phi3 | Architecture::Qwen2Moe | Architecture::Qwen3Moe => None,
             _ => Some(&["q_proj", "v_proj"]),
         }
     }
@@ -151,6 +167,28 @@ pub enum LayerAttention {
     Full,
     /// The last `sliding_window` positions (`sliding_attention`).
     Sliding,
+}
+
+/// The mixture-of-experts settings of a model (Mixtral, Qwen2-MoE, Qwen3-MoE), in transformers' terms.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_local_experts`, `num_experts`).
+    pub num_experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`).
+    pub num_experts_per_tok: usize,
+    /// Each expert's MLP width (`moe_intermediate_size`; Mixtral's `intermediate_size`).
+    pub moe_intermediate_size: usize,
+    /// Qwen2-MoE's shared expert's MLP width, when it has one.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// The chosen experts' probabilities are renormalized to sum to 1 (always in Mixtral).
+    pub norm_topk_prob: bool,
+    /// Per layer: whether its feed-forward block is sparse (Qwen's `mlp_only_layers` and `decoder_sparse_step`
+    /// make some dense, of width `intermediate_size`).
+    pub sparse_layers: Vec<bool>,
+    /// The auxiliary loss's weight in the training loss (`router_aux_loss_coef`).
+    pub router_aux_loss_coef: f64,
+    /// Whether training adds the auxiliary loss (`output_router_logits`, as transformers decides it).
+    pub output_router_logits: bool,
 }
 
 /// Everything the model needs to know about its shape.
@@ -205,6 +243,8 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// End-of-sequence tokens (generation stops at any).
     pub eos_token_ids: Vec<u32>,
+    /// The mixture of experts, for Mixtral and Qwen2/3-MoE.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -241,19 +281,61 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
-    /// `[out, in]` of each linear module of a layer, in [`Architecture::layer_linear_names`]' order.
-    pub fn layer_linear_shapes(&self) -> Vec<[usize; 2]> {
+    /// The linear modules of decoder layer `layer`, relative to it (`self_attn.q_proj`, ...), with their
+    /// `[out, in]` shapes, in transformers' order. A sparse layer's are its router (`mlp.gate`), each expert's fused
+    /// gate/up and down projections (`mlp.experts.{e}.gate_up_proj`, `mlp.experts.{e}.down_proj`, as transformers
+    /// 5 holds them), and Qwen2-MoE's shared expert and its gate.
+    pub fn layer_linears(&self, layer: usize) -> Vec<(String, [usize; 2])> {
         let (h, i, q, kv) = (
             self.hidden_size,
             self.intermediate_size,
             self.q_width(),
             self.kv_width(),
         );
+        let named = |list: &[(&str, [usize; 2])]| -> Vec<(String, [usize; 2])> {
+            list.iter().map(|(n, s)| (n.to_string(), *s)).collect()
+        };
         if self.architecture.has_fused_projections() {
-            vec![[q + 2 * kv, h], [h, q], [2 * i, h], [h, i]]
-        } else {
-            vec![[q, h], [kv, h], [kv, h], [h, q], [i, h], [i, h], [h, i]]
+            return named(&[
+                ("self_attn.qkv_proj", [q + 2 * kv, h]),
+                ("self_attn.o_proj", [h, q]),
+                ("mlp.gate_up_proj", [2 * i, h]),
+                ("mlp.down_proj", [h, i]),
+            ]);
         }
+        let mut out = named(&[
+            ("self_attn.q_proj", [q, h]),
+            ("self_attn.k_proj", [kv, h]),
+            ("self_attn.v_proj", [kv, h]),
+            ("self_attn.o_proj", [h, q]),
+        ]);
+        let mlp = |prefix: &str, width: usize| {
+            [
+                (format!("{prefix}.gate_proj"), [width, h]),
+                (format!("{prefix}.up_proj"), [width, h]),
+                (format!("{prefix}.down_proj"), [h, width]),
+            ]
+        };
+        match self
+            .moe
+            .as_ref()
+            .filter(|m| m.sparse_layers.get(layer) == Some(&true))
+        {
+            None => out.extend(mlp("mlp", i)),
+            Some(moe) => {
+                let e = moe.moe_intermediate_size;
+                out.push(("mlp.gate".into(), [moe.num_experts, h]));
+                for x in 0..moe.num_experts {
+                    out.push((format!("mlp.experts.{x}.gate_up_proj"), [2 * e, h]));
+                    out.push((format!("mlp.experts.{x}.down_proj"), [h, e]));
+                }
+                if let Some(width) = moe.shared_expert_intermediate_size {
+                    out.extend(mlp("mlp.shared_expert", width));
+                    out.push(("mlp.shared_expert_gate".into(), [1, h]));
+                }
+            }
+        }
+        out
     }
 
     /// This configuration as a Hugging Face `config.json` object (transformers 4 key names, which transformers 5
@@ -289,8 +371,34 @@ impl ModelConfig {
             }).collect::<Vec<_>>(),
             "sliding_window": self.sliding_window,
         });
-        if matches!(arch, Architecture::Qwen2 | Architecture::Qwen3) {
+        if arch.gates_sliding_window() {
             v["use_sliding_window"] = self.sliding_window.is_some().into();
+        }
+        if arch == Architecture::Qwen2Moe {
+            v["qkv_bias"] = self.attention_bias.into();
+        }
+        if let Some(moe) = &self.moe {
+            let experts_key = if arch == Architecture::Mixtral {
+                "num_local_experts"
+            } else {
+                "num_experts"
+            };
+            v[experts_key] = moe.num_experts.into();
+            v["num_experts_per_tok"] = moe.num_experts_per_tok.into();
+            v["router_aux_loss_coef"] = moe.router_aux_loss_coef.into();
+            v["output_router_logits"] = moe.output_router_logits.into();
+            if arch != Architecture::Mixtral {
+                v["moe_intermediate_size"] = moe.moe_intermediate_size.into();
+                v["norm_topk_prob"] = moe.norm_topk_prob.into();
+                v["decoder_sparse_step"] = 1.into();
+                let dense: Vec<usize> = (0..moe.sparse_layers.len())
+                    .filter(|l| !moe.sparse_layers[*l])
+                    .collect();
+                v["mlp_only_layers"] = dense.into();
+            }
+            if let Some(width) = moe.shared_expert_intermediate_size {
+                v["shared_expert_intermediate_size"] = width.into();
+            }
         }
         if self.rotary_dim != self.head_dim {
             v["partial_rotary_factor"] = (self.rotary_dim as f64 / self.head_dim as f64).into();
@@ -338,9 +446,17 @@ impl ModelConfig {
             .map(|i| {
                 let sliding = match architecture {
                     Architecture::Llama => false,
-                    Architecture::Mistral | Architecture::Phi3 => sliding_window.is_some(),
-                    Architecture::Qwen2 | Architecture::Qwen3 => {
+                    Architecture::Mistral | Architecture::Phi3 | Architecture::Mixtral => {
+                        sliding_window.is_some()
+                    }
+                    Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
                         sliding_window.is_some() && i >= max_window_layers.unwrap_or(0)
+                    }
+                    // Qwen2-MoE's own rule: odd-numbered layers below `max_window_layers` (default 28).
+                    Architecture::Qwen2Moe => {
+                        sliding_window.is_some()
+                            && i % 2 == 0
+                            && i < max_window_layers.unwrap_or(28)
                     }
                     Architecture::Gemma2 => (i + 1) % 2 != 0,
                     Architecture::Gemma3 => {
@@ -359,6 +475,8 @@ impl ModelConfig {
 
 /// The largest vocabulary, width, head count or context a config may declare (real models stay far below).
 const MAX_SIZE: usize = 1 << 24;
+/// The most experts a sparse layer may have (models have at most a few hundred).
+const MAX_EXPERTS: usize = 1 << 12;
 /// The most decoder layers a config may declare (models have at most a few hundred).
 const MAX_LAYERS: usize = 1 << 12;
 /// The most entries (`max_position_embeddings × head_dim`) of each RoPE table, float32: 2 GiB for cos and sin each.
@@ -395,6 +513,74 @@ struct HfConfig {
     query_pre_attn_scalar: Option<f64>,
     attn_logit_softcapping: Option<f64>,
     final_logit_softcapping: Option<f64>,
+    qkv_bias: Option<bool>,
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    shared_expert_intermediate_size: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    router_aux_loss_coef: Option<f64>,
+    output_router_logits: Option<bool>,
+}
+
+/// The mixture of experts a `config.json` declares, with transformers 5.23's defaults for what it leaves out.
+fn moe_of(hf: &HfConfig, architecture: Architecture, path: &Path) -> Result<Option<MoeConfig>> {
+    let qwen2 = architecture == Architecture::Qwen2Moe;
+    let (experts, per_token, width, shared) = match architecture {
+        Architecture::Mixtral => (
+            hf.num_local_experts.unwrap_or(8),
+            hf.num_experts_per_tok.unwrap_or(2),
+            hf.intermediate_size,
+            None,
+        ),
+        Architecture::Qwen2Moe | Architecture::Qwen3Moe => (
+            hf.num_experts
+                .or(hf.num_local_experts)
+                .unwrap_or(if qwen2 { 60 } else { 128 }),
+            hf.num_experts_per_tok.unwrap_or(if qwen2 { 4 } else { 8 }),
+            hf.moe_intermediate_size
+                .unwrap_or(if qwen2 { 1408 } else { 768 }),
+            qwen2.then(|| hf.shared_expert_intermediate_size.unwrap_or(5632)),
+        ),
+        _ => return Ok(None),
+    };
+    if per_token == 0 || per_token > experts {
+        return Err(bad(
+            path,
+            format!("num_experts_per_tok = {per_token}: a token goes to 1 to {experts} experts (the model has {experts})"),
+        ));
+    }
+    let step = hf.decoder_sparse_step.unwrap_or(1);
+    if step == 0 {
+        return Err(bad(path, "`decoder_sparse_step` must be at least 1".into()));
+    }
+    let dense = hf.mlp_only_layers.clone().unwrap_or_default();
+    // transformers: sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th layer.
+    let sparse_layers = (0..hf.num_hidden_layers)
+        .map(|l| {
+            architecture == Architecture::Mixtral || (!dense.contains(&l) && (l + 1) % step == 0)
+        })
+        .collect();
+    let coef = hf.router_aux_loss_coef.unwrap_or(0.001);
+    if !coef.is_finite() || coef < 0.0 {
+        return Err(bad(
+            path,
+            format!("`router_aux_loss_coef` must be a non-negative number, not {coef}"),
+        ));
+    }
+    Ok(Some(MoeConfig {
+        num_experts: experts,
+        num_experts_per_tok: per_token,
+        moe_intermediate_size: width,
+        shared_expert_intermediate_size: shared,
+        norm_topk_prob: architecture == Architecture::Mixtral || hf.norm_topk_prob.unwrap_or(false),
+        sparse_layers,
+        router_aux_loss_coef: coef,
+        output_router_logits: hf.output_router_logits.unwrap_or(false),
+    }))
 }
 
 /// One token id or several (`eos_token_id`).
@@ -666,12 +852,12 @@ impl ModelConfig {
             .unwrap_or(hf.hidden_size / hf.num_attention_heads.max(1));
         let rope = rope_settings(obj, path, head_dim)?;
         // Qwen2/3 ignore `sliding_window` unless `use_sliding_window` (transformers' config does the same).
-        let sliding_window = match architecture {
-            Architecture::Qwen2 | Architecture::Qwen3 if hf.use_sliding_window != Some(true) => {
+        let sliding_window =
+            if architecture.gates_sliding_window() && hf.use_sliding_window != Some(true) {
                 None
-            }
-            _ => hf.sliding_window,
-        };
+            } else {
+                hf.sliding_window
+            };
         if sliding_window == Some(0) {
             return Err(bad(path, "`sliding_window` must be at least 1".into()));
         }
@@ -691,6 +877,7 @@ impl ModelConfig {
             architecture,
             path,
         )?;
+        let moe = moe_of(&hf, architecture, path)?;
         let config = ModelConfig {
             architecture,
             vocab_size: hf.vocab_size,
@@ -711,8 +898,11 @@ impl ModelConfig {
             },
             max_position_embeddings: hf.max_position_embeddings,
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(architecture.is_gemma()),
-            attention_bias: architecture == Architecture::Qwen2
-                || hf.attention_bias.unwrap_or(false),
+            attention_bias: match architecture {
+                Architecture::Qwen2 => true,
+                Architecture::Qwen2Moe => hf.qkv_bias.unwrap_or(true),
+                _ => hf.attention_bias.unwrap_or(false),
+            },
             activation,
             layer_types,
             sliding_window,
@@ -733,6 +923,7 @@ impl ModelConfig {
             )?,
             bos_token_id: hf.bos_token_id,
             eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
+            moe,
         };
         config.validate(path)?;
         Ok(config)
@@ -756,6 +947,19 @@ impl ModelConfig {
             bad(path, format!("GGUF architecture `{arch_name}` is not supported; supported: {SUPPORTED_MODEL_TYPES}"))
         })?;
         let key = |k: &str| format!("{arch_name}.{k}");
+        // llama.cpp writes Mixtral as `llama` with experts (`*_exps` tensors).
+        if md
+            .get(&key("expert_count"))
+            .and_then(|v| v.to_u32().ok())
+            .is_some_and(|n| n > 0)
+        {
+            return Err(bad(
+                path,
+                "GGUF files of mixture-of-experts models (`expert_count`, `*_exps` tensors) are not supported yet; \
+                 load the model's Hugging Face folder instead"
+                    .into(),
+            ));
+        }
         let get_u = |k: &str| -> Result<usize> {
             md.get(&key(k))
                 .ok_or_else(|| bad(path, format!("GGUF metadata `{}` is missing", key(k))))?
@@ -864,6 +1068,7 @@ impl ModelConfig {
             final_logit_softcapping: softcap("final_logit_softcapping", 30.0),
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
+            moe: None,
         };
         config.validate(path)?;
         Ok(config)
@@ -918,6 +1123,25 @@ impl ModelConfig {
             ),
             ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
         ];
+        let moe = self.moe.as_ref();
+        let sizes = [
+            sizes.as_slice(),
+            &[
+                ("num_experts", moe.map_or(0, |m| m.num_experts), MAX_EXPERTS),
+                (
+                    "moe_intermediate_size",
+                    moe.map_or(0, |m| m.moe_intermediate_size),
+                    MAX_SIZE,
+                ),
+                (
+                    "shared_expert_intermediate_size",
+                    moe.and_then(|m| m.shared_expert_intermediate_size)
+                        .unwrap_or(0),
+                    MAX_SIZE,
+                ),
+            ],
+        ]
+        .concat();
         if let Some((key, value, max)) = sizes.iter().find(|(_, v, max)| v > max) {
             return Err(bad(
                 path,
@@ -1084,8 +1308,9 @@ mod tests {
         assert_eq!(s.original_max_position_embeddings, 4096);
         let expected = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt();
         assert!((s.attention_factor - expected).abs() < 1e-12);
-        assert_eq!(c.architecture.layer_linear_names().len(), 4);
-        assert_eq!(c.layer_linear_shapes()[0], [16 * 4 * 3, 64]);
+        let linears = c.layer_linears(0);
+        assert_eq!(linears.len(), 4);
+        assert_eq!(linears[0], ("self_attn.qkv_proj".into(), [16 * 4 * 3, 64]));
         v["rope_scaling"]["long_factor"] = json!([2.0, 3.0]);
         let err = parse(v).unwrap_err().to_string();
         assert!(
@@ -1114,6 +1339,76 @@ mod tests {
     }
 
     /// What `to_hf_config` writes reads back to the same configuration, for every family's tiny model.
+    /// Qwen3-30B-A3B's config (the Hub's `config.json`, keys we read): every layer sparse, 128 experts of width
+    /// 768, 8 per token, renormalized; `mlp_only_layers` and `decoder_sparse_step` make layers dense as
+    /// transformers does; impossible expert counts are named.
+    #[test]
+    fn reads_mixture_of_experts_configs() {
+        let qwen3_30b_a3b = json!({
+            "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "router_aux_loss_coef": 0.001, "output_router_logits": false, "tie_word_embeddings": false,
+            "use_sliding_window": false, "sliding_window": null
+        });
+        let c = parse(qwen3_30b_a3b.clone()).unwrap();
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (
+                moe.num_experts,
+                moe.num_experts_per_tok,
+                moe.moe_intermediate_size
+            ),
+            (128, 8, 768)
+        );
+        assert!(moe.norm_topk_prob && moe.sparse_layers.iter().all(|s| *s));
+        assert!(c.architecture.has_qk_norm() && !c.attention_bias);
+        let layer = c.layer_linears(0);
+        assert_eq!(layer.len(), 4 + 1 + 2 * 128);
+        assert_eq!(layer[4], ("mlp.gate".into(), [128, 2048]));
+        assert_eq!(
+            layer[5],
+            ("mlp.experts.0.gate_up_proj".into(), [1536, 2048])
+        );
+        assert_eq!(layer[6], ("mlp.experts.0.down_proj".into(), [2048, 768]));
+
+        let mut v = qwen3_30b_a3b.clone();
+        v["mlp_only_layers"] = json!([0]);
+        v["decoder_sparse_step"] = json!(2);
+        let sparse = parse(v).unwrap().moe.unwrap().sparse_layers;
+        assert_eq!(&sparse[..4], &[false, true, false, true]);
+        assert_eq!(
+            parse(
+                json!({"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 64,
+                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "max_position_embeddings": 64})
+            )
+            .unwrap()
+            .moe
+            .unwrap()
+            .num_experts,
+            8,
+            "Mixtral's default"
+        );
+        for (key, value, says) in [
+            (
+                "num_experts_per_tok",
+                json!(129),
+                "num_experts_per_tok = 129",
+            ),
+            ("decoder_sparse_step", json!(0), "decoder_sparse_step"),
+            ("router_aux_loss_coef", json!(-1.0), "router_aux_loss_coef"),
+            ("num_experts", json!(1 << 20), "num_experts"),
+        ] {
+            let mut v = qwen3_30b_a3b.clone();
+            v[key] = value;
+            let err = parse(v).unwrap_err().to_string();
+            assert!(err.contains(says), "{key}: {err}");
+        }
+    }
+
     #[test]
     fn hf_config_round_trips() {
         let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models");
@@ -1126,7 +1421,7 @@ mod tests {
                 checked += 1;
             }
         }
-        assert!(checked >= 7);
+        assert!(checked >= 10);
         let c = parse(gemma3_v4()).unwrap();
         assert_eq!(parse(c.to_hf_config()).unwrap(), c);
     }

@@ -9,14 +9,15 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
 use super::config::{LayerAttention, ModelConfig};
+use super::mlp::{GateUpProjections, Mlp};
+use super::moe::{RouterLogits, SharedExpert, SparseMoe};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
-    self, attention, gated_activation, rms_norm, rope, split_heads, AttentionSpec, FrozenLinear,
-    FrozenWeight, GateActivation, GradSink, Pass, RopeTables, Segments,
+    self, attention, rms_norm, rope, split_heads, AttentionSpec, FrozenLinear, FrozenWeight,
+    GradSink, Pass, RopeTables, Segments,
 };
 
-/// A linear projection of the model: a frozen base with optional LoRA adapters.
-pub type Linear = crate::lora::LoraLinear;
+pub use super::mlp::Linear;
 
 /// The query, key and value projections of a layer: three, or one fused (Phi-3's `qkv_proj`, rows q, k, v).
 #[derive(Clone, Debug)]
@@ -34,23 +35,6 @@ pub enum QkvProjections {
     Fused {
         /// The three projections' rows stacked.
         qkv_proj: Linear,
-    },
-}
-
-/// The gate and up projections of a layer's MLP: two, or one fused (Phi-3's `gate_up_proj`, rows gate, up).
-#[derive(Clone, Debug)]
-pub enum GateUpProjections {
-    /// `gate_proj`, `up_proj`.
-    Separate {
-        /// Gate projection.
-        gate_proj: Linear,
-        /// Up projection.
-        up_proj: Linear,
-    },
-    /// `gate_up_proj`.
-    Fused {
-        /// The two projections' rows stacked.
-        gate_up_proj: Linear,
     },
 }
 
@@ -75,16 +59,6 @@ pub struct Attention {
     sliding_rope: bool,
 }
 
-/// The gated MLP of one layer: `down(act(gate(x)) · up(x))`.
-#[derive(Clone, Debug)]
-pub struct Mlp {
-    /// Gate and up projections.
-    pub gate_up: GateUpProjections,
-    /// Down projection.
-    pub down_proj: Linear,
-    activation: GateActivation,
-}
-
 /// One decoder layer: normed attention and MLP with residual connections. Llama-style layers norm each block's
 /// input (`input_layernorm`, then `post_attention_layernorm` before the MLP); Gemma's also norm each block's
 /// output (`input_layernorm` → attention → `post_attention_layernorm`, `pre_feedforward_layernorm` → MLP →
@@ -101,9 +75,27 @@ pub struct DecoderLayer {
     pub pre_feedforward_layernorm: Option<Tensor>,
     /// Gemma: the norm of the MLP output.
     pub post_feedforward_layernorm: Option<Tensor>,
-    /// MLP.
-    pub mlp: Mlp,
+    /// MLP: dense, or a mixture of experts.
+    pub mlp: FeedForward,
     eps: f64,
+}
+
+/// A layer's feed-forward block.
+#[derive(Clone, Debug)]
+pub enum FeedForward {
+    /// One gated MLP.
+    Dense(Mlp),
+    /// A sparse mixture of experts (Mixtral, Qwen2/3-MoE).
+    Sparse(SparseMoe),
+}
+
+/// Where a layer's router logits go: the forward's record, and whether the layer is checkpointed (then its logits
+/// are kept without their graph, and its recomputation adds the auxiliary loss's gradient itself).
+#[derive(Clone)]
+struct RouterSink {
+    record: RouterLogits,
+    layer: usize,
+    checkpointed: bool,
 }
 
 /// Keys and values of the positions seen so far, per layer (`[batch, kv_heads, seq, head_dim]`). A sliding-window
@@ -256,77 +248,62 @@ impl Attention {
     }
 }
 
-impl Mlp {
-    /// A gated MLP `down(act(gate(x)) · up(x))`.
-    pub fn new(gate_up: GateUpProjections, down_proj: Linear, activation: GateActivation) -> Self {
-        Mlp {
-            gate_up,
-            down_proj,
-            activation,
-        }
-    }
-
-    /// `mlp(x)`.
-    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward(x, None, Pass::Forward)
-    }
-
-    /// `mlp(x)`, plus `residual` when given: then in a [`Pass::Recompute`] the last projection's value is not
-    /// computed (only its graph is differentiated).
-    fn forward(&self, x: &Tensor, residual: Option<&Tensor>, pass: Pass) -> Result<Tensor> {
-        let (gate, up) = match &self.gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => {
-                (gate_proj.forward(x)?, up_proj.forward(x)?)
-            }
+/// An MLP's projections named under `prefix`, appended to `out` (shared or, with `mut`, mutable borrows).
+macro_rules! mlp_linears {
+    ($out:ident, $prefix:expr, $mlp:expr $(, $m:ident)?) => {{
+        let (prefix, mlp) = ($prefix, $mlp);
+        match & $($m)? mlp.gate_up {
+            GateUpProjections::Separate { gate_proj, up_proj } => $out.extend([
+                (format!("{prefix}.gate_proj"), gate_proj),
+                (format!("{prefix}.up_proj"), up_proj),
+            ]),
             GateUpProjections::Fused { gate_up_proj } => {
-                let y = gate_up_proj.forward(x)?;
-                let width = y.dim(D::Minus1)? / 2;
-                (
-                    y.narrow(D::Minus1, 0, width)?.contiguous()?,
-                    y.narrow(D::Minus1, width, width)?.contiguous()?,
-                )
+                $out.push((format!("{prefix}.gate_up_proj"), gate_up_proj))
             }
-        };
-        let hidden = gated_activation(&gate, &up, self.activation)?;
-        match residual {
-            Some(r) => self.down_proj.forward_plus(&hidden, r, pass),
-            None => self.down_proj.forward(&hidden),
         }
-    }
+        $out.push((format!("{prefix}.down_proj"), & $($m)? mlp.down_proj));
+    }};
 }
 
 /// A layer's projections with their relative names, borrowed shared (`named_linears!(layer)`) or mutably
-/// (`named_linears!(layer, mut)`).
+/// (`named_linears!(layer, mut)`), in [`ModelConfig::layer_linears`]' order.
 macro_rules! named_linears {
     ($layer:expr $(, $m:ident)?) => {{
         let layer = $layer;
         let mut out = Vec::with_capacity(7);
-        match &$($m)? layer.self_attn.qkv {
+        match & $($m)? layer.self_attn.qkv {
             QkvProjections::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => out.extend([
-                ("self_attn.q_proj", q_proj),
-                ("self_attn.k_proj", k_proj),
-                ("self_attn.v_proj", v_proj),
+                ("self_attn.q_proj".to_string(), q_proj),
+                ("self_attn.k_proj".to_string(), k_proj),
+                ("self_attn.v_proj".to_string(), v_proj),
             ]),
-            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj", qkv_proj)),
+            QkvProjections::Fused { qkv_proj } => out.push(("self_attn.qkv_proj".to_string(), qkv_proj)),
         }
-        out.push(("self_attn.o_proj", &$($m)? layer.self_attn.o_proj));
-        match &$($m)? layer.mlp.gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => {
-                out.extend([("mlp.gate_proj", gate_proj), ("mlp.up_proj", up_proj)])
+        out.push(("self_attn.o_proj".to_string(), & $($m)? layer.self_attn.o_proj));
+        match & $($m)? layer.mlp {
+            FeedForward::Dense(mlp) => mlp_linears!(out, "mlp", mlp $(, $m)?),
+            FeedForward::Sparse(moe) => {
+                out.push(("mlp.gate".to_string(), & $($m)? moe.gate));
+                for (e, expert) in (& $($m)? moe.experts).into_iter().enumerate() {
+                    mlp_linears!(out, format!("mlp.experts.{e}"), expert $(, $m)?);
+                }
+                if let Some(shared) = & $($m)? moe.shared_expert {
+                    mlp_linears!(out, "mlp.shared_expert", & $($m)? shared.mlp $(, $m)?);
+                    out.push(("mlp.shared_expert_gate".to_string(), & $($m)? shared.gate));
+                }
             }
-            GateUpProjections::Fused { gate_up_proj } => out.push(("mlp.gate_up_proj", gate_up_proj)),
         }
-        out.push(("mlp.down_proj", &$($m)? layer.mlp.down_proj));
         out
     }};
 }
 
 impl DecoderLayer {
-    /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full).
+    /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full), and in
+    /// the recomputation of a checkpointed sparse layer its share of the auxiliary loss (see [`RouterLogits`]).
     fn run(
         &self,
         x: &Tensor,
@@ -334,7 +311,8 @@ impl DecoderLayer {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
         pass: Pass,
-    ) -> Result<Tensor> {
+        router: Option<&RouterSink>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let norm = |t: &Tensor, w: &Tensor| rms_norm(t, w, self.eps);
         match (
             &self.pre_feedforward_layernorm,
@@ -349,8 +327,8 @@ impl DecoderLayer {
                     None,
                 )?;
                 let h = (x + norm(&a, &self.post_attention_layernorm)?)?;
-                let m = self.mlp.forward(&norm(&h, pre_mlp)?, None, pass)?;
-                &h + norm(&m, post_mlp)?
+                let (m, aux) = self.feed_forward(&norm(&h, pre_mlp)?, None, pass, router)?;
+                Ok(((&h + norm(&m, post_mlp)?)?, aux))
             }
             _ => {
                 // Each residual sum is accumulated by the block's last projection (see `LoraLinear::forward_plus`).
@@ -361,20 +339,59 @@ impl DecoderLayer {
                     segments,
                     Some(x),
                 )?;
-                self.mlp
-                    .forward(&norm(&h, &self.post_attention_layernorm)?, Some(&h), pass)
+                self.feed_forward(
+                    &norm(&h, &self.post_attention_layernorm)?,
+                    Some(&h),
+                    pass,
+                    router,
+                )
             }
         }
     }
 
+    /// The feed-forward block of `x`, plus `residual` when given; a sparse block's router logits go to `router`
+    /// (see [`DecoderLayer::run`]).
+    fn feed_forward(
+        &self,
+        x: &Tensor,
+        residual: Option<&Tensor>,
+        pass: Pass,
+        router: Option<&RouterSink>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let moe = match &self.mlp {
+            FeedForward::Dense(mlp) => return Ok((mlp.forward(x, residual, pass)?, None)),
+            FeedForward::Sparse(moe) => moe,
+        };
+        let (out, logits) = moe.forward(x)?;
+        let out = match residual {
+            Some(r) => (out + r)?,
+            None => out,
+        };
+        let aux = match (router, pass) {
+            (None, _) => None,
+            (Some(sink), Pass::Forward) => {
+                // A checkpointed layer's graph is not kept: its recomputation differentiates the loss itself.
+                let logits = if sink.checkpointed {
+                    logits.detach()
+                } else {
+                    logits
+                };
+                sink.record.record(sink.layer, logits)?;
+                None
+            }
+            (Some(sink), Pass::Recompute) => sink.record.recomputed_loss(&logits)?,
+        };
+        Ok((out, aux))
+    }
+
     /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...), in
     /// [`crate::models::Architecture::layer_linear_names`]' order.
-    pub fn linears(&self) -> Vec<(&'static str, &Linear)> {
+    pub fn linears(&self) -> Vec<(String, &Linear)> {
         named_linears!(self)
     }
 
     /// [`DecoderLayer::linears`], mutable.
-    pub fn linears_mut(&mut self) -> Vec<(&'static str, &mut Linear)> {
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         named_linears!(self, mut)
     }
 
@@ -409,49 +426,17 @@ impl DecoderLayer {
         linear: impl Fn(&Linear) -> Result<Linear>,
     ) -> Result<DecoderLayer> {
         let opt = |t: &Option<Tensor>| t.as_ref().map(&norm).transpose();
-        let a = &self.self_attn;
-        let qkv = match &a.qkv {
-            QkvProjections::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            } => QkvProjections::Separate {
-                q_proj: linear(q_proj)?,
-                k_proj: linear(k_proj)?,
-                v_proj: linear(v_proj)?,
-            },
-            QkvProjections::Fused { qkv_proj } => QkvProjections::Fused {
-                qkv_proj: linear(qkv_proj)?,
-            },
-        };
-        let gate_up = match &self.mlp.gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => GateUpProjections::Separate {
-                gate_proj: linear(gate_proj)?,
-                up_proj: linear(up_proj)?,
-            },
-            GateUpProjections::Fused { gate_up_proj } => GateUpProjections::Fused {
-                gate_up_proj: linear(gate_up_proj)?,
-            },
-        };
-        Ok(DecoderLayer {
-            input_layernorm: norm(&self.input_layernorm)?,
-            self_attn: Attention {
-                qkv,
-                o_proj: linear(&a.o_proj)?,
-                q_norm: opt(&a.q_norm)?,
-                k_norm: opt(&a.k_norm)?,
-                ..a.clone()
-            },
-            post_attention_layernorm: norm(&self.post_attention_layernorm)?,
-            pre_feedforward_layernorm: opt(&self.pre_feedforward_layernorm)?,
-            post_feedforward_layernorm: opt(&self.post_feedforward_layernorm)?,
-            mlp: Mlp {
-                gate_up,
-                down_proj: linear(&self.mlp.down_proj)?,
-                activation: self.mlp.activation,
-            },
-            eps: self.eps,
-        })
+        let mut out = self.clone();
+        for (_, lin) in out.linears_mut() {
+            *lin = linear(lin)?;
+        }
+        out.input_layernorm = norm(&self.input_layernorm)?;
+        out.post_attention_layernorm = norm(&self.post_attention_layernorm)?;
+        out.pre_feedforward_layernorm = opt(&self.pre_feedforward_layernorm)?;
+        out.post_feedforward_layernorm = opt(&self.post_feedforward_layernorm)?;
+        out.self_attn.q_norm = opt(&self.self_attn.q_norm)?;
+        out.self_attn.k_norm = opt(&self.self_attn.k_norm)?;
+        Ok(out)
     }
 }
 
@@ -601,7 +586,7 @@ impl LlamaModel {
             .into_iter()
             .enumerate()
             .map(|(i, w)| {
-                let expected = config.architecture.layer_linear_names().len();
+                let expected = config.layer_linears(i).len();
                 if w.linears.len() != expected {
                     candle_core::bail!(
                         "layer {i}: {} projections given, {} expected",
@@ -621,17 +606,49 @@ impl LlamaModel {
                     }
                 };
                 let o_proj = next();
-                let gate_up = if fused {
-                    GateUpProjections::Fused {
-                        gate_up_proj: next(),
+                let mlp = match config.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+                    None => {
+                        let gate_up = if fused {
+                            GateUpProjections::Fused {
+                                gate_up_proj: next(),
+                            }
+                        } else {
+                            GateUpProjections::Separate {
+                                gate_proj: next(),
+                                up_proj: next(),
+                            }
+                        };
+                        FeedForward::Dense(Mlp::new(gate_up, next(), config.activation))
                     }
-                } else {
-                    GateUpProjections::Separate {
-                        gate_proj: next(),
-                        up_proj: next(),
+                    Some(moe) => {
+                        let router = next();
+                        let experts = (0..moe.num_experts)
+                            .map(|_| {
+                                let gate_up_proj = next();
+                                let down_proj = next();
+                                let gate_up = GateUpProjections::Fused { gate_up_proj };
+                                Mlp::new(gate_up, down_proj, config.activation)
+                            })
+                            .collect();
+                        let shared = moe.shared_expert_intermediate_size.map(|_| {
+                            let gate_up = GateUpProjections::Separate {
+                                gate_proj: next(),
+                                up_proj: next(),
+                            };
+                            let mlp = Mlp::new(gate_up, next(), config.activation);
+                            SharedExpert { mlp, gate: next() }
+                        });
+                        let block = SparseMoe::new(
+                            router,
+                            experts,
+                            shared,
+                            moe.num_experts_per_tok,
+                            moe.norm_topk_prob,
+                        )
+                        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                        FeedForward::Sparse(block)
                     }
                 };
-                let down_proj = next();
                 let window = config.window_of(i);
                 Ok(Arc::new(DecoderLayer {
                     input_layernorm: w.input_layernorm,
@@ -656,11 +673,7 @@ impl LlamaModel {
                     post_attention_layernorm: w.post_attention_layernorm,
                     pre_feedforward_layernorm: w.pre_feedforward_layernorm,
                     post_feedforward_layernorm: w.post_feedforward_layernorm,
-                    mlp: Mlp {
-                        gate_up,
-                        down_proj,
-                        activation: config.activation,
-                    },
+                    mlp,
                     eps: config.rms_norm_eps,
                 }))
             })
@@ -817,6 +830,18 @@ impl LlamaModel {
         positions: &Positions,
         checkpointing: &Checkpointing,
     ) -> Result<Tensor> {
+        self.forward_embeds_routed(embeds, positions, checkpointing, None)
+    }
+
+    /// [`LlamaModel::forward_embeds`], with the sparse layers' router logits recorded in `router` (for the
+    /// auxiliary load-balancing loss: [`RouterLogits::aux_loss`]). Use a fresh record per forward.
+    pub fn forward_embeds_routed(
+        &self,
+        embeds: &Tensor,
+        positions: &Positions,
+        checkpointing: &Checkpointing,
+        router: Option<&RouterLogits>,
+    ) -> Result<Tensor> {
         let (_, seq, _) = embeds.dims3()?;
         let tables = self.position_tables(positions, seq)?;
         let segments = match positions {
@@ -826,14 +851,28 @@ impl LlamaModel {
         let mut x = embeds.clone();
         let recomputed = self.layers.len().saturating_sub(checkpointing.kept_layers);
         for (i, layer) in self.layers.iter().enumerate() {
-            x = if checkpointing.enabled && i < recomputed {
+            let checkpointed = checkpointing.enabled && i < recomputed;
+            let sink = router.map(|record| RouterSink {
+                record: record.clone(),
+                layer: i,
+                checkpointed,
+            });
+            x = if checkpointed {
                 let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
-                    layer.run(x, &tables, None, segments.as_ref(), pass)
+                    layer.run(x, &tables, None, segments.as_ref(), pass, sink.as_ref())
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {
-                layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward)?
+                let run = layer.run(
+                    &x,
+                    &tables,
+                    None,
+                    segments.as_ref(),
+                    Pass::Forward,
+                    sink.as_ref(),
+                );
+                run?.0
             };
         }
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
@@ -904,7 +943,9 @@ impl LlamaModel {
         let tables = self.position_tables(&Positions::Range(cache.len()), seq)?;
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.run(&x, &tables, Some(slot), None, Pass::Forward)?;
+            x = layer
+                .run(&x, &tables, Some(slot), None, Pass::Forward, None)?
+                .0;
         }
         cache.seen += seq;
         let last = x.narrow(1, seq - 1, 1)?;

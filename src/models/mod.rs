@@ -4,15 +4,17 @@
 pub mod config;
 pub mod generate;
 pub mod llama;
+pub mod mlp;
 pub mod moe;
 pub(crate) mod pyjson;
 pub mod tokenizer;
 
-pub use config::{Architecture, LayerAttention, ModelConfig};
+pub use config::{Architecture, LayerAttention, ModelConfig, MoeConfig};
 pub use generate::{generate, GenerationConfig};
 pub use llama::{
-    Checkpointing, GateUpProjections, KvCache, LayerWeights, LlamaModel, Mlp, Positions,
-    QkvProjections, SavedModules,
+    Checkpointing, FeedForward, KvCache, LayerWeights, LlamaModel, Positions, QkvProjections,
+    SavedModules,
 };
-pub use moe::{load_balancing_loss, SharedExpert, SparseMoe};
+pub use mlp::{GateUpProjections, Mlp};
+pub use moe::{load_balancing_loss, RouterLogits, SharedExpert, SparseMoe};
 pub use tokenizer::{ChatMessage, TextTokenizer};

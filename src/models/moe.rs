@@ -10,9 +10,12 @@
 //! not dequantized). Gradients flow to the input, to every expert that ran, and to the router through the selected
 //! probabilities (the choice of experts itself has no gradient, as in PyTorch).
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
 use candle_core::{DType, Result, Tensor, D};
 
-use super::llama::{Linear, Mlp};
+use super::mlp::{Linear, Mlp};
 
 /// Qwen2-MoE's shared expert: an MLP every token goes through, scaled by `sigmoid(gate(x))`.
 #[derive(Clone, Debug)]
@@ -171,28 +174,126 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
 /// assignments that went to expert `e` per token and `Pₑ` its mean router probability, both over every layer's
 /// tokens together. Only `Pₑ` carries a gradient. Multiplied by `router_aux_loss_coef` it joins the training loss.
 pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Tensor> {
+    Ok(balance(router_logits, top_k, None)?.0)
+}
+
+/// The load-balancing loss over the tokens whose `mask` is 1 (all when `None`; transformers' attention mask), and
+/// its derivative with respect to each counted token's router probability of each expert (`experts · fₑ / n`, `n`
+/// the counted rows of all layers).
+fn balance(
+    router_logits: &[Tensor],
+    top_k: usize,
+    mask: Option<&Tensor>,
+) -> Result<(Tensor, Vec<f64>)> {
     let Some(first) = router_logits.first() else {
         candle_core::bail!("load_balancing_loss: no router logits");
     };
     let experts = first.dim(1)?;
     let device = first.device();
-    let mut counts = vec![0f32; experts];
+    let token_mask: Option<Vec<f32>> = mask.map(|m| m.to_vec1()).transpose()?;
+    let mut counts = vec![0f64; experts];
     let mut prob_sum = Tensor::zeros(experts, DType::F32, device)?;
-    let mut rows = 0usize;
+    let mut rows = 0f64;
     for logits in router_logits {
         let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
-        for p in probs.to_vec2::<f32>()? {
-            for e in top_k_indices(&p, top_k) {
-                counts[e] += 1.0;
+        for (t, p) in probs.to_vec2::<f32>()?.iter().enumerate() {
+            let m = token_mask.as_ref().map_or(1.0, |m| m[t] as f64);
+            rows += m;
+            for e in top_k_indices(p, top_k) {
+                counts[e] += m;
             }
         }
-        rows += probs.dim(0)?;
-        prob_sum = (prob_sum + probs.sum(0)?)?;
+        let counted = match mask {
+            Some(m) => probs.broadcast_mul(&m.unsqueeze(1)?)?,
+            None => probs,
+        };
+        prob_sum = (prob_sum + counted.sum(0)?)?;
     }
-    let rows = rows as f64;
-    let tokens_per_expert = (Tensor::new(counts.as_slice(), device)? / rows)?;
+    let rows = rows.max(1.0);
+    let share: Vec<f32> = counts.iter().map(|c| (c / rows) as f32).collect();
+    let tokens_per_expert = Tensor::new(share.as_slice(), device)?;
     let prob_per_expert = (prob_sum / rows)?;
-    (tokens_per_expert * prob_per_expert)?.sum_all()? * experts as f64
+    let loss = ((tokens_per_expert * prob_per_expert)?.sum_all()? * experts as f64)?;
+    let derivative = counts
+        .iter()
+        .map(|c| experts as f64 * c / rows / rows)
+        .collect();
+    Ok((loss, derivative))
+}
+
+/// The router logits of one forward's sparse layers, recorded for the auxiliary load-balancing loss
+/// ([`RouterLogits::aux_loss`]). A checkpointed layer records its logits without their graph; its recomputation in
+/// the backward then adds its share of the loss's gradient itself (from the weights `aux_loss` leaves here), so
+/// the gradients equal an uncheckpointed run's.
+#[derive(Clone, Debug, Default)]
+pub struct RouterLogits(Arc<Mutex<RouterState>>);
+
+#[derive(Debug, Default)]
+struct RouterState {
+    /// Each sparse layer's router logits `[tokens, experts]`, by layer index.
+    layers: BTreeMap<usize, Tensor>,
+    /// The objective's derivative with respect to each token's router probabilities `[tokens, experts]`.
+    weights: Option<Tensor>,
+}
+
+impl RouterLogits {
+    /// An empty record.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn state(&self) -> Result<std::sync::MutexGuard<'_, RouterState>> {
+        self.0
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("router record poisoned".into()))
+    }
+
+    /// Records layer `layer`'s logits.
+    pub(crate) fn record(&self, layer: usize, logits: Tensor) -> Result<()> {
+        self.state()?.layers.insert(layer, logits);
+        Ok(())
+    }
+
+    /// Whether no sparse layer ran.
+    pub fn is_empty(&self) -> bool {
+        self.state().map(|s| s.layers.is_empty()).unwrap_or(true)
+    }
+
+    /// A recomputed checkpointed layer's share of the auxiliary loss, as a scalar whose gradient is the
+    /// objective's (`None` before [`RouterLogits::aux_loss`]).
+    pub(crate) fn recomputed_loss(&self, logits: &Tensor) -> Result<Option<Tensor>> {
+        let Some(weights) = self.state()?.weights.clone() else {
+            return Ok(None);
+        };
+        let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+        Ok(Some((probs * weights)?.sum_all()?))
+    }
+
+    /// transformers' load-balancing loss over the recorded layers (see [`load_balancing_loss`]), counting only the
+    /// tokens whose `token_mask` is 1 (`[tokens]`, float32: padding 0, as transformers reads its attention mask).
+    /// `scale` is the factor it enters the differentiated objective with (`router_aux_loss_coef`, over the ranks):
+    /// the checkpointed layers' recomputations use it. `None` when no sparse layer ran.
+    pub fn aux_loss(
+        &self,
+        top_k: usize,
+        token_mask: Option<&Tensor>,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        let logits: Vec<Tensor> = self.state()?.layers.values().cloned().collect();
+        if logits.is_empty() {
+            return Ok(None);
+        }
+        let (loss, derivative) = balance(&logits, top_k, token_mask)?;
+        let device = logits[0].device();
+        let per_expert: Vec<f32> = derivative.iter().map(|d| (d * scale) as f32).collect();
+        let per_expert = Tensor::new(per_expert.as_slice(), device)?.unsqueeze(0)?;
+        let weights = match token_mask {
+            Some(m) => m.unsqueeze(1)?.broadcast_mul(&per_expert)?,
+            None => per_expert.broadcast_as(logits[0].shape())?.contiguous()?,
+        };
+        self.state()?.weights = Some(weights);
+        Ok(Some(loss))
+    }
 }
 
 #[cfg(test)]
@@ -203,7 +304,7 @@ mod tests {
 
     use super::*;
     use crate::lora::{LoraAdapter, LoraLinear};
-    use crate::models::llama::GateUpProjections;
+    use crate::models::mlp::GateUpProjections;
     use crate::ops::autograd::gradcheck::{check, rand_f64};
     use crate::ops::{FrozenLinear, FrozenWeight, GateActivation};
 

@@ -468,14 +468,21 @@ impl Trainer {
         // distributed run's stop flag).
         let squared_norm = squared_norm(&run.vars, &grads)?;
         let read: Vec<f64> = Tensor::stack(
-            &[Some(&loss_sum), squared_norm.as_ref(), stop_flag.as_ref()]
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>(),
+            &[
+                Some(&loss_sum),
+                squared_norm.as_ref(),
+                result.aux_loss.as_ref(),
+                stop_flag.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>(),
             0,
         )?
         .to_vec1()?;
         let grad_norm = squared_norm.as_ref().map_or(0.0, |_| read[1].sqrt());
+        let aux_at = 1 + usize::from(squared_norm.is_some());
+        let aux_loss = result.aux_loss.as_ref().map(|_| read[aux_at]);
         // A distributed run stops where the ranks agreed (a Ctrl-C arriving later on one rank counts next step).
         run.agreed_stop = stop_flag.map(|_| read[read.len() - 1] > 0.0);
         let loss = read[0] / result.counted.max(1) as f64;
@@ -485,6 +492,7 @@ impl Trainer {
             epoch,
             learning_rate: Some(lr),
             tokens: Some(result.input_tokens),
+            aux_loss,
             ..Default::default()
         };
         if loss.is_finite() {
@@ -518,8 +526,9 @@ impl Trainer {
             memory: entry.memory_bytes,
         });
         if Self::log_now(run, args, step) && !entry.skipped {
+            let aux = aux_loss.map_or(String::new(), |a| format!("  aux_loss {a:.4}"));
             run.progress.println(&format!(
-                "step {step}/{}  loss {loss:.4}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
+                "step {step}/{}  loss {loss:.4}{aux}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
                 run.total,
                 entry.grad_norm.unwrap_or(f64::NAN)
             ));

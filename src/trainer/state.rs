@@ -13,6 +13,10 @@ pub struct LogEntry {
     /// Token-level mean training loss of the step's window (train entries).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub loss: Option<f64>,
+    /// A mixture of experts' auxiliary load-balancing loss (mean over the step's micro-batches, before
+    /// `router_aux_loss_coef`; `loss` includes it times the coefficient), when the model's config asks for it.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub aux_loss: Option<f64>,
     /// Pre-clip gradient norm.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub grad_norm: Option<f64>,

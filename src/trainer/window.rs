@@ -12,7 +12,7 @@ use super::sampler::Shard;
 use crate::data::{collate, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
-use crate::models::{Checkpointing, LlamaModel};
+use crate::models::{Checkpointing, LlamaModel, RouterLogits};
 
 /// Label tokens a batch contributes to the loss (after the shift).
 fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
@@ -79,6 +79,30 @@ pub(super) struct Window {
     pub input_tokens: usize,
     /// Gradients of the trainable variables, summed over this rank's micro-batches.
     pub grads: GradStore,
+    /// A mixture of experts' auxiliary load-balancing loss (with `output_router_logits`), the mean of this rank's
+    /// micro-batches': a float64 scalar on the device.
+    pub aux_loss: Option<Tensor>,
+}
+
+/// 1 for each real token of a right-padded batch `[rows · longest]`, 0 for padding; `None` without padding.
+fn token_mask(examples: &[&TokenizedExample], device: &Device) -> Result<Option<Tensor>> {
+    let longest = examples
+        .iter()
+        .map(|e| e.input_ids.len())
+        .max()
+        .unwrap_or(0);
+    if examples.iter().all(|e| e.input_ids.len() == longest) {
+        return Ok(None);
+    }
+    let mask: Vec<f32> = examples
+        .iter()
+        .flat_map(|e| (0..longest).map(move |t| if t < e.input_ids.len() { 1.0 } else { 0.0 }))
+        .collect();
+    Ok(Some(Tensor::from_vec(
+        mask,
+        examples.len() * longest,
+        device,
+    )?))
 }
 
 /// The micro-batches of one window, of every rank (micro-batch `k` is rank `k % world_size`'s), and the run's
@@ -93,6 +117,10 @@ impl Window {
     /// Forward and backward of this rank's micro-batches of `window`, gradients summed, the loss normalized by the
     /// label tokens of the whole window (all ranks'), so the ranks' gradients sum to one process's over the same
     /// window. Micro-batch `k` draws its dropout and noise from `first_micro + k` whichever rank runs it.
+    ///
+    /// A mixture of experts whose config sets `output_router_logits` adds `router_aux_loss_coef` times each
+    /// micro-batch's load-balancing loss (padding left out) to the objective, as transformers' model adds it to each
+    /// micro-batch's loss; the ranks' shares are averaged, as DDP averages transformers' gradients.
     pub(super) fn run(
         model: &LlamaModel,
         rows: &[TokenizedExample],
@@ -111,6 +139,12 @@ impl Window {
         let mut grads = GradStore::default();
         // The loss sums stay on the device (read once per step, with the gradient norm).
         let mut loss_sum: Option<Tensor> = None;
+        let moe = model
+            .config()
+            .moe
+            .as_ref()
+            .filter(|m| m.output_router_logits);
+        let (mut aux_sum, mut aux_count): (Option<Tensor>, usize) = (None, 0);
         model.lora_runtime.set_training(true);
         for (k, ex) in shard.share(examples.iter().enumerate()) {
             let seed = micro_batch_seed(args.seed, first_micro + k);
@@ -140,16 +174,35 @@ impl Window {
             if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
                 embeds = neftune_noise(&embeds, alpha, seed)?;
             }
-            let hidden = model.forward_embeds(&embeds, &batch.positions, &ck)?;
+            let router = moe.map(|_| RouterLogits::new());
+            let hidden =
+                model.forward_embeds_routed(&embeds, &batch.positions, &ck, router.as_ref())?;
             let (sum, _) = model.loss_from_hidden(&hidden, &batch.labels)?;
-            let sum_f64 = sum.to_dtype(DType::F64)?;
+            let mut sum_f64 = sum.to_dtype(DType::F64)?;
+            let mut objective = (sum / counted.max(1) as f64)?;
+            if let (Some(moe), Some(router)) = (moe, &router) {
+                let scale = moe.router_aux_loss_coef / shard.world_size as f64;
+                let mask = token_mask(ex, model.device())?;
+                if let Some(aux) = router.aux_loss(moe.num_experts_per_tok, mask.as_ref(), scale)? {
+                    let term = (aux.to_dtype(objective.dtype())? * scale)?;
+                    objective = (objective + term)?;
+                    // In the logged loss as in the objective: the window's mean token loss plus the term.
+                    let aux_f64 = aux.detach().to_dtype(DType::F64)?;
+                    sum_f64 = (sum_f64 + (&aux_f64 * (scale * counted.max(1) as f64))?)?;
+                    aux_sum = Some(match aux_sum {
+                        Some(total) => (total + aux_f64)?,
+                        None => aux_f64,
+                    });
+                    aux_count += 1;
+                }
+            }
             loss_sum = Some(match loss_sum {
                 Some(total) => (total + sum_f64)?,
                 None => sum_f64,
             });
             memory.end_phase(k, gradient_bytes(vars, &grads));
             memory.timeline.start_phase(Phase::Backward);
-            let mut g = (sum / counted.max(1) as f64)?.backward()?;
+            let mut g = objective.backward()?;
             ck.sink.merge_into(&mut g)?;
             for v in vars {
                 if let Some(gv) = g.get(v) {
@@ -172,6 +225,7 @@ impl Window {
             counted,
             input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),
             grads,
+            aux_loss: aux_sum.map(|s| s / aux_count as f64).transpose()?,
         })
     }
 }

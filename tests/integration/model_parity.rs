@@ -422,10 +422,12 @@ fn sharded_and_bitsandbytes_folders_load() {
     let model = load_model(bnb.to_str().unwrap(), None, &LoadOptions::default())
         .unwrap()
         .model;
-    assert!(matches!(
-        model.layers[0].mlp.down_proj.base.weight,
-        FrozenWeight::Nf4(_)
-    ));
+    let linears = model.linears();
+    let (_, down) = linears
+        .iter()
+        .find(|(n, _)| n == "model.layers.0.mlp.down_proj")
+        .unwrap();
+    assert!(matches!(down.base.weight, FrozenWeight::Nf4(_)));
     let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_nf4"]);
     assert!(d <= 1e-5, "bitsandbytes folder logits differ by {d}");
 }

@@ -5,10 +5,18 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_qlora::adapter::{
+    load_adapter, merge_to_folder, save_adapter, MergeOptions, ADAPTER_WEIGHTS,
+};
+use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraAdapter, LoraLinear};
-use candle_qlora::models::{load_balancing_loss, GateUpProjections, Mlp, SharedExpert, SparseMoe};
+use candle_qlora::models::{
+    load_balancing_loss, Checkpointing, GateUpProjections, LlamaModel, Mlp, Positions,
+    RouterLogits, SharedExpert, SparseMoe,
+};
 use candle_qlora::ops::{FrozenLinear, FrozenWeight, GateActivation};
+use candle_qlora::quant::QuantConfig;
 
 use crate::common::{data_path, max_abs_diff};
 
@@ -172,4 +180,305 @@ fn load_balancing_loss_matches_transformers() {
     let grads = loss.backward().unwrap();
     let d = max_abs_diff(grads.get(&l0).unwrap(), &t["grad_aux_logits_0"]);
     assert!(d < 1e-6, "gradient differs by {d}");
+}
+
+/// The tiny whole models of `scripts/golden_moe.py models`.
+const MOE_MODELS: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"];
+
+fn model_golden(name: &str) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(
+        data_path(&format!("models/{name}/golden.safetensors")),
+        &Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn load_moe(name: &str, quantization: Option<QuantConfig>) -> LlamaModel {
+    let dir = data_path(&format!("models/{name}"));
+    let options = LoadOptions {
+        quantization,
+        ..Default::default()
+    };
+    load_model(dir.to_str().unwrap(), None, &options)
+        .unwrap()
+        .model
+}
+
+/// transformers' training loss of embeddings `embeds` with labels `ids`: the mean token loss, plus
+/// `router_aux_loss_coef` times the load-balancing loss when the config sets `output_router_logits`; and the
+/// load-balancing loss itself.
+fn moe_loss(
+    model: &LlamaModel,
+    embeds: &Tensor,
+    ids: &Tensor,
+    checkpointing: bool,
+) -> (Tensor, f32) {
+    let ck = Checkpointing {
+        enabled: checkpointing,
+        ..Default::default()
+    };
+    let router = RouterLogits::new();
+    let h = model
+        .forward_embeds_routed(embeds, &Positions::Range(0), &ck, Some(&router))
+        .unwrap();
+    let (sum, n) = model
+        .loss_from_hidden(&h, &ids.to_dtype(DType::I64).unwrap())
+        .unwrap();
+    let moe = model.config().moe.clone().unwrap();
+    let coef = if moe.output_router_logits {
+        moe.router_aux_loss_coef
+    } else {
+        0.0
+    };
+    let aux = router
+        .aux_loss(moe.num_experts_per_tok, None, coef)
+        .unwrap()
+        .unwrap();
+    let total = ((sum / n as f64).unwrap() + (&aux * coef).unwrap()).unwrap();
+    (total, aux.to_scalar::<f32>().unwrap())
+}
+
+/// Mixtral (Hub layout), Qwen2-MoE (shared expert; the loss includes the auxiliary loss) and Qwen3-MoE (a dense
+/// layer among sparse ones; transformers 5's fused 3-D layout): logits, loss, auxiliary loss and the input
+/// gradients with and without checkpointing equal transformers'.
+#[test]
+fn tiny_moe_models_match_transformers() {
+    for name in MOE_MODELS {
+        let g = model_golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let model = load_moe(name, None);
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
+        assert!(d <= 1e-5, "{name}: logits differ from transformers by {d}");
+        let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+        for checkpointing in [false, true] {
+            let (loss, aux) = moe_loss(&model, embeds.as_tensor(), &ids, checkpointing);
+            let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
+            let value = loss.to_scalar::<f32>().unwrap();
+            assert!(
+                (value - expected).abs() <= 1e-5,
+                "{name}: loss {value} vs {expected}"
+            );
+            let expected_aux = g["aux_loss"].to_vec1::<f32>().unwrap()[0];
+            assert!(
+                (aux - expected_aux).abs() <= 1e-5,
+                "{name}: aux {aux} vs {expected_aux}"
+            );
+            let grads = loss.backward().unwrap();
+            let d = max_abs_diff(grads.get(&embeds).unwrap(), &g["grad_inputs_embeds"]);
+            assert!(
+                d <= 1e-6,
+                "{name} (checkpointing {checkpointing}): input gradient differs by {d}"
+            );
+        }
+    }
+}
+
+/// PEFT's adapters on the router, every expert (`target_parameters`) and the linear modules load with PEFT's
+/// logits, save back to PEFT's exact tensors, and merge (through the command's library call) into a folder
+/// transformers reads, with PEFT's merged logits.
+#[test]
+fn peft_expert_adapters_load_save_and_merge() {
+    for name in MOE_MODELS {
+        let g = model_golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let peft_dir = data_path(&format!("models/{name}/adapter"));
+        let mut model = load_moe(name, None);
+        load_adapter(&mut model, &peft_dir, "default").unwrap();
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_adapter"]);
+        assert!(
+            d <= 1e-4,
+            "{name}: logits with PEFT's adapter differ by {d}"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        save_adapter(&model, "default", dir.path(), None).unwrap();
+        let ours =
+            candle_core::safetensors::load(dir.path().join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+        let theirs =
+            candle_core::safetensors::load(peft_dir.join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+        let mut keys: Vec<&String> = ours.keys().collect();
+        keys.sort();
+        let mut expected: Vec<&String> = theirs.keys().collect();
+        expected.sort();
+        assert_eq!(keys, expected, "{name}: saved keys");
+        for (k, t) in &theirs {
+            assert_eq!(
+                max_abs_diff(&ours[k], t),
+                0.0,
+                "{name}: `{k}` changed on the round trip"
+            );
+        }
+
+        let merged = dir.path().join("merged");
+        let options = MergeOptions {
+            dtype: DType::F32,
+            requantize: None,
+            overwrite: false,
+        };
+        let source = data_path(&format!("models/{name}"));
+        merge_to_folder(&model, None, Some(&source), &merged, &options).unwrap();
+        let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &g["logits_merged"]);
+        assert!(
+            d <= 1e-4,
+            "{name}: merged logits differ from PEFT's merge by {d}"
+        );
+    }
+}
+
+/// Loaded in 4 bits, every expert is NF4 on its own and the router stays dense (as transformers keeps it), and the
+/// model still computes nearly the float32 loss.
+#[test]
+fn experts_quantize_on_load_and_the_router_stays_dense() {
+    let g = model_golden("tiny-qwen3-moe");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let model = load_moe("tiny-qwen3-moe", Some(QuantConfig::nf4()));
+    let linears = model.linears();
+    let kind = |n: &str| {
+        let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
+        matches!(l.base.weight, FrozenWeight::Nf4(_))
+    };
+    assert!(kind("model.layers.0.mlp.experts.3.gate_up_proj"));
+    assert!(kind("model.layers.2.mlp.experts.0.down_proj"));
+    assert!(
+        kind("model.layers.1.mlp.gate_proj"),
+        "the dense layer's MLP"
+    );
+    assert!(!kind("model.layers.0.mlp.gate"), "the router stays dense");
+    let embeds = model.embed(&ids).unwrap();
+    let (loss, _) = moe_loss(&model, &embeds, &ids, false);
+    let (loss, expected) = (
+        loss.to_scalar::<f32>().unwrap(),
+        g["loss"].to_vec1::<f32>().unwrap()[0],
+    );
+    assert!(
+        (loss - expected).abs() < 0.05,
+        "NF4 loss {loss} vs float32 {expected}"
+    );
+}
+
+/// `qlora train` on Qwen2-MoE (NF4 experts, checkpointed layers, the auxiliary loss on) with adapters on the
+/// attention, the shared expert, the router and every expert: the loss falls, `aux_loss` is logged, the adapter
+/// is in PEFT's layout, `qlora merge` reproduces the adapted model and `qlora generate` runs with it. With `QLORA_PEFT_CHECK_DIR=DIR` the adapter
+/// and our float32 logits are copied to `DIR/trained-qwen2-moe` for `scripts/golden_moe.py check-ours`.
+#[test]
+fn qwen2_moe_trains_and_merges_through_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = data_path("models/tiny-qwen2-moe");
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            let words: Vec<String> = (0..(8 + i))
+                .map(|j| format!("t{}", 1 + (i + 2 * j) % 100))
+                .collect();
+            format!("{{\"text\": \"{}\"}}", words.join(" "))
+        })
+        .collect();
+    std::fs::write(dir.path().join("train.jsonl"), lines.join("\n")).unwrap();
+    let out = dir.path().join("out");
+    let config = dir.path().join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\n\
+             [lora]\nr = 4\nlora_alpha = 8\ntarget_modules = \"all-linear\"\n\
+             target_parameters = [\"mlp.gate.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n\
+             [data]\ntrain_file = \"train.jsonl\"\n\
+             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 4\nmax_steps = 4\nlogging_steps = 1\n\
+             learning_rate = 2e-2\ngradient_checkpointing = true\nsave_strategy = \"no\"\n",
+            model.to_str().unwrap(),
+            out.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(args)
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "qlora {args:?}: {text}");
+    };
+    run(&["train", "--config", config.to_str().unwrap()]);
+    let entries: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|v: &serde_json::Value| v.get("loss").is_some())
+        .collect();
+    let loss: Vec<f64> = entries
+        .iter()
+        .map(|v| v["loss"].as_f64().unwrap())
+        .collect();
+    assert!(
+        loss.len() == 4 && loss[3] < loss[0],
+        "the loss did not fall: {loss:?}"
+    );
+    assert!(
+        entries
+            .iter()
+            .all(|v| v["aux_loss"].as_f64().is_some_and(|a| a > 0.0)),
+        "aux_loss is logged at every step: {entries:?}"
+    );
+    let tensors = candle_core::safetensors::load(out.join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+    for key in [
+        "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight",
+        "base_model.model.model.layers.1.mlp.experts.lora_B.weight",
+        "base_model.model.model.layers.1.mlp.gate.lora_A.weight",
+        "base_model.model.model.layers.1.mlp.shared_expert_gate.lora_B.weight",
+    ] {
+        assert!(
+            tensors.contains_key(key),
+            "no `{key}` in {:?}",
+            tensors.keys()
+        );
+    }
+    let g = model_golden("tiny-qwen2-moe");
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let mut adapted = load_moe("tiny-qwen2-moe", None);
+    load_adapter(&mut adapted, &out, "default").unwrap();
+    let logits = adapted.logits(&ids).unwrap();
+    let merged = dir.path().join("merged");
+    run(&[
+        "merge",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        out.to_str().unwrap(),
+        "--output",
+        merged.to_str().unwrap(),
+        "--dtype",
+        "f32",
+    ]);
+    run(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        out.to_str().unwrap(),
+        "--prompt",
+        "t3 t17 t42",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+    ]);
+    let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &logits);
+    assert!(
+        d <= 1e-4,
+        "merged logits differ from the adapted model's by {d}"
+    );
+    if let Some(check) = std::env::var_os("QLORA_PEFT_CHECK_DIR") {
+        let target = std::path::Path::new(&check).join("trained-qwen2-moe");
+        save_adapter(&adapted, "default", &target, None).unwrap();
+        candle_core::safetensors::save(
+            &HashMap::from([("logits".to_string(), logits)]),
+            target.join("logits.safetensors"),
+        )
+        .unwrap();
+    }
 }

@@ -13,8 +13,10 @@ use candle_core::{Result, Tensor, Var};
 
 use super::{Apply, Op, Value};
 
-/// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`].
-pub type Block = Arc<dyn Fn(&Tensor, Pass) -> Result<Tensor> + Send + Sync>;
+/// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`]; and, in a recomputation, an
+/// optional scalar the block adds to the objective (a layer's share of an auxiliary loss computed after the
+/// forward, such as the mixture-of-experts load-balancing loss): its gradient joins the block's.
+pub type Block = Arc<dyn Fn(&Tensor, Pass) -> Result<(Tensor, Option<Tensor>)> + Send + Sync>;
 
 /// Why a checkpointed block runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +77,7 @@ impl Op<2> for Checkpoint {
 
     fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
         Ok(Value::Tensor(
-            (self.block)(&x.detach(), Pass::Forward)?.detach(),
+            (self.block)(&x.detach(), Pass::Forward)?.0.detach(),
         ))
     }
 
@@ -90,13 +92,17 @@ impl Op<2> for Checkpoint {
         } else {
             None
         };
-        let y = (self.block)(
+        let (y, extra) = (self.block)(
             input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
             Pass::Recompute,
         )?;
         // The vector-Jacobian product: Candle seeds a backward with ones, so y·grad needs no sum (a reduction on
-        // a GPU would upload its layout every layer).
-        let grads = (y * grad)?.backward()?;
+        // a GPU would upload its layout every layer) unless a scalar joins it.
+        let product = (y * grad)?;
+        let grads = match extra {
+            None => product.backward()?,
+            Some(e) => (product.to_dtype(e.dtype())?.sum_all()? + e)?.backward()?,
+        };
         for p in &self.params {
             if let Some(g) = grads.get(p) {
                 self.sink.add(p, g)?;
@@ -114,7 +120,7 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
     let anchor = match params.first() {
         Some(p) => p.as_tensor().clone(),
         None if x.track_op() => x.clone(),
-        None => return Ok(block(&x.detach(), Pass::Forward)?.detach()),
+        None => return Ok(block(&x.detach(), Pass::Forward)?.0.detach()),
     };
     Checkpoint {
         block,
@@ -135,7 +141,8 @@ mod tests {
             let h = rms_norm(x, &norm, 1e-6)?;
             let up = h.broadcast_matmul(&a.as_tensor().t()?)?;
             let gate = h.broadcast_matmul(&b.as_tensor().t()?)?;
-            x + swiglu(&gate, &up)?.broadcast_matmul(a.as_tensor())?
+            let y = (x + swiglu(&gate, &up)?.broadcast_matmul(a.as_tensor())?)?;
+            Ok((y, None))
         })
     }
 
@@ -152,8 +159,9 @@ mod tests {
             } else {
                 x.as_detached_tensor()
             };
-            let plain = f(&f(&input, Pass::Forward).unwrap(), Pass::Forward)
+            let plain = f(&f(&input, Pass::Forward).unwrap().0, Pass::Forward)
                 .unwrap()
+                .0
                 .sqr()
                 .unwrap()
                 .sum_all()
