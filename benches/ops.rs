@@ -23,6 +23,9 @@ use candle_qlora::ops::{low_rank_linear, LowRank, OutputValue};
 use candle_qlora::quant::{Nf4Tensor, QuantConfig};
 use criterion::Criterion;
 
+mod common;
+use common::interleaved;
+
 const TOKENS: usize = 1024;
 
 fn randn(dims: &[usize], std: f32) -> Tensor {
@@ -37,28 +40,6 @@ fn reference_gemm(flops: f64) -> impl Fn() {
     move || {
         black_box(a.matmul(&b).unwrap());
     }
-}
-
-/// Op and GEMM timed alternately `PAIRS` times: the medians of the op's and the GEMM's seconds and of the pairs'
-/// ratios. On a shared machine a slow minute then slows both halves of a pair instead of one side of the ratio.
-const PAIRS: usize = 9;
-
-fn interleaved(op: &dyn Fn(), gemm: &dyn Fn()) -> (f64, f64, f64) {
-    let time = |f: &dyn Fn()| {
-        let start = std::time::Instant::now();
-        f();
-        start.elapsed().as_secs_f64()
-    };
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let pairs: Vec<(f64, f64)> = (0..PAIRS).map(|_| (time(op), time(gemm))).collect();
-    (
-        median(pairs.iter().map(|p| p.0).collect()),
-        median(pairs.iter().map(|p| p.1).collect()),
-        median(pairs.iter().map(|p| p.0 / p.1).collect()),
-    )
 }
 
 struct Case {

@@ -156,6 +156,36 @@ pub struct Estimate {
     pub assumptions: Vec<String>,
     /// The gradient exchange of a data-parallel run (the configuration asked, with more than one rank).
     pub data_parallel: Option<DataParallel>,
+    /// How a mixture of experts' tokens spread over its experts (the configuration asked, a sparse model).
+    pub routing: Option<Routing>,
+}
+
+/// The rows each expert of a sparse layer runs over in one micro-batch. Every token goes to `num_experts_per_tok`
+/// different experts, so a layer always runs `tokens × top_k` expert rows in all, however the router spreads
+/// them: the saved activations count those. One expert gets `tokens × top_k / experts` rows when the router is
+/// balanced and at most `tokens` (every token choosing it); the backward of the widest expert at that worst case
+/// stays within the layer's gradients in flight that the estimate counts (all `top_k` experts' widths at once).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Routing {
+    /// Rows (token, expert) per sparse layer: tokens × `num_experts_per_tok`.
+    pub routed_rows: u64,
+    /// Rows of one expert when the router is balanced.
+    pub expected_rows_per_expert: u64,
+    /// Rows of one expert at worst: every token of the micro-batch.
+    pub worst_rows_per_expert: u64,
+}
+
+impl Routing {
+    /// The routing of `tokens` tokens in a model with experts; `None` for a dense one.
+    fn of(c: &ModelConfig, tokens: u64) -> Option<Self> {
+        let m = c.moe.as_ref()?;
+        let routed_rows = tokens * m.num_experts_per_tok as u64;
+        Some(Routing {
+            routed_rows,
+            expected_rows_per_expert: routed_rows.div_ceil(m.num_experts as u64),
+            worst_rows_per_expert: tokens,
+        })
+    }
 }
 
 /// What a data-parallel step exchanges: the LoRA gradients (float32), summed over the ranks once per optimizer
@@ -422,6 +452,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
         total_bytes: parts.iter().sum(),
         assumptions,
         data_parallel: None,
+        routing: None,
     }
 }
 
@@ -492,6 +523,15 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
         },
     ];
+    let routing = Routing::of(c, (args.batch * args.seq) as u64);
+    if let (Some(r), Some(m)) = (&routing, &c.moe) {
+        assumptions.push(format!(
+            "mixture of experts: {} of {} experts per token, {} expert rows per sparse layer; one expert runs {} \
+             rows when the router is balanced, {} at worst (every token), within the counted gradients in flight; \
+             experts and routers are not adapted by all-linear (PEFT's target_parameters adds one pair per expert)",
+            m.num_experts_per_tok, m.num_experts, r.routed_rows, r.expected_rows_per_expert, r.worst_rows_per_expert
+        ));
+    }
     if let Some(d) = &data_parallel {
         assumptions.push(format!(
             "data parallel over {} GPUs: the figures are per GPU (each holds the whole model and its own \
@@ -513,6 +553,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         assumptions,
     );
     estimate.data_parallel = data_parallel;
+    estimate.routing = routing;
     Ok(estimate)
 }
 
@@ -632,6 +673,48 @@ mod tests {
         };
         let err = estimate(&c, &cpu).unwrap_err().to_string();
         assert!(err.contains("runs on GPUs"), "{err}");
+    }
+
+    /// Qwen3-30B-A3B (the Hub's config): 30,532,122,624 parameters, as its model card's 30.5B; all-linear adapts
+    /// the attention alone (PEFT: 13,369,344 trainable at r = 16); a 1 × 2048 micro-batch routes 16,384 rows, 128
+    /// per expert when balanced, 2048 at worst; a dense model has no routing.
+    #[test]
+    fn mixture_of_experts_counts_every_expert_and_its_routed_rows() {
+        let json = serde_json::json!({
+            "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": true, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": false
+        });
+        let c = ModelConfig::from_hf_config(&json, std::path::Path::new("config.json")).unwrap();
+        let n = counts(&c, 16);
+        assert_eq!(n.block_linear + n.rest, 30_532_122_624);
+        assert_eq!(n.lora, 13_369_344);
+        let e = estimate(
+            &c,
+            &EstimateArgs {
+                device: DeviceKind::Cuda,
+                gradient_checkpointing: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            e.routing,
+            Some(Routing {
+                routed_rows: 16_384,
+                expected_rows_per_expert: 128,
+                worst_rows_per_expert: 2048,
+            })
+        );
+        assert!(e.assumptions.iter().any(|a| a.contains("2048 at worst")));
+        assert_eq!(
+            estimate(&llama2_7b(), &EstimateArgs::default())
+                .unwrap()
+                .routing,
+            None
+        );
     }
 
     fn llama2_7b() -> ModelConfig {

@@ -1338,7 +1338,6 @@ mod tests {
             .contains("partial_rotary_factor"));
     }
 
-    /// What `to_hf_config` writes reads back to the same configuration, for every family's tiny model.
     /// Qwen3-30B-A3B's config (the Hub's `config.json`, keys we read): every layer sparse, 128 experts of width
     /// 768, 8 per token, renormalized; `mlp_only_layers` and `decoder_sparse_step` make layers dense as
     /// transformers does; impossible expert counts are named.
@@ -1409,6 +1408,7 @@ mod tests {
         }
     }
 
+    /// What `to_hf_config` writes reads back to the same configuration, for every family's tiny model.
     #[test]
     fn hf_config_round_trips() {
         let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models");

@@ -385,7 +385,7 @@ impl DecoderLayer {
     }
 
     /// The projections of this layer with their names relative to the layer (`self_attn.q_proj`, ...), in
-    /// [`crate::models::Architecture::layer_linear_names`]' order.
+    /// [`crate::models::ModelConfig::layer_linears`]' order.
     pub fn linears(&self) -> Vec<(String, &Linear)> {
         named_linears!(self)
     }
@@ -540,8 +540,9 @@ pub struct LayerWeights {
     pub q_norm: Option<Tensor>,
     /// `self_attn.k_norm.weight` (Qwen3, Gemma 3).
     pub k_norm: Option<Tensor>,
-    /// The projections in [`crate::models::Architecture::layer_linear_names`]' order: q, k, v, o, gate, up, down,
-    /// or (fused) qkv, o, gate_up, down.
+    /// The projections in [`crate::models::ModelConfig::layer_linears`]' order: q, k, v, o, gate, up, down, or
+    /// (fused) qkv, o, gate_up, down; in a sparse layer the router, each expert's gate_up and down, then the
+    /// shared expert's projections and gate.
     pub linears: Vec<Linear>,
 }
 

@@ -581,6 +581,72 @@ fn every_family_on_the_gpu_matches_transformers() {
 /// bitsandbytes' 32-bit and 8-bit AdamW, resident and paged (with a tensor below `min_8bit_size` on the 32-bit
 /// kernel, a partial absmax block, weight decay, a non-finite gradient element on the 8-bit kernel) — and a state
 /// saved on the GPU resumes on the CPU.
+/// The mixture-of-experts models on the GPU (tokens grouped by expert with Candle's indexed ops, each expert's
+/// product by cuBLAS or our 4-bit kernels): float32 logits equal transformers', also with PEFT's adapters on the
+/// router and every expert; the training loss with the auxiliary loss and its input gradients, under
+/// checkpointing, equal transformers'; an NF4 model computing in half precision gives the CPU's NF4 loss.
+#[test]
+fn mixture_of_experts_models_on_the_gpu_match_transformers() {
+    use crate::moe::{model_golden, moe_loss, MOE_MODELS};
+    use candle_core::Var;
+    for name in MOE_MODELS {
+        let g = model_golden(name);
+        let dir = data_path(&format!("models/{name}"));
+        let load = |quantization, device: &Device| {
+            let opts = LoadOptions {
+                quantization,
+                compute_dtype: DType::F32,
+            };
+            load_model(dir.to_str().unwrap(), None, &opts)
+                .unwrap()
+                .model
+                .to_device(device)
+                .unwrap()
+        };
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let on_gpu = ids.to_device(&gpu()).unwrap();
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+        let mut model = load(None, &gpu());
+        let d = crate::common::max_abs_diff(&cpu(&model.logits(&on_gpu).unwrap()), &g["logits"]);
+        assert!(d <= 1e-4, "{name}: GPU logits differ from transformers by {d}");
+
+        let embeds = Var::from_tensor(&model.embed(&on_gpu).unwrap()).unwrap();
+        let (loss, _) = moe_loss(&model, embeds.as_tensor(), &on_gpu, true);
+        let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
+        let value = loss.to_scalar::<f32>().unwrap();
+        assert!((value - expected).abs() <= 1e-4, "{name}: GPU loss {value} vs {expected}");
+        let grads = loss.backward().unwrap();
+        let d = crate::common::max_abs_diff(
+            &cpu(grads.get(&embeds).unwrap()),
+            &g["grad_inputs_embeds"],
+        );
+        assert!(d <= 1e-5, "{name}: GPU input gradient differs by {d}");
+
+        candle_qlora::adapter::load_adapter(&mut model, &dir.join("adapter"), "default").unwrap();
+        let d = crate::common::max_abs_diff(
+            &cpu(&model.logits(&on_gpu).unwrap()),
+            &g["logits_adapter"],
+        );
+        assert!(d <= 1e-4, "{name}: GPU logits with PEFT's adapter differ by {d}");
+
+        let nf4_loss = |device: &Device, dtype: DType| {
+            let mut model = load(Some(QuantConfig::nf4()), device);
+            model.set_compute_dtype(dtype);
+            let ids = ids.to_device(device).unwrap();
+            let embeds = model.embed(&ids).unwrap();
+            let (loss, _) = moe_loss(&model, &embeds, &ids, true);
+            loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap()
+        };
+        let reference = nf4_loss(&Device::Cpu, DType::F32);
+        let half = nf4_loss(&gpu(), training_half());
+        assert!(
+            (half - reference).abs() <= 2e-2 * reference.abs(),
+            "{name}: NF4 loss in {:?} on the GPU {half} vs the CPU's {reference}",
+            training_half()
+        );
+    }
+}
+
 #[test]
 fn optimizer_updates_on_the_gpu_match_the_cpu_bit_for_bit() {
     use candle_core::backprop::GradStore;

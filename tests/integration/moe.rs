@@ -183,9 +183,9 @@ fn load_balancing_loss_matches_transformers() {
 }
 
 /// The tiny whole models of `scripts/golden_moe.py models`.
-const MOE_MODELS: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"];
+pub(crate) const MOE_MODELS: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"];
 
-fn model_golden(name: &str) -> HashMap<String, Tensor> {
+pub(crate) fn model_golden(name: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(
         data_path(&format!("models/{name}/golden.safetensors")),
         &Device::Cpu,
@@ -207,7 +207,7 @@ fn load_moe(name: &str, quantization: Option<QuantConfig>) -> LlamaModel {
 /// transformers' training loss of embeddings `embeds` with labels `ids`: the mean token loss, plus
 /// `router_aux_loss_coef` times the load-balancing loss when the config sets `output_router_logits`; and the
 /// load-balancing loss itself.
-fn moe_loss(
+pub(crate) fn moe_loss(
     model: &LlamaModel,
     embeds: &Tensor,
     ids: &Tensor,
