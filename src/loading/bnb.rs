@@ -272,13 +272,15 @@ const NOT_QUANTIZED_MODULES: [&str; 6] = [
 ];
 
 /// True for the weights transformers' bitsandbytes integration quantizes: 2-D `*.weight` tensors of linear layers,
-/// not embeddings, norms or `lm_head`.
+/// not embeddings, norms, `lm_head`, or a mixture of experts' router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`;
+/// transformers 5 holds it as a plain parameter, which stays in the checkpoint's dtype).
 pub fn is_quantizable_linear(name: &str, shape: &[usize]) -> bool {
     let Some(module) = name.strip_suffix(".weight") else {
         return false;
     };
     let last = module.rsplit('.').next().unwrap_or(module);
-    shape.len() == 2 && !NOT_QUANTIZED_MODULES.contains(&last) && !last.contains("norm")
+    let router = module.ends_with(".mlp.gate") || module.ends_with(".block_sparse_moe.gate");
+    shape.len() == 2 && !NOT_QUANTIZED_MODULES.contains(&last) && !last.contains("norm") && !router
 }
 
 /// Options for [`quantize_path`].
@@ -552,5 +554,16 @@ mod tests {
             "model.layers.0.self_attn.q_proj.bias",
             &[64]
         ));
+        // A mixture of experts: every expert is quantized, the router is not.
+        assert!(is_quantizable_linear(
+            "model.layers.0.block_sparse_moe.experts.7.w2.weight",
+            &[64, 128]
+        ));
+        for router in [
+            "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.mlp.gate.weight",
+        ] {
+            assert!(!is_quantizable_linear(router, &[8, 64]), "{router}");
+        }
     }
 }

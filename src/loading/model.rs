@@ -134,16 +134,42 @@ impl Weights {
         read_bnb_weight(&st, name, file.path()).map(Some)
     }
 
-    /// A dense tensor, also when stored as bitsandbytes 4-bit (then dequantized to float32).
-    fn dense_or_dequantized(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    /// Tensor `name` when stored as bitsandbytes 4-bit, checked to have `shape`.
+    fn nf4_of_shape(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Tensor>> {
         match self.nf4(name)? {
             Some(q) if q.shape() != shape => Err(Error::Model(format!(
                 "4-bit tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
                 self.where_(),
                 q.shape()
             ))),
-            Some(q) => Ok(q.dequantize(DType::F32)?),
-            None => self.dense(name, shape),
+            q => Ok(q),
+        }
+    }
+
+    /// A dense tensor, also when stored as bitsandbytes 4-bit (then dequantized to float32, and its quantization
+    /// settings returned).
+    fn dense_or_dequantized(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(Tensor, Option<QuantConfig>)> {
+        Ok(match self.nf4_of_shape(name, shape)? {
+            Some(q) => (q.dequantize(DType::F32)?, Some(q.config())),
+            None => (self.dense(name, shape)?, None),
+        })
+    }
+
+    /// Linear weight `name`: a bitsandbytes 4-bit tensor as stored, otherwise the dense one (quantized with
+    /// `quant` when given).
+    fn stored_or_quantized(
+        &self,
+        name: &str,
+        shape: [usize; 2],
+        quant: Option<&QuantConfig>,
+    ) -> Result<FrozenWeight> {
+        match self.nf4_of_shape(name, &shape)? {
+            Some(q) => Ok(FrozenWeight::Nf4(Arc::new(q))),
+            None => frozen_weight(self.dense(name, &shape)?, name, quant),
         }
     }
 
@@ -171,20 +197,7 @@ impl Weights {
         bias: bool,
         quant: Option<&QuantConfig>,
     ) -> Result<LoraLinear> {
-        let wname = format!("{prefix}.weight");
-        let weight = match self.nf4(&wname)? {
-            Some(q) => {
-                if q.shape() != shape {
-                    return Err(Error::Model(format!(
-                        "4-bit tensor `{wname}` in {} has shape {:?}, but the config implies {shape:?}",
-                        self.where_(),
-                        q.shape()
-                    )));
-                }
-                FrozenWeight::Nf4(Arc::new(q))
-            }
-            None => frozen_weight(self.dense(&wname, &shape)?, &wname, quant)?,
-        };
+        let weight = self.stored_or_quantized(&format!("{prefix}.weight"), shape, quant)?;
         let bias = if bias {
             Some(
                 self.dense(&format!("{prefix}.bias"), &shape[..1])?
@@ -207,8 +220,8 @@ fn frozen_weight(dense: Tensor, name: &str, quant: Option<&QuantConfig>) -> Resu
 
 /// The router and experts of sparse layer `p` (`model.layers.{l}`) in [`ModelConfig::layer_linears`]' order, from
 /// either layout transformers reads: one tensor per expert (the Hub's: Mixtral's `block_sparse_moe.experts.{e}.w1`
-/// / `w3` / `w2`, Qwen's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; bitsandbytes 4-bit ones are
-/// dequantized), or the fused 3-D tensors transformers 5 holds (`mlp.experts.gate_up_proj` `[experts, 2·width,
+/// / `w3` / `w2`, Qwen's `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; bitsandbytes 4-bit ones stay 4-bit),
+/// or the fused 3-D tensors transformers 5 holds (`mlp.experts.gate_up_proj` `[experts, 2·width,
 /// hidden]`, `mlp.experts.down_proj` `[experts, hidden, width]`). Each expert's gate and up projections become one
 /// `[2·width, hidden]` weight (gate rows first), quantized on its own; the router stays dense, as in transformers,
 /// where it is no `nn.Linear` that bitsandbytes would replace.
@@ -241,34 +254,35 @@ fn sparse_linears(
     for e in 0..experts {
         let ours = format!("{p}.mlp.experts.{e}");
         let (gate_up, down) = match &fused {
-            Some((gate_up, down)) => (gate_up.get(e)?, down.get(e)?),
+            Some((gate_up, down)) => (
+                frozen_weight(gate_up.get(e)?, &format!("{ours}.gate_up_proj.weight"), quant)?,
+                frozen_weight(down.get(e)?, &format!("{ours}.down_proj.weight"), quant)?,
+            ),
             None => {
-                let one = |mixtral: &str, qwen: &str, shape: [usize; 2]| -> Result<Tensor> {
+                let name = |mixtral: &str, qwen: &str| -> Result<String> {
                     let names = [
                         format!("{p}.{block}.experts.{e}.{mixtral}.weight"),
                         format!("{p}.{block}.experts.{e}.{qwen}.weight"),
                     ];
-                    let name = weights.first_of(&names)?;
-                    weights.dense_or_dequantized(name, &shape)
+                    weights.first_of(&names).map(str::to_string)
                 };
-                let gate = one("w1", "gate_proj", [width, hidden])?;
-                let up = one("w3", "up_proj", [width, hidden])?;
+                let (gate, up) = (name("w1", "gate_proj")?, name("w3", "up_proj")?);
+                // A bitsandbytes 4-bit expert keeps 4 bits: its down projection as stored, its gate and up
+                // (two tensors in the checkpoint, one here) quantized again as one with the stored settings.
+                let (gate, stored) = weights.dense_or_dequantized(&gate, &[width, hidden])?;
+                let (up, _) = weights.dense_or_dequantized(&up, &[width, hidden])?;
                 (
-                    Tensor::cat(&[gate, up], 0)?,
-                    one("w2", "down_proj", [hidden, width])?,
+                    frozen_weight(
+                        Tensor::cat(&[gate, up], 0)?,
+                        &format!("{ours}.gate_up_proj.weight"),
+                        quant.or(stored.as_ref()),
+                    )?,
+                    weights.stored_or_quantized(&name("w2", "down_proj")?, [hidden, width], quant)?,
                 )
             }
         };
-        out.push(wrap(frozen_weight(
-            gate_up,
-            &format!("{ours}.gate_up_proj.weight"),
-            quant,
-        )?));
-        out.push(wrap(frozen_weight(
-            down,
-            &format!("{ours}.down_proj.weight"),
-            quant,
-        )?));
+        out.push(wrap(gate_up));
+        out.push(wrap(down));
     }
     Ok(out)
 }

@@ -359,6 +359,54 @@ fn experts_quantize_on_load_and_the_router_stays_dense() {
     );
 }
 
+/// A bitsandbytes 4-bit folder of each mixture (as `qlora quantize` writes it: every expert in 4 bits, the router
+/// left as stored) loads with NF4 experts and a dense router, as close to the float32 model as quantizing on load
+/// (per-expert 4-bit tensors are dequantized and each expert's gate and up quantized again as one tensor, which
+/// adds at most one more rounding).
+#[test]
+fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
+    use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
+    for name in MOE_MODELS {
+        let g = model_golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let bnb = dir.path().join("bnb");
+        quantize_path(
+            &data_path(&format!("models/{name}")),
+            &bnb,
+            &QuantizeOptions::default(),
+        )
+        .unwrap();
+        let stored = candle_core::safetensors::load(bnb.join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+        assert!(
+            stored.keys().all(|k| !k.contains(".gate.weight.absmax")),
+            "{name}: a router was quantized"
+        );
+        // As `qlora train` loads it (`load_in_4bit`): 4-bit tensors as stored, the others (transformers 5's fused
+        // 3-D experts, which bitsandbytes leaves alone) quantized on load.
+        let options = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        };
+        let from_folder = load_model(bnb.to_str().unwrap(), None, &options)
+            .unwrap()
+            .model;
+        let linears = from_folder.linears();
+        for (n, l) in &linears {
+            let four_bit = matches!(l.base.weight, FrozenWeight::Nf4(_));
+            assert_eq!(four_bit, !n.ends_with(".mlp.gate"), "{name}: {n}");
+        }
+        let on_load = load_moe(name, Some(QuantConfig::nf4()));
+        let error = |m: &LlamaModel| max_abs_diff(&m.logits(&ids).unwrap(), &g["logits"]);
+        let (folder, quantized_on_load) = (error(&from_folder), error(&on_load));
+        assert!(
+            folder <= 2.0 * quantized_on_load,
+            "{name}: the 4-bit folder's logits are {folder} from float32's, quantizing on load {quantized_on_load}"
+        );
+    }
+}
+
 /// `qlora train` on Qwen2-MoE (NF4 experts, checkpointed layers, the auxiliary loss on) with adapters on the
 /// attention, the shared expert, the router and every expert: the loss falls, `aux_loss` is logged, the adapter
 /// is in PEFT's layout, `qlora merge` reproduces the adapted model and `qlora generate` runs with it. With `QLORA_PEFT_CHECK_DIR=DIR` the adapter
