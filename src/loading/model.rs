@@ -255,7 +255,11 @@ fn sparse_linears(
         let ours = format!("{p}.mlp.experts.{e}");
         let (gate_up, down) = match &fused {
             Some((gate_up, down)) => (
-                frozen_weight(gate_up.get(e)?, &format!("{ours}.gate_up_proj.weight"), quant)?,
+                frozen_weight(
+                    gate_up.get(e)?,
+                    &format!("{ours}.gate_up_proj.weight"),
+                    quant,
+                )?,
                 frozen_weight(down.get(e)?, &format!("{ours}.down_proj.weight"), quant)?,
             ),
             None => {
@@ -277,7 +281,11 @@ fn sparse_linears(
                         &format!("{ours}.gate_up_proj.weight"),
                         quant.or(stored.as_ref()),
                     )?,
-                    weights.stored_or_quantized(&name("w2", "down_proj")?, [hidden, width], quant)?,
+                    weights.stored_or_quantized(
+                        &name("w2", "down_proj")?,
+                        [hidden, width],
+                        quant,
+                    )?,
                 )
             }
         };

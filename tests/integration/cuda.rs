@@ -608,13 +608,19 @@ fn mixture_of_experts_models_on_the_gpu_match_transformers() {
         let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
         let mut model = load(None, &gpu());
         let d = crate::common::max_abs_diff(&cpu(&model.logits(&on_gpu).unwrap()), &g["logits"]);
-        assert!(d <= 1e-4, "{name}: GPU logits differ from transformers by {d}");
+        assert!(
+            d <= 1e-4,
+            "{name}: GPU logits differ from transformers by {d}"
+        );
 
         let embeds = Var::from_tensor(&model.embed(&on_gpu).unwrap()).unwrap();
         let (loss, _) = moe_loss(&model, embeds.as_tensor(), &on_gpu, true);
         let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
         let value = loss.to_scalar::<f32>().unwrap();
-        assert!((value - expected).abs() <= 1e-4, "{name}: GPU loss {value} vs {expected}");
+        assert!(
+            (value - expected).abs() <= 1e-4,
+            "{name}: GPU loss {value} vs {expected}"
+        );
         let grads = loss.backward().unwrap();
         let d = crate::common::max_abs_diff(
             &cpu(grads.get(&embeds).unwrap()),
@@ -627,7 +633,10 @@ fn mixture_of_experts_models_on_the_gpu_match_transformers() {
             &cpu(&model.logits(&on_gpu).unwrap()),
             &g["logits_adapter"],
         );
-        assert!(d <= 1e-4, "{name}: GPU logits with PEFT's adapter differ by {d}");
+        assert!(
+            d <= 1e-4,
+            "{name}: GPU logits with PEFT's adapter differ by {d}"
+        );
 
         let nf4_loss = |device: &Device, dtype: DType| {
             let mut model = load(Some(QuantConfig::nf4()), device);
@@ -635,7 +644,10 @@ fn mixture_of_experts_models_on_the_gpu_match_transformers() {
             let ids = ids.to_device(device).unwrap();
             let embeds = model.embed(&ids).unwrap();
             let (loss, _) = moe_loss(&model, &embeds, &ids, true);
-            loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap()
+            loss.to_dtype(DType::F32)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
         };
         let reference = nf4_loss(&Device::Cpu, DType::F32);
         let half = nf4_loss(&gpu(), training_half());

@@ -25,7 +25,7 @@ const FAMILIES: [&str; 5] = [
     "tiny-mistral-sw",
 ];
 
-fn qlora(args: &[&str]) -> String {
+pub(crate) fn qlora(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
         .args(args)
         .output()
@@ -128,48 +128,7 @@ fn every_family_trains_merges_and_generates_through_the_command() {
         load_adapter(&mut adapted, &out, "default").unwrap();
         let adapted_logits = adapted.logits(&ids).unwrap();
 
-        // Merged into the float32 base = the adapted model.
-        let merged = dir.path().join("merged");
-        qlora(&[
-            "merge",
-            "--model",
-            model.to_str().unwrap(),
-            "--adapter",
-            out.to_str().unwrap(),
-            "--output",
-            merged.to_str().unwrap(),
-            "--dtype",
-            "f32",
-        ]);
-        let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
-            .unwrap()
-            .model;
-        let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &adapted_logits);
-        assert!(d <= 1e-4, "{family}: merged logits differ by {d}");
-
-        let text = qlora(&[
-            "generate",
-            "--model",
-            model.to_str().unwrap(),
-            "--adapter",
-            out.to_str().unwrap(),
-            "--prompt",
-            "t3 t17 t42",
-            "--max-new-tokens",
-            "4",
-            "--ignore-eos",
-        ]);
-        // Four words of the tiny vocabulary (`t1` … `t127`).
-        let words: Vec<&str> = text
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .collect();
-        assert!(
-            words.len() == 4 && words.iter().all(|w| w.starts_with('t')),
-            "{family}: {text}"
-        );
+        merge_and_generate(family, &model, &out, &ids, &adapted_logits);
 
         if let Some(root) = &check_dir {
             let target = root.join(format!("trained-{}", family.trim_start_matches("tiny-")));
@@ -191,4 +150,57 @@ fn every_family_trains_merges_and_generates_through_the_command() {
             candle_core::safetensors::save(&expected, target.join("expected.safetensors")).unwrap();
         }
     }
+}
+
+/// `qlora merge --dtype f32` of adapter `out` on `model` gives the adapted model's logits on `ids`
+/// (`adapted_logits`), and `qlora generate` with the adapter writes four words of the tiny vocabulary.
+pub(crate) fn merge_and_generate(
+    family: &str,
+    model: &Path,
+    out: &Path,
+    ids: &Tensor,
+    adapted_logits: &Tensor,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let merged = dir.path().join("merged");
+    qlora(&[
+        "merge",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        out.to_str().unwrap(),
+        "--output",
+        merged.to_str().unwrap(),
+        "--dtype",
+        "f32",
+    ]);
+    let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let d = max_abs_diff(&merged_model.logits(ids).unwrap(), adapted_logits);
+    assert!(d <= 1e-4, "{family}: merged logits differ by {d}");
+
+    let text = qlora(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--adapter",
+        out.to_str().unwrap(),
+        "--prompt",
+        "t3 t17 t42",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+    ]);
+    // Four words of the tiny vocabulary (`t1` … `t127`).
+    let words: Vec<&str> = text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    assert!(
+        words.len() == 4 && words.iter().all(|w| w.starts_with('t')),
+        "{family}: {text}"
+    );
 }

@@ -19,6 +19,7 @@ use candle_qlora::ops::{FrozenLinear, FrozenWeight, GateActivation};
 use candle_qlora::quant::QuantConfig;
 
 use crate::common::{data_path, max_abs_diff};
+use crate::families::{merge_and_generate, qlora};
 
 /// LoRA's scaling in these tests.
 const SCALING: f64 = 2.0;
@@ -377,8 +378,8 @@ fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
             &QuantizeOptions::default(),
         )
         .unwrap();
-        let stored = candle_core::safetensors::load(bnb.join("model.safetensors"), &Device::Cpu)
-            .unwrap();
+        let stored =
+            candle_core::safetensors::load(bnb.join("model.safetensors"), &Device::Cpu).unwrap();
         assert!(
             stored.keys().all(|k| !k.contains(".gate.weight.absmax")),
             "{name}: a router was quantized"
@@ -440,16 +441,7 @@ fn qwen2_moe_trains_and_merges_through_the_command() {
         ),
     )
     .unwrap();
-    let run = |args: &[&str]| {
-        let o = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-            .args(args)
-            .output()
-            .unwrap();
-        let text =
-            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success(), "qlora {args:?}: {text}");
-    };
-    run(&["train", "--config", config.to_str().unwrap()]);
+    qlora(&["train", "--config", config.to_str().unwrap()]);
     let entries: Vec<serde_json::Value> = std::fs::read_to_string(out.join("log.jsonl"))
         .unwrap()
         .lines()
@@ -488,38 +480,7 @@ fn qwen2_moe_trains_and_merges_through_the_command() {
     let mut adapted = load_moe("tiny-qwen2-moe", None);
     load_adapter(&mut adapted, &out, "default").unwrap();
     let logits = adapted.logits(&ids).unwrap();
-    let merged = dir.path().join("merged");
-    run(&[
-        "merge",
-        "--model",
-        model.to_str().unwrap(),
-        "--adapter",
-        out.to_str().unwrap(),
-        "--output",
-        merged.to_str().unwrap(),
-        "--dtype",
-        "f32",
-    ]);
-    run(&[
-        "generate",
-        "--model",
-        model.to_str().unwrap(),
-        "--adapter",
-        out.to_str().unwrap(),
-        "--prompt",
-        "t3 t17 t42",
-        "--max-new-tokens",
-        "4",
-        "--ignore-eos",
-    ]);
-    let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
-        .unwrap()
-        .model;
-    let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &logits);
-    assert!(
-        d <= 1e-4,
-        "merged logits differ from the adapted model's by {d}"
-    );
+    merge_and_generate("tiny-qwen2-moe", &model, &out, &ids, &logits);
     if let Some(check) = std::env::var_os("QLORA_PEFT_CHECK_DIR") {
         let target = std::path::Path::new(&check).join("trained-qwen2-moe");
         save_adapter(&adapted, "default", &target, None).unwrap();

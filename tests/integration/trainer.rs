@@ -412,8 +412,10 @@ fn bundled_configs_are_valid() {
     // The mixture-of-experts recipe's commented expert targets validate too.
     let moe = dir.join("qwen3-30b-a3b-qlora.toml");
     let experts = [
-        r#"lora.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#.to_string(),
-        r#"lora.rank_pattern={ "mlp.experts.gate_up_proj" = 4, "mlp.experts.down_proj" = 4 }"#.to_string(),
+        r#"lora.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#
+            .to_string(),
+        r#"lora.rank_pattern={ "mlp.experts.gate_up_proj" = 4, "mlp.experts.down_proj" = 4 }"#
+            .to_string(),
     ];
     let c = candle_qlora::trainer::RunConfig::load(&moe, &experts).unwrap();
     assert_eq!(c.lora.target_parameters.as_ref().unwrap().len(), 2);
