@@ -1,5 +1,5 @@
-//! Several named adapters on one base model ([`Adapters`]): add (freshly initialized or from given tensors),
-//! activate, disable, remove, and list their trainable tensors under PEFT's names.
+//! Several named adapters on one base model ([`Adapters`]): add (freshly initialized, from given tensors, or as a
+//! copy of another), activate, disable, remove, and list their trainable tensors under PEFT's names.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -85,6 +85,10 @@ pub trait Adapters {
 
     /// Removes adapter `name` (PEFT's `delete_adapter`; `unload` when it is the only one).
     fn delete_adapter(&mut self, name: &str) -> Result<()>;
+
+    /// Adds adapter `copy`: the same settings as adapter `name` and a copy of its current weights (DPO's frozen
+    /// reference, as TRL copies an adapter into its `ref` adapter). The active adapter does not change.
+    fn copy_adapter(&mut self, name: &str, copy: &str) -> Result<()>;
 
     /// Names of the loaded adapters.
     fn adapter_names(&self) -> Vec<String>;
@@ -367,6 +371,29 @@ impl Adapters for LlamaModel {
             lin.active = None;
         }
         self.active_adapter = None;
+    }
+
+    fn copy_adapter(&mut self, name: &str, copy: &str) -> Result<()> {
+        let config = self
+            .adapter_configs
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::InvalidInput(format!("no adapter named `{name}`")))?;
+        let tensors = self
+            .adapter_parameters(name)?
+            .into_iter()
+            .map(|(key, var)| Ok((key, var.as_tensor().copy()?)))
+            .collect::<Result<_>>()?;
+        let active = self.active_adapter.clone();
+        let slots = self.adapter_slots(&config)?;
+        self.insert_adapter(copy, &config, &slots, tensors, false)?;
+        match active {
+            Some(active) => self.set_adapter(&active),
+            None => {
+                self.disable_adapters();
+                Ok(())
+            }
+        }
     }
 
     fn delete_adapter(&mut self, name: &str) -> Result<()> {

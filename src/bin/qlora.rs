@@ -105,6 +105,9 @@ struct EstimateCliArgs {
     /// and the gradient all-reduce of each optimizer step is added.
     #[arg(long = "world-size", default_value_t = 1)]
     world_size: usize,
+    /// DPO: --batch counts preference pairs, each forward holding both sequences of every pair.
+    #[arg(long)]
+    dpo: bool,
     /// Print one JSON object for the configuration given instead of the table.
     #[arg(long)]
     json: bool,
@@ -127,6 +130,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             DeviceArg::Cuda => DeviceKind::Cuda,
         },
         world_size: args.world_size,
+        preference: args.dpo,
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;

@@ -21,7 +21,7 @@ pub struct DataConfig {
     pub eval_file: Option<PathBuf>,
     /// Fraction of the training rows held out for evaluation when there is no `eval_file`.
     pub eval_split: Option<f64>,
-    /// `auto`, `text`, `alpaca`, `messages` or `sharegpt`.
+    /// `auto`, `text`, `alpaca`, `messages`, `sharegpt` or `preference`.
     pub format: DataFormat,
     /// Longest sequence in tokens (longer examples are truncated and counted).
     pub max_length: usize,
@@ -78,6 +78,7 @@ impl DataConfig {
             Example::Text(_) => true,
             Example::Instruction { .. } => !self.completion_only_loss,
             Example::Chat(_) => !(self.completion_only_loss || self.assistant_only_loss),
+            Example::Preference(_) => false,
         }
     }
 }

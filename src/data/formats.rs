@@ -6,6 +6,7 @@
 //! | `alpaca` | `{"instruction", "input"?, "output"}` | the output (the prompt is labelled −100) |
 //! | `messages` | `{"messages": [{"role", "content"}, ...]}` | the assistant turns |
 //! | `sharegpt` | `{"conversations": [{"from": "human"/"gpt"/"system", "value"}, ...]}` | the assistant (gpt) turns |
+//! | `preference` | `{"prompt"?, "chosen", "rejected"}` (text or messages) | DPO only (see [`super::preference`]) |
 //!
 //! Instruction and chat examples are rendered with the tokenizer's chat template (alpaca falls back to the Alpaca
 //! prompt when there is none). `auto` picks the format from each line's keys.
@@ -14,6 +15,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::preference_json::PreferenceExample;
 use crate::error::{Error, Result};
 use crate::models::tokenizer::{ChatMessage, TextTokenizer};
 use crate::names::named_enum;
@@ -34,6 +36,8 @@ named_enum! {
         Messages = "messages",
         /// `{"conversations": [...]}`.
         ShareGpt = "sharegpt",
+        /// `{"prompt"?, "chosen", "rejected"}`: preference pairs for DPO.
+        Preference = "preference",
     }
 }
 
@@ -51,6 +55,8 @@ pub enum Example {
     },
     /// A conversation; assistant turns are learned.
     Chat(Vec<ChatMessage>),
+    /// A preference pair (DPO's data; an SFT run refuses it).
+    Preference(PreferenceExample),
 }
 
 /// Token ids with their labels (−100 where no loss is taken).
@@ -93,7 +99,9 @@ fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, Str
     let obj = v.as_object().ok_or("the line is not a JSON object")?;
     let format = match format {
         DataFormat::Auto => {
-            if obj.contains_key("messages") {
+            if obj.contains_key("chosen") && obj.contains_key("rejected") {
+                DataFormat::Preference
+            } else if obj.contains_key("messages") {
                 DataFormat::Messages
             } else if obj.contains_key("conversations") {
                 DataFormat::ShareGpt
@@ -103,7 +111,8 @@ fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, Str
                 DataFormat::Text
             } else {
                 return Err(format!(
-                    "cannot tell the format from keys {:?}: expected `text`, `instruction`/`output`, `messages` or `conversations`",
+                    "cannot tell the format from keys {:?}: expected `text`, `instruction`/`output`, `messages`, \
+                     `conversations` or `chosen`/`rejected`",
                     obj.keys().collect::<Vec<_>>()
                 ));
             }
@@ -176,6 +185,7 @@ fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, Str
             }
             Ok(Example::Chat(messages))
         }
+        DataFormat::Preference => PreferenceExample::from_json(obj).map(Example::Preference),
         DataFormat::Auto => unreachable!("resolved above"),
     }
 }
@@ -307,6 +317,13 @@ impl Example {
                     }
                 }
                 tokens_with_mask(tokenizer, &full, &spans, false)?
+            }
+            Example::Preference(_) => {
+                return Err(Error::InvalidInput(
+                    "a preference pair (`chosen`/`rejected`) is DPO's data: add a [dpo] section to the run config \
+                     to train on pairs, or give supervised examples"
+                        .into(),
+                ))
             }
         };
         let truncated = ids.len() > max_length;

@@ -11,6 +11,25 @@ use serde_json::{json, Value};
 use crate::error::{at_key, Error, Result};
 use crate::files::read_json;
 
+/// Values compared as PEFT compares them: lists of names as sets.
+mod erased_json {
+    /// A value shown as JSON with its lists sorted.
+    pub trait Json {
+        /// The JSON text, lists sorted.
+        fn sorted_json(&self) -> String;
+    }
+
+    impl<T: serde::Serialize> Json for Option<T> {
+        fn sorted_json(&self) -> String {
+            let mut v = serde_json::to_value(self).unwrap_or_default();
+            if let serde_json::Value::Array(items) = &mut v {
+                items.sort_by_key(|i| i.to_string());
+            }
+            v.to_string()
+        }
+    }
+}
+
 /// Which modules get an adapter (`target_modules`): a list of names, a regex string, or `"all-linear"`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TargetModules {
@@ -228,6 +247,64 @@ impl LoraConfig {
         } else {
             alpha / r as f64
         }
+    }
+
+    /// The first setting that shapes the adapter in which `self` and `other` differ: its key and the two values
+    /// as text (`None` when they train the same adapter).
+    pub fn first_difference(&self, other: &LoraConfig) -> Option<(&'static str, String, String)> {
+        let text = |a: &dyn std::fmt::Debug| format!("{a:?}");
+        // Module lists are sets to PEFT (it saves them in any order): compared sorted, shown as JSON.
+        let set = |a: &dyn erased_json::Json| a.sorted_json();
+        let settings = [
+            ("r", text(&self.r), text(&other.r)),
+            (
+                "lora_alpha",
+                text(&self.lora_alpha),
+                text(&other.lora_alpha),
+            ),
+            (
+                "lora_dropout",
+                text(&self.lora_dropout),
+                text(&other.lora_dropout),
+            ),
+            (
+                "use_rslora",
+                text(&self.use_rslora),
+                text(&other.use_rslora),
+            ),
+            ("use_dora", text(&self.use_dora), text(&other.use_dora)),
+            (
+                "target_modules",
+                set(&self.target_modules),
+                set(&other.target_modules),
+            ),
+            (
+                "target_parameters",
+                set(&self.target_parameters),
+                set(&other.target_parameters),
+            ),
+            (
+                "exclude_modules",
+                set(&self.exclude_modules),
+                set(&other.exclude_modules),
+            ),
+            (
+                "rank_pattern",
+                text(&self.rank_pattern),
+                text(&other.rank_pattern),
+            ),
+            (
+                "alpha_pattern",
+                text(&self.alpha_pattern),
+                text(&other.alpha_pattern),
+            ),
+            (
+                "modules_to_save",
+                set(&self.modules_to_save),
+                set(&other.modules_to_save),
+            ),
+        ];
+        settings.into_iter().find(|(_, a, b)| a != b)
     }
 
     /// Rejects settings this implementation does not support, saying which.

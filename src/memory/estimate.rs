@@ -41,6 +41,9 @@ pub struct EstimateArgs {
     pub device: DeviceKind,
     /// Ranks of a data-parallel run (GPUs, each holding the whole model): 1 alone.
     pub world_size: usize,
+    /// DPO: `batch` counts preference pairs, and each forward runs both sequences of every pair (2 × `batch`
+    /// rows, `seq` tokens each), after a reference forward without gradients.
+    pub preference: bool,
 }
 
 /// PyTorch DDP's gradient bucket size in MiB, which a data-parallel run uses unless `ddp_bucket_cap_mb` says
@@ -101,6 +104,7 @@ impl Default for EstimateArgs {
             quantize: true,
             device: DeviceKind::Cpu,
             world_size: 1,
+            preference: false,
         }
     }
 }
@@ -459,6 +463,13 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
 /// The configuration asked, as this library would run it.
 pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate> {
     args.validate()?;
+    // DPO's forward holds every chosen and every rejected sequence: the activations of twice the rows. Its
+    // reference forward runs first, without gradients and checkpointed, so it peaks below the training forward.
+    let rows = EstimateArgs {
+        batch: args.batch * if args.preference { 2 } else { 1 },
+        ..args.clone()
+    };
+    let args = &rows;
     let optim = args.optim;
     let n = counts(c, args.lora_r);
     let e: u64 = match args.device {
@@ -518,6 +529,15 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
                 ),
             }
         ),
+        match args.preference {
+            true => format!(
+                "DPO: {} rows per forward (the chosen and the rejected sequence of each of {} preference pairs); \
+                 the reference forward before it (no gradients, checkpointed) peaks lower and is not added",
+                args.batch,
+                args.batch / 2
+            ),
+            false => "supervised fine-tuning: one sequence per row".into(),
+        },
         match args.device {
             DeviceKind::Cpu => "other: the process' runtime, tokenizer and data are not counted (tens of MiB)".into(),
             DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
@@ -641,6 +661,31 @@ mod tests {
         assert!(full < partial && partial < none, "{full} {partial} {none}");
         // Every layer kept: nothing is recomputed, as without checkpointing.
         assert_eq!(activations(args(true, Some(1e9))), none);
+    }
+
+    /// DPO: a micro-batch of pairs holds the activations of twice the rows; weights, adapter and optimizer are
+    /// the same.
+    #[test]
+    fn preference_pairs_double_the_rows_of_activations() {
+        let c = llama2_7b();
+        let args = |batch: usize, preference: bool| EstimateArgs {
+            batch,
+            seq: 1024,
+            gradient_checkpointing: true,
+            device: DeviceKind::Cuda,
+            preference,
+            ..Default::default()
+        };
+        let dpo = estimate(&c, &args(2, true)).unwrap();
+        let sft = estimate(&c, &args(4, false)).unwrap();
+        let single = estimate(&c, &args(2, false)).unwrap();
+        assert_eq!(dpo.activations_bytes, sft.activations_bytes);
+        assert!(dpo.activations_bytes > single.activations_bytes);
+        assert_eq!(dpo.weights_bytes, single.weights_bytes);
+        assert!(dpo
+            .assumptions
+            .iter()
+            .any(|a| a.contains("DPO: 4 rows per forward")));
     }
 
     /// Data parallel on 8 GPUs: the per-GPU figures are one GPU's plus a bucket and its sum; the exchange is

@@ -923,6 +923,33 @@ impl LlamaModel {
         )
     }
 
+    /// The log-probability of each row's labelled tokens, summed per row: `[batch]` float32, differentiable
+    /// (`log p(label_{t+1} | ..t)` for every label that is not −100, as [`LlamaModel::loss_from_hidden`] shifts them).
+    /// DPO's sequence log-probabilities. Each row goes through the fused head + cross-entropy op on its own, so no
+    /// `[tokens, vocab]` logits exist.
+    pub fn sequence_logps(&self, hidden: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = hidden.dims3()?;
+        if t < 2 {
+            return Tensor::zeros(b, DType::F32, hidden.device());
+        }
+        let head = self.head_weight()?;
+        let ignored =
+            Tensor::full(ops::IGNORE_INDEX, (b, 1), labels.device())?.to_dtype(labels.dtype())?;
+        let shifted = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)?;
+        let rows = (0..b)
+            .map(|row| {
+                let (nll, _) = ops::linear_cross_entropy_capped(
+                    &hidden.get(row)?,
+                    &head,
+                    &shifted.get(row)?,
+                    self.config.final_logit_softcapping,
+                )?;
+                nll.neg()?.to_dtype(DType::F32)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&rows, 0)
+    }
+
     /// Logits `[batch, vocab]` of the last position for new tokens `ids`, extending `cache` (generation).
     ///
     /// Runs in [`InferenceMode`]: with 4-bit weights on the CPU, a step of a few tokens multiplies by the 4-bit

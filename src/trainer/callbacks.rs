@@ -261,6 +261,7 @@ mod tests {
             examples: 1,
             truncated: 0,
             exact_match: None,
+            metrics: Default::default(),
         }
     }
 

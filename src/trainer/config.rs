@@ -1,6 +1,7 @@
 //! A training config: a TOML file with `[model]` (name_or_path, revision, `[model.quantization]` =
-//! `BitsAndBytesConfig`), `[lora]` (`LoraConfig`), `[data]` ([`DataConfig`]), `[training]` (`TrainingArguments`)
-//! and `[callbacks]`, section and field names as in Python. `--set section.key=value` overrides any field.
+//! `BitsAndBytesConfig`, `adapter` to continue), `[lora]` (`LoraConfig`; optional when continuing an adapter, whose
+//! settings it must then agree with), `[data]` ([`DataConfig`]), `[training]` (`TrainingArguments`), `[callbacks]`
+//! and `[dpo]` (`DPOConfig`'s own fields; its presence makes the run DPO), section and field names as in Python. `--set section.key=value` overrides any field.
 //!
 //! Every section is a serde type; `read_section` reads one, so an unknown key is an error that suggests the
 //! closest valid name, and a value of the wrong type names its key.
@@ -11,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::args::TrainingArguments;
+use super::dpo::DpoConfig;
 use crate::data::DataConfig;
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
@@ -29,6 +31,10 @@ pub struct ModelSection {
     /// `[model.quantization]` (`BitsAndBytesConfig`).
     #[serde(default)]
     pub quantization: Option<QuantizationSection>,
+    /// A PEFT adapter folder to continue training (its LoRA settings are the run's; relative to the config's
+    /// folder). For DPO a frozen copy of it is the reference.
+    #[serde(default)]
+    pub adapter: Option<PathBuf>,
 }
 
 /// `[model.quantization]`: transformers' `BitsAndBytesConfig` (4-bit fields).
@@ -118,12 +124,14 @@ pub struct RunConfig {
     pub training: TrainingArguments,
     /// `[callbacks]`.
     pub callbacks: CallbackSection,
+    /// `[dpo]`: its presence makes the run DPO on preference pairs.
+    pub dpo: Option<DpoConfig>,
     /// The config after `--set` overrides, as TOML (copied into checkpoints).
     pub resolved: String,
 }
 
 /// The sections of a run config.
-const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks"];
+const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks", "dpo"];
 
 /// PEFT keys `[lora]` accepts besides [`LoraConfig`]'s fields (its task is always causal LM).
 const LORA_EXTRA_KEYS: &[&str] = &["task_type"];
@@ -274,6 +282,24 @@ fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<()> {
     Ok(())
 }
 
+/// The LoRA settings of a run continuing the adapter in `dir`: the adapter's own, which a `[lora]` section (when
+/// given) must agree with, setting by setting.
+fn continued_lora(dir: &Path, section: Option<&toml::Value>, path: &str) -> Result<LoraConfig> {
+    let adapter = LoraConfig::from_file(&dir.join(crate::adapter::ADAPTER_CONFIG))?;
+    let Some(section) = section else {
+        return Ok(adapter);
+    };
+    let asked: LoraConfig = read_section(section, path, "lora", LORA_EXTRA_KEYS)?;
+    match adapter.first_difference(&asked) {
+        None => Ok(adapter),
+        Some((key, theirs, ours)) => Err(Error::InvalidInput(format!(
+            "{path}: [lora] {key} = {ours}, but the adapter the run continues ({}) has {key} = {theirs}: a \
+             continued adapter keeps its LoRA settings; remove [lora] (or the key), or set it to the adapter's",
+            dir.display()
+        ))),
+    }
+}
+
 impl RunConfig {
     /// Reads `path` and applies `overrides` (`section.key=value`).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
@@ -309,16 +335,20 @@ impl RunConfig {
         if let Some(toml::Value::Table(q)) = model_table.get("quantization") {
             check_keys::<QuantizationSection>(q, &p, "model.quantization", &[])?;
         }
-        let model: ModelSection = read_section(model_table, &p, "model", &[])?;
+        let mut model: ModelSection = read_section(model_table, &p, "model", &[])?;
         if let Some(q) = &model.quantization {
             q.quant_config()
                 .map_err(|e| Error::InvalidInput(format!("{p}: [model.quantization]: {e}")))?;
         }
-        let lora: LoraConfig = read_section(required("lora")?, &p, "lora", LORA_EXTRA_KEYS)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        model.adapter = model.adapter.map(|a| base.join(a));
+        let lora = match &model.adapter {
+            Some(dir) => continued_lora(dir, root.get("lora"), &p)?,
+            None => read_section(required("lora")?, &p, "lora", LORA_EXTRA_KEYS)?,
+        };
         lora.validate()
             .map_err(|e| Error::InvalidInput(format!("{p}: [lora]: {e}")))?;
         let mut data: DataConfig = read_section(required("data")?, &p, "data", &[])?;
-        let base = path.parent().unwrap_or(Path::new("."));
         data.train_file = Some(
             base.join(
                 data.train_file
@@ -331,6 +361,20 @@ impl RunConfig {
             .map_err(|e| Error::InvalidInput(format!("{p}: [data]: {e}")))?;
         let training = TrainingArguments::from_toml_value(&optional("training"), &p)?;
         let callbacks = read_section(&optional("callbacks"), &p, "callbacks", &[])?;
+        let dpo: Option<DpoConfig> = root
+            .get("dpo")
+            .map(|v| read_section(v, &p, "dpo", &[]))
+            .transpose()?;
+        if let Some(dpo) = &dpo {
+            dpo.validate(&p)?;
+            dpo.check_training(&training, &p)?;
+            if data.packing {
+                return Err(Error::InvalidInput(format!(
+                    "{p}: [data] packing = true: DPO runs each pair's sequences whole (TRL has no packing for \
+                     DPO); remove packing"
+                )));
+            }
+        }
         Ok(RunConfig {
             path: path.to_path_buf(),
             model,
@@ -338,6 +382,7 @@ impl RunConfig {
             data,
             training,
             callbacks,
+            dpo,
             resolved: root.to_string(),
         })
     }

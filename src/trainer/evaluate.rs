@@ -1,19 +1,22 @@
 //! Evaluation: the token-level mean loss over a whole data set (total NLL / total label tokens, not a mean of
 //! per-example means), its perplexity, and (with `predict_with_generate`) the exact match of greedy answers.
 
+use std::collections::BTreeMap;
+
 use candle_core::{DType, Device};
 
+use super::dpo::METRICS;
 use super::sampler::Shard;
-use crate::data::{collate, TokenizedExample};
+use crate::data::{collate, PreferenceDataset, TokenizedExample};
 use crate::error::Result;
 use crate::models::{generate, Checkpointing, GenerationConfig, LlamaModel};
 
 /// The result of [`evaluate`].
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct EvalReport {
-    /// Mean negative log-likelihood per label token.
+    /// Mean negative log-likelihood per label token (DPO: the mean preference loss).
     pub loss: f64,
-    /// `exp(loss)`.
+    /// `exp(loss)` (NaN for DPO).
     pub perplexity: f64,
     /// Label tokens counted.
     pub tokens: usize,
@@ -24,6 +27,8 @@ pub struct EvalReport {
     /// Share of examples whose greedy answer is exactly the reference (with `predict_with_generate`, when some
     /// example has a prompt).
     pub exact_match: Option<f64>,
+    /// DPO's metrics (`rewards/chosen`, …, `logps/rejected`, TRL's names); empty for supervised evaluation.
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// Evaluates `examples` in batches of `batch_size` (no gradients are built: the model's weights are frozen).
@@ -83,6 +88,29 @@ impl EvalReport {
             exact_match: exact
                 .filter(|(_, counted)| *counted > 0)
                 .map(|(hits, counted)| hits as f64 / counted as f64),
+            metrics: BTreeMap::new(),
+        }
+    }
+
+    /// The report of a DPO evaluation of `pairs`: the preference `loss` (perplexity is not defined: NaN) and the
+    /// `metrics` in [`METRICS`] order; `tokens` counts the completion tokens.
+    pub(super) fn of_preferences(pairs: &PreferenceDataset, loss: f64, metrics: &[f64]) -> Self {
+        EvalReport {
+            loss,
+            perplexity: f64::NAN,
+            tokens: pairs
+                .pairs
+                .iter()
+                .map(|p| p.chosen.learned_tokens() + p.rejected.learned_tokens())
+                .sum(),
+            examples: pairs.len(),
+            truncated: pairs.truncated,
+            exact_match: None,
+            metrics: METRICS
+                .iter()
+                .zip(metrics)
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
         }
     }
 }

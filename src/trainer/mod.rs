@@ -2,7 +2,8 @@
 //!
 //! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`pipeline`]: a `Trainer` built from a run config
 //!   (model, data, callbacks).
-//! - [`run`]: the `Trainer` and its loop; `window`: one accumulation window's forward and backward; `sampler`:
+//! - [`run`]: the `Trainer` and its loop; `task`: what it optimizes (supervised or DPO); `window`: one
+//!   accumulation window's forward and backward; [`dpo`]: DPO's settings, losses, reference and window; `sampler`:
 //!   the data order and each rank's share; `ddp` (feature `nccl`): a rank of a distributed run (gradient
 //!   all-reduce, agreement, adapter checks); [`mod@evaluate`]: the evaluation loss.
 //! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
@@ -15,6 +16,7 @@ pub mod checkpoint;
 pub mod config;
 #[cfg(feature = "nccl")]
 mod ddp;
+pub mod dpo;
 pub mod evaluate;
 pub mod interrupt;
 pub mod lock;
@@ -25,6 +27,7 @@ mod progress;
 pub mod run;
 mod sampler;
 pub mod state;
+mod task;
 mod window;
 
 pub use args::{IntervalStrategy, SamplingStrategy, TrainingArguments};
@@ -33,6 +36,7 @@ pub use callbacks::{
 };
 pub use checkpoint::latest_checkpoint;
 pub use config::RunConfig;
+pub use dpo::{DpoConfig, LossType};
 pub use evaluate::{evaluate, exact_match, EvalReport};
 pub use run::Trainer;
 pub use state::{LogEntry, TrainOutput, TrainerState};

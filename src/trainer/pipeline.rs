@@ -4,18 +4,97 @@
 use super::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use super::checkpoint::verify_checkpoint_files;
 use super::config::RunConfig;
+use super::dpo::DpoConfig;
+use super::run::ADAPTER;
 use super::run::{prepare_output_dir, Prepared, Trainer};
-use crate::data::Dataset;
+use crate::adapter::load_adapter;
+use crate::data::{Dataset, PreferenceDataset};
 use crate::error::{Error, Result};
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
 use crate::memory::{human_bytes, process_memory};
+use crate::models::TextTokenizer;
 use crate::precision::Precision;
 use std::path::Path;
 
+/// A run's tokenized data, with the notes to print about it.
+enum Data {
+    Supervised(Dataset, Dataset, Vec<String>),
+    Preference(
+        Box<DpoConfig>,
+        PreferenceDataset,
+        PreferenceDataset,
+        Vec<String>,
+    ),
+}
+
+impl Data {
+    /// Reads and tokenizes the data `config` names: preference pairs with `[dpo]`, supervised examples otherwise.
+    fn read(config: &RunConfig, tokenizer: &TextTokenizer) -> Result<Self> {
+        let data = &config.data;
+        let name =
+            |f: Option<&std::path::PathBuf>| f.map(|f| f.display().to_string()).unwrap_or_default();
+        let (train_name, eval_name) = (
+            name(data.train_file.as_ref()),
+            name(data.eval_file.as_ref()),
+        );
+        let task = match &config.dpo {
+            None => {
+                let (train, eval) = Dataset::train_and_eval(tokenizer, data)?;
+                train.check_learnable("the training set")?;
+                let mut notes = match &data.eval_file {
+                    Some(_) => {
+                        let mut notes =
+                            train.file_notes(&train_name, train.truncated, data.max_length);
+                        notes.extend(eval.file_notes(&eval_name, eval.truncated, data.max_length));
+                        notes
+                    }
+                    None => {
+                        let truncated = train.truncated + eval.truncated;
+                        train.file_notes(&train_name, truncated, data.max_length)
+                    }
+                };
+                notes.push(format!(
+                    "{} training examples, {} evaluation examples",
+                    train.examples,
+                    eval.len()
+                ));
+                if data.packing {
+                    notes.push(train.packing_note(data.max_length));
+                }
+                Data::Supervised(train, eval, notes)
+            }
+            Some(dpo) => {
+                let (train, eval) =
+                    PreferenceDataset::train_and_eval(tokenizer, data, dpo.truncation_mode)?;
+                let max = Some(data.max_length);
+                let mut notes = train.file_notes(&train_name, max);
+                if data.eval_file.is_some() {
+                    notes.extend(eval.file_notes(&eval_name, max));
+                }
+                notes.push(format!(
+                    "{} training pairs, {} evaluation pairs",
+                    train.len(),
+                    eval.len()
+                ));
+                Data::Preference(Box::new(dpo.clone()), train, eval, notes)
+            }
+        };
+        Ok(task)
+    }
+
+    /// What to print about the data (skipped, truncated, packed, counts).
+    fn notes(&self) -> &[String] {
+        match self {
+            Data::Supervised(_, _, notes) | Data::Preference(_, _, _, notes) => notes,
+        }
+    }
+}
+
 impl Trainer {
     /// A trainer for `config`: loads its model on the device `[training]` selects (computing in the dtype its
-    /// `bf16`/`fp16` flags and `bnb_4bit_compute_dtype` select), tokenizes its data (printing what was skipped,
-    /// truncated or packed), and adds the callbacks of `[callbacks]`. Resume with
+    /// `bf16`/`fp16` flags and `bnb_4bit_compute_dtype` select) with the adapter `[model] adapter` names, tokenizes
+    /// its data (printing what was skipped, truncated or packed; preference pairs with `[dpo]`), and adds the
+    /// callbacks of `[callbacks]`. Resume with
     /// `train(config.training.resume_checkpoint()?.as_deref())`.
     pub fn from_run_config(config: &RunConfig) -> Result<Self> {
         // Everything cheap first (tokenizer, chat template, data, output folder, resume checkpoint), so a mistake
@@ -28,9 +107,7 @@ impl Trainer {
                 "`{model_name}` has no tokenizer (tokenizer.json); training needs one to read the data"
             ))
         })?;
-        let data = &config.data;
-        let (train, eval) = Dataset::train_and_eval(&tokenizer, data)?;
-        train.check_learnable("the training set")?;
+        let task = Data::read(config, &tokenizer)?;
         let resume = args.resume_checkpoint()?;
         let checkpoint = match resume {
             Some(ckpt) => {
@@ -40,32 +117,7 @@ impl Trainer {
             None => None,
         };
         let lock = prepare_output_dir(args, Path::new(&args.output_dir), checkpoint.is_some())?;
-        let name =
-            |f: Option<&std::path::PathBuf>| f.map(|f| f.display().to_string()).unwrap_or_default();
-        let mut notes = match &data.eval_file {
-            Some(file) => {
-                let mut notes = train.file_notes(
-                    &name(data.train_file.as_ref()),
-                    train.truncated,
-                    data.max_length,
-                );
-                notes.extend(eval.file_notes(&name(Some(file)), eval.truncated, data.max_length));
-                notes
-            }
-            None => {
-                let truncated = train.truncated + eval.truncated;
-                train.file_notes(&name(data.train_file.as_ref()), truncated, data.max_length)
-            }
-        };
-        notes.push(format!(
-            "{} training examples, {} evaluation examples",
-            train.examples,
-            eval.len()
-        ));
-        if data.packing {
-            notes.push(train.packing_note(data.max_length));
-        }
-        for note in notes {
+        for note in task.notes() {
             eprintln!("{note}");
         }
         let device = args.device()?;
@@ -88,8 +140,19 @@ impl Trainer {
             human_bytes(loaded.model.weight_bytes() as u64),
             started.elapsed().as_secs_f64()
         );
-        let model = loaded.model.to_device(&device)?;
-        let mut trainer = Trainer::new(model, args.clone(), &config.lora, train, eval)?;
+        let mut model = loaded.model.to_device(&device)?;
+        if let Some(dir) = &config.model.adapter {
+            load_adapter(&mut model, dir, ADAPTER)?;
+            eprintln!("continuing adapter {}", dir.display());
+        }
+        let mut trainer = match task {
+            Data::Supervised(train, eval, _) => {
+                Trainer::new(model, args.clone(), &config.lora, train, eval)?
+            }
+            Data::Preference(dpo, train, eval, _) => {
+                Trainer::new_dpo(model, args.clone(), &config.lora, *dpo, train, eval)?
+            }
+        };
         trainer.set_prepared(Prepared { lock, checkpoint });
         trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());

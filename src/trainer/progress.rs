@@ -127,9 +127,13 @@ pub fn summary(out: &TrainOutput, best_eval: Option<(usize, f64)>, files: &[Stri
         ));
     }
     if let Some((step, loss)) = best_eval {
+        // A DPO evaluation's loss is the preference loss, which has no perplexity.
+        let perplexity = match out.log_history.iter().any(|e| e.eval_perplexity.is_some()) {
+            true => format!(" (perplexity {:.3})", loss.exp()),
+            false => String::new(),
+        };
         lines.push(format!(
-            "best eval loss {loss:.4} (perplexity {:.3}) at step {step}",
-            loss.exp()
+            "best eval loss {loss:.4}{perplexity} at step {step}"
         ));
     }
     if let Some(peak) = out.peak_memory_bytes {

@@ -7,6 +7,7 @@
 //! and dropout masks and NEFTune noise only on (`seed`, micro-batch index), so a resumed run replays the same
 //! batches, masks and noise as an uninterrupted one.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -23,14 +24,19 @@ use super::checkpoint::{
 };
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
+use super::dpo::{
+    load_reference, save_reference, DpoConfig, PreferenceEval, PreferenceTask, Reference, METRICS,
+    REFERENCE_ADAPTER,
+};
 use super::evaluate::{exact_match_share, loss_sums, EvalReport};
 use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::{DataPlan, Shard};
 use super::state::{LogEntry, TrainOutput, TrainerState};
+use super::task::Task;
 use super::window::{gradient_bytes, StepMemory, Window, WindowBatches};
 use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
-use crate::data::Dataset;
+use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
@@ -54,8 +60,7 @@ pub struct Trainer {
     /// The model (with the adapter being trained).
     pub model: LlamaModel,
     args: TrainingArguments,
-    train: Dataset,
-    eval: Dataset,
+    task: Task,
     base_model_name: Option<String>,
     state: TrainerState,
     callbacks: Vec<Box<dyn TrainerCallback>>,
@@ -135,11 +140,64 @@ impl Trainer {
         eval: impl Into<Dataset>,
     ) -> Result<Self> {
         let (train, eval) = (train.into(), eval.into());
-        args.validate("TrainingArguments")?;
         if train.is_empty() {
             return Err(Error::InvalidInput("the training set is empty".into()));
         }
         train.check_learnable("the training set")?;
+        Self::with_task(model, args, lora, Task::LanguageModeling { train, eval })
+    }
+
+    /// A DPO trainer (TRL's `DPOTrainer` with a PEFT model) of adapter [`ADAPTER`] on preference pairs `train`,
+    /// evaluated on `eval` (may be empty). When `model` already holds adapter [`ADAPTER`] — an adapter loaded to
+    /// continue from (`load_adapter(&mut model, dir, "default")`) — training starts from it and a frozen copy of it
+    /// is the reference; otherwise a new adapter is added with `lora` and the reference is the base model (the
+    /// adapter switched off). With `dpo.reference_free`, there is no reference model.
+    pub fn new_dpo(
+        model: LlamaModel,
+        args: TrainingArguments,
+        lora: &LoraConfig,
+        dpo: DpoConfig,
+        train: PreferenceDataset,
+        eval: PreferenceDataset,
+    ) -> Result<Self> {
+        dpo.validate("DpoConfig")?;
+        dpo.check_training(&args, "TrainingArguments")?;
+        if train.is_empty() {
+            return Err(Error::InvalidInput(
+                "the training set has no preference pairs".into(),
+            ));
+        }
+        let continued = model.adapter_names().iter().any(|n| n == ADAPTER);
+        let reference = match (dpo.reference_free, continued) {
+            (true, _) => Reference::Uniform,
+            (false, true) => Reference::Frozen,
+            (false, false) => Reference::Base,
+        };
+        let task = PreferenceTask {
+            config: dpo,
+            train,
+            eval,
+            reference,
+            train_reference: None,
+            eval_reference: None,
+        };
+        let mut trainer = Self::with_task(model, args, lora, Task::Preference(Box::new(task)))?;
+        if let Task::Preference(p) = &trainer.task {
+            if p.reference == Reference::Frozen {
+                trainer.model.copy_adapter(ADAPTER, REFERENCE_ADAPTER)?;
+            }
+        }
+        Ok(trainer)
+    }
+
+    /// The trainer of `task`, with adapter [`ADAPTER`] added (or kept) and active, on the device `args` select.
+    fn with_task(
+        model: LlamaModel,
+        args: TrainingArguments,
+        lora: &LoraConfig,
+        task: Task,
+    ) -> Result<Self> {
+        args.validate("TrainingArguments")?;
         let mut model = match (model.device().is_cpu(), args.use_cpu) {
             (true, false) => match args.device()? {
                 gpu if !gpu.is_cpu() => model.to_device(&gpu)?,
@@ -161,8 +219,7 @@ impl Trainer {
         Ok(Trainer {
             model,
             args,
-            train,
-            eval,
+            task,
             base_model_name: None,
             state: TrainerState::default(),
             callbacks: vec![],
@@ -181,9 +238,19 @@ impl Trainer {
         &self.state
     }
 
-    /// The evaluation rows.
+    /// The evaluation rows of supervised training (none for DPO, whose evaluation pairs are its own).
     pub fn eval_dataset(&self) -> &Dataset {
-        &self.eval
+        static NO_ROWS: Dataset = Dataset {
+            rows: Vec::new(),
+            skipped: Vec::new(),
+            truncated: 0,
+            examples: 0,
+            empty: 0,
+        };
+        match &self.task {
+            Task::LanguageModeling { eval, .. } => eval,
+            Task::Preference(_) => &NO_ROWS,
+        }
     }
 
     /// Adds a callback; callbacks run in the order added.
@@ -207,19 +274,34 @@ impl Trainer {
         self.run_config = Some(toml);
     }
 
-    /// Evaluates the model on the evaluation rows (token-level mean loss and perplexity).
-    pub fn evaluate(&self) -> Result<EvalReport> {
+    /// Evaluates the model on the evaluation rows (token-level mean loss and perplexity), or for DPO on the
+    /// evaluation pairs (the preference loss and TRL's reward metrics; the reference log-probabilities of the pairs
+    /// are computed at the first evaluation and kept).
+    pub fn evaluate(&mut self) -> Result<EvalReport> {
         self.evaluate_share(Shard::ALONE, Ok)
     }
 
     /// The evaluation of `shard`'s part of the evaluation rows, made whole by `sum_over_ranks` (of
     /// `[negative log-likelihood, label tokens, exact answers, answers counted]`).
     fn evaluate_share(
-        &self,
+        &mut self,
         shard: Shard,
         sum_over_ranks: impl FnOnce([f64; 4]) -> Result<[f64; 4]>,
     ) -> Result<EvalReport> {
-        let rows = &self.eval.rows;
+        let rows = match &mut self.task {
+            Task::LanguageModeling { eval, .. } => &eval.rows,
+            Task::Preference(task) => {
+                task.precompute(&mut self.model, ADAPTER, &self.args)?;
+                let batch = self.args.per_device_eval_batch_size;
+                let sums = task.evaluation_sums(&self.model, batch, shard)?;
+                let eval = PreferenceEval::from_sums(&sums);
+                return Ok(EvalReport::of_preferences(
+                    &task.eval,
+                    eval.loss,
+                    &eval.metrics,
+                ));
+            }
+        };
         let (nll, tokens) = loss_sums(
             &self.model,
             rows,
@@ -327,7 +409,13 @@ impl Trainer {
                 shard.world_size
             )));
         }
-        let plan = DataPlan::new(&self.train.rows, &args, shard.world_size);
+        if matches!(self.task, Task::Preference(_)) && shard.world_size > 1 {
+            return Err(Error::InvalidInput(format!(
+                "WORLD_SIZE={}: DPO runs in one process for now; train it without torchrun or --nproc-per-node",
+                shard.world_size
+            )));
+        }
+        let plan = DataPlan::new(self.task.train_lengths(), &args, shard.world_size);
         let total = args.total_steps(plan.batches_per_epoch);
         let warmup = args.warmup_for(total);
         let schedule = Schedule::new(
@@ -388,6 +476,9 @@ impl Trainer {
             }
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
+        if let Task::Preference(task) = &mut self.task {
+            task.precompute(&mut self.model, ADAPTER, &args)?;
+        }
         // The log file holds exactly the restored history (a killed run may have logged past its checkpoint).
         let log_path = shard.is_main().then(|| out.join(LOG_FILE));
         if let Some(log_path) = &log_path {
@@ -443,20 +534,35 @@ impl Trainer {
         let step = self.state.global_step + 1;
         let step_started = Instant::now();
         run.memory.step = step;
-        let rows = &self.train.rows;
         let batches = WindowBatches {
             batches: window,
             first_micro,
             shard: run.shard,
         };
-        let result = Window::run(
-            &self.model,
-            rows,
-            args,
-            &batches,
-            &run.vars,
-            &mut run.memory,
-        )
+        let result = match &self.task {
+            Task::LanguageModeling { train, .. } => Window::run(
+                &self.model,
+                &train.rows,
+                args,
+                &batches,
+                &run.vars,
+                &mut run.memory,
+            ),
+            Task::Preference(task) => task
+                .window_reference(&mut self.model, ADAPTER, &batches)
+                .and_then(|reference| {
+                    Window::run_preference(
+                        &self.model,
+                        &task.train.pairs,
+                        &reference,
+                        &task.config,
+                        args,
+                        &batches,
+                        &run.vars,
+                        &mut run.memory,
+                    )
+                }),
+        }
         .map_err(|e| run.memory.explain(e, args))?;
         self.state.global_step = step;
         self.state.epoch = epoch;
@@ -467,24 +573,36 @@ impl Trainer {
         // The one read from the device in a step: the loss and the squared gradient norm together (and a
         // distributed run's stop flag).
         let squared_norm = squared_norm(&run.vars, &grads)?;
-        let read: Vec<f64> = Tensor::stack(
+        let read: Vec<f64> = Tensor::cat(
             &[
                 Some(&loss_sum),
                 squared_norm.as_ref(),
                 result.aux_loss.as_ref(),
                 stop_flag.as_ref(),
+                result.preference.as_ref(),
             ]
             .into_iter()
             .flatten()
-            .collect::<Vec<_>>(),
+            .map(|t| t.flatten_all())
+            .collect::<candle_core::Result<Vec<_>>>()?,
             0,
         )?
         .to_vec1()?;
         let grad_norm = squared_norm.as_ref().map_or(0.0, |_| read[1].sqrt());
         let aux_at = 1 + usize::from(squared_norm.is_some());
         let aux_loss = result.aux_loss.as_ref().map(|_| read[aux_at]);
+        let flag_at = aux_at + usize::from(aux_loss.is_some());
+        // DPO's metrics: means over the window's micro-batches, under TRL's names.
+        let metrics: BTreeMap<String, f64> = match result.preference {
+            Some(_) => METRICS
+                .iter()
+                .zip(&read[flag_at + usize::from(stop_flag.is_some())..])
+                .map(|(name, sum)| (name.to_string(), sum / result.counted.max(1) as f64))
+                .collect(),
+            None => BTreeMap::new(),
+        };
         // A distributed run stops where the ranks agreed (a Ctrl-C arriving later on one rank counts next step).
-        run.agreed_stop = stop_flag.map(|_| read[read.len() - 1] > 0.0);
+        run.agreed_stop = stop_flag.map(|_| read[flag_at] > 0.0);
         let loss = read[0] / result.counted.max(1) as f64;
         let lr = run.schedule.lr_for_update(step);
         let mut entry = LogEntry {
@@ -493,6 +611,7 @@ impl Trainer {
             learning_rate: Some(lr),
             tokens: Some(result.input_tokens),
             aux_loss,
+            metrics,
             ..Default::default()
         };
         if loss.is_finite() {
@@ -528,8 +647,9 @@ impl Trainer {
         if Self::log_now(run, args, step) && !entry.skipped {
             let aux = aux_loss.map_or(String::new(), |a| format!("  aux_loss {a:.4}"));
             run.progress.println(&format!(
-                "step {step}/{}  loss {loss:.4}{aux}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
+                "step {step}/{}  loss {loss:.4}{aux}{}  lr {lr:.3e}  grad_norm {:.3}  {tokens_per_second:.0} tokens/s",
                 run.total,
+                preference_figures(&entry.metrics, ""),
                 entry.grad_norm.unwrap_or(f64::NAN)
             ));
         }
@@ -586,7 +706,7 @@ impl Trainer {
             IntervalStrategy::Epoch => last_window,
             IntervalStrategy::No => false,
         };
-        if evaluate_now && !self.eval.is_empty() {
+        if evaluate_now && self.task.has_eval() {
             self.evaluate_and_log(run)?;
         }
         let args = &run.args;
@@ -636,9 +756,13 @@ impl Trainer {
             .exact_match
             .map(|m| format!("  exact match {:.1}%", 100.0 * m))
             .unwrap_or_default();
+        let perplexity = match report.metrics.is_empty() {
+            true => format!("  perplexity {:.3}", report.perplexity),
+            false => preference_figures(&report.metrics, "eval_"),
+        };
         run.progress.println(&format!(
-            "step {step}: eval_loss {:.4}  perplexity {:.3}{exact}",
-            report.loss, report.perplexity
+            "step {step}: eval_loss {:.4}{perplexity}{exact}",
+            report.loss
         ));
         if self.state.best_metric.is_none_or(|b| report.loss < b) {
             self.state.best_metric = Some(report.loss);
@@ -648,8 +772,13 @@ impl Trainer {
             step,
             epoch: self.state.epoch,
             eval_loss: Some(report.loss),
-            eval_perplexity: Some(report.perplexity),
+            eval_perplexity: report.metrics.is_empty().then_some(report.perplexity),
             eval_exact_match: report.exact_match,
+            metrics: report
+                .metrics
+                .iter()
+                .map(|(k, v)| (format!("eval_{k}"), *v))
+                .collect(),
             ..Default::default()
         };
         self.log(run.log_path.as_deref(), entry)?;
@@ -714,6 +843,12 @@ impl Trainer {
         let dir = if run.writes() {
             let dir = write_checkpoint(out, step, &files, |tmp| {
                 save_adapter(&self.model, ADAPTER, tmp, self.base_model_name.as_deref())?;
+                if let Task::Preference(task) = &self.task {
+                    if let Some(train) = &task.train_reference {
+                        let eval = task.eval_reference.as_deref().unwrap_or_default();
+                        save_reference(tmp, train, eval)?;
+                    }
+                }
                 optimizer.save(tmp)
             })?;
             if let Some(limit) = self.args.save_total_limit {
@@ -781,6 +916,15 @@ impl Trainer {
         }
         self.model.delete_adapter("__resume")?;
         self.model.set_adapter(ADAPTER)?;
+        if let Task::Preference(task) = &mut self.task {
+            if task.config.precompute_ref_log_probs {
+                let (train, eval) = (task.train.len(), task.eval.len());
+                if let Some((train, eval)) = load_reference(ckpt, train, eval)? {
+                    task.train_reference = Some(train);
+                    task.eval_reference = Some(eval);
+                }
+            }
+        }
         optimizer.load(ckpt)?;
         for cb in &mut self.callbacks {
             if let Some(s) = saved.stateful_callbacks.get(cb.name()) {
@@ -865,58 +1009,22 @@ impl Trainer {
     }
 }
 
+/// DPO's reward accuracy and margin, for the progress lines: `"  rewards/accuracies 0.750  rewards/margins 0.120"`
+/// (printed with `prefix` before each name, e.g. `eval_`), or nothing when `metrics` has none.
+fn preference_figures(metrics: &BTreeMap<String, f64>, prefix: &str) -> String {
+    ["rewards/accuracies", "rewards/margins"]
+        .iter()
+        .filter_map(|name| {
+            let value = metrics.get(*name)?;
+            Some(format!("  {prefix}{name} {value:.3}"))
+        })
+        .collect()
+}
+
 /// An error naming the first LoRA setting in which checkpoint config `then` (read from `path`) and this run's
 /// `now` differ: a resumed run must train the same adapter.
 fn check_same_lora(then: &LoraConfig, now: &LoraConfig, path: &Path) -> Result<()> {
-    let settings = [
-        ("r", format!("{}", then.r), format!("{}", now.r)),
-        (
-            "lora_alpha",
-            format!("{}", then.lora_alpha),
-            format!("{}", now.lora_alpha),
-        ),
-        (
-            "lora_dropout",
-            format!("{}", then.lora_dropout),
-            format!("{}", now.lora_dropout),
-        ),
-        (
-            "use_rslora",
-            format!("{}", then.use_rslora),
-            format!("{}", now.use_rslora),
-        ),
-        (
-            "use_dora",
-            format!("{}", then.use_dora),
-            format!("{}", now.use_dora),
-        ),
-        (
-            "target_modules",
-            format!("{:?}", then.target_modules),
-            format!("{:?}", now.target_modules),
-        ),
-        (
-            "exclude_modules",
-            format!("{:?}", then.exclude_modules),
-            format!("{:?}", now.exclude_modules),
-        ),
-        (
-            "rank_pattern",
-            format!("{:?}", then.rank_pattern),
-            format!("{:?}", now.rank_pattern),
-        ),
-        (
-            "alpha_pattern",
-            format!("{:?}", then.alpha_pattern),
-            format!("{:?}", now.alpha_pattern),
-        ),
-        (
-            "modules_to_save",
-            format!("{:?}", then.modules_to_save),
-            format!("{:?}", now.modules_to_save),
-        ),
-    ];
-    match settings.iter().find(|(_, a, b)| a != b) {
+    match then.first_difference(now) {
         None => Ok(()),
         Some((key, a, b)) => Err(Error::invalid_file(
             path,

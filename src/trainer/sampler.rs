@@ -3,7 +3,6 @@
 
 use super::args::{SamplingStrategy, TrainingArguments};
 use super::checkpoint::DataPosition;
-use crate::data::TokenizedExample;
 
 /// Where this process stands in a run: rank `rank` of `world_size` (0 of 1 alone).
 #[derive(Clone, Copy, Debug)]
@@ -89,12 +88,8 @@ pub(super) struct DataPlan {
 }
 
 impl DataPlan {
-    pub(super) fn new(
-        train: &[TokenizedExample],
-        args: &TrainingArguments,
-        world_size: usize,
-    ) -> Self {
-        let lengths: Vec<usize> = train.iter().map(|e| e.input_ids.len()).collect();
+    /// The plan over training items of `lengths` (tokens each, for `group_by_length`).
+    pub(super) fn new(lengths: Vec<usize>, args: &TrainingArguments, world_size: usize) -> Self {
         let strategy = args.sampling();
         let data_seed = args.data_seed.unwrap_or(args.seed);
         let mut plan = DataPlan {

@@ -1,6 +1,8 @@
 //! What a run knows about itself: the log entries, `trainer_state.json` (transformers' `TrainerState` keys), and
 //! the result `Trainer::train` returns.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// One line of the training log (`log_history` in `trainer_state.json`, and `log.jsonl`).
@@ -44,6 +46,10 @@ pub struct LogEntry {
     /// Share of evaluation examples answered exactly (eval entries with `predict_with_generate`).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub eval_exact_match: Option<f64>,
+    /// DPO's metrics under TRL's names (`rewards/chosen`, …, `logps/rejected`; `eval_rewards/chosen`, … on
+    /// evaluation), written as keys of the entry itself.
+    #[serde(flatten, default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// `trainer_state.json`, with transformers' keys.

@@ -9,7 +9,7 @@ use super::args::TrainingArguments;
 use super::neftune::neftune_noise;
 use super::oom::oom_report;
 use super::sampler::Shard;
-use crate::data::{collate, TokenizedExample};
+use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
@@ -20,7 +20,7 @@ fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
 }
 
 /// The seed of micro-batch `index` (dropout masks, NEFTune noise).
-fn micro_batch_seed(seed: u64, index: usize) -> u64 {
+pub(super) fn micro_batch_seed(seed: u64, index: usize) -> u64 {
     seed ^ (index as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
@@ -82,10 +82,123 @@ pub(super) struct Window {
     /// A mixture of experts' auxiliary load-balancing loss (with `output_router_logits`), the mean of this rank's
     /// micro-batches': a float64 scalar on the device.
     pub aux_loss: Option<Tensor>,
+    /// DPO's metrics (`dpo::METRICS`) summed over this rank's micro-batches: float64 `[6]` on the device.
+    pub preference: Option<Tensor>,
+}
+
+/// How a training forward of `tokens` input tokens runs its layers: checkpointed as `args` ask, keeping as many
+/// of the last layers as `activation_memory_budget_mib` allows, with `vars` the trainable parameters.
+pub(super) fn checkpointing(
+    model: &LlamaModel,
+    args: &TrainingArguments,
+    tokens: u64,
+    vars: &[Var],
+) -> Checkpointing {
+    Checkpointing {
+        enabled: args.gradient_checkpointing,
+        kept_layers: kept_layers(
+            model.config(),
+            if model.device().is_cpu() {
+                DeviceKind::Cpu
+            } else {
+                DeviceKind::Cuda
+            },
+            tokens,
+            model.compute_dtype().size_in_bytes() as u64,
+            args.activation_memory_budget_mib,
+        ),
+        params: vars.to_vec(),
+        ..Default::default()
+    }
+}
+
+/// A micro-batch's training forward: its batch, the final hidden states, the router record (with `routed`) and how
+/// its layers ran (the backward merges `ck.sink`).
+pub(super) struct MicroBatchForward {
+    pub batch: Batch,
+    pub hidden: Tensor,
+    pub router: Option<RouterLogits>,
+    pub ck: Checkpointing,
+}
+
+/// The forward of `rows` as one micro-batch drawing its dropout and NEFTune noise from `seed`, in the memory
+/// timeline's forward phase. The batch is built on the host: the model uploads the ids and positions and reads
+/// labels and packing segments where they are, so nothing is read back from the GPU.
+pub(super) fn forward_micro_batch(
+    model: &LlamaModel,
+    rows: &[&TokenizedExample],
+    args: &TrainingArguments,
+    vars: &[Var],
+    seed: u64,
+    routed: bool,
+    memory: &mut StepMemory,
+) -> Result<MicroBatchForward> {
+    model.lora_runtime.set_step_seed(seed);
+    let batch = collate(rows, &Device::Cpu)?;
+    let ck = checkpointing(model, args, batch.ids.elem_count() as u64, vars);
+    memory.timeline.start_phase(Phase::Forward);
+    let mut embeds = model.embed(&batch.ids)?;
+    if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
+        embeds = neftune_noise(&embeds, alpha, seed)?;
+    }
+    let router = routed.then(RouterLogits::new);
+    let hidden = model.forward_embeds_routed(&embeds, &batch.positions, &ck, router.as_ref())?;
+    Ok(MicroBatchForward {
+        batch,
+        hidden,
+        router,
+        ck,
+    })
+}
+
+/// Micro-batch `k`'s backward of `objective` (its forward ran as `ck` says), in the memory timeline's backward
+/// phase, its gradients of `vars` added to `grads`.
+pub(super) fn backward_into(
+    grads: &mut GradStore,
+    objective: &Tensor,
+    ck: &Checkpointing,
+    vars: &[Var],
+    memory: &mut StepMemory,
+    k: usize,
+) -> Result<()> {
+    memory.end_phase(k, gradient_bytes(vars, grads));
+    memory.timeline.start_phase(Phase::Backward);
+    let mut g = objective.backward()?;
+    ck.sink.merge_into(&mut g)?;
+    accumulate(grads, &g, vars)?;
+    drop(g);
+    memory.end_phase(k, gradient_bytes(vars, grads));
+    Ok(())
+}
+
+/// Adds the gradients of `vars` in `g` to `grads`.
+fn accumulate(grads: &mut GradStore, g: &GradStore, vars: &[Var]) -> Result<()> {
+    for v in vars {
+        if let Some(gv) = g.get(v) {
+            let acc = match grads.get(v) {
+                Some(old) => (old + gv)?,
+                None => gv.clone(),
+            };
+            grads.insert(v, acc);
+        }
+    }
+    Ok(())
+}
+
+/// The running sum of `term` in `total` (float64 scalars or vectors on the device).
+pub(super) fn add_to(total: &mut Option<Tensor>, term: Tensor) -> Result<()> {
+    *total = Some(match total.take() {
+        Some(t) => (t + term)?,
+        None => term,
+    });
+    Ok(())
 }
 
 /// 1 for each real token of a right-padded batch `[rows · longest]`, 0 for padding; `None` without padding.
-fn token_mask(examples: &[&TokenizedExample], device: &Device) -> Result<Option<Tensor>> {
+pub(super) fn token_mask(
+    examples: &[&TokenizedExample],
+    device: &Device,
+) -> Result<Option<Tensor>> {
     let longest = examples
         .iter()
         .map(|e| e.input_ids.len())
@@ -148,35 +261,12 @@ impl Window {
         model.lora_runtime.set_training(true);
         for (k, ex) in shard.share(examples.iter().enumerate()) {
             let seed = micro_batch_seed(args.seed, first_micro + k);
-            model.lora_runtime.set_step_seed(seed);
-            // Built on the host: the model uploads the ids and positions and reads labels and packing segments
-            // where they are, so nothing is read back from the GPU.
-            let batch = collate(ex, &Device::Cpu)?;
-            let tokens = batch.ids.elem_count() as u64;
-            let ck = Checkpointing {
-                enabled: args.gradient_checkpointing,
-                kept_layers: kept_layers(
-                    model.config(),
-                    if model.device().is_cpu() {
-                        DeviceKind::Cpu
-                    } else {
-                        DeviceKind::Cuda
-                    },
-                    tokens,
-                    model.compute_dtype().size_in_bytes() as u64,
-                    args.activation_memory_budget_mib,
-                ),
-                params: vars.to_vec(),
-                ..Default::default()
-            };
-            memory.timeline.start_phase(Phase::Forward);
-            let mut embeds = model.embed(&batch.ids)?;
-            if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
-                embeds = neftune_noise(&embeds, alpha, seed)?;
-            }
-            let router = moe.map(|_| RouterLogits::new());
-            let hidden =
-                model.forward_embeds_routed(&embeds, &batch.positions, &ck, router.as_ref())?;
+            let MicroBatchForward {
+                batch,
+                hidden,
+                router,
+                ck,
+            } = forward_micro_batch(model, ex, args, vars, seed, moe.is_some(), memory)?;
             let (sum, _) = model.loss_from_hidden(&hidden, &batch.labels)?;
             let mut sum_f64 = sum.to_dtype(DType::F64)?;
             let mut objective = (sum / counted.max(1) as f64)?;
@@ -189,43 +279,21 @@ impl Window {
                     // In the logged loss as in the objective: the window's mean token loss plus the term.
                     let aux_f64 = aux.detach().to_dtype(DType::F64)?;
                     sum_f64 = (sum_f64 + (&aux_f64 * (scale * counted.max(1) as f64))?)?;
-                    aux_sum = Some(match aux_sum {
-                        Some(total) => (total + aux_f64)?,
-                        None => aux_f64,
-                    });
+                    add_to(&mut aux_sum, aux_f64)?;
                     aux_count += 1;
                 }
             }
-            loss_sum = Some(match loss_sum {
-                Some(total) => (total + sum_f64)?,
-                None => sum_f64,
-            });
-            memory.end_phase(k, gradient_bytes(vars, &grads));
-            memory.timeline.start_phase(Phase::Backward);
-            let mut g = objective.backward()?;
-            ck.sink.merge_into(&mut g)?;
-            for v in vars {
-                if let Some(gv) = g.get(v) {
-                    let acc = match grads.get(v) {
-                        Some(old) => (old + gv)?,
-                        None => gv.clone(),
-                    };
-                    grads.insert(v, acc);
-                }
-            }
-            drop(g);
-            memory.end_phase(k, gradient_bytes(vars, &grads));
+            add_to(&mut loss_sum, sum_f64)?;
+            backward_into(&mut grads, &objective, &ck, vars, memory, k)?;
         }
         model.lora_runtime.set_training(false);
         Ok(Window {
-            loss_sum: match loss_sum {
-                Some(t) => t,
-                None => Tensor::zeros((), DType::F64, model.device())?,
-            },
+            loss_sum: loss_sum.map_or_else(|| Tensor::zeros((), DType::F64, model.device()), Ok)?,
             counted,
             input_tokens: examples.iter().flatten().map(|e| e.input_ids.len()).sum(),
             grads,
             aux_loss: aux_sum.map(|s| s / aux_count as f64).transpose()?,
+            preference: None,
         })
     }
 }

@@ -42,6 +42,13 @@ fn write_inputs(dir: &Path) {
         "{\"messages\": [{\"role\": \"user\", \"content\": \"t3\"}, {\"role\": \"assistant\", \"content\": \"t4\"}]}\n",
     )
     .unwrap();
+    // Preference pairs: one whose rejected answer is a list of messages while the chosen one is text.
+    std::fs::write(
+        dir.join("mixed_pairs.jsonl"),
+        "{\"prompt\": \"t3\", \"chosen\": \"t4\", \"rejected\": \"t5\"}\n\
+         {\"prompt\": \"t3\", \"chosen\": \"t4\", \"rejected\": [{\"role\": \"assistant\", \"content\": \"t5\"}]}\n",
+    )
+    .unwrap();
     // A model folder whose weights cannot be read: data errors must come before the weights are loaded.
     let unreadable = dir.join("unreadable_weights");
     std::fs::create_dir_all(&unreadable).unwrap();
@@ -260,6 +267,70 @@ fn cases(dir: &Path) -> Vec<Case> {
             "need the model's chat template, and this model has none",
         ),
         case(generate(&["--prompt", "t3", "--chat"]), 1, "drop --chat"),
+        // DPO: pairs without [dpo], supervised data with it, and [dpo]'s own mistakes.
+        case(
+            train(&[&format!(
+                "data.train_file={:?}",
+                data_path("dpo/pairs.jsonl").display().to_string()
+            )]),
+            1,
+            "is DPO's data: add a [dpo] section",
+        ),
+        case(train(&["dpo.beta=0.1"]), 1, ":1: `chosen` is missing"),
+        case(
+            train(&[
+                "dpo.beta=0.1",
+                &format!("data.train_file={:?}", file("mixed_pairs.jsonl")),
+            ]),
+            1,
+            "mixed_pairs.jsonl:2: `rejected` must be a string",
+        ),
+        case(
+            train(&[
+                "dpo.beta=0.1",
+                &format!(
+                    "data.train_file={:?}",
+                    data_path("dpo/pairs.jsonl").display().to_string()
+                ),
+            ]),
+            1,
+            "has no EOS token",
+        ),
+        case(
+            train(&["dpo.bta=0.1"]),
+            1,
+            "unknown key `bta` in [dpo]; did you mean `beta`?",
+        ),
+        case(
+            train(&["dpo.loss_type=\"exo\""]),
+            1,
+            "loss_type `exo` is not supported",
+        ),
+        case(
+            train(&["dpo.beta=0"]),
+            1,
+            "[dpo]: beta = 0: must be a positive number",
+        ),
+        case(
+            train(&["dpo.beta=0.1", "data.packing=true"]),
+            1,
+            "packing = true: DPO runs",
+        ),
+        case(
+            train(&["dpo.beta=0.1", "training.predict_with_generate=true"]),
+            1,
+            "predict_with_generate = true: it answers supervised examples",
+        ),
+        case(
+            estimate(&["--dpo", "--batch", "2", "--seq", "64"]),
+            0,
+            "DPO: 4 rows per forward",
+        ),
+        case(
+            train(&[&format!("model.adapter={:?}", file("no_such_adapter"))]),
+            1,
+            "no_such_adapter",
+        ),
         case(
             eval(&[
                 "--data",

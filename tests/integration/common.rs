@@ -168,3 +168,12 @@ pub fn embeds_loss(
         .unwrap();
     (sum / n as f64).unwrap()
 }
+
+/// Token ids from a JSON array of numbers (golden files).
+pub fn ids_of(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}

@@ -836,6 +836,82 @@ fn training_on_the_gpu_matches_the_cpu_with(fused: bool) {
     assert!(timeline.contains("device pool"), "{timeline}");
 }
 
+/// DPO from a PEFT adapter (its frozen copy the reference, computed per batch) on the 4-bit tiny model with
+/// checkpointed layers, float32 compute on both devices: the losses, reward metrics and trained adapter agree.
+#[test]
+fn preference_training_on_the_gpu_matches_the_cpu() {
+    use candle_qlora::adapter::load_adapter;
+    use candle_qlora::data::{DataConfig, PreferenceDataset, TruncationMode};
+    use candle_qlora::trainer::DpoConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = data_path("dpo/tiny-llama-chat");
+    let tokenizer = candle_qlora::loading::load_tokenizer(model_dir.to_str().unwrap(), None)
+        .unwrap()
+        .unwrap();
+    let pairs = PreferenceDataset::from_jsonl(
+        &data_path("dpo/pairs-chat.jsonl"),
+        &tokenizer,
+        &DataConfig::default(),
+        TruncationMode::KeepStart,
+    )
+    .unwrap();
+    let run = |device: &Device, name: &str| {
+        let out = dir.path().join(name);
+        let opts = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        };
+        let mut model = load_model(model_dir.to_str().unwrap(), None, &opts)
+            .unwrap()
+            .model
+            .to_device(device)
+            .unwrap();
+        let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
+        let args = TrainingArguments {
+            output_dir: out.display().to_string(),
+            per_device_train_batch_size: 2,
+            gradient_accumulation_steps: 2,
+            learning_rate: 5e-3,
+            max_steps: 3,
+            logging_steps: 1.0,
+            save_steps: 100.0,
+            optim: OptimizerName::AdamWTorch,
+            gradient_checkpointing: true,
+            // The adapter is loaded where the model is: the trainer must not move it.
+            use_cpu: device.is_cpu(),
+            ..Default::default()
+        };
+        let log = Trainer::new_dpo(
+            model,
+            args,
+            &lora,
+            DpoConfig::default(),
+            pairs.clone(),
+            pairs.clone(),
+        )
+        .unwrap()
+        .train(None)
+        .unwrap();
+        let figures: Vec<f64> = log
+            .log_history
+            .iter()
+            .filter(|e| e.loss.is_some())
+            .flat_map(|e| std::iter::once(e.loss.unwrap()).chain(e.metrics.values().copied()))
+            .collect();
+        (figures, read_adapter(&out))
+    };
+    let (cpu_figures, cpu_adapter) = run(&Device::Cpu, "cpu");
+    let (gpu_figures, gpu_adapter) = run(&gpu(), "gpu");
+    assert_eq!(cpu_figures.len(), 3 * 7);
+    assert_runs_agree(
+        "DPO",
+        (&cpu_figures, &cpu_adapter),
+        (&gpu_figures, &gpu_adapter),
+        1e-4,
+        1e-3,
+    );
+}
+
 /// A GPU nearly full (a ballast tensor leaves 2 GiB, 256 MiB on the emulated device) and a micro-batch that needs more: training stops with the
 /// out-of-memory report (step, phase, live memory by category, the fixes cheapest first), and the device is usable
 /// afterwards.

@@ -8,7 +8,7 @@
 //! - safetensors (`MappedSafetensors`, `read_bnb_file`, `load_model` on a folder, `load_adapter`): the 8-byte length
 //!   and JSON header with random dtypes, shapes and offsets, bitsandbytes quant states, arbitrary bytes, and
 //!   mutations of real model, bitsandbytes and adapter files.
-//! - JSONL (`read_jsonl` in every format, `Dataset::train_and_eval`): lines of arbitrary bytes, random JSON and
+//! - JSONL (`read_jsonl` in every format, `Dataset::train_and_eval`, `PreferenceDataset::train_and_eval`): lines of arbitrary bytes, random JSON and
 //!   records of each format.
 //! - TOML run configs (`RunConfig::load` with `--set` overrides, then the schedule the trainer builds from them):
 //!   a valid config with keys set to random-typed values, removed or added, and random overrides.
@@ -26,7 +26,9 @@ use std::path::Path;
 use candle_core::safetensors::Load;
 use candle_core::Device;
 use candle_qlora::adapter::{load_adapter, Adapters};
-use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset, Example};
+use candle_qlora::data::{
+    read_jsonl, DataConfig, DataFormat, Dataset, Example, PreferenceDataset, TruncationMode,
+};
 use candle_qlora::files::{view_to_f32, MappedSafetensors};
 use candle_qlora::loading::bnb::{quantize_file, read_bnb_file, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
@@ -1525,6 +1527,25 @@ fn jsonl_record() -> impl Strategy<Value = Value> {
         vec(chat_turn("role", "content"), 0..5).prop_map(|m| json!({ "messages": m })),
         vec(chat_turn("from", "value"), 0..5).prop_map(|m| json!({ "conversations": m })),
         (field_value(), field_value()).prop_map(|(p, c)| json!({"prompt": p, "completion": c})),
+        (option::of(field_value()), field_value(), field_value()).prop_map(|(p, c, r)| {
+            let mut record = json!({"chosen": c, "rejected": r});
+            if let Some(p) = p {
+                record["prompt"] = p;
+            }
+            record
+        }),
+        (
+            option::of(vec(chat_turn("role", "content"), 0..3)),
+            vec(chat_turn("role", "content"), 0..3),
+            vec(chat_turn("role", "content"), 0..3),
+        )
+            .prop_map(|(p, c, r)| {
+                let mut record = json!({"chosen": c, "rejected": r});
+                if let Some(p) = p {
+                    record["prompt"] = json!(p);
+                }
+                record
+            }),
     ]
 }
 
@@ -1576,12 +1597,13 @@ fn jsonl_file() -> impl Strategy<Value = Vec<u8>> {
         })
 }
 
-const FORMATS: [DataFormat; 5] = [
+const FORMATS: [DataFormat; 6] = [
     DataFormat::Auto,
     DataFormat::Text,
     DataFormat::Alpaca,
     DataFormat::Messages,
     DataFormat::ShareGpt,
+    DataFormat::Preference,
 ];
 
 fn data_config() -> impl Strategy<Value = DataConfig> {
@@ -1629,6 +1651,9 @@ fn jsonl_reading_never_panics() {
             config.train_file = Some(path);
             let tokenizer = if with_template { &chat } else { &plain };
             let _ = Dataset::train_and_eval(tokenizer, &config);
+            for truncation in [TruncationMode::KeepStart, TruncationMode::KeepEnd] {
+                let _ = PreferenceDataset::train_and_eval(tokenizer, &config, truncation);
+            }
             Ok(())
         },
     );

@@ -7,6 +7,7 @@ mod cli;
 mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dpo;
 mod families;
 mod fuzz;
 mod layering;

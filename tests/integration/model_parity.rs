@@ -10,7 +10,9 @@ use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::{BnbKernels, QuantConfig};
 use serde_json::Value;
 
-use crate::common::{data_path, embeds_loss, max_abs_diff, test_model, text_loss, TINY_MODELS};
+use crate::common::{
+    data_path, embeds_loss, ids_of, max_abs_diff, test_model, text_loss, TINY_MODELS,
+};
 
 fn golden(name: &str) -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(
@@ -226,14 +228,6 @@ fn whole_model_gradients_match_a_composite_reference_with_and_without_checkpoint
 fn smollm2_golden() -> Value {
     serde_json::from_str(&std::fs::read_to_string(data_path("models/smollm2_golden.json")).unwrap())
         .unwrap()
-}
-
-fn ids_of(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
 }
 
 #[test]

@@ -144,7 +144,7 @@ fn exact_match_compares_the_greedy_answer_with_the_labels() {
     // model's plain-text rows have none).
     let dir = tempfile::tempdir().unwrap();
     let mut eval = examples()[..2].to_vec();
-    let plain = trainer_with(dir.path(), |_| {}, eval.clone());
+    let mut plain = trainer_with(dir.path(), |_| {}, eval.clone());
     assert_eq!(plain.evaluate().unwrap().exact_match, None);
     let generating = |eval| trainer_with(dir.path(), |a| a.predict_with_generate = true, eval);
     assert_eq!(
@@ -408,7 +408,24 @@ fn bundled_configs_are_valid() {
             n += 1;
         }
     }
-    assert_eq!(n, 11);
+    assert_eq!(n, 12);
+    // The DPO recipe is DPO, and its commented continuation of an SFT adapter reads that adapter's settings.
+    let dpo =
+        candle_qlora::trainer::RunConfig::load(&dir.join("smollm2-135m-dpo.toml"), &[]).unwrap();
+    assert_eq!(dpo.dpo.unwrap().beta, 0.1);
+    let adapter = crate::common::data_path("dpo/adapter")
+        .display()
+        .to_string();
+    let err = candle_qlora::trainer::RunConfig::load(
+        &dir.join("smollm2-135m-dpo.toml"),
+        &[format!("model.adapter=\"{adapter}\"")],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("[lora] r = 16") && err.contains("has r = 4"),
+        "{err}"
+    );
     // The mixture-of-experts recipe's commented expert targets validate too.
     let moe = dir.join("qwen3-30b-a3b-qlora.toml");
     let experts = [

@@ -1,0 +1,38 @@
+//! What a [`super::Trainer`] optimizes, with its data: the causal-LM loss on labelled tokens (supervised
+//! fine-tuning), or DPO's preference loss on pairs.
+
+use super::dpo::PreferenceTask;
+use crate::data::Dataset;
+
+/// The trainer's objective and data.
+pub(super) enum Task {
+    /// Supervised fine-tuning: the token-level loss of the labelled tokens.
+    LanguageModeling {
+        /// Training rows.
+        train: Dataset,
+        /// Evaluation rows (may be empty).
+        eval: Dataset,
+    },
+    /// DPO on preference pairs.
+    Preference(Box<PreferenceTask>),
+}
+
+impl Task {
+    /// The length of each training item (a row, or a pair's longer sequence), for the sampler.
+    pub(super) fn train_lengths(&self) -> Vec<usize> {
+        match self {
+            Task::LanguageModeling { train, .. } => {
+                train.rows.iter().map(|r| r.input_ids.len()).collect()
+            }
+            Task::Preference(p) => p.train.pairs.iter().map(|p| p.longest()).collect(),
+        }
+    }
+
+    /// Whether there is anything to evaluate.
+    pub(super) fn has_eval(&self) -> bool {
+        match self {
+            Task::LanguageModeling { eval, .. } => !eval.is_empty(),
+            Task::Preference(p) => !p.eval.is_empty(),
+        }
+    }
+}

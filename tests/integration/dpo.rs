@@ -1,0 +1,485 @@
+//! DPO against TRL 1.16's `DPOTrainer` (goldens: `scripts/golden_dpo.py`): tokenization of the three preference
+//! forms, and the loss and reward metrics of three optimizer steps (and the evaluation after each) for every
+//! `loss_type`, RPO, the precomputed and the uniform reference, starting from a PEFT adapter with non-zero B whose
+//! frozen copy is the reference.
+
+use candle_qlora::adapter::load_adapter;
+use candle_qlora::data::{DataConfig, PreferenceDataset, TruncationMode};
+use candle_qlora::loading::{load_model, load_tokenizer, LoadOptions};
+use candle_qlora::lora::LoraConfig;
+use candle_qlora::optim::{OptimizerName, SchedulerType};
+use candle_qlora::trainer::{DpoConfig, IntervalStrategy, LossType, Trainer, TrainingArguments};
+use serde_json::Value;
+
+use crate::common::{data_path, ids_of};
+
+fn golden() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(data_path("dpo/golden.json")).unwrap()).unwrap()
+}
+
+fn model_dir() -> String {
+    data_path("dpo/tiny-llama-chat").display().to_string()
+}
+
+fn pairs(file: &str) -> PreferenceDataset {
+    let tokenizer = load_tokenizer(&model_dir(), None).unwrap().unwrap();
+    let config = DataConfig {
+        format: candle_qlora::data::DataFormat::Preference,
+        ..Default::default()
+    };
+    PreferenceDataset::from_jsonl(
+        &data_path(&format!("dpo/{file}")),
+        &tokenizer,
+        &config,
+        TruncationMode::KeepStart,
+    )
+    .unwrap()
+}
+
+#[test]
+fn preference_forms_tokenize_as_trl_does() {
+    let g = golden();
+    for (file, expected) in g["tokenized"].as_object().unwrap() {
+        let data = pairs(file);
+        let expected = expected.as_array().unwrap();
+        assert_eq!(data.len(), expected.len(), "{file}");
+        for (pair, e) in data.pairs.iter().zip(expected) {
+            let prompt = pair
+                .chosen
+                .labels
+                .iter()
+                .take_while(|l| **l == -100)
+                .count();
+            let (chosen, rejected) = (&pair.chosen.input_ids, &pair.rejected.input_ids);
+            assert_eq!(
+                chosen[..prompt].to_vec(),
+                ids_of(&e["prompt_ids"]),
+                "{file}"
+            );
+            assert_eq!(
+                rejected[..prompt].to_vec(),
+                ids_of(&e["prompt_ids"]),
+                "{file}"
+            );
+            assert_eq!(
+                chosen[prompt..].to_vec(),
+                ids_of(&e["chosen_ids"]),
+                "{file}"
+            );
+            assert_eq!(
+                rejected[prompt..].to_vec(),
+                ids_of(&e["rejected_ids"]),
+                "{file}"
+            );
+        }
+    }
+}
+
+/// Our DPO settings for a golden case (the RPO case uses our `rpo_alpha`, TRL's spelling being the sft loss type).
+fn dpo_config(name: &str, settings: &Value) -> DpoConfig {
+    let loss_type: Vec<LossType> = settings["loss_type"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().parse().unwrap())
+        .filter(|t| *t != LossType::Sft)
+        .collect();
+    DpoConfig {
+        loss_type,
+        beta: settings.get("beta").and_then(Value::as_f64).unwrap_or(0.1),
+        label_smoothing: settings
+            .get("label_smoothing")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0),
+        rpo_alpha: (name == "rpo").then_some(0.5),
+        precompute_ref_log_probs: settings
+            .get("precompute")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        reference_free: settings
+            .get("reference_free")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        ..Default::default()
+    }
+}
+
+fn golden_args(out: &std::path::Path) -> TrainingArguments {
+    TrainingArguments {
+        output_dir: out.display().to_string(),
+        per_device_train_batch_size: 4,
+        per_device_eval_batch_size: 4,
+        max_steps: 3,
+        learning_rate: 5e-3,
+        lr_scheduler_type: SchedulerType::Linear,
+        weight_decay: 0.0,
+        max_grad_norm: 1.0,
+        optim: OptimizerName::AdamWTorch,
+        logging_steps: 1.0,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(1.0),
+        save_strategy: IntervalStrategy::No,
+        seed: 0,
+        use_cpu: true,
+        disable_tqdm: true,
+        ..Default::default()
+    }
+}
+
+/// A DPO trainer on the tiny model continuing the golden adapter.
+fn trainer(
+    out: &std::path::Path,
+    dpo: DpoConfig,
+    file: &str,
+    edit: impl Fn(&mut TrainingArguments),
+) -> Trainer {
+    let mut model = load_model(&model_dir(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
+    let mut args = golden_args(out);
+    edit(&mut args);
+    Trainer::new_dpo(model, args, &lora, dpo, pairs(file), pairs(file)).unwrap()
+}
+
+#[test]
+fn dpo_steps_equal_trl_for_every_loss_type_rpo_and_each_reference() {
+    let g = golden();
+    let names = candle_qlora::trainer::dpo::METRICS;
+    let mut worst = (0.0f64, String::new());
+    let mut failures = Vec::new();
+    for (name, case) in g["cases"].as_object().unwrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let dpo = dpo_config(name, &case["settings"]);
+        let mut t = trainer(dir.path(), dpo, case["data"].as_str().unwrap(), |_| {});
+        let out = t.train(None).unwrap();
+        let train: Vec<_> = out
+            .log_history
+            .iter()
+            .filter(|e| e.loss.is_some())
+            .collect();
+        let eval: Vec<_> = out
+            .log_history
+            .iter()
+            .filter(|e| e.eval_loss.is_some())
+            .collect();
+        assert_eq!((train.len(), eval.len()), (3, 3), "{name}");
+        for (k, want) in case["steps"].as_array().unwrap().iter().enumerate() {
+            let mut check = |what: &str, got: f64| {
+                let expected = want[what].as_f64().unwrap();
+                let err = (got - expected).abs() / (1.0 + expected.abs());
+                if err > worst.0 {
+                    worst = (
+                        err,
+                        format!("{name} step {} {what}: ours {got}, TRL {expected}", k + 1),
+                    );
+                }
+                if err >= 2e-4 {
+                    failures.push(format!(
+                        "{name} step {} {what}: ours {got}, TRL {expected}",
+                        k + 1
+                    ));
+                }
+            };
+            check("loss", train[k].loss.unwrap());
+            check("grad_norm", train[k].grad_norm.unwrap());
+            check("eval_loss", eval[k].eval_loss.unwrap());
+            for n in names {
+                check(n, train[k].metrics[n]);
+                let e = format!("eval_{n}");
+                check(&e, eval[k].metrics[&e]);
+            }
+        }
+    }
+    eprintln!(
+        "largest relative difference from TRL: {:.2e} ({})",
+        worst.0, worst.1
+    );
+    assert!(
+        failures.is_empty(),
+        "{} differences:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn a_new_adapter_starts_at_the_base_model_which_is_its_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = load_model(&model_dir(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let lora = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        target_modules: Some(candle_qlora::lora::TargetModules::AllLinear),
+        ..Default::default()
+    };
+    let mut args = golden_args(dir.path());
+    args.max_steps = 2;
+    let mut t = Trainer::new_dpo(
+        model,
+        args,
+        &lora,
+        DpoConfig::default(),
+        pairs("pairs.jsonl"),
+        pairs("pairs.jsonl"),
+    )
+    .unwrap();
+    let out = t.train(None).unwrap();
+    let first = &out.log_history[0];
+    // B = 0: the policy is the base model, the reference: every reward is exactly 0 and the loss log 2.
+    assert_eq!(first.metrics["rewards/margins"], 0.0);
+    assert!((first.loss.unwrap() - std::f64::consts::LN_2).abs() < 1e-6);
+    let last_eval = out
+        .log_history
+        .iter()
+        .rev()
+        .find(|e| e.eval_loss.is_some())
+        .unwrap();
+    assert!(
+        last_eval.metrics["eval_rewards/margins"] > 0.0,
+        "{last_eval:?}"
+    );
+}
+
+#[test]
+fn a_resumed_dpo_run_with_precomputed_references_equals_the_uninterrupted_one() {
+    let dpo = || DpoConfig {
+        precompute_ref_log_probs: true,
+        ..Default::default()
+    };
+    let steps = |edit: fn(&mut TrainingArguments)| {
+        move |a: &mut TrainingArguments| {
+            a.max_steps = 4;
+            a.per_device_train_batch_size = 2;
+            a.gradient_accumulation_steps = 1;
+            a.gradient_checkpointing = true;
+            a.optim = OptimizerName::PagedAdamW8bit;
+            a.save_strategy = IntervalStrategy::Steps;
+            a.save_steps = 2.0;
+            a.eval_steps = Some(2.0);
+            edit(a);
+        }
+    };
+    let whole = tempfile::tempdir().unwrap();
+    let full = trainer(whole.path(), dpo(), "pairs.jsonl", steps(|_| {}))
+        .train(None)
+        .unwrap();
+    let ckpt = whole.path().join("checkpoint-2");
+    let stored = ckpt.join(candle_qlora::trainer::dpo::REFERENCE_FILE);
+    assert!(
+        stored.is_file(),
+        "the checkpoint keeps the reference log-probabilities"
+    );
+
+    let part = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(whole.path()).unwrap() {
+        let p = entry.unwrap().path();
+        if p.file_name().unwrap() == "checkpoint-2" {
+            let to = part.path().join("checkpoint-2");
+            std::fs::create_dir_all(&to).unwrap();
+            for f in std::fs::read_dir(&p).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    let mut resumed_trainer = trainer(part.path(), dpo(), "pairs.jsonl", steps(|_| {}));
+    let resumed = resumed_trainer
+        .train(Some(&part.path().join("checkpoint-2")))
+        .unwrap();
+    // The steps after the checkpoint, bit for bit (timings aside).
+    let after = |log: &[candle_qlora::trainer::LogEntry]| -> Vec<_> {
+        log.iter()
+            .filter(|e| e.step > 2)
+            .map(|e| (e.step, e.loss, e.grad_norm, e.eval_loss, e.metrics.clone()))
+            .collect()
+    };
+    assert_eq!(after(&full.log_history), after(&resumed.log_history));
+    assert_eq!(after(&full.log_history).len(), 3);
+    let bytes = |d: &std::path::Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(bytes(whole.path()), bytes(part.path()));
+}
+
+#[test]
+fn train_command_runs_dpo_from_an_adapter_and_refuses_a_disagreeing_lora_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = crate::common::repo_root();
+    let config = |extra: &str| {
+        let text = format!(
+            "[model]\nname_or_path = \"{m}\"\nadapter = \"{a}\"\n{extra}\n[data]\ntrain_file = \"{d}\"\n\
+             eval_file = \"{d}\"\n[dpo]\nbeta = 0.2\nloss_type = [\"sigmoid\", \"sft\"]\nloss_weights = [1.0, 0.1]\n\
+             [training]\noutput_dir = \"{o}\"\nmax_steps = 2\nper_device_train_batch_size = 2\n\
+             learning_rate = 1e-3\nlogging_steps = 1\neval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 2\n",
+            m = root.join("tests/data/dpo/tiny-llama-chat").display(),
+            a = root.join("tests/data/dpo/adapter").display(),
+            d = root.join("tests/data/dpo/pairs-chat.jsonl").display(),
+            o = dir.path().join("out").display(),
+        );
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args([
+            "train",
+            "--config",
+            config("[lora]\nr = 8").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("[lora] r = 8") && text.contains("has r = 4"),
+        "{text}"
+    );
+
+    let text = crate::families::qlora(&["train", "--config", config("").to_str().unwrap()]);
+    assert!(
+        text.contains("4 training pairs") && text.contains("continuing adapter"),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(dir.path().join("out/log.jsonl")).unwrap();
+    let entries: Vec<Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for key in [
+        "loss",
+        "rewards/chosen",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/rejected",
+    ] {
+        assert!(
+            entries[0].get(key).is_some(),
+            "{key} missing from {}",
+            entries[0]
+        );
+    }
+    let eval = entries
+        .iter()
+        .find(|e| e.get("eval_loss").is_some())
+        .unwrap();
+    assert!(
+        eval.get("eval_rewards/margins").is_some() && eval.get("eval_perplexity").is_none(),
+        "{eval}"
+    );
+    assert!(dir
+        .path()
+        .join("out/checkpoint-2/adapter_model.safetensors")
+        .is_file());
+}
+
+#[test]
+fn supervised_training_continues_an_adapter_given_in_the_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = crate::common::repo_root();
+    let data = dir.path().join("train.jsonl");
+    std::fs::write(
+        &data,
+        "{\"text\": \"t5 t6 t7 t8 t9 t10\"}\n{\"text\": \"t11 t12 t13 t14\"}\n",
+    )
+    .unwrap();
+    let path = dir.path().join("run.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[model]\nname_or_path = \"{m}\"\nadapter = \"{a}\"\n[data]\ntrain_file = \"train.jsonl\"\n\
+             [training]\noutput_dir = \"{o}\"\nmax_steps = 1\nlearning_rate = 0.0\n",
+            m = root.join("tests/data/dpo/tiny-llama-chat").display(),
+            a = root.join("tests/data/dpo/adapter").display(),
+            o = dir.path().join("out").display(),
+        ),
+    )
+    .unwrap();
+    crate::families::qlora(&["train", "--config", path.to_str().unwrap()]);
+    // A zero learning rate leaves the continued adapter as it was loaded.
+    let tensors = |p: std::path::PathBuf| {
+        candle_core::safetensors::load(
+            p.join("adapter_model.safetensors"),
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+    };
+    let (before, after) = (
+        tensors(root.join("tests/data/dpo/adapter")),
+        tensors(dir.path().join("out")),
+    );
+    assert_eq!(before.len(), after.len());
+    for (k, t) in &before {
+        let diff = crate::common::max_abs_diff(t, &after[k]);
+        assert!(diff == 0.0, "{k} changed by {diff}");
+    }
+}
+
+#[test]
+fn smollm2_dpo_raises_the_held_out_reward_accuracy() {
+    let Some(path) = crate::common::test_model() else {
+        return;
+    };
+    let nf4 = LoadOptions {
+        quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
+        compute_dtype: candle_core::DType::F32,
+    };
+    let loaded = load_model(path.to_str().unwrap(), None, &nf4).unwrap();
+    let tokenizer = loaded.tokenizer.clone().unwrap();
+    let config = DataConfig {
+        max_length: 96,
+        ..Default::default()
+    };
+    let file = |name: &str, n: usize| {
+        let path = crate::common::repo_root().join("configs/data").join(name);
+        let mut data =
+            PreferenceDataset::from_jsonl(&path, &tokenizer, &config, TruncationMode::KeepStart)
+                .unwrap();
+        data.pairs.truncate(n);
+        data
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = TrainingArguments {
+        output_dir: dir.path().display().to_string(),
+        per_device_train_batch_size: 4,
+        learning_rate: 5e-4,
+        max_steps: 4,
+        lr_scheduler_type: SchedulerType::Constant,
+        optim: OptimizerName::PagedAdamW8bit,
+        gradient_checkpointing: true,
+        logging_steps: 1.0,
+        save_strategy: IntervalStrategy::No,
+        disable_tqdm: true,
+        ..Default::default()
+    };
+    let lora = LoraConfig {
+        r: 8,
+        lora_alpha: 16.0,
+        target_modules: Some(candle_qlora::lora::TargetModules::AllLinear),
+        ..Default::default()
+    };
+    let train = file("cities-preference-train.jsonl", 16);
+    let eval = file("cities-preference-eval.jsonl", 8);
+    let mut t =
+        Trainer::new_dpo(loaded.model, args, &lora, DpoConfig::default(), train, eval).unwrap();
+    let before = t.evaluate().unwrap();
+    t.train(None).unwrap();
+    let after = t.evaluate().unwrap();
+    let (acc, margin) = ("rewards/accuracies", "rewards/margins");
+    eprintln!(
+        "held-out reward accuracy {} → {}, margin {:.4} → {:.4}, loss {:.4} → {:.4}",
+        before.metrics[acc],
+        after.metrics[acc],
+        before.metrics[margin],
+        after.metrics[margin],
+        before.loss,
+        after.loss
+    );
+    // A new adapter is its reference, up to the float rounding of the 4-bit LoRA op next to the plain 4-bit one.
+    assert!(before.metrics[margin].abs() < 1e-3, "{before:?}");
+    assert!(
+        after.metrics[acc] >= 0.75 && after.metrics[margin] > 0.0,
+        "{after:?}"
+    );
+    assert!(after.loss < before.loss);
+}
