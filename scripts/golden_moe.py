@@ -11,6 +11,7 @@ Versions used for the committed files: torch 2.15.0, transformers 5.23.0, safete
 Usage:
     python3 scripts/golden_moe.py            # (re)writes tests/data/moe/*.safetensors
     python3 scripts/golden_moe.py models     # (re)writes tests/data/models/tiny-{mixtral,qwen2-moe,qwen3-moe}/
+    python3 scripts/golden_moe.py gguf       # (re)writes tiny-qwen2-moe/model.gguf and tests/data/models/tiny-qwen3-moe-gguf/
     python3 scripts/golden_moe.py check-ours ADAPTER_DIR BASE_DIR LOGITS_FILE
         loads our adapter onto BASE_DIR with PEFT and compares its logits on the golden input_ids with the float32
         tensor `logits` of LOGITS_FILE (what our model computed), printing the largest difference
@@ -32,6 +33,20 @@ word-level tokenizer as scripts/golden_model.py (copied from tiny-llama); weight
     merge_and_unload).
     adapter/: PEFT 0.21.2 LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=
     ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), every lora_A / lora_B 0.1 * randn.
+
+GGUF (`gguf`; gguf 0.19.0): the files llama.cpp's convert_hf_to_gguf.py writes for these architectures (Qwen2MoeModel,
+Qwen3MoeModel), all f32: names from gguf-py's tensor name map (router `ffn_gate_inp`, each projection's experts
+stacked as `ffn_{gate,up,down}_exps` [experts, out, in], the shared expert `ffn_*_shexp` and its gate
+`ffn_gate_inp_shexp` as a vector [hidden], as llama.cpp's loader expects it), the metadata of the dense Qwen files
+plus `expert_count`, `expert_used_count`, `expert_feed_forward_length` and (Qwen2-MoE) `expert_shared_feed_forward_length`.
+llama.cpp fixes per architecture what the file does not say: qwen2moe does not renormalize the top-k weights, qwen3moe
+does, and neither has dense layers among the sparse ones.
+    tiny-qwen2-moe/model.gguf    the tiny Qwen2-MoE above (its golden logits apply)
+    tiny-qwen3-moe-gguf/         a Qwen3-MoE llama.cpp can express: as tiny-qwen3-moe but 2 layers, both sparse
+                                 (mlp_only_layers = []), seed 40: config.json (for transformers' check), model.gguf,
+                                 golden.safetensors (input_ids [2, 19], logits [2, 19, 128] of the HF model)
+Verified for both: transformers loads the GGUF into the HF config's model with every tensor equal to the HF model's,
+and its logits equal the golden logits to 1e-5.
 
 Each family's file (tests/data/moe/{mixtral,qwen2_moe,qwen3_moe}.safetensors), float32, hidden 64, 8 experts of
 width 48, top-2 (Qwen2-MoE: a shared expert of width 80), the weights under the names a checkpoint on the Hub uses
@@ -261,6 +276,120 @@ def models():
               f"{float((logits_adapter - out.logits).abs().max()):.4f}, keys {metadata['expert_keys']}")
 
 
+def gguf_files():
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    def write(folder, arch, cfg, state):
+        names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+        tensors = {}
+        experts = {}
+        for hf_name, t in sorted(state.items()):
+            base, suffix = hf_name.rsplit(".", 1)
+            parts = base.split(".")
+            if "experts" in parts and parts[parts.index("experts") + 1].isdigit():  # per-expert: stacked
+                i = parts.index("experts")
+                experts.setdefault((".".join(parts[:i + 1] + parts[i + 2:]), suffix), {})[int(parts[i + 1])] = t
+                continue
+            if base.endswith("experts.gate_up_proj") or base.endswith("experts.down_proj"):
+                raise ValueError("write from the per-expert layout")
+            mapped = names.get_name(base)
+            assert mapped is not None, hf_name
+            array = t.float().numpy()
+            if base.endswith("shared_expert_gate"):
+                array = array.reshape(-1)  # llama.cpp's loader: a vector [n_embd]
+            tensors[f"{mapped}.{suffix}"] = array
+        for (base, suffix), per_expert in experts.items():
+            stacked = np.stack([per_expert[e].float().numpy() for e in range(len(per_expert))])
+            tensors[f"{names.get_name(base)}.{suffix}"] = stacked
+        path = os.path.join(folder, "model.gguf")
+        writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
+        writer.add_type("model")
+        writer.add_name(os.path.basename(folder))
+        writer.add_block_count(cfg.num_hidden_layers)
+        writer.add_context_length(cfg.max_position_embeddings)
+        writer.add_embedding_length(cfg.hidden_size)
+        writer.add_feed_forward_length(cfg.intermediate_size)
+        writer.add_head_count(cfg.num_attention_heads)
+        writer.add_head_count_kv(cfg.num_key_value_heads)
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        if arch == gguf.MODEL_ARCH.QWEN3MOE:
+            writer.add_key_length(cfg.head_dim)
+            writer.add_value_length(cfg.head_dim)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == gguf.MODEL_ARCH.QWEN2MOE:
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+        writer.add_vocab_size(cfg.vocab_size)
+        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+        for name, array in tensors.items():
+            writer.add_tensor(name, np.ascontiguousarray(array))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    def verify(folder, reference_state, golden):
+        hf_cfg = AutoConfig.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf", config=hf_cfg,
+                                                     dtype=torch.float32).eval()
+        loaded = model.state_dict()
+        for k, v in reference_state.items():
+            assert torch.equal(loaded[k], v), k
+        with torch.no_grad():
+            diff = float((model(golden["input_ids"]).logits - golden["logits"]).abs().max())
+        assert diff <= 1e-5, diff
+        return diff
+
+    torch.set_num_threads(1)
+    models_dir = os.path.join(OUT, "..", "models")
+    # Qwen2-MoE: the tiny model as it is (GGUF-expressible).
+    folder = os.path.join(models_dir, "tiny-qwen2-moe")
+    state = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+    cfg = AutoConfig.from_pretrained(folder)
+    write(folder, gguf.MODEL_ARCH.QWEN2MOE, cfg, state)
+    golden = safetensors.torch.load_file(os.path.join(folder, "golden.safetensors"))
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    print("tiny-qwen2-moe/model.gguf: transformers' logits from it differ by", verify(folder, reference, golden))
+
+    # Qwen3-MoE: every layer sparse.
+    folder = os.path.join(models_dir, "tiny-qwen3-moe-gguf")
+    os.makedirs(folder, exist_ok=True)
+    cfg = Qwen3MoeConfig(num_hidden_layers=2, mlp_only_layers=[], num_experts=4, moe_intermediate_size=32,
+                         intermediate_size=96, norm_topk_prob=True, head_dim=16, num_experts_per_tok=2,
+                         **MODEL_SIZES)
+    torch.manual_seed(40)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    randomize(model, 40)
+    cfg.save_pretrained(folder)
+    # The per-expert names of a Hub checkpoint, from transformers' fused parameters (gate rows first).
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):
+            width = cfg.moe_intermediate_size
+            for e in range(cfg.num_experts):
+                state[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :width]
+                state[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, width:]
+        elif k.endswith("experts.down_proj"):
+            for e in range(cfg.num_experts):
+                state[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            state[k] = v
+    write(folder, gguf.MODEL_ARCH.QWEN3MOE, cfg, state)
+    ids = torch.randint(0, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(140))
+    with torch.no_grad():
+        golden = {"input_ids": ids, "logits": model(ids).logits}
+    safetensors.torch.save_file({k: v.contiguous() for k, v in golden.items()},
+                                os.path.join(folder, "golden.safetensors"),
+                                metadata={"versions": json.dumps(VERSIONS, sort_keys=True)})
+    print("tiny-qwen3-moe-gguf: transformers' logits from it differ by",
+          verify(folder, model.state_dict(), golden))
+
+
 def check_ours(adapter_dir, base_dir, logits_file):
     from transformers import AutoModelForCausalLM
     import peft
@@ -282,6 +411,8 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["models"]:
         models()
+    elif sys.argv[1:2] == ["gguf"]:
+        gguf_files()
     elif sys.argv[1:2] == ["check-ours"]:
         check_ours(*sys.argv[2:5])
     else:

@@ -52,6 +52,20 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Mixtures of experts: the router, the shared expert and its gate.
+        "mlp.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
+        // The experts' projections, stacked `[experts, out, in]` (transformers 5's fused names, which carry no
+        // `.weight`): llama.cpp keeps gate and up apart, `GgufFile::tensor` joins them.
+        "mlp.experts" if suffix == "down_proj" => {
+            return Some(format!("blk.{layer}.ffn_down_exps.weight"))
+        }
+        "mlp.experts" if suffix == "gate_up_proj" => {
+            return Some(format!("blk.{layer}.ffn_gate_exps.weight"))
+        }
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf_module}.{suffix}"))
@@ -110,7 +124,21 @@ impl GgufFile {
             .ok_or_else(|| {
                 Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
             })?;
-        let t = self.read(&name)?;
+        let mut t = self.read(&name)?;
+        if name.ends_with("ffn_gate_exps.weight") {
+            // transformers' fused `gate_up_proj`: each expert's gate rows, then its up rows.
+            let up = name.replace("ffn_gate_exps", "ffn_up_exps");
+            if !self.content.tensor_infos.contains_key(&up) {
+                return Err(Error::invalid_file(
+                    &self.path,
+                    format!("tensor `{up}` is missing"),
+                ));
+            }
+            t = Tensor::cat(&[&t, &self.read(&up)?], 1)?;
+        }
+        if name.ends_with("ffn_gate_inp_shexp.weight") && t.rank() == 1 {
+            t = t.unsqueeze(0)?; // llama.cpp stores the shared expert's gate as a vector
+        }
         let heads = if hf_name.contains("self_attn.q_proj") {
             Some(n_head)
         } else if hf_name.contains("self_attn.k_proj") {
@@ -279,6 +307,33 @@ mod tests {
                 layer("mlp.gate_up_proj.weight"),
                 "phi3",
                 "blk.2.ffn_up.weight",
+            ),
+            // Mixtures of experts: the router, the stacked experts (gate joined with up on reading), the shared
+            // expert and its gate.
+            (
+                layer("mlp.gate.weight"),
+                "qwen3moe",
+                "blk.2.ffn_gate_inp.weight",
+            ),
+            (
+                layer("mlp.experts.gate_up_proj"),
+                "qwen3moe",
+                "blk.2.ffn_gate_exps.weight",
+            ),
+            (
+                layer("mlp.experts.down_proj"),
+                "qwen2moe",
+                "blk.2.ffn_down_exps.weight",
+            ),
+            (
+                layer("mlp.shared_expert.up_proj.weight"),
+                "qwen2moe",
+                "blk.2.ffn_up_shexp.weight",
+            ),
+            (
+                layer("mlp.shared_expert_gate.weight"),
+                "qwen2moe",
+                "blk.2.ffn_gate_inp_shexp.weight",
             ),
         ];
         for (hf, arch, expected) in cases {

@@ -943,21 +943,30 @@ impl ModelConfig {
                 )
             })?
             .clone();
-        let architecture = Architecture::parse(&arch_name).ok_or_else(|| {
-            bad(path, format!("GGUF architecture `{arch_name}` is not supported; supported: {SUPPORTED_MODEL_TYPES}"))
+        // llama.cpp's names for the mixtures of experts.
+        let architecture = match arch_name.as_str() {
+            "qwen2moe" => Some(Architecture::Qwen2Moe),
+            "qwen3moe" => Some(Architecture::Qwen3Moe),
+            name => Architecture::parse(name),
+        }
+        .ok_or_else(|| {
+            bad(path, format!("GGUF architecture `{arch_name}` is not supported; supported: {SUPPORTED_MODEL_TYPES} \
+                 (qwen2moe, qwen3moe in llama.cpp's names)"))
         })?;
         let key = |k: &str| format!("{arch_name}.{k}");
-        // llama.cpp writes Mixtral as `llama` with experts (`*_exps` tensors).
-        if md
+        let experts = md
             .get(&key("expert_count"))
             .and_then(|v| v.to_u32().ok())
-            .is_some_and(|n| n > 0)
-        {
+            .filter(|n| *n > 0);
+        // llama.cpp writes Mixtral as `llama` with experts (`*_exps` tensors).
+        if experts.is_some() && !architecture.is_moe() {
             return Err(bad(
                 path,
-                "GGUF files of mixture-of-experts models (`expert_count`, `*_exps` tensors) are not supported yet; \
-                 load the model's Hugging Face folder instead"
-                    .into(),
+                format!(
+                    "GGUF files of `{arch_name}` with experts (`expert_count`, `*_exps` tensors: Mixtral as llama.cpp \
+                     writes it) are not supported yet; load the model's Hugging Face folder instead (GGUF mixtures \
+                     of experts load as qwen2moe and qwen3moe)"
+                ),
             ));
         }
         let get_u = |k: &str| -> Result<usize> {
@@ -1029,6 +1038,41 @@ impl ModelConfig {
             }
         };
         let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
+        // What llama.cpp fixes per architecture: every layer sparse, the top-k renormalized by qwen3moe (not by
+        // qwen2moe); transformers' defaults for the auxiliary loss, which a GGUF does not carry.
+        let moe = match architecture.is_moe() {
+            false => None,
+            true => {
+                let experts = experts.ok_or_else(|| {
+                    bad(
+                        path,
+                        format!("GGUF metadata `{}` is missing", key("expert_count")),
+                    )
+                })? as usize;
+                let per_token = get_u("expert_used_count")?;
+                if per_token == 0 || per_token > experts {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "GGUF metadata `{}` = {per_token}: must be between 1 and the {experts} experts",
+                            key("expert_used_count")
+                        ),
+                    ));
+                }
+                Some(MoeConfig {
+                    num_experts: experts,
+                    num_experts_per_tok: per_token,
+                    moe_intermediate_size: get_u("expert_feed_forward_length")?,
+                    shared_expert_intermediate_size: (architecture == Architecture::Qwen2Moe)
+                        .then(|| get_u("expert_shared_feed_forward_length"))
+                        .transpose()?,
+                    norm_topk_prob: architecture == Architecture::Qwen3Moe,
+                    sparse_layers: vec![true; num_hidden_layers],
+                    router_aux_loss_coef: 0.001,
+                    output_router_logits: false,
+                })
+            }
+        };
         let config = ModelConfig {
             architecture,
             vocab_size,
@@ -1046,7 +1090,7 @@ impl ModelConfig {
             sliding_rope_theta: (architecture == Architecture::Gemma3).then_some(10_000.0),
             max_position_embeddings: get_u("context_length")?,
             tie_word_embeddings: !has_output,
-            attention_bias: architecture == Architecture::Qwen2,
+            attention_bias: matches!(architecture, Architecture::Qwen2 | Architecture::Qwen2Moe),
             activation: activation_of(None, architecture, path)?,
             layer_types: Self::default_layer_types(
                 architecture,
@@ -1068,7 +1112,7 @@ impl ModelConfig {
             final_logit_softcapping: softcap("final_logit_softcapping", 30.0),
             bos_token_id: u32_key("tokenizer.ggml.bos_token_id"),
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
-            moe: None,
+            moe,
         };
         config.validate(path)?;
         Ok(config)

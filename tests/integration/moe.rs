@@ -274,6 +274,64 @@ fn tiny_moe_models_match_transformers() {
     }
 }
 
+/// GGUF mixtures of experts as llama.cpp writes them (`qwen2moe` with the shared expert, `qwen3moe`; experts stacked in
+/// `ffn_{gate,up,down}_exps`, `scripts/golden_moe.py gguf`): the configuration from the metadata and the logits equal
+/// transformers' (which loads the same files into the HF models bit for bit); quantized on load, the experts are NF4,
+/// the router stays dense, and the model equals the one quantized from the HF folder.
+#[test]
+fn gguf_mixtures_of_experts_match_transformers() {
+    for (golden_of, file) in [
+        ("tiny-qwen2-moe", "models/tiny-qwen2-moe/model.gguf"),
+        (
+            "tiny-qwen3-moe-gguf",
+            "models/tiny-qwen3-moe-gguf/model.gguf",
+        ),
+    ] {
+        let g = model_golden(golden_of);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let path = data_path(file).display().to_string();
+        let model = load_model(&path, None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        let moe = model.config().moe.clone().unwrap();
+        assert_eq!((moe.num_experts, moe.num_experts_per_tok), (4, 2), "{file}");
+        assert_eq!(moe.norm_topk_prob, golden_of.contains("qwen3"), "{file}");
+        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
+        assert!(d <= 1e-5, "{file}: logits differ from transformers by {d}");
+
+        let nf4 = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        };
+        let quantized = load_model(&path, None, &nf4).unwrap().model;
+        let linears = quantized.linears();
+        let is_nf4 = |n: &str| {
+            let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
+            matches!(l.base.weight, FrozenWeight::Nf4(_))
+        };
+        assert!(
+            is_nf4("model.layers.1.mlp.experts.2.gate_up_proj"),
+            "{file}"
+        );
+        assert!(
+            !is_nf4("model.layers.0.mlp.gate"),
+            "{file}: the router stays dense"
+        );
+        if golden_of == "tiny-qwen2-moe" {
+            // The same float32 weights quantized the same way as from the model's folder.
+            let folder = load_moe(golden_of, Some(QuantConfig::nf4()));
+            let d = max_abs_diff(
+                &quantized.logits(&ids).unwrap(),
+                &folder.logits(&ids).unwrap(),
+            );
+            assert!(
+                d <= 1e-6,
+                "{file}: NF4 logits differ from the folder's by {d}"
+            );
+        }
+    }
+}
+
 /// PEFT's adapters on the router, every expert (`target_parameters`) and the linear modules load with PEFT's
 /// logits, save back to PEFT's exact tensors, and merge (through the command's library call) into a folder
 /// transformers reads, with PEFT's merged logits.
