@@ -362,7 +362,7 @@ impl DecoderLayer {
             FeedForward::Dense(mlp) => return Ok((mlp.forward(x, residual, pass)?, None)),
             FeedForward::Sparse(moe) => moe,
         };
-        let (out, logits) = moe.forward(x)?;
+        let (out, logits, choices) = moe.forward_with_choices(x)?;
         let out = match residual {
             Some(r) => (out + r)?,
             None => out,
@@ -376,7 +376,7 @@ impl DecoderLayer {
                 } else {
                     logits
                 };
-                sink.record.record(sink.layer, logits)?;
+                sink.record.record(sink.layer, logits, choices)?;
                 None
             }
             (Some(sink), Pass::Recompute) => sink.record.recomputed_loss(&logits)?,

@@ -80,6 +80,13 @@ impl SparseMoe {
     /// The block's output for `x` (`[..., hidden]`, the same shape) and the router's logits (`[tokens, experts]`,
     /// float32, float64 for a float64 `x`; for the auxiliary loss).
     pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (out, logits, _) = self.forward_with_choices(x)?;
+        Ok((out, logits))
+    }
+
+    /// [`SparseMoe::forward`], with the experts each token went to (`[tokens · top_k]`, row-major, highest
+    /// probability first), read on the host once for the routing and kept for the auxiliary loss.
+    pub(crate) fn forward_with_choices(&self, x: &Tensor) -> Result<(Tensor, Tensor, Vec<u32>)> {
         let shape = x.shape().clone();
         let hidden = x.dim(D::Minus1)?;
         let rows = x.reshape(((), hidden))?;
@@ -90,10 +97,12 @@ impl SparseMoe {
             _ => logits.to_dtype(DType::F32)?,
         };
         if rows.dim(0)? == 0 {
-            return Ok((x.clone(), logits));
+            return Ok((x.clone(), logits, vec![]));
         }
         let probs = softmax_rows(&logits)?;
-        let (assignment, selected) = self.select(&probs)?;
+        let (assignment, choices) = self.select(&probs)?;
+        let selected =
+            Tensor::from_vec(choices.clone(), (rows.dim(0)?, self.top_k), probs.device())?;
         let mut weights = probs.gather(&selected, 1)?;
         if self.norm_topk_prob {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
@@ -124,12 +133,12 @@ impl SparseMoe {
             let gate = sigmoid(&shared.gate.forward(&rows)?)?;
             out = (out + shared.mlp.apply(&rows)?.broadcast_mul(&gate)?)?;
         }
-        Ok((out.reshape(shape)?, logits))
+        Ok((out.reshape(shape)?, logits, choices))
     }
 
-    /// Each token's `top_k` experts by probability (highest first, as `torch.topk`), grouped by expert, and their
-    /// indices `[tokens, top_k]` (u32) for gathering the probabilities.
-    fn select(&self, probs: &Tensor) -> Result<(Assignment, Tensor)> {
+    /// Each token's `top_k` experts by probability (highest first, as `torch.topk`), grouped by expert, and the
+    /// experts of each token in order (`[tokens · top_k]`).
+    fn select(&self, probs: &Tensor) -> Result<(Assignment, Vec<u32>)> {
         let experts = self.experts.len();
         let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
         let mut assignment = Assignment {
@@ -144,7 +153,6 @@ impl SparseMoe {
                 selected.push(e as u32);
             }
         }
-        let selected = Tensor::from_vec(selected, (rows.len(), self.top_k), probs.device())?;
         Ok((assignment, selected))
     }
 }
@@ -174,18 +182,31 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
 /// assignments that went to expert `e` per token and `Pₑ` its mean router probability, both over every layer's
 /// tokens together. Only `Pₑ` carries a gradient. Multiplied by `router_aux_loss_coef` it joins the training loss.
 pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Tensor> {
-    Ok(balance(router_logits, top_k, None)?.0)
+    let layers = router_logits
+        .iter()
+        .map(|logits| {
+            let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+            let choices = probs
+                .to_vec2::<f32>()?
+                .iter()
+                .flat_map(|p| top_k_indices(p, top_k).into_iter().map(|e| e as u32))
+                .collect();
+            Ok((logits.clone(), choices))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(balance(&layers, top_k, None)?.0)
 }
 
-/// The load-balancing loss over the tokens whose `mask` is 1 (all when `None`; transformers' attention mask), and
-/// its derivative with respect to each counted token's router probability of each expert (`experts · fₑ / n`, `n`
-/// the counted rows of all layers).
+/// The load-balancing loss of `layers` (each layer's router logits and the experts each token went to, `top_k`
+/// per token) over the tokens whose `mask` is 1 (all when `None`; transformers' attention mask), and its derivative
+/// with respect to each counted token's router probability of each expert (`experts · fₑ / n`, `n` the counted rows
+/// of all layers).
 fn balance(
-    router_logits: &[Tensor],
+    layers: &[(Tensor, Vec<u32>)],
     top_k: usize,
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Vec<f64>)> {
-    let Some(first) = router_logits.first() else {
+    let Some((first, _)) = layers.first() else {
         candle_core::bail!("load_balancing_loss: no router logits");
     };
     let experts = first.dim(1)?;
@@ -194,13 +215,13 @@ fn balance(
     let mut counts = vec![0f64; experts];
     let mut prob_sum = Tensor::zeros(experts, DType::F32, device)?;
     let mut rows = 0f64;
-    for logits in router_logits {
+    for (logits, choices) in layers {
         let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
-        for (t, p) in probs.to_vec2::<f32>()?.iter().enumerate() {
+        for (t, chosen) in choices.chunks(top_k.max(1)).enumerate() {
             let m = token_mask.as_ref().map_or(1.0, |m| m[t] as f64);
             rows += m;
-            for e in top_k_indices(p, top_k) {
-                counts[e] += m;
+            for &e in chosen {
+                counts[e as usize] += m;
             }
         }
         let counted = match mask {
@@ -230,8 +251,8 @@ pub struct RouterLogits(Arc<Mutex<RouterState>>);
 
 #[derive(Debug, Default)]
 struct RouterState {
-    /// Each sparse layer's router logits `[tokens, experts]`, by layer index.
-    layers: BTreeMap<usize, Tensor>,
+    /// Each sparse layer's router logits `[tokens, experts]` and the experts each token went to, by layer index.
+    layers: BTreeMap<usize, (Tensor, Vec<u32>)>,
     /// The objective's derivative with respect to each token's router probabilities `[tokens, experts]`.
     weights: Option<Tensor>,
 }
@@ -248,9 +269,9 @@ impl RouterLogits {
             .map_err(|_| candle_core::Error::Msg("router record poisoned".into()))
     }
 
-    /// Records layer `layer`'s logits.
-    pub(crate) fn record(&self, layer: usize, logits: Tensor) -> Result<()> {
-        self.state()?.layers.insert(layer, logits);
+    /// Records layer `layer`'s logits and the experts its tokens went to (`top_k` per token, row-major).
+    pub(crate) fn record(&self, layer: usize, logits: Tensor, choices: Vec<u32>) -> Result<()> {
+        self.state()?.layers.insert(layer, (logits, choices));
         Ok(())
     }
 
@@ -279,17 +300,17 @@ impl RouterLogits {
         token_mask: Option<&Tensor>,
         scale: f64,
     ) -> Result<Option<Tensor>> {
-        let logits: Vec<Tensor> = self.state()?.layers.values().cloned().collect();
-        if logits.is_empty() {
+        let layers: Vec<(Tensor, Vec<u32>)> = self.state()?.layers.values().cloned().collect();
+        let Some((first, _)) = layers.first() else {
             return Ok(None);
-        }
-        let (loss, derivative) = balance(&logits, top_k, token_mask)?;
-        let device = logits[0].device();
+        };
+        let (loss, derivative) = balance(&layers, top_k, token_mask)?;
+        let device = first.device();
         let per_expert: Vec<f32> = derivative.iter().map(|d| (d * scale) as f32).collect();
         let per_expert = Tensor::new(per_expert.as_slice(), device)?.unsqueeze(0)?;
         let weights = match token_mask {
             Some(m) => m.unsqueeze(1)?.broadcast_mul(&per_expert)?,
-            None => per_expert.broadcast_as(logits[0].shape())?.contiguous()?,
+            None => per_expert.broadcast_as(first.shape())?.contiguous()?,
         };
         self.state()?.weights = Some(weights);
         Ok(Some(loss))
