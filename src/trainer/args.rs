@@ -115,8 +115,9 @@ pub struct TrainingArguments {
     /// candle-qlora: resume even when the checkpoint was trained on another base model (its manifest records a
     /// fingerprint of the base; by default a mismatch is refused).
     pub ignore_base_model_mismatch: bool,
-    /// Integrations to report to (only `none` is supported; logs go to `output_dir`).
-    pub report_to: String,
+    /// Integrations to report to, a name or a list (transformers' names): `none`, `tensorboard`, or `all` (every
+    /// one this build has: TensorBoard). Logs always go to `output_dir/log.jsonl` too.
+    pub report_to: ReportTo,
     /// NEFTune noise on the input embeddings during training.
     pub neftune_noise_alpha: Option<f64>,
     /// Batch examples of similar length (transformers 4.x name).
@@ -195,7 +196,7 @@ impl Default for TrainingArguments {
             data_seed: None,
             resume_from_checkpoint: None,
             ignore_base_model_mismatch: false,
-            report_to: "none".into(),
+            report_to: ReportTo(vec!["none".into()]),
             neftune_noise_alpha: None,
             group_by_length: false,
             train_sampling_strategy: SamplingStrategy::Random,
@@ -339,8 +340,16 @@ impl TrainingArguments {
         if self.bf16 && self.fp16 {
             return bad("bf16 and fp16 are both true: choose one".into());
         }
-        if self.report_to != "none" {
-            return bad(format!("report_to = \"{}\" is not supported: use \"none\" (logs are written to output_dir)", self.report_to));
+        if let Some(other) = self
+            .report_to
+            .0
+            .iter()
+            .find(|n| !ReportTo::SUPPORTED.contains(&n.as_str()))
+        {
+            return bad(format!(
+                "report_to = \"{other}\" is not supported: use {} (logs are also written to output_dir/log.jsonl)",
+                ReportTo::SUPPORTED.join(", ")
+            ));
         }
         if let Some(m) = &self.metric_for_best_model {
             if m != "eval_loss" && m != "loss" {
@@ -484,5 +493,40 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(a.total_steps(1000), 7);
+    }
+}
+
+/// `report_to`: the integrations a run reports to, written as one name or a list, as transformers reads it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct ReportTo(pub Vec<String>);
+
+impl ReportTo {
+    /// The names this build knows.
+    pub const SUPPORTED: [&'static str; 3] = ["none", "tensorboard", "all"];
+
+    /// Whether TensorBoard event files are written (`tensorboard`, or `all`).
+    pub fn tensorboard(&self) -> bool {
+        self.0.iter().any(|n| n == "tensorboard" || n == "all")
+    }
+}
+
+impl<'de> Deserialize<'de> for ReportTo {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum OneOrMany {
+            One(String),
+            Many(Vec<String>),
+        }
+        Ok(ReportTo(match OneOrMany::deserialize(d) {
+            Ok(OneOrMany::One(n)) => vec![n],
+            Ok(OneOrMany::Many(ns)) => ns,
+            Err(_) => {
+                return Err(serde::de::Error::custom(
+                    "expected a name (\"none\", \"tensorboard\", \"all\") or a list of names",
+                ))
+            }
+        }))
     }
 }

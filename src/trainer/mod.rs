@@ -7,7 +7,8 @@
 //!   the data order and each rank's share; `ddp` (feature `nccl`): a rank of a distributed run (gradient
 //!   all-reduce, agreement, adapter checks); [`mod@evaluate`]: the evaluation loss.
 //! - [`checkpoint`]: checkpoint files and resume; [`state`]: the log and `trainer_state.json`; [`callbacks`]:
-//!   hooks, early stopping, memory monitor; `progress`: what the user sees; `oom`: the out-of-memory report;
+//!   hooks, early stopping, memory monitor; [`tensorboard`]: TensorBoard event files (`report_to`); `progress`: what
+//!   the user sees; `oom`: the out-of-memory report;
 //!   `neftune`: embedding noise; [`interrupt`]: a clean stop on Ctrl-C.
 
 pub mod args;
@@ -28,9 +29,10 @@ pub mod run;
 mod sampler;
 pub mod state;
 mod task;
+pub mod tensorboard;
 mod window;
 
-pub use args::{IntervalStrategy, SamplingStrategy, TrainingArguments};
+pub use args::{IntervalStrategy, ReportTo, SamplingStrategy, TrainingArguments};
 pub use callbacks::{
     EarlyStoppingCallback, MemoryMonitorCallback, TrainerCallback, TrainerControl,
 };

@@ -34,6 +34,7 @@ use super::progress::{summary, Progress, StepFigures};
 use super::sampler::{DataPlan, Shard};
 use super::state::{LogEntry, TrainOutput, TrainerState};
 use super::task::Task;
+use super::tensorboard::TensorBoardCallback;
 use super::window::{gradient_bytes, StepMemory, Window, WindowBatches};
 use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
@@ -216,13 +217,18 @@ impl Trainer {
             model.add_adapter(ADAPTER, lora, args.seed)?;
         }
         model.set_adapter(ADAPTER)?;
+        // As transformers' Trainer adds its reporting callbacks from `report_to`.
+        let mut callbacks: Vec<Box<dyn TrainerCallback>> = vec![];
+        if args.report_to.tensorboard() {
+            callbacks.push(Box::new(TensorBoardCallback::new(None)));
+        }
         Ok(Trainer {
             model,
             args,
             task,
             base_model_name: None,
             state: TrainerState::default(),
-            callbacks: vec![],
+            callbacks,
             run_config: None,
             prepared: None,
         })

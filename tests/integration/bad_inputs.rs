@@ -327,6 +327,16 @@ fn cases(dir: &Path) -> Vec<Case> {
             "DPO: 4 rows per forward",
         ),
         case(
+            train(&["training.report_to=wandb"]),
+            1,
+            "report_to = \"wandb\" is not supported: use none, tensorboard, all",
+        ),
+        case(
+            train(&["training.report_to=[\"tensorboard\", \"mlflow\"]"]),
+            1,
+            "report_to = \"mlflow\" is not supported",
+        ),
+        case(
             train(&[&format!("model.adapter={:?}", file("no_such_adapter"))]),
             1,
             "no_such_adapter",

@@ -13,6 +13,7 @@ use candle_qlora::trainer::{
 };
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::common::data_path;
 
@@ -781,4 +782,84 @@ fn a_model_moves_to_its_device_before_its_adapters() {
         .unwrap();
     let err = model.to_device(&Device::Cpu).err().unwrap().to_string();
     assert!(err.contains("before adding or loading adapters"), "{err}");
+}
+
+/// `report_to = "tensorboard"`: TensorBoard's own reader (the `tensorboard` package, `scripts/read_tensorboard.py`)
+/// gets back every scalar of `log.jsonl` under transformers' tags (as float32, the event format's), at its step,
+/// and nothing else but the tokens per second. Needs `pip install tensorboard` (CI installs it; elsewhere the test
+/// is skipped with a message when it is missing).
+#[test]
+fn tensorboard_reads_back_exactly_the_logged_scalars() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let mut trainer = trainer_with(
+        &out,
+        |a| {
+            a.report_to = candle_qlora::trainer::ReportTo(vec!["tensorboard".into()]);
+            a.max_steps = 4;
+            a.eval_strategy = IntervalStrategy::Steps;
+            a.eval_steps = Some(2.0);
+        },
+        examples(),
+    );
+    trainer.train(None).unwrap();
+    let runs = out.join("runs");
+    let logdir = std::fs::read_dir(&runs)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let name = logdir.file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.chars().take(3).all(|c| c.is_ascii_alphabetic()),
+        "{name}: transformers' runs/<date>_<host>"
+    );
+    let read = Command::new("python3")
+        .arg(crate::common::repo_root().join("scripts/read_tensorboard.py"))
+        .arg(&logdir)
+        .output()
+        .unwrap();
+    if !read.status.success() {
+        let said = String::from_utf8_lossy(&read.stderr);
+        let missing = said.contains("No module named 'tensorboard'");
+        assert!(
+            missing && std::env::var_os("CI").is_none(),
+            "reading the event file failed: {said}"
+        );
+        eprintln!("skipped: the tensorboard package is missing (pip install tensorboard)");
+        return;
+    }
+    // Compared as float32, what the events hold (the JSON between is read with 1-ulp float64 parsing).
+    let board: std::collections::BTreeMap<String, Vec<(u64, f32)>> =
+        serde_json::from_slice::<std::collections::BTreeMap<String, Vec<(u64, f64)>>>(&read.stdout)
+            .unwrap()
+            .into_iter()
+            .map(|(tag, v)| (tag, v.into_iter().map(|(s, x)| (s, x as f32)).collect()))
+            .collect();
+    let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+    let mut expected: std::collections::BTreeMap<String, Vec<(u64, f32)>> = Default::default();
+    for line in log.lines() {
+        let entry: candle_qlora::trainer::LogEntry = serde_json::from_str(line).unwrap();
+        for (tag, value) in candle_qlora::trainer::tensorboard::scalars(&entry) {
+            expected
+                .entry(tag)
+                .or_default()
+                .push((entry.step as u64, value as f32));
+        }
+    }
+    for tag in [
+        "train/loss",
+        "train/learning_rate",
+        "train/grad_norm",
+        "eval/loss",
+        "train/memory_bytes",
+    ] {
+        assert!(
+            board.contains_key(tag),
+            "{tag} missing from {:?}",
+            board.keys()
+        );
+    }
+    assert_eq!(board, expected);
 }
