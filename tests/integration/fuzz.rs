@@ -115,7 +115,7 @@ fn interesting_f64() -> impl Strategy<Value = f64> {
 fn text() -> impl Strategy<Value = String> {
     prop_oneof![
         2 => select(vec![
-            "", " ", "llama", "qwen2", "mistral", "gpt2", "llama3", "smaug-bpe", "a b", "ab c", "<s>", "</s>", "nf4",
+            "", " ", "llama", "qwen2", "qwen3moe", "qwen2moe", "mistral", "gpt2", "llama3", "smaug-bpe", "a b", "ab c", "<s>", "</s>", "nf4",
             "fp4", "float32", "bfloat16", "user", "assistant", "system", "{{ x }}", "{% if %}", "é漢字🦀", "\u{0}",
             "\u{feff}", "\\", "\"", "a\nb",
         ])
@@ -753,6 +753,11 @@ const GGUF_KEYS: &[&str] = &[
     "llama.attention.layer_norm_rms_epsilon",
     "llama.rope.freq_base",
     "llama.vocab_size",
+    "llama.expert_count",
+    "llama.expert_used_count",
+    "qwen3moe.expert_count",
+    "qwen3moe.expert_used_count",
+    "qwen3moe.expert_feed_forward_length",
     "qwen2.embedding_length",
     "qwen2.block_count",
     "tokenizer.ggml.model",
@@ -1739,7 +1744,10 @@ const TRAINING_KEYS: &[&str] = &[
 
 /// The sections of a run config with their keys (and a section that does not exist).
 const SECTIONS: &[(&str, &[&str])] = &[
-    ("model", &["name_or_path", "revision", "quantization"]),
+    (
+        "model",
+        &["name_or_path", "revision", "quantization", "adapter"],
+    ),
     (
         "model.quantization",
         &[
@@ -1793,6 +1801,21 @@ const SECTIONS: &[(&str, &[&str])] = &[
             "early_stopping_threshold",
             "memory_monitor",
             "memory_warn_fraction",
+        ],
+    ),
+    (
+        "dpo",
+        &[
+            "beta",
+            "label_smoothing",
+            "loss_type",
+            "loss_weights",
+            "rpo_alpha",
+            "reference_free",
+            "precompute_ref_log_probs",
+            "precompute_ref_batch_size",
+            "truncation_mode",
+            "disable_dropout",
         ],
     ),
 ];
@@ -1856,7 +1879,10 @@ fn kind_of(key: &str) -> Kind {
         | "lora_dropout"
         | "eval_split"
         | "early_stopping_threshold"
-        | "memory_warn_fraction" => Kind::Float,
+        | "memory_warn_fraction"
+        | "beta"
+        | "label_smoothing"
+        | "rpo_alpha" => Kind::Float,
         "per_device_train_batch_size"
         | "per_device_eval_batch_size"
         | "gradient_accumulation_steps"
@@ -1868,7 +1894,8 @@ fn kind_of(key: &str) -> Kind {
         | "r"
         | "max_length"
         | "bnb_4bit_blocksize"
-        | "early_stopping_patience" => Kind::Int,
+        | "early_stopping_patience"
+        | "precompute_ref_batch_size" => Kind::Int,
         "overwrite_output_dir"
         | "logging_first_step"
         | "bf16"
@@ -1888,7 +1915,10 @@ fn kind_of(key: &str) -> Kind {
         | "skip_bad_lines"
         | "load_in_4bit"
         | "bnb_4bit_use_double_quant"
-        | "memory_monitor" => Kind::Bool,
+        | "memory_monitor"
+        | "reference_free"
+        | "precompute_ref_log_probs"
+        | "disable_dropout" => Kind::Bool,
         "lr_scheduler_type" => Kind::Choice(&[
             "linear",
             "cosine",
@@ -1919,7 +1949,10 @@ fn kind_of(key: &str) -> Kind {
         "bnb_4bit_compute_dtype" => Kind::Choice(&[
             "float32", "bfloat16", "float16", "bf16", "fp16", "auto", "int8",
         ]),
-        "report_to" => Kind::Choice(&["none", "wandb", "all"]),
+        "report_to" => Kind::Choice(&["none", "wandb", "all", "tensorboard"]),
+        "loss_type" => Kind::Choice(&["sigmoid", "ipo", "hinge", "robust", "sft", "exo_pair"]),
+        "truncation_mode" => Kind::Choice(&["keep_start", "keep_end", "middle"]),
+        "adapter" => Kind::Choice(&["/nonexistent/adapter", "adapter", ""]),
         "metric_for_best_model" => Kind::Choice(&["eval_loss", "loss", "accuracy"]),
         "resume_from_checkpoint" => {
             Kind::Choice(&["false", "true", "latest", "/nonexistent/checkpoint-1"])
