@@ -87,6 +87,8 @@ pub struct TrainingArguments {
     pub eval_strategy: IntervalStrategy,
     /// Evaluate every N steps (defaults to `logging_steps`).
     pub eval_steps: Option<f64>,
+    /// Evaluate once before the first step too (logged at step 0), as transformers' `eval_on_start`.
+    pub eval_on_start: bool,
     /// When to save checkpoints.
     pub save_strategy: IntervalStrategy,
     /// Save every N steps.
@@ -184,6 +186,7 @@ impl Default for TrainingArguments {
             logging_first_step: false,
             eval_strategy: IntervalStrategy::No,
             eval_steps: None,
+            eval_on_start: false,
             save_strategy: IntervalStrategy::Steps,
             save_steps: 500.0,
             save_total_limit: None,

@@ -341,6 +341,9 @@ impl Trainer {
     /// `output_dir` with the log, a loss plot and `train_results.json`, and prints a summary.
     pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
         let mut run = self.setup(resume)?;
+        if run.args.eval_on_start && self.state.global_step == 0 && self.task.has_eval() {
+            self.evaluate_and_log(&mut run)?;
+        }
         let accumulation = run.args.gradient_accumulation_steps;
         let windows = run.plan.batches_per_epoch.div_ceil(accumulation);
         // Micro-batches of all ranks: a window holds `accumulation` of each rank's.

@@ -311,7 +311,7 @@ fn train_command_runs_dpo_from_an_adapter_and_refuses_a_disagreeing_lora_section
             "[model]\nname_or_path = \"{m}\"\nadapter = \"{a}\"\n{extra}\n[data]\ntrain_file = \"{d}\"\n\
              eval_file = \"{d}\"\n[dpo]\nbeta = 0.2\nloss_type = [\"sigmoid\", \"sft\"]\nloss_weights = [1.0, 0.1]\n\
              [training]\noutput_dir = \"{o}\"\nmax_steps = 2\nper_device_train_batch_size = 2\n\
-             learning_rate = 1e-3\nlogging_steps = 1\neval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 2\n",
+             learning_rate = 1e-3\nlogging_steps = 1\neval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 2\neval_on_start = true\n",
             m = root.join("tests/data/dpo/tiny-llama-chat").display(),
             a = root.join("tests/data/dpo/adapter").display(),
             d = root.join("tests/data/dpo/pairs-chat.jsonl").display(),
@@ -354,18 +354,24 @@ fn train_command_runs_dpo_from_an_adapter_and_refuses_a_disagreeing_lora_section
         "logps/rejected",
     ] {
         assert!(
-            entries[0].get(key).is_some(),
+            entries[1].get(key).is_some(),
             "{key} missing from {}",
-            entries[0]
+            entries[1]
         );
     }
-    let eval = entries
+    // eval_on_start: the evaluation before the first step, where the policy is its frozen copy: no margin at all.
+    let start = &entries[0];
+    assert_eq!(start["step"], 0, "{start}");
+    assert_eq!(start["eval_rewards/margins"], 0.0, "{start}");
+    assert!(start.get("eval_perplexity").is_none(), "{start}");
+    let later = entries
         .iter()
+        .rev()
         .find(|e| e.get("eval_loss").is_some())
         .unwrap();
     assert!(
-        eval.get("eval_rewards/margins").is_some() && eval.get("eval_perplexity").is_none(),
-        "{eval}"
+        later["eval_rewards/margins"].as_f64().unwrap() != 0.0,
+        "{later}"
     );
     assert!(dir
         .path()

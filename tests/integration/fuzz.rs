@@ -1718,6 +1718,7 @@ const TRAINING_KEYS: &[&str] = &[
     "logging_first_step",
     "eval_strategy",
     "eval_steps",
+    "eval_on_start",
     "save_strategy",
     "save_steps",
     "save_total_limit",
@@ -1918,7 +1919,8 @@ fn kind_of(key: &str) -> Kind {
         | "memory_monitor"
         | "reference_free"
         | "precompute_ref_log_probs"
-        | "disable_dropout" => Kind::Bool,
+        | "disable_dropout"
+        | "eval_on_start" => Kind::Bool,
         "lr_scheduler_type" => Kind::Choice(&[
             "linear",
             "cosine",
