@@ -1,6 +1,35 @@
 //! Enums that users write by name — in configs, on the command line, in files other tools read — declared once
 //! with their names: [`named_enum!`] gives each `as_str`, `FromStr` (an error listing the valid names), `Display`,
-//! and serde as those strings.
+//! and serde as those strings; [`one_or_many`] reads a setting written as one name or a list of them.
+
+/// A setting written as one name or a list of names (as transformers and TRL accept `report_to` and `loss_type`),
+/// each parsed with `FromStr`, whose error becomes the deserializer's; for `#[serde(deserialize_with)]`.
+pub(crate) fn one_or_many<'de, D, T>(d: D) -> std::result::Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(String),
+        Many(Vec<String>),
+    }
+    let names = match <OneOrMany as serde::Deserialize>::deserialize(d) {
+        Ok(OneOrMany::One(n)) => vec![n],
+        Ok(OneOrMany::Many(ns)) => ns,
+        Err(_) => {
+            return Err(serde::de::Error::custom(
+                "expected a name or a list of names",
+            ))
+        }
+    };
+    names
+        .iter()
+        .map(|n| n.parse().map_err(serde::de::Error::custom))
+        .collect()
+}
 
 /// Declares an enum whose values are read and written by name (the first name of each variant is canonical, the
 /// others are accepted aliases). `$what` names the setting in errors (`optim`, `lr_scheduler_type`, ...).

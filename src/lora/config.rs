@@ -11,25 +11,6 @@ use serde_json::{json, Value};
 use crate::error::{at_key, Error, Result};
 use crate::files::read_json;
 
-/// Values compared as PEFT compares them: lists of names as sets.
-mod erased_json {
-    /// A value shown as JSON with its lists sorted.
-    pub trait Json {
-        /// The JSON text, lists sorted.
-        fn sorted_json(&self) -> String;
-    }
-
-    impl<T: serde::Serialize> Json for Option<T> {
-        fn sorted_json(&self) -> String {
-            let mut v = serde_json::to_value(self).unwrap_or_default();
-            if let serde_json::Value::Array(items) = &mut v {
-                items.sort_by_key(|i| i.to_string());
-            }
-            v.to_string()
-        }
-    }
-}
-
 /// Which modules get an adapter (`target_modules`): a list of names, a regex string, or `"all-linear"`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TargetModules {
@@ -254,7 +235,13 @@ impl LoraConfig {
     pub fn first_difference(&self, other: &LoraConfig) -> Option<(&'static str, String, String)> {
         let text = |a: &dyn std::fmt::Debug| format!("{a:?}");
         // Module lists are sets to PEFT (it saves them in any order): compared sorted, shown as JSON.
-        let set = |a: &dyn erased_json::Json| a.sorted_json();
+        fn set<T: Serialize>(value: &T) -> String {
+            let mut v = serde_json::to_value(value).unwrap_or_default();
+            if let Value::Array(items) = &mut v {
+                items.sort_by_key(|i| i.to_string());
+            }
+            v.to_string()
+        }
         let settings = [
             ("r", text(&self.r), text(&other.r)),
             (

@@ -490,6 +490,15 @@ pub struct Checkpointing {
     pub params: Vec<Var>,
 }
 
+/// The labels each position predicts (`[b, t]`): position i predicts token i + 1, so the labels shift left by one and
+/// each row's last position is ignored — the hidden states then go in whole (a narrowed view would be copied).
+fn shifted_labels(labels: &Tensor) -> Result<Tensor> {
+    let (b, t) = labels.dims2()?;
+    let ignored =
+        Tensor::full(ops::IGNORE_INDEX, (b, 1), labels.device())?.to_dtype(labels.dtype())?;
+    Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)
+}
+
 /// The model.
 #[derive(Clone, Debug)]
 pub struct LlamaModel {
@@ -909,12 +918,8 @@ impl LlamaModel {
         if t < 2 {
             return Ok((Tensor::zeros((), DType::F32, hidden.device())?, 0));
         }
-        // Position i predicts token i + 1: the labels shift left by one and each row's last position is ignored,
-        // so the hidden states go in whole (a narrowed view would be copied).
         let h = hidden.reshape((b * t, hdim))?;
-        let ignored =
-            Tensor::full(ops::IGNORE_INDEX, (b, 1), labels.device())?.to_dtype(labels.dtype())?;
-        let l = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)?.flatten_all()?;
+        let l = shifted_labels(labels)?.flatten_all()?;
         ops::linear_cross_entropy_capped(
             &h,
             &self.head_weight()?,
@@ -933,9 +938,7 @@ impl LlamaModel {
             return Tensor::zeros(b, DType::F32, hidden.device());
         }
         let head = self.head_weight()?;
-        let ignored =
-            Tensor::full(ops::IGNORE_INDEX, (b, 1), labels.device())?.to_dtype(labels.dtype())?;
-        let shifted = Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignored], 1)?;
+        let shifted = shifted_labels(labels)?;
         let rows = (0..b)
             .map(|row| {
                 let (nll, _) = ops::linear_cross_entropy_capped(

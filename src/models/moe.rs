@@ -101,8 +101,7 @@ impl SparseMoe {
         }
         let probs = softmax_rows(&logits)?;
         let (assignment, choices) = self.select(&probs)?;
-        let selected =
-            Tensor::from_vec(choices.clone(), (rows.dim(0)?, self.top_k), probs.device())?;
+        let selected = Tensor::from_slice(&choices, (rows.dim(0)?, self.top_k), probs.device())?;
         let mut weights = probs.gather(&selected, 1)?;
         if self.norm_topk_prob {
             weights = weights.broadcast_div(&weights.sum_keepdim(1)?)?;
@@ -140,21 +139,26 @@ impl SparseMoe {
     /// experts of each token in order (`[tokens · top_k]`).
     fn select(&self, probs: &Tensor) -> Result<(Assignment, Vec<u32>)> {
         let experts = self.experts.len();
-        let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
+        let choices = top_k_choices(probs, self.top_k)?;
         let mut assignment = Assignment {
             tokens: vec![Vec::new(); experts],
             slots: vec![Vec::new(); experts],
         };
-        let mut selected = Vec::with_capacity(rows.len() * self.top_k);
-        for (token, p) in rows.iter().enumerate() {
-            for (j, e) in top_k_indices(p, self.top_k).into_iter().enumerate() {
-                assignment.tokens[e].push(token as u32);
-                assignment.slots[e].push((token * self.top_k + j) as u32);
-                selected.push(e as u32);
-            }
+        for (slot, &e) in choices.iter().enumerate() {
+            assignment.tokens[e as usize].push((slot / self.top_k) as u32);
+            assignment.slots[e as usize].push(slot as u32);
         }
-        Ok((assignment, selected))
+        Ok((assignment, choices))
     }
+}
+
+/// Each row's `k` experts of highest probability in `probs` (`[tokens, experts]`), highest first: `[tokens · k]`.
+fn top_k_choices(probs: &Tensor, k: usize) -> Result<Vec<u32>> {
+    let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
+    Ok(rows
+        .iter()
+        .flat_map(|p| top_k_indices(p, k).into_iter().map(|e| e as u32))
+        .collect())
 }
 
 /// The indices of the `k` largest values of `p`, largest first (ties: the lower index first).
@@ -186,12 +190,7 @@ pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Ten
         .iter()
         .map(|logits| {
             let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
-            let choices = probs
-                .to_vec2::<f32>()?
-                .iter()
-                .flat_map(|p| top_k_indices(p, top_k).into_iter().map(|e| e as u32))
-                .collect();
-            Ok((logits.clone(), choices))
+            Ok((logits.clone(), top_k_choices(&probs, top_k)?))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(balance(&layers, top_k, None)?.0)

@@ -500,9 +500,9 @@ mod tests {
 }
 
 /// `report_to`: the integrations a run reports to, written as one name or a list, as transformers reads it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct ReportTo(pub Vec<String>);
+pub struct ReportTo(#[serde(deserialize_with = "crate::names::one_or_many")] pub Vec<String>);
 
 impl ReportTo {
     /// The names this build knows.
@@ -511,25 +511,5 @@ impl ReportTo {
     /// Whether TensorBoard event files are written (`tensorboard`, or `all`).
     pub fn tensorboard(&self) -> bool {
         self.0.iter().any(|n| n == "tensorboard" || n == "all")
-    }
-}
-
-impl<'de> Deserialize<'de> for ReportTo {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum OneOrMany {
-            One(String),
-            Many(Vec<String>),
-        }
-        Ok(ReportTo(match OneOrMany::deserialize(d) {
-            Ok(OneOrMany::One(n)) => vec![n],
-            Ok(OneOrMany::Many(ns)) => ns,
-            Err(_) => {
-                return Err(serde::de::Error::custom(
-                    "expected a name (\"none\", \"tensorboard\", \"all\") or a list of names",
-                ))
-            }
-        }))
     }
 }

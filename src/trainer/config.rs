@@ -1,7 +1,8 @@
 //! A training config: a TOML file with `[model]` (name_or_path, revision, `[model.quantization]` =
 //! `BitsAndBytesConfig`, `adapter` to continue), `[lora]` (`LoraConfig`; optional when continuing an adapter, whose
 //! settings it must then agree with), `[data]` ([`DataConfig`]), `[training]` (`TrainingArguments`), `[callbacks]`
-//! and `[dpo]` (`DPOConfig`'s own fields; its presence makes the run DPO), section and field names as in Python. `--set section.key=value` overrides any field.
+//! and `[dpo]` (`DPOConfig`'s own fields; its presence makes the run DPO), section and field names as in Python.
+//! `--set section.key=value` overrides any field.
 //!
 //! Every section is a serde type; `read_section` reads one, so an unknown key is an error that suggests the
 //! closest valid name, and a value of the wrong type names its key.

@@ -145,8 +145,8 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// transformers' `default_logdir()`: `runs/<%b%d_%H-%M-%S>_<hostname>`, the time in UTC here.
-fn default_logdir(unix_seconds: u64) -> String {
+/// transformers' `default_logdir()`: `runs/<%b%d_%H-%M-%S>_<host>`, the time in UTC here.
+fn default_logdir(unix_seconds: u64, host: &str) -> String {
     let days = (unix_seconds / 86_400) as i64;
     let secs = unix_seconds % 86_400;
     // Days to a civil date (Howard Hinnant's algorithm).
@@ -162,12 +162,11 @@ fn default_logdir(unix_seconds: u64) -> String {
         "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
     ];
     format!(
-        "runs/{}{day:02}_{:02}-{:02}-{:02}_{}",
+        "runs/{}{day:02}_{:02}-{:02}-{:02}_{host}",
         MONTHS[month - 1],
         secs / 3600,
         secs / 60 % 60,
         secs % 60,
-        hostname()
     )
 }
 
@@ -209,16 +208,15 @@ impl TrainerCallback for TensorBoardCallback {
         if !state.is_world_process_zero {
             return Ok(());
         }
-        let wall = now();
+        let (wall, host) = (now(), hostname());
         let dir = match &self.dir {
             Some(d) => d.clone(),
-            None => Path::new(&args.output_dir).join(default_logdir(wall as u64)),
+            None => Path::new(&args.output_dir).join(default_logdir(wall as u64, &host)),
         };
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create", &dir, e))?;
         let path = dir.join(format!(
-            "events.out.tfevents.{:010}.{}.{}.0",
+            "events.out.tfevents.{:010}.{host}.{}.0",
             wall as u64,
-            hostname(),
             std::process::id()
         ));
         let file = File::create(&path).map_err(|e| Error::io("cannot create", &path, e))?;
@@ -276,6 +274,9 @@ mod tests {
         assert!(s.contains(&("train/tokens_per_second".into(), 200.0)));
         assert!(!s.iter().any(|(t, _)| t == "train/step"));
         // 2026-11-25 21:55:07 UTC
-        assert!(default_logdir(1_795_643_707).starts_with("runs/Nov25_21-55-07_"));
+        assert_eq!(
+            default_logdir(1_795_643_707, "box"),
+            "runs/Nov25_21-55-07_box"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! `[dpo]`: the fields of TRL 1.16's `DPOConfig` that are DPO's own (the rest of its arguments are
 //! `TrainingArguments`, in `[training]`; `max_length` is `[data]`'s).
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use crate::data::TruncationMode;
 use crate::error::{Error, Result};
@@ -34,24 +34,6 @@ named_enum! {
     }
 }
 
-/// `loss_type` as TRL reads it: one name or a list.
-fn one_or_many<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<LossType>, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum OneOrMany {
-        One(String),
-        Many(Vec<String>),
-    }
-    let names = match OneOrMany::deserialize(d)? {
-        OneOrMany::One(t) => vec![t],
-        OneOrMany::Many(ts) => ts,
-    };
-    names
-        .iter()
-        .map(|n| n.parse().map_err(serde::de::Error::custom))
-        .collect()
-}
-
 /// DPO's settings, with TRL 1.16's names and defaults.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -61,7 +43,7 @@ pub struct DpoConfig {
     /// The share of flipped preference labels assumed by `robust`.
     pub label_smoothing: f64,
     /// The loss, or several summed with `loss_weights`.
-    #[serde(deserialize_with = "one_or_many")]
+    #[serde(deserialize_with = "crate::names::one_or_many")]
     pub loss_type: Vec<LossType>,
     /// A weight per `loss_type` (1 each when unset).
     pub loss_weights: Option<Vec<f64>>,

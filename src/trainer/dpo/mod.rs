@@ -20,7 +20,7 @@ use super::args::TrainingArguments;
 use super::sampler::Shard;
 use super::window::WindowBatches;
 use crate::data::{PreferenceDataset, PreferencePair};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::models::LlamaModel;
 use reference::stored_logps;
 
@@ -109,7 +109,11 @@ impl PreferenceTask {
         batch_size: usize,
         shard: Shard,
     ) -> Result<Vec<f64>> {
-        let values = self.eval_reference.as_deref().unwrap_or_default();
+        let values = self.eval_reference.as_deref().ok_or_else(|| {
+            Error::InvalidInput(
+                "the evaluation pairs' reference log-probabilities are not computed yet".into(),
+            )
+        })?;
         let indices: Vec<usize> = (0..self.eval.len()).collect();
         let mut sums = vec![0.0; METRICS.len() + 3];
         for batch in shard.share(indices.chunks(batch_size.max(1))) {
