@@ -11,7 +11,7 @@ Versions used for the committed files: torch 2.15.0, transformers 5.23.0, safete
 Usage:
     python3 scripts/golden_moe.py            # (re)writes tests/data/moe/*.safetensors
     python3 scripts/golden_moe.py models     # (re)writes tests/data/models/tiny-{mixtral,qwen2-moe,qwen3-moe}/
-    python3 scripts/golden_moe.py gguf       # (re)writes tiny-qwen2-moe/model.gguf and tests/data/models/tiny-qwen3-moe-gguf/
+    python3 scripts/golden_moe.py gguf       # (re)writes tiny-{mixtral,qwen2-moe}/model.gguf and tests/data/models/tiny-qwen3-moe-gguf/
     python3 scripts/golden_moe.py check-ours ADAPTER_DIR BASE_DIR LOGITS_FILE
         loads our adapter onto BASE_DIR with PEFT and compares its logits on the golden input_ids with the float32
         tensor `logits` of LOGITS_FILE (what our model computed), printing the largest difference
@@ -34,19 +34,23 @@ word-level tokenizer as scripts/golden_model.py (copied from tiny-llama); weight
     adapter/: PEFT 0.21.2 LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=
     ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), every lora_A / lora_B 0.1 * randn.
 
-GGUF (`gguf`; gguf 0.19.0): the files llama.cpp's convert_hf_to_gguf.py writes for these architectures (Qwen2MoeModel,
-Qwen3MoeModel), all f32: names from gguf-py's tensor name map (router `ffn_gate_inp`, each projection's experts
+GGUF (`gguf`; gguf 0.19.0): the files llama.cpp's convert_hf_to_gguf.py writes for these architectures (LlamaModel for
+Mixtral, Qwen2MoeModel, Qwen3MoeModel), all f32: names from gguf-py's tensor name map (router `ffn_gate_inp`, each projection's experts
 stacked as `ffn_{gate,up,down}_exps` [experts, out, in], the shared expert `ffn_*_shexp` and its gate
 `ffn_gate_inp_shexp` as a vector [hidden], as llama.cpp's loader expects it), the metadata of the dense Qwen files
 plus `expert_count`, `expert_used_count`, `expert_feed_forward_length` and (Qwen2-MoE) `expert_shared_feed_forward_length`.
 llama.cpp fixes per architecture what the file does not say: qwen2moe does not renormalize the top-k weights, qwen3moe
 does, and neither has dense layers among the sparse ones.
+    tiny-mixtral/model.gguf      the tiny Mixtral above as `llama` with experts: q/k rows permuted as LlamaModel.permute
+                                 does, `rope.dimension_count`, the experts' width as `feed_forward_length`
     tiny-qwen2-moe/model.gguf    the tiny Qwen2-MoE above (its golden logits apply)
     tiny-qwen3-moe-gguf/         a Qwen3-MoE llama.cpp can express: as tiny-qwen3-moe but 2 layers, both sparse
                                  (mlp_only_layers = []), seed 40: config.json (for transformers' check), model.gguf,
                                  golden.safetensors (input_ids [2, 19], logits [2, 19, 128] of the HF model)
-Verified for both: transformers loads the GGUF into the HF config's model with every tensor equal to the HF model's,
-and its logits equal the golden logits to 1e-5.
+Verified for the Qwen files: transformers loads the GGUF into the HF config's model with every tensor equal to the HF
+model's, and its logits equal the golden logits to 1e-5. transformers has no GGUF reader for Mixtral: its file is read
+back with gguf-py and every tensor, q/k un-permuted by transformers' `LlamaTensorProcessor._reverse_permute_weights`,
+equals the HF folder's.
 
 Each family's file (tests/data/moe/{mixtral,qwen2_moe,qwen3_moe}.safetensors), float32, hidden 64, 8 experts of
 width 48, top-2 (Qwen2-MoE: a shared expert of width 80), the weights under the names a checkpoint on the Hub uses
@@ -281,8 +285,13 @@ def gguf_files():
     import numpy as np
     from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeForCausalLM
 
-    def write(folder, arch, cfg, state):
+    def llama_permute(w, n_head):
+        """convert_hf_to_gguf.py's LlamaModel.permute: rows of each head from HF's halves to interleaved pairs."""
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def write(folder, arch, cfg, state, file="model.gguf"):
         names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+        llama = arch == gguf.MODEL_ARCH.LLAMA
         tensors = {}
         experts = {}
         for hf_name, t in sorted(state.items()):
@@ -299,11 +308,15 @@ def gguf_files():
             array = t.float().numpy()
             if base.endswith("shared_expert_gate"):
                 array = array.reshape(-1)  # llama.cpp's loader: a vector [n_embd]
+            if llama and base.endswith("self_attn.q_proj"):
+                array = llama_permute(array, cfg.num_attention_heads)
+            if llama and base.endswith("self_attn.k_proj"):
+                array = llama_permute(array, cfg.num_key_value_heads)
             tensors[f"{mapped}.{suffix}"] = array
         for (base, suffix), per_expert in experts.items():
             stacked = np.stack([per_expert[e].float().numpy() for e in range(len(per_expert))])
             tensors[f"{names.get_name(base)}.{suffix}"] = stacked
-        path = os.path.join(folder, "model.gguf")
+        path = os.path.join(folder, file)
         writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
         writer.add_type("model")
         writer.add_name(os.path.basename(folder))
@@ -318,9 +331,12 @@ def gguf_files():
         if arch == gguf.MODEL_ARCH.QWEN3MOE:
             writer.add_key_length(cfg.head_dim)
             writer.add_value_length(cfg.head_dim)
-        writer.add_expert_count(cfg.num_experts)
+        if llama:  # LlamaModel: the rotated width; the experts' width is `feed_forward_length`
+            writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_expert_count(cfg.num_local_experts if llama else cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if not llama:
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if arch == gguf.MODEL_ARCH.QWEN2MOE:
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         writer.add_vocab_size(cfg.vocab_size)
@@ -388,6 +404,37 @@ def gguf_files():
                                 metadata={"versions": json.dumps(VERSIONS, sort_keys=True)})
     print("tiny-qwen3-moe-gguf: transformers' logits from it differ by",
           verify(folder, model.state_dict(), golden))
+
+    # Mixtral: llama.cpp writes it as `llama` with experts, q/k permuted as for Llama. transformers has no GGUF
+    # reader for it, so the file is checked tensor by tensor against the HF folder through gguf-py's reader and
+    # transformers' own inverse of the permutation (its Llama GGUF loader's `_reverse_permute_weights`).
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    folder = os.path.join(models_dir, "tiny-mixtral")
+    state = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+    cfg = AutoConfig.from_pretrained(folder)
+    path = write(folder, gguf.MODEL_ARCH.LLAMA, cfg, state)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    read = {t.name: np.array(t.data) for t in gguf.GGUFReader(path).tensors}
+    unpermute = LlamaTensorProcessor()._reverse_permute_weights
+    checked = 0
+    for hf_name, t in state.items():
+        base, suffix = hf_name.rsplit(".", 1)
+        parts = base.split(".")
+        expert = None
+        if "experts" in parts:
+            i = parts.index("experts")
+            expert = int(parts[i + 1])
+            base = ".".join(parts[:i + 1] + parts[i + 2:])
+        array = read[f"{names.get_name(base)}.{suffix}"]
+        array = array[expert] if expert is not None else array
+        if base.endswith("q_proj"):
+            array = unpermute(array, cfg.num_attention_heads, cfg.num_attention_heads)
+        if base.endswith("k_proj"):
+            array = unpermute(array, cfg.num_attention_heads, cfg.num_key_value_heads)
+        assert np.array_equal(array, t.numpy()), hf_name
+        checked += 1
+    print(f"tiny-mixtral/model.gguf: {checked} tensors equal the HF folder's after transformers' un-permutation")
 
 
 def check_ours(adapter_dir, base_dir, logits_file):

@@ -943,29 +943,29 @@ impl ModelConfig {
                 )
             })?
             .clone();
-        // llama.cpp's names for the mixtures of experts.
-        let architecture = match arch_name.as_str() {
-            "qwen2moe" => Some(Architecture::Qwen2Moe),
-            "qwen3moe" => Some(Architecture::Qwen3Moe),
-            name => Architecture::parse(name),
+        let experts = md
+            .get(&format!("{arch_name}.expert_count"))
+            .and_then(|v| v.to_u32().ok())
+            .filter(|n| *n > 0);
+        // llama.cpp's names for the mixtures of experts; it writes Mixtral as `llama` with experts.
+        let architecture = match (arch_name.as_str(), experts) {
+            ("qwen2moe", _) => Some(Architecture::Qwen2Moe),
+            ("qwen3moe", _) => Some(Architecture::Qwen3Moe),
+            ("llama", Some(_)) => Some(Architecture::Mixtral),
+            (name, _) => Architecture::parse(name),
         }
         .ok_or_else(|| {
             bad(path, format!("GGUF architecture `{arch_name}` is not supported; supported: {SUPPORTED_MODEL_TYPES} \
-                 (qwen2moe, qwen3moe in llama.cpp's names)"))
+                 (qwen2moe, qwen3moe in llama.cpp's names, and Mixtral as `llama` with experts)"))
         })?;
         let key = |k: &str| format!("{arch_name}.{k}");
-        let experts = md
-            .get(&key("expert_count"))
-            .and_then(|v| v.to_u32().ok())
-            .filter(|n| *n > 0);
-        // llama.cpp writes Mixtral as `llama` with experts (`*_exps` tensors).
         if experts.is_some() && !architecture.is_moe() {
             return Err(bad(
                 path,
                 format!(
-                    "GGUF files of `{arch_name}` with experts (`expert_count`, `*_exps` tensors: Mixtral as llama.cpp \
-                     writes it) are not supported yet; load the model's Hugging Face folder instead (GGUF mixtures \
-                     of experts load as qwen2moe and qwen3moe)"
+                    "GGUF files of `{arch_name}` with experts (`expert_count`) are not supported; load the model's \
+                     Hugging Face folder instead (GGUF mixtures of experts load as llama (Mixtral), qwen2moe and \
+                     qwen3moe)"
                 ),
             ));
         }
@@ -1038,8 +1038,9 @@ impl ModelConfig {
             }
         };
         let u32_key = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
-        // What llama.cpp fixes per architecture: every layer sparse, the top-k renormalized by qwen3moe (not by
-        // qwen2moe); transformers' defaults for the auxiliary loss, which a GGUF does not carry.
+        // What llama.cpp fixes per architecture: every layer sparse, the top-k renormalized by Mixtral and qwen3moe
+        // (not by qwen2moe), Mixtral's experts as wide as `feed_forward_length`; transformers' defaults for the
+        // auxiliary loss, which a GGUF does not carry.
         let moe = match architecture.is_moe() {
             false => None,
             true => {
@@ -1062,11 +1063,14 @@ impl ModelConfig {
                 Some(MoeConfig {
                     num_experts: experts,
                     num_experts_per_tok: per_token,
-                    moe_intermediate_size: get_u("expert_feed_forward_length")?,
+                    moe_intermediate_size: match architecture {
+                        Architecture::Mixtral => get_u("feed_forward_length")?,
+                        _ => get_u("expert_feed_forward_length")?,
+                    },
                     shared_expert_intermediate_size: (architecture == Architecture::Qwen2Moe)
                         .then(|| get_u("expert_shared_feed_forward_length"))
                         .transpose()?,
-                    norm_topk_prob: architecture == Architecture::Qwen3Moe,
+                    norm_topk_prob: architecture != Architecture::Qwen2Moe,
                     sparse_layers: vec![true; num_hidden_layers],
                     router_aux_loss_coef: 0.001,
                     output_router_logits: false,

@@ -274,17 +274,25 @@ fn tiny_moe_models_match_transformers() {
     }
 }
 
-/// GGUF mixtures of experts as llama.cpp writes them (`qwen2moe` with the shared expert, `qwen3moe`; experts stacked in
-/// `ffn_{gate,up,down}_exps`, `scripts/golden_moe.py gguf`): the configuration from the metadata and the logits equal
-/// transformers' (which loads the same files into the HF models bit for bit); quantized on load, the experts are NF4,
-/// the router stays dense, and the model equals the one quantized from the HF folder.
+/// GGUF mixtures of experts as llama.cpp writes them (`qwen2moe` with the shared expert, `qwen3moe`, Mixtral as
+/// `llama` with experts and permuted q/k; experts stacked in `ffn_{gate,up,down}_exps`, `scripts/golden_moe.py
+/// gguf`): the configuration from the metadata and the logits equal transformers' (which loads the Qwen files into
+/// the HF models bit for bit; the Mixtral file holds the HF folder's tensors under transformers' un-permutation);
+/// quantized on load, the experts are NF4, the router stays dense, and the model equals the one quantized from the
+/// HF folder.
 #[test]
 fn gguf_mixtures_of_experts_match_transformers() {
-    for (golden_of, file) in [
-        ("tiny-qwen2-moe", "models/tiny-qwen2-moe/model.gguf"),
+    for (golden_of, file, model_type) in [
+        ("tiny-mixtral", "models/tiny-mixtral/model.gguf", "mixtral"),
+        (
+            "tiny-qwen2-moe",
+            "models/tiny-qwen2-moe/model.gguf",
+            "qwen2_moe",
+        ),
         (
             "tiny-qwen3-moe-gguf",
             "models/tiny-qwen3-moe-gguf/model.gguf",
+            "qwen3_moe",
         ),
     ] {
         let g = model_golden(golden_of);
@@ -295,7 +303,12 @@ fn gguf_mixtures_of_experts_match_transformers() {
             .model;
         let moe = model.config().moe.clone().unwrap();
         assert_eq!((moe.num_experts, moe.num_experts_per_tok), (4, 2), "{file}");
-        assert_eq!(moe.norm_topk_prob, golden_of.contains("qwen3"), "{file}");
+        assert_eq!(moe.norm_topk_prob, !golden_of.contains("qwen2"), "{file}");
+        assert_eq!(
+            model.config().architecture.model_type(),
+            model_type,
+            "{file}"
+        );
         let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
         assert!(d <= 1e-5, "{file}: logits differ from transformers by {d}");
 
@@ -317,7 +330,7 @@ fn gguf_mixtures_of_experts_match_transformers() {
             !is_nf4("model.layers.0.mlp.gate"),
             "{file}: the router stays dense"
         );
-        if golden_of == "tiny-qwen2-moe" {
+        if golden_of != "tiny-qwen3-moe-gguf" {
             // The same float32 weights quantized the same way as from the model's folder.
             let folder = load_moe(golden_of, Some(QuantConfig::nf4()));
             let d = max_abs_diff(
