@@ -179,10 +179,11 @@ def main():
 MODEL_SIZES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                    max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 TARGET_PARAMETERS = ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+GPT_OSS_TARGETS = ["mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def tiny_models():
-    from transformers import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+    from transformers import GptOssConfig, GptOssForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
     experts = dict(num_experts_per_tok=2)
     yield "tiny-mixtral", MixtralForCausalLM, MixtralConfig(
@@ -193,6 +194,11 @@ def tiny_models():
     yield "tiny-qwen3-moe", Qwen3MoeForCausalLM, Qwen3MoeConfig(
         num_hidden_layers=3, mlp_only_layers=[1], num_experts=4, moe_intermediate_size=32, intermediate_size=96,
         norm_topk_prob=True, head_dim=16, **experts, **MODEL_SIZES), "fused"
+    # gpt-oss with a short window (layer 0 slides over 6 keys of the 19), a clamp the tiny activations reach and
+    # the aux loss in the loss; YaRN as its config defaults it.
+    yield "tiny-gpt-oss", GptOssForCausalLM, GptOssConfig(
+        num_hidden_layers=2, num_local_experts=4, intermediate_size=32, head_dim=16, sliding_window=6,
+        swiglu_limit=0.6, output_router_logits=True, router_aux_loss_coef=0.1, **experts, **MODEL_SIZES), "hub"
 
 
 def randomize(model, seed):
@@ -203,7 +209,7 @@ def randomize(model, seed):
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
-def models():
+def models(only=None):
     import copy
     import shutil
 
@@ -215,11 +221,17 @@ def models():
 
     torch.set_num_threads(1)
     for seed, (name, cls, cfg, layout) in enumerate(tiny_models()):
+        if only is not None and name not in only:
+            continue
         folder = os.path.join(OUT, "..", "models", name)
         os.makedirs(folder, exist_ok=True)
         torch.manual_seed(seed)
         model = cls(cfg).float().eval()
         randomize(model, 10 + seed)
+        with torch.no_grad():  # gpt-oss's attention sinks, large enough to matter
+            for n, p in model.named_parameters():
+                if n.endswith("sinks"):
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(50 + seed)))
         if layout == "hub":
             model.save_pretrained(folder, safe_serialization=True)
             os.remove(os.path.join(folder, "generation_config.json"))
@@ -244,7 +256,8 @@ def models():
 
         peft_model = peft.get_peft_model(
             copy.deepcopy(model),
-            peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=TARGET_PARAMETERS),
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                            target_parameters=GPT_OSS_TARGETS if "gpt-oss" in name else TARGET_PARAMETERS),
         )
         g = torch.Generator().manual_seed(200 + seed)
         with torch.no_grad():
@@ -437,6 +450,63 @@ def gguf_files():
     print(f"tiny-mixtral/model.gguf: {checked} tensors equal the HF folder's after transformers' un-permutation")
 
 
+def mxfp4_quantize(w):
+    """[..., out, in] float32 -> MXFP4 (blocks [..., out, in/32, 16] u8, scales [..., out, in/32] u8): per 32 values
+    the smallest power of two that puts the largest magnitude within E2M1's 6, each value rounded to the nearest
+    E2M1 value (ties to the lower code), two codes per byte, the even element in the low nibble."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    lut = torch.tensor(FP4_VALUES[:8])
+    groups = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)
+    magnitude = (scaled.abs().unsqueeze(-1) - lut).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_folder():
+    """tiny-gpt-oss-mxfp4/: tiny-gpt-oss with its experts stored as the gpt-oss checkpoints store them (MXFP4
+    `*_blocks` / `*_scales`, `[experts, out, in/32, 16]`, `quantization_config.quant_method = "mxfp4"`), and the
+    logits of the HF model whose experts are transformers' own dequantization of those bytes
+    (`convert_moe_packed_tensors`)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = os.path.join(OUT, "..", "models", "tiny-gpt-oss")
+    folder = os.path.join(OUT, "..", "models", "tiny-gpt-oss-mxfp4")
+    os.makedirs(folder, exist_ok=True)
+    state = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
+    stored, dequantized = {}, {}
+    for k, v in state.items():
+        if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            blocks, scales = mxfp4_quantize(v.float().transpose(1, 2))  # [experts, out, in]
+            stored[k + "_blocks"], stored[k + "_scales"] = blocks, scales
+            dequantized[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            stored[k] = v
+    safetensors.torch.save_file(stored, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(cfg, open(os.path.join(folder, "config.json"), "w"), indent=2)
+    shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model.load_state_dict({**model.state_dict(), **dequantized})
+    ids = safetensors.torch.load_file(os.path.join(src, "golden.safetensors"))["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    moved = max(float((dequantized[k] - state[k]).abs().max()) for k in dequantized)
+    safetensors.torch.save_file({"input_ids": ids, "logits": logits.contiguous()},
+                                os.path.join(folder, "golden.safetensors"),
+                                metadata={"versions": json.dumps(VERSIONS, sort_keys=True)})
+    print(f"tiny-gpt-oss-mxfp4: MXFP4 moves the expert weights by up to {moved:.3g}")
+
+
 def check_ours(adapter_dir, base_dir, logits_file):
     from transformers import AutoModelForCausalLM
     import peft
@@ -458,6 +528,9 @@ if __name__ == "__main__":
 
     if sys.argv[1:2] == ["models"]:
         models()
+    elif sys.argv[1:2] == ["gpt-oss"]:
+        models(only={"tiny-gpt-oss"})
+        mxfp4_folder()
     elif sys.argv[1:2] == ["gguf"]:
         gguf_files()
     elif sys.argv[1:2] == ["check-ours"]:

@@ -164,6 +164,9 @@ pub fn merge_to_folder(
             tensors.push((format!("model.layers.{i}.{name}.weight"), stored_norm(w)?));
         }
     }
+    let arch = model.config().architecture;
+    // gpt-oss's experts, written as transformers holds them: `[experts, in, out]` per projection, with biases.
+    let mut stacked_experts: Vec<(String, Vec<Tensor>, Vec<Tensor>)> = Vec::new();
     for (name, lin) in model.linears() {
         let w = effective_weight(lin)?;
         if lin.active_adapter().is_some() {
@@ -175,6 +178,19 @@ pub fn merge_to_folder(
                 .to_scalar::<f32>()? as f64;
             report.max_abs_change = report.max_abs_change.max(change);
             report.merged_modules += 1;
+        }
+        if let Some(key) = (arch == Architecture::GptOss)
+            .then(|| parameter_of(&name))
+            .flatten()
+            .filter(|p| p.contains(".mlp.experts."))
+        {
+            if stacked_experts.last().is_none_or(|(k, _, _)| *k != key) {
+                stacked_experts.push((key, Vec::new(), Vec::new()));
+            }
+            let (_, weights, biases) = stacked_experts.last_mut().expect("pushed above");
+            weights.push(w.t()?.contiguous()?);
+            biases.extend(lin.base.bias.clone());
+            continue;
         }
         // transformers + bitsandbytes quantize `nn.Linear`s only: a mixture's router and experts stay dense.
         let requantize = options
@@ -192,6 +208,12 @@ pub fn merge_to_folder(
         }
         if let Some(b) = &lin.base.bias {
             tensors.push((format!("{name}.bias"), raw(b)?));
+        }
+    }
+    for (key, weights, biases) in stacked_experts {
+        tensors.push((key.clone(), raw(&Tensor::stack(&weights, 0)?)?));
+        if !biases.is_empty() {
+            tensors.push((format!("{key}_bias"), raw(&Tensor::stack(&biases, 0)?)?));
         }
     }
     report.tensors = tensors.len();

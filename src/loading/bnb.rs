@@ -272,14 +272,17 @@ const NOT_QUANTIZED_MODULES: [&str; 6] = [
 ];
 
 /// True for the weights transformers' bitsandbytes integration quantizes: 2-D `*.weight` tensors of linear layers,
-/// not embeddings, norms, `lm_head`, or a mixture of experts' router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`;
+/// not embeddings, norms, `lm_head`, or a mixture of experts' router (`mlp.gate`, Mixtral's `block_sparse_moe.gate`,
+/// gpt-oss's `mlp.router`;
 /// transformers 5 holds it as a plain parameter, which stays in the checkpoint's dtype).
 pub fn is_quantizable_linear(name: &str, shape: &[usize]) -> bool {
     let Some(module) = name.strip_suffix(".weight") else {
         return false;
     };
     let last = module.rsplit('.').next().unwrap_or(module);
-    let router = module.ends_with(".mlp.gate") || module.ends_with(".block_sparse_moe.gate");
+    let router = [".mlp.gate", ".block_sparse_moe.gate", ".mlp.router"]
+        .iter()
+        .any(|r| module.ends_with(r));
     shape.len() == 2 && !NOT_QUANTIZED_MODULES.contains(&last) && !last.contains("norm") && !router
 }
 

@@ -14,9 +14,12 @@ use super::safetensors::ShardedSafetensors;
 use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::lora::LoraLinear;
-use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
+use crate::models::{
+    Architecture, LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer,
+};
 use crate::ops::rope::RopeScaling;
 use crate::ops::{FrozenLinear, FrozenWeight};
+use crate::quant::mxfp4::{dequantize_mxfp4, MXFP4_BLOCK};
 use crate::quant::{Nf4Tensor, QuantConfig};
 
 /// How to load a model.
@@ -233,6 +236,9 @@ fn sparse_linears(
     quant: Option<&QuantConfig>,
 ) -> Result<Vec<LoraLinear>> {
     let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
+    if moe.clamped_swiglu.is_some() {
+        return gpt_oss_linears(weights, p, moe, hidden, quant);
+    }
     let block = if weights.has(&format!("{p}.block_sparse_moe.gate.weight")) {
         "block_sparse_moe"
     } else {
@@ -295,6 +301,73 @@ fn sparse_linears(
     Ok(out)
 }
 
+/// gpt-oss's router (`mlp.router`, with its bias) and experts, from transformers' 3-D tensors
+/// (`mlp.experts.gate_up_proj` `[experts, hidden, 2·width]` with gate and up interleaved along the last axis,
+/// `down_proj` `[experts, width, hidden]`, and their biases) or the checkpoint's MXFP4 ones (`*_blocks` /
+/// `*_scales`, stored `[experts, out, in]`), dequantized exactly. Each expert's projections become `[out, in]`
+/// weights (gate/up rows still interleaved) with their biases, quantized on their own; the router stays dense.
+fn gpt_oss_linears(
+    weights: &Weights,
+    p: &str,
+    moe: &MoeConfig,
+    hidden: usize,
+    quant: Option<&QuantConfig>,
+) -> Result<Vec<LoraLinear>> {
+    let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
+    let linear = |w: FrozenWeight, b: Tensor| -> Result<LoraLinear> {
+        let bias = Some(b.to_dtype(DType::F32)?);
+        Ok(LoraLinear::new(Arc::new(FrozenLinear::new(w, bias))))
+    };
+    let router = format!("{p}.mlp.router");
+    let mut out = vec![linear(
+        FrozenWeight::Dense(weights.dense(&format!("{router}.weight"), &[experts, hidden])?),
+        weights.dense(&format!("{router}.bias"), &[experts])?,
+    )?];
+    // `[experts, out, in]` of one projection.
+    let stacked = |projection: &str, out_dim: usize, in_dim: usize| -> Result<Tensor> {
+        let name = format!("{p}.mlp.experts.{projection}");
+        let blocks = format!("{name}_blocks");
+        if weights.has(&blocks) {
+            if in_dim % MXFP4_BLOCK != 0 {
+                return Err(Error::Model(format!(
+                    "`{blocks}`: MXFP4 needs the input width ({in_dim}) to be a multiple of {MXFP4_BLOCK}"
+                )));
+            }
+            let groups = in_dim / MXFP4_BLOCK;
+            let codes = weights.dense(&blocks, &[experts, out_dim, groups, MXFP4_BLOCK / 2])?;
+            let scales = weights.dense(&format!("{name}_scales"), &[experts, out_dim, groups])?;
+            return dequantize_mxfp4(&codes, &scales)
+                .map_err(|e| Error::Model(format!("`{blocks}` in {}: {e}", weights.where_())));
+        }
+        Ok(weights
+            .dense(&name, &[experts, in_dim, out_dim])?
+            .transpose(1, 2)?)
+    };
+    let gate_up = stacked("gate_up_proj", 2 * width, hidden)?;
+    let down = stacked("down_proj", hidden, width)?;
+    let gate_up_bias = weights.dense(
+        &format!("{p}.mlp.experts.gate_up_proj_bias"),
+        &[experts, 2 * width],
+    )?;
+    let down_bias = weights.dense(
+        &format!("{p}.mlp.experts.down_proj_bias"),
+        &[experts, hidden],
+    )?;
+    for e in 0..experts {
+        let ours = format!("{p}.mlp.experts.{e}");
+        let weight = |t: &Tensor, projection: &str| -> Result<FrozenWeight> {
+            let dense = t.get(e)?.contiguous()?.to_dtype(DType::F32)?;
+            frozen_weight(dense, &format!("{ours}.{projection}.weight"), quant)
+        };
+        out.push(linear(
+            weight(&gate_up, "gate_up_proj")?,
+            gate_up_bias.get(e)?,
+        )?);
+        out.push(linear(weight(&down, "down_proj")?, down_bias.get(e)?)?);
+    }
+    Ok(out)
+}
+
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
 /// loss from the first step, before any update. Read in chunks, so the check needs no copy of a large tensor.
 fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
@@ -344,14 +417,15 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
         let sparse = cfg.moe.as_ref().filter(|m| m.sparse_layers[l]);
         let mut linears = Vec::new();
         for (name, shape) in cfg.layer_linears(l) {
-            if name == "mlp.gate" {
+            if name == arch.router_name() {
                 // The router opens the experts, loaded together (see `sparse_linears`).
                 let moe = sparse.expect("only sparse layers have a router");
                 linears.extend(sparse_linears(weights, &p, moe, h, quant)?);
             } else if !name.starts_with("mlp.experts.") {
+                // gpt-oss's output projection has a bias too.
                 let bias = cfg.attention_bias
                     && name.starts_with("self_attn.")
-                    && name != "self_attn.o_proj";
+                    && (name != "self_attn.o_proj" || arch == Architecture::GptOss);
                 linears.push(weights.linear(&format!("{p}.{name}"), shape, bias, quant)?);
             }
         }
@@ -370,6 +444,17 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
             )?,
             q_norm: optional_norm(arch.has_qk_norm(), "self_attn.q_norm", cfg.head_dim)?,
             k_norm: optional_norm(arch.has_qk_norm(), "self_attn.k_norm", cfg.head_dim)?,
+            sinks: arch
+                .has_attention_sinks()
+                .then(|| {
+                    let name = format!("{p}.self_attn.sinks");
+                    Ok::<_, Error>(
+                        weights
+                            .dense(&name, &[cfg.num_attention_heads])?
+                            .to_dtype(DType::F32)?,
+                    )
+                })
+                .transpose()?,
             linears,
         });
     }

@@ -24,12 +24,14 @@ fn matches(targets: &TargetModules, name: &str) -> Result<bool> {
 
 /// The PEFT parameter a projection of a mixture-of-experts layer stands for, `None` for the other projections
 /// (`nn.Linear` modules in transformers). transformers 5 holds a sparse layer's router as a module with one
-/// `weight` (`mlp.gate` → `mlp.gate.weight`) and its experts as 3-D parameters of one module (`mlp.experts.{e}.
+/// `weight` (`mlp.gate` → `mlp.gate.weight`; gpt-oss's `mlp.router`) and its experts as 3-D parameters of one module (`mlp.experts.{e}.
 /// gate_up_proj` → `mlp.experts.gate_up_proj`), which PEFT adapts through `target_parameters`, not
 /// `target_modules`.
 pub fn parameter_of(name: &str) -> Option<String> {
-    if let Some(layer) = name.strip_suffix(".mlp.gate") {
-        return Some(format!("{layer}.mlp.gate.weight"));
+    for router in [".mlp.gate", ".mlp.router"] {
+        if name.ends_with(router) {
+            return Some(format!("{name}.weight"));
+        }
     }
     let (layer, rest) = name.split_once(".mlp.experts.")?;
     let (expert, projection) = rest.split_once('.')?;

@@ -262,7 +262,7 @@ fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
 fn block_linear_shapes(c: &ModelConfig) -> Vec<(u64, u64, bool)> {
     (0..c.num_hidden_layers)
         .flat_map(|l| c.layer_linears(l))
-        .filter(|(name, _)| name != "mlp.gate")
+        .filter(|(name, _)| name != c.architecture.router_name())
         .map(|(name, [out, inp])| (inp as u64, out as u64, !name.starts_with("mlp.experts.")))
         .collect()
 }

@@ -8,8 +8,8 @@ use serde_json::Value;
 
 use crate::error::{at_key, Error, Result};
 use crate::files::read_json;
-use crate::ops::rope::{Llama3RopeScaling, LongRopeScaling, RopeScaling};
-use crate::ops::GateActivation;
+use crate::ops::rope::{Llama3RopeScaling, LongRopeScaling, RopeScaling, YarnRopeScaling};
+use crate::ops::{ClampedSwiglu, GateActivation};
 
 /// The architectures this implementation covers (family differences are configuration).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,12 +37,15 @@ pub enum Architecture {
     Qwen2Moe,
     /// Qwen3-MoE (`model_type = "qwen3_moe"`, e.g. Qwen3-30B-A3B): Qwen3 with experts.
     Qwen3Moe,
+    /// gpt-oss (`model_type = "gpt_oss"`): attention with biases and per-head sinks, sliding-window layers
+    /// alternating with full ones, YaRN; experts with biases and a clamped SwiGLU behind a router with a bias.
+    GptOss,
 }
 
 /// The supported `model_type` values, for error messages.
 pub const SUPPORTED_MODEL_TYPES: &str =
     "llama (Llama 2/3/3.1/3.2, SmolLM2, TinyLlama), mistral, qwen2, qwen3, \
-     gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe";
+     gemma2, gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, gpt_oss";
 
 impl Architecture {
     /// From a `model_type` (HF) or `general.architecture` (GGUF).
@@ -58,6 +61,7 @@ impl Architecture {
             "mixtral" => Some(Architecture::Mixtral),
             "qwen2_moe" => Some(Architecture::Qwen2Moe),
             "qwen3_moe" => Some(Architecture::Qwen3Moe),
+            "gpt_oss" => Some(Architecture::GptOss),
             _ => None,
         }
     }
@@ -75,6 +79,7 @@ impl Architecture {
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen2Moe => "qwen2_moe",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -82,6 +87,7 @@ impl Architecture {
     pub fn default_rope_theta(self) -> f64 {
         match self {
             Architecture::Gemma3 | Architecture::Mixtral => 1_000_000.0,
+            Architecture::GptOss => 150_000.0,
             _ => 10_000.0,
         }
     }
@@ -99,6 +105,7 @@ impl Architecture {
             Architecture::Mixtral => "MixtralForCausalLM",
             Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -120,8 +127,24 @@ impl Architecture {
     pub fn is_moe(self) -> bool {
         matches!(
             self,
-            Architecture::Mixtral | Architecture::Qwen2Moe | Architecture::Qwen3Moe
+            Architecture::Mixtral
+                | Architecture::Qwen2Moe
+                | Architecture::Qwen3Moe
+                | Architecture::GptOss
         )
+    }
+
+    /// The name of a sparse layer's router: `mlp.router` (gpt-oss) or `mlp.gate`.
+    pub fn router_name(self) -> &'static str {
+        match self {
+            Architecture::GptOss => "mlp.router",
+            _ => "mlp.gate",
+        }
+    }
+
+    /// Each attention head has a learned sink logit joined to its softmax (`self_attn.sinks`, gpt-oss).
+    pub fn has_attention_sinks(self) -> bool {
+        self == Architecture::GptOss
     }
 
     /// Like Qwen2 / Qwen3, it reads `sliding_window` only with `use_sliding_window`.
@@ -154,7 +177,10 @@ impl Architecture {
     /// and asks for them).
     pub fn default_lora_targets(self) -> Option<&'static [&'static str]> {
         match self {
-            Architecture::Phi3 | Architecture::Qwen2Moe | Architecture::Qwen3Moe => None,
+            Architecture::Phi3
+            | Architecture::Qwen2Moe
+            | Architecture::Qwen3Moe
+            | Architecture::GptOss => None,
             _ => Some(&["q_proj", "v_proj"]),
         }
     }
@@ -189,6 +215,9 @@ pub struct MoeConfig {
     pub router_aux_loss_coef: f64,
     /// Whether training adds the auxiliary loss (`output_router_logits`, as transformers decides it).
     pub output_router_logits: bool,
+    /// gpt-oss's experts: gate and up interleaved in one projection (`gate_up_proj[..., 0::2]` the gate), biases on
+    /// both projections and on the router, the top-k's logits softmaxed, and this clamped SwiGLU.
+    pub clamped_swiglu: Option<ClampedSwiglu>,
 }
 
 /// Everything the model needs to know about its shape.
@@ -225,7 +254,7 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// The output head shares the embedding matrix.
     pub tie_word_embeddings: bool,
-    /// q/k/v projections carry biases (Qwen2).
+    /// q/k/v projections carry biases (Qwen2; gpt-oss's output projection too).
     pub attention_bias: bool,
     /// The gated MLP's activation.
     pub activation: GateActivation,
@@ -324,7 +353,7 @@ impl ModelConfig {
             None => out.extend(mlp("mlp", i)),
             Some(moe) => {
                 let e = moe.moe_intermediate_size;
-                out.push(("mlp.gate".into(), [moe.num_experts, h]));
+                out.push((self.architecture.router_name().into(), [moe.num_experts, h]));
                 for x in 0..moe.num_experts {
                     out.push((format!("mlp.experts.{x}.gate_up_proj"), [2 * e, h]));
                     out.push((format!("mlp.experts.{x}.down_proj"), [h, e]));
@@ -378,7 +407,9 @@ impl ModelConfig {
             v["qkv_bias"] = self.attention_bias.into();
         }
         if let Some(moe) = &self.moe {
-            let experts_key = if arch == Architecture::Mixtral {
+            // Mixtral and gpt-oss name the count `num_local_experts` and the experts' width `intermediate_size`.
+            let mixtral_keys = matches!(arch, Architecture::Mixtral | Architecture::GptOss);
+            let experts_key = if mixtral_keys {
                 "num_local_experts"
             } else {
                 "num_experts"
@@ -387,7 +418,11 @@ impl ModelConfig {
             v["num_experts_per_tok"] = moe.num_experts_per_tok.into();
             v["router_aux_loss_coef"] = moe.router_aux_loss_coef.into();
             v["output_router_logits"] = moe.output_router_logits.into();
-            if arch != Architecture::Mixtral {
+            if let Some(c) = moe.clamped_swiglu {
+                v["swiglu_alpha"] = c.alpha.into();
+                v["swiglu_limit"] = c.limit.into();
+            }
+            if !mixtral_keys {
                 v["moe_intermediate_size"] = moe.moe_intermediate_size.into();
                 v["norm_topk_prob"] = moe.norm_topk_prob.into();
                 v["decoder_sparse_step"] = 1.into();
@@ -430,6 +465,12 @@ impl ModelConfig {
                     "attention_factor": s.attention_factor});
                 v["original_max_position_embeddings"] = s.original_max_position_embeddings.into();
             }
+            Some(RopeScaling::Yarn(s)) => {
+                v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": s.factor,
+                    "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                    "attention_factor": s.attention_factor});
+            }
         }
         v
     }
@@ -458,7 +499,7 @@ impl ModelConfig {
                             && i % 2 == 0
                             && i < max_window_layers.unwrap_or(28)
                     }
-                    Architecture::Gemma2 => (i + 1) % 2 != 0,
+                    Architecture::Gemma2 | Architecture::GptOss => (i + 1) % 2 != 0,
                     Architecture::Gemma3 => {
                         (i + 1) % sliding_window_pattern.unwrap_or(6).max(1) != 0
                     }
@@ -524,6 +565,8 @@ struct HfConfig {
     mlp_only_layers: Option<Vec<usize>>,
     router_aux_loss_coef: Option<f64>,
     output_router_logits: Option<bool>,
+    swiglu_alpha: Option<f64>,
+    swiglu_limit: Option<f64>,
 }
 
 /// The mixture of experts a `config.json` declares, with transformers 5.23's defaults for what it leaves out.
@@ -545,6 +588,12 @@ fn moe_of(hf: &HfConfig, architecture: Architecture, path: &Path) -> Result<Opti
                 .unwrap_or(if qwen2 { 1408 } else { 768 }),
             qwen2.then(|| hf.shared_expert_intermediate_size.unwrap_or(5632)),
         ),
+        Architecture::GptOss => (
+            hf.num_local_experts.or(hf.num_experts).unwrap_or(128),
+            hf.num_experts_per_tok.unwrap_or(4),
+            hf.intermediate_size,
+            None,
+        ),
         _ => return Ok(None),
     };
     if per_token == 0 || per_token > experts {
@@ -561,9 +610,18 @@ fn moe_of(hf: &HfConfig, architecture: Architecture, path: &Path) -> Result<Opti
     // transformers: sparse unless listed in `mlp_only_layers`, and only every `decoder_sparse_step`-th layer.
     let sparse_layers = (0..hf.num_hidden_layers)
         .map(|l| {
-            architecture == Architecture::Mixtral || (!dense.contains(&l) && (l + 1) % step == 0)
+            matches!(architecture, Architecture::Mixtral | Architecture::GptOss)
+                || (!dense.contains(&l) && (l + 1) % step == 0)
         })
         .collect();
+    let clamped_swiglu = match architecture {
+        Architecture::GptOss => {
+            let alpha = positive(hf.swiglu_alpha, "swiglu_alpha", path)?.unwrap_or(1.702);
+            let limit = positive(hf.swiglu_limit, "swiglu_limit", path)?.unwrap_or(7.0);
+            Some(ClampedSwiglu { alpha, limit })
+        }
+        _ => None,
+    };
     let coef = hf.router_aux_loss_coef.unwrap_or(0.001);
     if !coef.is_finite() || coef < 0.0 {
         return Err(bad(
@@ -576,10 +634,13 @@ fn moe_of(hf: &HfConfig, architecture: Architecture, path: &Path) -> Result<Opti
         num_experts_per_tok: per_token,
         moe_intermediate_size: width,
         shared_expert_intermediate_size: shared,
-        norm_topk_prob: architecture == Architecture::Mixtral || hf.norm_topk_prob.unwrap_or(false),
+        // gpt-oss's softmax over the top-k logits is the renormalized top-k of the softmax.
+        norm_topk_prob: matches!(architecture, Architecture::Mixtral | Architecture::GptOss)
+            || hf.norm_topk_prob.unwrap_or(false),
         sparse_layers,
         router_aux_loss_coef: coef,
         output_router_logits: hf.output_router_logits.unwrap_or(false),
+        clamped_swiglu,
     }))
 }
 
@@ -694,9 +755,44 @@ fn rope_scaling_of(
                 attention_factor,
             })))
         }
+        "yarn" => {
+            let original = number("original_max_position_embeddings")?
+                .filter(|v| *v >= 1.0)
+                .ok_or_else(|| {
+                    bad(
+                        path,
+                        "YaRN needs `original_max_position_embeddings` (at least 1)".into(),
+                    )
+                })? as usize;
+            let max = opt_f64(obj, "max_position_embeddings", path)?.unwrap_or(original as f64);
+            let factor = opt_f64(scaling, "factor", path)?.unwrap_or(max / original as f64);
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(bad(path, format!("YaRN's `factor` must be positive, not {factor}")));
+            }
+            let attention_factor = match opt_f64(scaling, "attention_factor", path)? {
+                Some(f) => f,
+                None => YarnRopeScaling::default_attention_factor(
+                    factor,
+                    opt_f64(scaling, "mscale", path)?,
+                    opt_f64(scaling, "mscale_all_dim", path)?,
+                ),
+            };
+            // transformers reads `beta_fast or 32`, `beta_slow or 1`: a 0 means the default too.
+            let beta = |key: &str, default: f64| -> Result<f64> {
+                Ok(opt_f64(scaling, key, path)?.filter(|v| *v != 0.0).unwrap_or(default))
+            };
+            Ok(Some(RopeScaling::Yarn(YarnRopeScaling {
+                factor,
+                beta_fast: beta("beta_fast", 32.0)?,
+                beta_slow: beta("beta_slow", 1.0)?,
+                original_max_position_embeddings: original,
+                truncate: scaling.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                attention_factor,
+            })))
+        }
         other => Err(bad(
             path,
-            format!("rope scaling type `{other}` is not supported (supported: default, llama3, linear, longrope); remove it to use plain RoPE"),
+            format!("rope scaling type `{other}` is not supported (supported: default, llama3, linear, longrope, yarn); remove it to use plain RoPE"),
         )),
     }
 }
@@ -890,7 +986,25 @@ impl ModelConfig {
             rotary_dim: rope.rotary_dim,
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope.theta.unwrap_or(architecture.default_rope_theta()),
-            rope_scaling: rope.scaling,
+            rope_scaling: match rope.scaling {
+                // gpt-oss's config defaults to YaRN when it names no RoPE parameters.
+                None if architecture == Architecture::GptOss
+                    && obj.get("rope_scaling").is_none_or(Value::is_null)
+                    && obj.get("rope_parameters").is_none_or(Value::is_null) =>
+                {
+                    Some(RopeScaling::Yarn(YarnRopeScaling {
+                        factor: 32.0,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        original_max_position_embeddings: 4096,
+                        truncate: false,
+                        attention_factor: YarnRopeScaling::default_attention_factor(
+                            32.0, None, None,
+                        ),
+                    }))
+                }
+                scaling => scaling,
+            },
             // Gemma 3's sliding layers always have their own (default 10⁴) base.
             sliding_rope_theta: match architecture {
                 Architecture::Gemma3 => Some(rope.sliding_theta.unwrap_or(10_000.0)),
@@ -901,6 +1015,7 @@ impl ModelConfig {
             attention_bias: match architecture {
                 Architecture::Qwen2 => true,
                 Architecture::Qwen2Moe => hf.qkv_bias.unwrap_or(true),
+                Architecture::GptOss => hf.attention_bias.unwrap_or(true),
                 _ => hf.attention_bias.unwrap_or(false),
             },
             activation,
@@ -1074,6 +1189,7 @@ impl ModelConfig {
                     sparse_layers: vec![true; num_hidden_layers],
                     router_aux_loss_coef: 0.001,
                     output_router_logits: false,
+                    clamped_swiglu: None,
                 })
             }
         };

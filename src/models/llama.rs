@@ -257,7 +257,8 @@ macro_rules! mlp_linears {
                 (format!("{prefix}.gate_proj"), gate_proj),
                 (format!("{prefix}.up_proj"), up_proj),
             ]),
-            GateUpProjections::Fused { gate_up_proj } => {
+            GateUpProjections::Fused { gate_up_proj }
+            | GateUpProjections::Interleaved { gate_up_proj } => {
                 $out.push((format!("{prefix}.gate_up_proj"), gate_up_proj))
             }
         }
@@ -287,7 +288,7 @@ macro_rules! named_linears {
         match & $($m)? layer.mlp {
             FeedForward::Dense(mlp) => mlp_linears!(out, "mlp", mlp $(, $m)?),
             FeedForward::Sparse(moe) => {
-                out.push(("mlp.gate".to_string(), & $($m)? moe.gate));
+                out.push((moe.router_name.to_string(), & $($m)? moe.gate));
                 for (e, expert) in (& $($m)? moe.experts).into_iter().enumerate() {
                     mlp_linears!(out, format!("mlp.experts.{e}"), expert $(, $m)?);
                 }
@@ -549,6 +550,8 @@ pub struct LayerWeights {
     pub q_norm: Option<Tensor>,
     /// `self_attn.k_norm.weight` (Qwen3, Gemma 3).
     pub k_norm: Option<Tensor>,
+    /// `self_attn.sinks` (gpt-oss): one logit per query head joined to its attention softmax.
+    pub sinks: Option<Tensor>,
     /// The projections in [`crate::models::ModelConfig::layer_linears`]' order: q, k, v, o, gate, up, down, or
     /// (fused) qkv, o, gate_up, down; in a sparse layer the router, each expert's gate_up and down, then the
     /// shared expert's projections and gate.
@@ -636,8 +639,13 @@ impl LlamaModel {
                             .map(|_| {
                                 let gate_up_proj = next();
                                 let down_proj = next();
-                                let gate_up = GateUpProjections::Fused { gate_up_proj };
-                                Mlp::new(gate_up, down_proj, config.activation)
+                                match moe.clamped_swiglu {
+                                    Some(c) => Mlp::clamped(gate_up_proj, down_proj, c),
+                                    None => {
+                                        let gate_up = GateUpProjections::Fused { gate_up_proj };
+                                        Mlp::new(gate_up, down_proj, config.activation)
+                                    }
+                                }
                             })
                             .collect();
                         let shared = moe.shared_expert_intermediate_size.map(|_| {
@@ -648,7 +656,7 @@ impl LlamaModel {
                             let mlp = Mlp::new(gate_up, next(), config.activation);
                             SharedExpert { mlp, gate: next() }
                         });
-                        let block = SparseMoe::new(
+                        let mut block = SparseMoe::new(
                             router,
                             experts,
                             shared,
@@ -656,6 +664,7 @@ impl LlamaModel {
                             moe.norm_topk_prob,
                         )
                         .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                        block.router_name = config.architecture.router_name();
                         FeedForward::Sparse(block)
                     }
                 };

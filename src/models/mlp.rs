@@ -1,9 +1,10 @@
 //! The gated MLP of a decoder layer (`down(act(gate(x)) · up(x))`), the building block of dense layers and of each
-//! expert of a mixture-of-experts block.
+//! expert of a mixture-of-experts block (gpt-oss's experts: one projection with gate and up interleaved, and its
+//! clamped SwiGLU).
 
 use candle_core::{Result, Tensor, D};
 
-use crate::ops::{gated_activation, GateActivation, Pass};
+use crate::ops::{clamped_swiglu, gated_activation, ClampedSwiglu, GateActivation, Pass};
 
 /// A linear projection of the model: a frozen base with optional LoRA adapters.
 pub type Linear = crate::lora::LoraLinear;
@@ -23,6 +24,20 @@ pub enum GateUpProjections {
         /// The two projections' rows stacked.
         gate_up_proj: Linear,
     },
+    /// gpt-oss's `gate_up_proj`: rows alternate gate, up.
+    Interleaved {
+        /// The two projections' rows interleaved.
+        gate_up_proj: Linear,
+    },
+}
+
+/// What joins the gate and up projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum MlpActivation {
+    /// `act(gate) · up`.
+    Gated(GateActivation),
+    /// gpt-oss's clamped SwiGLU (interleaved projections).
+    Clamped(ClampedSwiglu),
 }
 
 /// The gated MLP of one layer: `down(act(gate(x)) · up(x))`.
@@ -32,7 +47,7 @@ pub struct Mlp {
     pub gate_up: GateUpProjections,
     /// Down projection.
     pub down_proj: Linear,
-    pub(super) activation: GateActivation,
+    pub(super) activation: MlpActivation,
 }
 
 impl Mlp {
@@ -41,7 +56,16 @@ impl Mlp {
         Mlp {
             gate_up,
             down_proj,
-            activation,
+            activation: MlpActivation::Gated(activation),
+        }
+    }
+
+    /// gpt-oss's expert: `down(clamped_swiglu(gate_up(x)))` over an interleaved `gate_up_proj`.
+    pub fn clamped(gate_up_proj: Linear, down_proj: Linear, activation: ClampedSwiglu) -> Self {
+        Mlp {
+            gate_up: GateUpProjections::Interleaved { gate_up_proj },
+            down_proj,
+            activation: MlpActivation::Clamped(activation),
         }
     }
 
@@ -58,20 +82,24 @@ impl Mlp {
         residual: Option<&Tensor>,
         pass: Pass,
     ) -> Result<Tensor> {
-        let (gate, up) = match &self.gate_up {
-            GateUpProjections::Separate { gate_proj, up_proj } => {
-                (gate_proj.forward(x)?, up_proj.forward(x)?)
+        let hidden = match (&self.gate_up, self.activation) {
+            (GateUpProjections::Interleaved { gate_up_proj }, MlpActivation::Clamped(c)) => {
+                clamped_swiglu(&gate_up_proj.forward(x)?, c)?
             }
-            GateUpProjections::Fused { gate_up_proj } => {
+            (GateUpProjections::Separate { gate_proj, up_proj }, MlpActivation::Gated(act)) => {
+                gated_activation(&gate_proj.forward(x)?, &up_proj.forward(x)?, act)?
+            }
+            (GateUpProjections::Fused { gate_up_proj }, MlpActivation::Gated(act)) => {
                 let y = gate_up_proj.forward(x)?;
                 let width = y.dim(D::Minus1)? / 2;
-                (
-                    y.narrow(D::Minus1, 0, width)?.contiguous()?,
-                    y.narrow(D::Minus1, width, width)?.contiguous()?,
-                )
+                let gate = y.narrow(D::Minus1, 0, width)?.contiguous()?;
+                let up = y.narrow(D::Minus1, width, width)?.contiguous()?;
+                gated_activation(&gate, &up, act)?
+            }
+            _ => {
+                candle_core::bail!("an MLP's clamped SwiGLU goes with interleaved projections only")
             }
         };
-        let hidden = gated_activation(&gate, &up, self.activation)?;
         match residual {
             Some(r) => self.down_proj.forward_plus(&hidden, r, pass),
             None => self.down_proj.forward(&hidden),

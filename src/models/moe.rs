@@ -35,6 +35,8 @@ pub struct SparseMoe {
     pub experts: Vec<Mlp>,
     /// Qwen2-MoE's shared expert.
     pub shared_expert: Option<SharedExpert>,
+    /// The router's name in the layer (`mlp.gate`; gpt-oss's `mlp.router`).
+    pub router_name: &'static str,
     top_k: usize,
     norm_topk_prob: bool,
 }
@@ -67,6 +69,7 @@ impl SparseMoe {
             gate,
             experts,
             shared_expert,
+            router_name: "mlp.gate",
             top_k,
             norm_topk_prob,
         })

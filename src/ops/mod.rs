@@ -20,6 +20,7 @@
 //! | [`causal_attention`], [`packed_causal_attention`] | grouped-query causal attention, query block by block |
 //! | [`attention()`] with an [`AttentionSpec`] | the same with a sliding window and logit soft-capping |
 //! | [`swiglu()`], [`geglu_tanh()`] ([`gated_activation()`]) | `silu(gate)·up`, `gelu_tanh(gate)·up` |
+//! | [`clamped_swiglu()`] | gpt-oss's `(clamp(up) + 1)·g·σ(α·g)` on interleaved gate/up, `g = min(gate, limit)` |
 //! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
 //! | [`linear_cross_entropy_capped`], [`softcap()`] | the same with the logits soft-capped, `cap·tanh(z/cap)` |
 //! | [`embedding()`] | row lookup |
@@ -27,6 +28,7 @@
 
 pub mod attention;
 pub mod autograd;
+pub mod clamped_swiglu;
 pub(crate) mod cpu;
 pub mod cross_entropy;
 pub mod embedding;
@@ -45,6 +47,7 @@ pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSpec, Segments,
 };
 pub use autograd::{checkpoint, Block, GradSink, Pass};
+pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};
 pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;
 pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight};

@@ -1,5 +1,5 @@
 //! Rotary position embeddings in Hugging Face's half-split layout (`rotate_half`), with `rope_theta` and
-//! `rope_scaling` (Llama 3, linear, Phi-3's LongRoPE). The backward rotates by `-sin`; cos/sin are constants and get no gradient.
+//! `rope_scaling` (Llama 3, linear, Phi-3's LongRoPE, YaRN). The backward rotates by `-sin`; cos/sin are constants and get no gradient.
 
 use candle_core::{DType, Device, Result, Shape, Tensor, D};
 
@@ -51,6 +51,76 @@ impl LongRopeScaling {
     }
 }
 
+/// YaRN (`rope_type = "yarn"`, gpt-oss): each frequency blended between itself (short wavelengths, extrapolated)
+/// and itself divided by `factor` (long wavelengths, interpolated) along a linear ramp between the dimensions that
+/// turn `beta_fast` and `beta_slow` times over the original context; cos/sin multiplied by `attention_factor`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct YarnRopeScaling {
+    /// Context extension factor.
+    pub factor: f64,
+    /// Rotations over the original context above which a dimension is extrapolated (32).
+    pub beta_fast: f64,
+    /// Rotations below which it is interpolated (1).
+    pub beta_slow: f64,
+    /// The context length the model was pre-trained with.
+    pub original_max_position_embeddings: usize,
+    /// Whether the ramp's ends are rounded to whole dimensions (transformers' default; gpt-oss sets `false`).
+    pub truncate: bool,
+    /// cos/sin multiplier (`0.1·ln(factor) + 1` unless the config sets it).
+    pub attention_factor: f64,
+}
+
+impl YarnRopeScaling {
+    /// transformers' `_compute_yarn_parameters` default for `attention_factor`: `get_mscale(factor, mscale) /
+    /// get_mscale(factor, mscale_all_dim)` when both are given, else `get_mscale(factor)`, where
+    /// `get_mscale(s, m) = 0.1·m·ln(s) + 1` (1 for `s ≤ 1`).
+    pub fn default_attention_factor(
+        factor: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+    ) -> f64 {
+        let get = |m: f64| {
+            if factor <= 1.0 {
+                1.0
+            } else {
+                0.1 * m * factor.ln() + 1.0
+            }
+        };
+        match (mscale, mscale_all_dim) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => get(m) / get(all),
+            _ => get(1.0),
+        }
+    }
+
+    /// The inverse frequencies of `rotary_dim` dimensions with base `theta`, in float32 as transformers computes
+    /// them.
+    fn frequencies(&self, rotary_dim: usize, theta: f64) -> Vec<f64> {
+        let dim = rotary_dim as f64;
+        let correction = |rotations: f64| {
+            let max = self.original_max_position_embeddings as f64;
+            dim * (max / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (correction(self.beta_fast), correction(self.beta_slow));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
+        if low == high {
+            high += 0.001; // transformers' guard against a zero-width ramp
+        }
+        (0..rotary_dim / 2)
+            .map(|i| {
+                let pos = theta.powf((2 * i) as f64 / dim) as f32;
+                let extrapolated = 1.0 / pos;
+                let interpolated = 1.0 / (self.factor as f32 * pos);
+                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let keep = 1.0 - ramp;
+                (interpolated * (1.0 - keep) + extrapolated * keep) as f64
+            })
+            .collect()
+    }
+}
+
 /// How RoPE frequencies are scaled (`rope_scaling`, or `rope_parameters` in transformers 5).
 #[derive(Clone, Debug, PartialEq)]
 pub enum RopeScaling {
@@ -63,6 +133,8 @@ pub enum RopeScaling {
     },
     /// Phi-3's LongRoPE.
     LongRope(LongRopeScaling),
+    /// YaRN (gpt-oss).
+    Yarn(YarnRopeScaling),
 }
 
 /// Precomputed cos/sin for every position, `[max_positions, rotary_dim]` in float32.
@@ -91,13 +163,17 @@ fn frequencies(
     scaling: Option<&RopeScaling>,
     long: bool,
 ) -> Vec<f64> {
+    if let Some(RopeScaling::Yarn(yarn)) = scaling {
+        return yarn.frequencies(rotary_dim, theta);
+    }
     (0..rotary_dim / 2)
         .map(|i| {
             let inv = 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64);
             // transformers computes inv_freq in float32.
             let inv = inv as f32 as f64;
             match scaling {
-                None => inv,
+                // YaRN's frequencies are computed apart (above).
+                None | Some(RopeScaling::Yarn(_)) => inv,
                 Some(RopeScaling::Linear { factor }) => (inv / factor) as f32 as f64,
                 Some(RopeScaling::LongRope(s)) => {
                     let factors = if long {
@@ -171,6 +247,7 @@ impl RopeTables {
     ) -> Result<Self> {
         let multiplier = match scaling {
             Some(RopeScaling::LongRope(s)) => s.attention_factor,
+            Some(RopeScaling::Yarn(s)) => s.attention_factor,
             _ => 1.0,
         };
         let inv = frequencies(rotary_dim, theta, scaling, false);

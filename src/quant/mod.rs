@@ -1,6 +1,7 @@
 //! 4-bit quantization exactly as bitsandbytes does it.
 //!
 //! - [`nf4`] and [`fp4`]: the 16-value codebooks and bitsandbytes' comparison trees.
+//! - [`mxfp4`]: gpt-oss's MXFP4 expert weights, dequantized on load.
 //! - [`dynamic_map`]: the 8-bit dynamic maps and the 8-bit search (double quantization, 8-bit optimizers).
 //! - [`reduce`]: PyTorch's float32 summation order, for a bit-identical double-quantization offset.
 //! - [`Nf4Tensor`]: packed codes + block statistics; [`QuantConfig`]: what to quantize to.
@@ -14,6 +15,7 @@ mod cpu;
 mod device;
 pub mod dynamic_map;
 pub mod fp4;
+pub mod mxfp4;
 pub mod nf4;
 pub mod reduce;
 mod tensor;

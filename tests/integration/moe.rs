@@ -185,6 +185,8 @@ fn load_balancing_loss_matches_transformers() {
 
 /// The tiny whole models of `scripts/golden_moe.py models`.
 pub(crate) const MOE_MODELS: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"];
+/// The tiny gpt-oss (`scripts/golden_moe.py gpt-oss`).
+const GPT_OSS: &str = "tiny-gpt-oss";
 
 pub(crate) fn model_golden(name: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(
@@ -239,12 +241,14 @@ pub(crate) fn moe_loss(
     (total, aux.to_scalar::<f32>().unwrap())
 }
 
-/// Mixtral (Hub layout), Qwen2-MoE (shared expert; the loss includes the auxiliary loss) and Qwen3-MoE (a dense
-/// layer among sparse ones; transformers 5's fused 3-D layout): logits, loss, auxiliary loss and the input
-/// gradients with and without checkpointing equal transformers'.
+/// Mixtral (Hub layout), Qwen2-MoE (shared expert; the loss includes the auxiliary loss), Qwen3-MoE (a dense
+/// layer among sparse ones; transformers 5's fused 3-D layout) and gpt-oss (attention sinks and biases, a sliding
+/// layer shorter than the sequence, YaRN, a router with a bias, interleaved experts with biases and a clamp the
+/// activations reach): logits, loss, auxiliary loss and the input gradients with and without checkpointing equal
+/// transformers'.
 #[test]
 fn tiny_moe_models_match_transformers() {
-    for name in MOE_MODELS {
+    for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
         let g = model_golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let model = load_moe(name, None);
@@ -398,6 +402,72 @@ fn peft_expert_adapters_load_save_and_merge() {
             "{name}: merged logits differ from PEFT's merge by {d}"
         );
     }
+}
+
+/// gpt-oss: PEFT's adapter on the attention, the router and the interleaved experts (`target_parameters`) gives
+/// PEFT's logits, saves back to PEFT's exact tensors and merges (into transformers' 3-D expert layout) with PEFT's
+/// merged logits; the MXFP4 checkpoint (`*_blocks` / `*_scales`) loads with
+/// the logits of transformers' own dequantization of its bytes, and in 4 bits with NF4 experts and a dense router.
+#[test]
+fn gpt_oss_adapters_and_mxfp4_checkpoints_match_transformers() {
+    let g = model_golden(GPT_OSS);
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let peft_dir = data_path(&format!("models/{GPT_OSS}/adapter"));
+    let mut model = load_moe(GPT_OSS, None);
+    load_adapter(&mut model, &peft_dir, "default").unwrap();
+    let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_adapter"]);
+    assert!(d <= 1e-4, "logits with PEFT's adapter differ by {d}");
+    let dir = tempfile::tempdir().unwrap();
+    save_adapter(&model, "default", dir.path(), None).unwrap();
+    let ours =
+        candle_core::safetensors::load(dir.path().join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+    let theirs =
+        candle_core::safetensors::load(peft_dir.join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
+    let mut keys: Vec<&String> = ours.keys().collect();
+    keys.sort();
+    let mut expected: Vec<&String> = theirs.keys().collect();
+    expected.sort();
+    assert_eq!(keys, expected, "saved keys");
+    for (k, t) in &theirs {
+        assert_eq!(
+            max_abs_diff(&ours[k], t),
+            0.0,
+            "`{k}` changed on the round trip"
+        );
+    }
+    let merged = dir.path().join("merged");
+    let options = MergeOptions {
+        dtype: DType::F32,
+        requantize: None,
+        overwrite: false,
+    };
+    let source = data_path(&format!("models/{GPT_OSS}"));
+    merge_to_folder(&model, None, Some(&source), &merged, &options).unwrap();
+    let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &g["logits_merged"]);
+    assert!(d <= 1e-4, "merged logits differ from PEFT's merge by {d}");
+
+    let mxfp4 = "tiny-gpt-oss-mxfp4";
+    let golden = model_golden(mxfp4);
+    let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
+    let model = load_moe(mxfp4, None);
+    let d = max_abs_diff(&model.logits(&ids).unwrap(), &golden["logits"]);
+    assert!(d <= 1e-5, "MXFP4 logits differ from transformers' by {d}");
+    let quantized = load_moe(mxfp4, Some(QuantConfig::nf4()));
+    let linears = quantized.linears();
+    let is_nf4 = |n: &str| {
+        let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
+        matches!(l.base.weight, FrozenWeight::Nf4(_))
+    };
+    assert!(is_nf4("model.layers.1.mlp.experts.3.gate_up_proj"));
+    assert!(
+        !is_nf4("model.layers.0.mlp.router"),
+        "the router stays dense"
+    );
+    let d = max_abs_diff(&quantized.logits(&ids).unwrap(), &golden["logits"]);
+    assert!(d <= 0.05, "NF4 experts move the logits by {d}");
 }
 
 /// Loaded in 4 bits, every expert is NF4 on its own and the router stays dense (as transformers keeps it), and the
