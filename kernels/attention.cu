@@ -5,7 +5,9 @@
 // queries sits at position (S − TQ) + i of the S keys and sees keys first..position, where first is 0 or the start
 // of its example (`starts`, per batch and position), and with a sliding window W (`window` > 0) at least
 // position + 1 − W. With `cap` > 0 the scaled scores are soft-capped, s → cap·tanh(s / cap), before the mask (the
-// backward multiplies their gradient by 1 − tanh²).
+// backward multiplies their gradient by 1 − tanh²). With `has_sinks`, query head h's softmax has one more column
+// holding `sinks[h]` (gpt-oss) that has no value: the forward's running maximum and sum start from it, so the saved
+// log-sum-exp includes it and the backward, P = exp(s − lse) and Δ = rowsum(dO ⊙ O), needs no change.
 //
 // Layouts: q, out [B, HQ, TQ, D]; k, v [B, HKV, S, D]; lse, delta [B, HQ, TQ]; HQ a multiple of HKV. Head dims 64
 // and 128. Dynamic shared memory: the sizes `fwd_shared_bytes` / `bwd_shared_bytes` in src/ops/attention/cuda.rs.
@@ -55,8 +57,9 @@ __device__ __forceinline__ void load_rows(T *dst, const T *src, u64 first, u64 a
 } // namespace
 
 template <typename T, int D>
-__device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts, u64 HQ,
-                         u64 HKV, u64 TQ, u64 S, float scale, u64 window, float cap, T *out, float *lse) {
+__device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts,
+                         const float *sinks, int has_sinks, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, u64 window,
+                         float cap, T *out, float *lse) {
     extern __shared__ __align__(128) unsigned char smem[];
     T *sQ = (T *)smem;                  // [FWD_ROWS][D]
     T *sK = sQ + FWD_ROWS * D;          // [FWD_KEYS][D]
@@ -79,7 +82,8 @@ __device__ void attn_fwd(const T *q, const T *k, const T *v, const unsigned int 
     const bool valid = row < TQ;
     const u64 pos = offset + row;
     const u64 first = valid ? first_key(starts, has_starts, S, b, pos, window) : 0;
-    float m = -INFINITY, l = 0.0f;
+    // The sink is a column already seen: probability exp(sink − m) of the sum, nothing of the output.
+    float m = has_sinks ? sinks[h] : -INFINITY, l = has_sinks ? 1.0f : 0.0f;
     float acc[D / 2];
 #pragma unroll
     for (int c = 0; c < D / 2; ++c) acc[c] = 0.0f;
@@ -363,8 +367,8 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
 }
 
 #define FWD(T)                                                                                                 \
-    (const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ,  \
-     u64 S, float scale, u64 window, float cap, T *out, float *lse)
+    (const T *q, const T *k, const T *v, const unsigned int *starts, int has_starts, const float *sinks,       \
+     int has_sinks, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, u64 window, float cap, T *out, float *lse)
 #define BWD(T)                                                                                                 \
     (const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,                  \
      const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, u64 window,      \
@@ -373,7 +377,8 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
 
 #define FOR_HEAD_DIM(T, suffix, D)                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) attn_fwd_##suffix##_d##D FWD(T) {                   \
-        attn_fwd<T, D>(q, k, v, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, out, lse);             \
+        attn_fwd<T, D>(q, k, v, starts, has_starts, sinks, has_sinks, HQ, HKV, TQ, S, scale, window, cap, out, \
+                       lse);                                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS) attn_bwd_##suffix##_d##D BWD(T) {                   \
         attn_bwd<T, D>(q, k, v, dout, lse, delta, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, dq, dk, \

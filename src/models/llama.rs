@@ -684,6 +684,7 @@ impl LlamaModel {
                             scale: config.attention_scale(),
                             sliding_window: window,
                             softcap: config.attn_logit_softcapping,
+                            sinks: None,
                         },
                         eps: config.rms_norm_eps,
                         sliding_rope: sliding_rope.is_some()

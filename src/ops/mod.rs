@@ -18,7 +18,7 @@
 //! | [`rope()`], [`rope_split_heads`] | rotary embeddings (Llama-3 scaling) |
 //! | [`split_heads`], [`merge_heads`] | `[b, t, h·d] ↔ [b, h, t, d]` |
 //! | [`causal_attention`], [`packed_causal_attention`] | grouped-query causal attention, query block by block |
-//! | [`attention()`] with an [`AttentionSpec`] | the same with a sliding window and logit soft-capping |
+//! | [`attention()`] with an [`AttentionSpec`] | the same with a sliding window, logit soft-capping and sinks |
 //! | [`swiglu()`], [`geglu_tanh()`] ([`gated_activation()`]) | `silu(gate)·up`, `gelu_tanh(gate)·up` |
 //! | [`clamped_swiglu()`] | gpt-oss's `(clamp(up) + 1)·g·σ(α·g)` on interleaved gate/up, `g = min(gate, limit)` |
 //! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
@@ -44,7 +44,7 @@ pub mod swiglu;
 use candle_core::DType;
 
 pub use attention::{
-    attention, causal_attention, packed_causal_attention, AttentionSpec, Segments,
+    attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
 };
 pub use autograd::{checkpoint, Block, GradSink, Pass};
 pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};

@@ -451,11 +451,13 @@ fn attention_kernels_match_the_cpu_op() {
 }
 
 /// The ops the newer families add, on the GPU against the CPU ops: attention with a sliding window shorter than the
-/// keys, with soft-capped scores, and both (also after cached keys) — bf16 on the tensor-core kernels, f32 on the
-/// composed path; GeGLU (its kernel); the soft-capped fused cross-entropy (composed).
+/// keys, with soft-capped scores, both, and a window with sinks (also after cached keys) — bf16 on the tensor-core
+/// kernels, f32 on the composed path; GeGLU (its kernel); the soft-capped fused cross-entropy (composed).
 #[test]
 fn family_ops_match_the_cpu_ops() {
-    use candle_qlora::ops::{attention, geglu_tanh, linear_cross_entropy_capped, AttentionSpec};
+    use candle_qlora::ops::{
+        attention, geglu_tanh, linear_cross_entropy_capped, AttentionSinks, AttentionSpec,
+    };
     let labels: Vec<i64> = (0..120)
         .map(|i| {
             if i % 9 == 0 {
@@ -476,12 +478,16 @@ fn family_ops_match_the_cpu_ops() {
             2e-2,
         );
         let causal = AttentionSpec::causal(0.125);
+        // Sinks around the scores' scale (some above a row's largest score, some far below), one per query head.
+        let sinks = AttentionSinks::new(vec![0.5, -1.0, 2.5, 0.0, -6.0, 1.5, 3.0, -0.5]);
         for spec in [
-            causal.with_sliding_window(9),
-            causal.with_softcap(5.0),
-            causal.with_sliding_window(20).with_softcap(2.0),
+            causal.clone().with_sliding_window(9),
+            causal.clone().with_softcap(5.0),
+            causal.clone().with_sliding_window(20).with_softcap(2.0),
+            causal.with_sliding_window(20).with_sinks(sinks),
         ] {
             for (t, s) in [(77, 77), (5, 70)] {
+                let spec = spec.clone();
                 compare_op(
                     "attention",
                     move |xs| attention(&xs[0], &xs[1], &xs[2], &spec, None),

@@ -6,7 +6,8 @@
 //! probability 0, `first` being the latest of the example's start and the sliding window's first key), so no mask
 //! tensor is built, and a block's products skip the keys before the first one its earliest query sees. The backward
 //! recomputes each block's probabilities (FlashAttention-2 style, soft-capping included) using
-//! `D = rowsum(P ⊙ dP)`, which needs neither the output nor a stored softmax.
+//! `D = rowsum(P ⊙ dP)`, which needs neither the output nor a stored softmax. An attention sink (gpt-oss) only adds
+//! a term to each row's softmax denominator: `dS = P ⊙ (dP − D)` keeps its form, `D` summing over the real keys.
 
 use rayon::prelude::*;
 
@@ -25,13 +26,15 @@ pub(super) struct Dims {
     pub d: usize,
 }
 
-/// A call's sizes, its score scale and soft cap, and the queries per block.
+/// A call's sizes, its score scale, soft cap and sinks, and the queries per block.
 #[derive(Clone, Copy)]
-pub(super) struct Params {
+pub(super) struct Params<'a> {
     pub dims: Dims,
     pub scale: f64,
     /// Scores become `cap·tanh(score/cap)` before the mask.
     pub softcap: Option<f64>,
+    /// Per query head (`[hq]`), one more logit in each row's softmax, without a value.
+    pub sinks: Option<&'a [f32]>,
     pub query_block: usize,
 }
 
@@ -95,8 +98,9 @@ impl Block {
     }
 }
 
-/// Softmax probabilities of queries `qb` (`c × d`) against keys `lo..keys` of `kh`, into `p` (`c × (keys − lo)`);
-/// with a soft cap and `dcap`, also each score's `1 − tanh²(score/cap)` (0 outside the mask) into `dcap`.
+/// Softmax probabilities of queries `qb` (`c × d`, of query head `head`) against keys `lo..keys` of `kh`, into `p`
+/// (`c × (keys − lo)`); with a soft cap and `dcap`, also each score's `1 − tanh²(score/cap)` (0 outside the mask)
+/// into `dcap`.
 #[allow(clippy::too_many_arguments)]
 fn block_probs<T: CpuFloat>(
     p: &mut [T],
@@ -106,7 +110,7 @@ fn block_probs<T: CpuFloat>(
     blk: Block,
     params: Params,
     starts: KeyStarts,
-    b: usize,
+    (b, head): (usize, usize),
 ) {
     let (d, w) = (params.dims.d, blk.width());
     matmul_into_serial(
@@ -145,6 +149,8 @@ fn block_probs<T: CpuFloat>(
             },
         );
     }
+    // The head's sink is one more softmax column, in the maximum and the sum, whose probability is dropped.
+    let sink = params.sinks.map(|s| T::from_f64(s[head] as f64));
     simd(
         #[inline(always)]
         || {
@@ -152,9 +158,16 @@ fn block_probs<T: CpuFloat>(
                 let range = visible(i);
                 let (first, end) = (range.start, range.end);
                 let seen = &mut row[range];
-                let max = vector::max(seen);
+                let mut max = vector::max(seen);
+                if let Some(sink) = sink.filter(|&x| x > max) {
+                    max = sink;
+                }
                 seen.iter_mut().for_each(|v| *v = (*v - max).exp());
-                let inv = T::one() / vector::sum(seen);
+                let mut sum = vector::sum(seen);
+                if let Some(sink) = sink {
+                    sum += (sink - max).exp();
+                }
+                let inv = T::one() / sum;
                 seen.iter_mut().for_each(|v| *v *= inv);
                 row[..first].fill(T::zero());
                 row[end..].fill(T::zero());
@@ -194,12 +207,14 @@ pub(super) fn forward<T: CpuFloat>(
             let mut p = vec![T::zero(); query_block.min(t) * s];
             for (h, out_head) in out_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
+                // The query head within the sequence (`bk` counts kv heads across the batch), for its sink.
+                let head = bk % hkv * g + h;
                 for (i0, c) in query_blocks(t, query_block) {
                     let blk = Block::new(b, i0, c, dims, starts);
                     let w = blk.width();
                     let pb = &mut p[..c * w];
                     let qb = &qh[i0 * d..(i0 + c) * d];
-                    block_probs(pb, None, qb, kh, blk, params, starts, b);
+                    block_probs(pb, None, qb, kh, blk, params, starts, (b, head));
                     let ob = &mut out_head[i0 * d..(i0 + c) * d];
                     matmul_into_serial(
                         ob,
@@ -228,6 +243,7 @@ pub(super) fn backward<T: CpuFloat>(
         scale,
         softcap,
         query_block,
+        ..
     } = params;
     let Dims {
         hkv, g, t, s, d, ..
@@ -256,6 +272,7 @@ pub(super) fn backward<T: CpuFloat>(
             for (h, dq_head) in dq_group.chunks_mut(t * d).enumerate() {
                 let qh = &q[(bk * g + h) * t * d..][..t * d];
                 let gh = &grad[(bk * g + h) * t * d..][..t * d];
+                let head = bk % hkv * g + h;
                 for (i0, c) in query_blocks(t, query_block) {
                     let blk = Block::new(b, i0, c, dims, starts);
                     let w = blk.width();
@@ -268,7 +285,7 @@ pub(super) fn backward<T: CpuFloat>(
                         Mat::new(blk.rows(kh, d), w, d),
                         Mat::new(blk.rows(vh, d), w, d),
                     );
-                    block_probs(pb, dcapb, qs, kh, blk, params, starts, b);
+                    block_probs(pb, dcapb, qs, kh, blk, params, starts, (b, head));
                     // dV += Pᵀ·dO;  dP = dO·Vᵀ;  dS = P ⊙ (dP − rowsum(P ⊙ dP)) (⊙ (1 − tanh²) under a soft cap).
                     matmul_into_serial(
                         &mut dvh[blk.lo * d..blk.keys * d],

@@ -1,6 +1,6 @@
 //! Causal attention on a CUDA device: `kernels/attention.cu` (tensor cores, FlashAttention-2 style) for bf16/f16
-//! heads of 64 or 128, with the causal, packed-row and sliding-window masks and the score soft-cap computed in the
-//! kernels.
+//! heads of 64 or 128, with the causal, packed-row and sliding-window masks, the score soft-cap and the attention
+//! sinks computed in the kernels.
 
 use candle_core::cuda_backend::cudarc::driver::{
     result::DriverError, sys::CUfunction_attribute, LaunchConfig, PushKernelArg,
@@ -76,6 +76,25 @@ fn starts_on(segments: Option<&Segments>, like: &Tensor) -> Result<(Tensor, i32)
     })
 }
 
+/// The sinks on the device (f32 `[hq]`), or a one-element placeholder without sinks.
+fn sinks_on(spec: &AttentionSpec, like: &Tensor) -> Result<(Tensor, i32)> {
+    Ok(match &spec.sinks {
+        Some(s) => {
+            let sinks = match s.on_device.get() {
+                Some(t) if t.device().same_device(like.device()) => t.clone(),
+                _ => {
+                    let t = Tensor::new(s.values(), like.device())?;
+                    // A model's sinks serve one device; should another ask, it gets its own upload.
+                    let _ = s.on_device.set(t.clone());
+                    t
+                }
+            };
+            (sinks, 1)
+        }
+        None => (Tensor::zeros(1, DType::F32, like.device())?, 0),
+    })
+}
+
 /// The kernels' `window` (0: none) and `cap` (0: none) arguments.
 fn window_and_cap(spec: &AttentionSpec) -> (u64, f32) {
     (
@@ -106,6 +125,7 @@ pub(super) fn forward(
     let Dims { b, hkv, g, t, s, d } = dims;
     let hq = hkv * g;
     let (starts, has_starts) = starts_on(segments, &q)?;
+    let (sinks, has_sinks) = sinks_on(spec, &q)?;
     let name = format!("attn_fwd{}_d{d}", suffix(q.dtype())?);
     let func = kernel(&device, &ATTENTION, &name)?;
     let shared = fwd_shared_bytes(d);
@@ -124,14 +144,16 @@ pub(super) fn forward(
         let held = [hold(&q)?, hold(&k)?, hold(&v)?];
         let [qv, kv, vv] = [0, 1, 2].map(|i| held[i].view::<T>());
         let (qv, kv, vv) = (qv?, kv?, vv?);
-        let sh = hold(&starts)?;
-        let sv = sh.view::<u32>()?;
+        let (sh, nh) = (hold(&starts)?, hold(&sinks)?);
+        let (sv, nv) = (sh.view::<u32>()?, nh.view::<f32>()?);
         let mut args = func.builder();
         args.arg(&qv)
             .arg(&kv)
             .arg(&vv)
             .arg(&sv)
             .arg(&has_starts)
+            .arg(&nv)
+            .arg(&has_sinks)
             .arg(&hq_u)
             .arg(&hkv_u)
             .arg(&t_u)
@@ -151,6 +173,9 @@ pub(super) fn forward(
 }
 
 /// Gradients of q, k and v (each when `needs` it) from the output `out`, its gradient and the saved log-sum-exp.
+///
+/// Sinks need nothing here: the log-sum-exp includes them (so `P = exp(S − lse)` is the forward's), and
+/// `Δ = rowsum(dO ⊙ O) = rowsum(P ⊙ dP)` sums over the real keys, as `dS = P ⊙ (dP − Δ)` wants.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     [q, k, v]: [&Tensor; 3],

@@ -3,7 +3,9 @@
 //! constant that gets no gradient.
 //!
 //! Besides the causal mask, an [`AttentionSpec`] may narrow what a query sees to a sliding window (Mistral, Gemma
-//! 2/3, Phi-3) and soft-cap the scores (Gemma 2); packed rows ([`Segments`]) keep each query inside its example.
+//! 2/3, Phi-3), soft-cap the scores (Gemma 2) and add a per-head attention sink (gpt-oss: [`AttentionSinks`], a
+//! learned logit that joins each row's softmax and carries no value); packed rows ([`Segments`]) keep each query
+//! inside its example.
 
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -25,7 +27,7 @@ pub const QUERY_BLOCK: usize = 128;
 pub const CUDA_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// What one layer's attention computes besides the causal mask.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct AttentionSpec {
     /// Score scale (`1/√head_dim`, or Gemma's `query_pre_attn_scalar^-½`).
     pub scale: f64,
@@ -34,6 +36,8 @@ pub struct AttentionSpec {
     pub sliding_window: Option<usize>,
     /// Scores become `cap·tanh(score/cap)` before the mask (Gemma 2's `attn_logit_softcapping`).
     pub softcap: Option<f64>,
+    /// One extra logit per query head in every row's softmax, with no value (gpt-oss's `sinks`).
+    pub sinks: Option<AttentionSinks>,
 }
 
 impl AttentionSpec {
@@ -43,6 +47,7 @@ impl AttentionSpec {
             scale,
             sliding_window: None,
             softcap: None,
+            sinks: None,
         }
     }
 
@@ -62,8 +67,17 @@ impl AttentionSpec {
         }
     }
 
-    /// An error for a window of 0 or a cap that is not a finite positive number.
-    fn validate(&self) -> Result<()> {
+    /// This spec with attention sinks (one per query head).
+    pub fn with_sinks(self, sinks: AttentionSinks) -> Self {
+        AttentionSpec {
+            sinks: Some(sinks),
+            ..self
+        }
+    }
+
+    /// An error for a window of 0, a cap that is not a finite positive number, or sinks that are not one finite
+    /// value per each of the `heads` query heads.
+    fn validate(&self, heads: usize) -> Result<()> {
         if self.sliding_window == Some(0) {
             candle_core::bail!("attention: a sliding window must hold at least 1 key");
         }
@@ -74,7 +88,82 @@ impl AttentionSpec {
                 );
             }
         }
+        if let Some(sinks) = &self.sinks {
+            if sinks.values.len() != heads {
+                candle_core::bail!(
+                    "attention: {} sinks for {heads} query heads (one per query head)",
+                    sinks.values.len()
+                );
+            }
+            // A sink of −∞ would be no sink; NaN would poison every row.
+            if let Some(bad) = sinks.values.iter().find(|x| !x.is_finite()) {
+                candle_core::bail!("attention: sinks must be finite, not {bad}");
+            }
+        }
         Ok(())
+    }
+
+    /// The spec an op runs with: a window holding every one of `keys` keys changes nothing (and leaves the CUDA
+    /// kernels usable), so it is dropped.
+    fn normalized(&self, keys: usize) -> Self {
+        AttentionSpec {
+            sliding_window: self.sliding_window.filter(|&w| w < keys),
+            ..self.clone()
+        }
+    }
+}
+
+/// gpt-oss's attention sinks: per query head `h` a learned logit `sinks[h]` that joins the softmax of each of the
+/// head's rows as one more column and is then dropped (it has no value vector), so
+/// `p_j = exp(s_j) / (Σ_k exp(s_k) + exp(sinks[h]))` and the probabilities of a row sum to less than 1.
+///
+/// Frozen constants of the base model: they get no gradient. Cheap to clone (shared values).
+#[derive(Clone, Debug)]
+pub struct AttentionSinks {
+    /// One value per query head, in head order.
+    values: Arc<Vec<f32>>,
+    /// `values` on the GPU, uploaded by the first kernel that reads them and shared by every clone (every layer
+    /// call of a model holds a clone of the same sinks).
+    #[cfg(feature = "cuda")]
+    on_device: Arc<std::sync::OnceLock<Tensor>>,
+}
+
+impl PartialEq for AttentionSinks {
+    fn eq(&self, other: &Self) -> bool {
+        self.values == other.values
+    }
+}
+
+impl AttentionSinks {
+    /// Sinks of `values`, one per query head in head order (checked against the heads when used).
+    pub fn new(values: Vec<f32>) -> Self {
+        AttentionSinks {
+            values: Arc::new(values),
+            #[cfg(feature = "cuda")]
+            on_device: Default::default(),
+        }
+    }
+
+    /// The sink of each query head.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+
+    /// The sinks of the rows of a grouped score block `[1, hkv, g*c, 1]` (kv head, then query head of the group,
+    /// then `c` query rows), in `dtype`.
+    fn block_column(
+        &self,
+        dims: Dims,
+        c: usize,
+        dtype: DType,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let column: Vec<f32> = self
+            .values
+            .iter()
+            .flat_map(|&x| std::iter::repeat_n(x, c))
+            .collect();
+        Tensor::from_vec(column, (1, dims.hkv, dims.g * c, 1), device)?.to_dtype(dtype)
     }
 }
 
@@ -229,10 +318,12 @@ pub fn packed_causal_attention(
 ///
 /// The query at absolute position `p` (queries are the last `t` of the `s` keys) sees keys
 /// `max(start, p + 1 − window)..=p`, `start` being 0 or the first token of its example; scores are
-/// `scale·q·kᵀ`, soft-capped to `cap·tanh(score/cap)` before the mask where `spec.softcap` is set.
+/// `scale·q·kᵀ`, soft-capped to `cap·tanh(score/cap)` before the mask where `spec.softcap` is set; with
+/// `spec.sinks`, query head `h`'s softmax also counts `exp(sinks[h])` in its denominator. An error if the sinks are
+/// not one finite value per query head.
 ///
-/// On a CUDA device the tensor-core kernels run it (packed rows, windows and caps included) for bf16/f16 heads of
-/// [`CUDA_HEAD_DIMS`]; other calls run the composed path of Candle's ops there.
+/// On a CUDA device the tensor-core kernels run it (packed rows, windows, caps and sinks included) for bf16/f16
+/// heads of [`CUDA_HEAD_DIMS`]; other calls run the composed path of Candle's ops there.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -240,8 +331,8 @@ pub fn attention(
     spec: &AttentionSpec,
     segments: Option<&Segments>,
 ) -> Result<Tensor> {
-    spec.validate()?;
     let dims = dims_of(q, k)?;
+    spec.validate(dims.hkv * dims.g)?;
     if let Some(segments) = segments {
         if (dims.b, dims.s) != (segments.batch, segments.len) {
             candle_core::bail!(
@@ -255,11 +346,7 @@ pub fn attention(
     }
     CausalAttention {
         dims,
-        spec: AttentionSpec {
-            // A window holding every key changes nothing (and leaves the CUDA kernels usable).
-            sliding_window: spec.sliding_window.filter(|&w| w < dims.s),
-            ..*spec
-        },
+        spec: spec.normalized(dims.s),
         segments: segments.cloned(),
         #[cfg(feature = "cuda")]
         lse: None,
@@ -270,7 +357,7 @@ pub fn attention(
 /// The attention op (inputs `[q, k, v]`).
 struct CausalAttention {
     dims: Dims,
-    /// Validated; a window is shorter than the keys.
+    /// Validated (sinks included); a window is shorter than the keys.
     spec: AttentionSpec,
     segments: Option<Segments>,
     /// Each query row's log-sum-exp, when the CUDA kernels ran the forward (their backward reads it).
@@ -289,16 +376,17 @@ impl CausalAttention {
     }
 
     /// The slice kernels' parameters.
-    fn params(&self) -> cpu::Params {
+    fn params(&self) -> cpu::Params<'_> {
         cpu::Params {
             dims: self.dims,
             scale: self.spec.scale,
             softcap: self.spec.softcap,
+            sinks: self.spec.sinks.as_ref().map(|s| s.values()),
             query_block: QUERY_BLOCK,
         }
     }
 
-    /// Whether the CUDA kernels compute this op (windows and soft caps included).
+    /// Whether the CUDA kernels compute this op (windows, soft caps and sinks included).
     #[cfg(feature = "cuda")]
     fn on_cuda_kernels(&self, [q, k, v]: [&Tensor; 3]) -> bool {
         cuda::applies(q, k, v, self.dims)
@@ -381,9 +469,22 @@ impl CausalAttention {
             scores.device(),
         )?;
         let scores = scores.broadcast_add(&mask)?;
-        let max = scores.max_keepdim(D::Minus1)?;
+        let mut max = scores.max_keepdim(D::Minus1)?;
+        // A sink is one more column of the softmax (in the maximum and the sum) without a value: no column of `p`.
+        let sink = match &self.spec.sinks {
+            Some(sinks) => {
+                let sink = sinks.block_column(dims, c, scores.dtype(), scores.device())?;
+                max = max.broadcast_maximum(&sink)?;
+                Some(sink)
+            }
+            None => None,
+        };
         let e = scores.broadcast_sub(&max)?.exp()?;
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let mut sum = e.sum_keepdim(D::Minus1)?;
+        if let Some(sink) = sink {
+            sum = (sum + sink.broadcast_sub(&max)?.exp()?)?;
+        }
+        let p = e.broadcast_div(&sum)?;
         Ok(BlockProbs { p, dcap, lo, keys })
     }
 
@@ -452,6 +553,7 @@ impl CausalAttention {
             let pad = |x: Tensor| x.pad_with_zeros(2, lo, dims.s - keys);
             dv = (dv + pad(p.t()?.matmul(&gb)?)?)?;
             let dp = gb.matmul(&vb.t()?)?;
+            // The sink's column is a constant with no value, so `D` sums over the real keys only.
             let row = (&p * &dp)?.sum_keepdim(D::Minus1)?;
             let mut ds = (p * dp.broadcast_sub(&row)?)?;
             if let Some(dcap) = dcap {
@@ -530,7 +632,8 @@ mod tests {
     }
 
     /// [`reference`] with a spec and packed `positions` (`[b, s]`, restarting at 0 per example): the full score
-    /// matrix, soft-capped, masked by `max(start, p + 1 − window) ≤ j ≤ p`, softmax (all in `q`'s dtype).
+    /// matrix, soft-capped, masked by `max(start, p + 1 − window) ≤ j ≤ p`, with the head's sink as one more column
+    /// (transformers' gpt-oss), softmax, the sink's column dropped (all in `q`'s dtype).
     fn reference_with(
         q: &Tensor,
         k: &Tensor,
@@ -565,7 +668,19 @@ mod tests {
         }
         assert!(rows == 1 || rows == b);
         let mask = Tensor::from_vec(mask, (rows, 1, t, s), q.device())?.to_dtype(q.dtype())?;
-        candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?.matmul(&v)
+        let scores = scores.broadcast_add(&mask)?;
+        let probs = match &spec.sinks {
+            None => candle_nn::ops::softmax(&scores, D::Minus1)?,
+            Some(sinks) => {
+                let column = Tensor::new(sinks.values(), q.device())?
+                    .to_dtype(q.dtype())?
+                    .reshape((1, hq, 1, 1))?
+                    .broadcast_as((b, hq, t, 1))?;
+                let with_sink = Tensor::cat(&[&scores, &column], 3)?;
+                candle_nn::ops::softmax(&with_sink, D::Minus1)?.narrow(3, 0, s)?
+            }
+        };
+        probs.matmul(&v)
     }
 
     fn candle_transformers_free_repeat_kv(x: &Tensor, g: usize) -> Result<Tensor> {
@@ -599,15 +714,11 @@ mod tests {
         spec: &AttentionSpec,
         segments: Option<&Segments>,
     ) -> Result<Tensor> {
-        spec.validate()?;
         let dims = dims_of(q, k)?;
-        let spec = AttentionSpec {
-            sliding_window: spec.sliding_window.filter(|&w| w < dims.s),
-            ..*spec
-        };
+        spec.validate(dims.hkv * dims.g)?;
         Composed(CausalAttention {
             dims,
-            spec,
+            spec: spec.normalized(dims.s),
             segments: segments.cloned(),
             #[cfg(feature = "cuda")]
             lse: None,
@@ -690,7 +801,7 @@ mod tests {
         let spec = AttentionSpec::causal(1.2)
             .with_sliding_window(4)
             .with_softcap(0.9);
-        check_spec(spec, Some(&positions), &inputs, 20);
+        check_spec(spec.clone(), Some(&positions), &inputs, 20);
         check_spec(
             AttentionSpec::causal(0.7).with_sliding_window(2),
             Some(&positions),
@@ -722,7 +833,7 @@ mod tests {
             .with_softcap(0.8);
         for (segs, pos) in [(None, None), (Some(&segments), Some(positions.as_slice()))] {
             let inputs = [tail.clone(), k.clone(), v.clone()];
-            check_spec(spec, pos, &inputs, 15);
+            check_spec(spec.clone(), pos, &inputs, 15);
             let full = attention(&q, &k, &v, &spec, segs).unwrap();
             let part = attention(&tail, &k, &v, &spec, segs).unwrap();
             let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
@@ -787,6 +898,7 @@ mod tests {
                 scale: 0.9,
                 sliding_window: Some(1),
                 softcap: cap,
+                sinks: None,
             };
             for y in [
                 attention(&q, &k, &v, &spec, None).unwrap(),
@@ -836,17 +948,186 @@ mod tests {
         let x = rand_f64(&[1, 1, 3, 2], 1);
         let spec = AttentionSpec::causal(0.5);
         let bad = [
-            spec.with_sliding_window(0),
-            spec.with_softcap(0.0),
-            spec.with_softcap(-1.0),
-            spec.with_softcap(f64::NAN),
-            spec.with_softcap(f64::INFINITY),
+            spec.clone().with_sliding_window(0),
+            spec.clone().with_softcap(0.0),
+            spec.clone().with_softcap(-1.0),
+            spec.clone().with_softcap(f64::NAN),
+            spec.clone().with_softcap(f64::INFINITY),
+            spec.clone()
+                .with_sinks(AttentionSinks::new(vec![f32::NEG_INFINITY])),
+            spec.clone().with_sinks(AttentionSinks::new(vec![f32::NAN])),
         ];
         for spec in bad {
             assert!(attention(&x, &x, &x, &spec, None).is_err(), "{spec:?}");
         }
-        let good = spec.with_sliding_window(1).with_softcap(1e-3);
+        let good = spec
+            .with_sliding_window(1)
+            .with_softcap(1e-3)
+            .with_sinks(AttentionSinks::new(vec![-3.0]));
         assert!(attention(&x, &x, &x, &good, None).is_ok());
+    }
+
+    /// Sinks for `heads` query heads: distinct, some above the scores of the test inputs, some far below.
+    fn sinks(heads: usize) -> AttentionSinks {
+        AttentionSinks::new((0..heads).map(|h| [0.7, -1.3, 2.2, -8.0][h % 4]).collect())
+    }
+
+    #[test]
+    fn sinks_match_reference_with_gqa() {
+        // 4 query heads over 2 kv heads: each head's own sink (a wrong head index shows in the reference check).
+        let inputs = [
+            rand_f64(&[2, 4, 9, 3], 101),
+            rand_f64(&[2, 2, 9, 3], 102),
+            rand_f64(&[2, 2, 9, 3], 103),
+        ];
+        let causal = AttentionSpec::causal(0.8).with_sinks(sinks(4));
+        for spec in [
+            causal.clone(),
+            causal.clone().with_sliding_window(3),
+            causal.clone().with_softcap(0.9),
+            causal.with_sliding_window(1),
+        ] {
+            check_spec(spec, None, &inputs, 20);
+        }
+    }
+
+    #[test]
+    fn sinks_on_packed_rows_with_cached_keys() {
+        // 3 new queries over 10 packed keys (examples of 3 and 7 tokens in row 0), with a window and without:
+        // equal to the reference and to the tail of the full call.
+        let (q, k, v) = (
+            rand_f64(&[2, 4, 10, 3], 111),
+            rand_f64(&[2, 2, 10, 3], 112),
+            rand_f64(&[2, 2, 10, 3], 113),
+        );
+        let tail = q.narrow(2, 7, 3).unwrap();
+        let positions = two_rows(10);
+        let flat = Tensor::from_vec(positions.concat(), (2, 10), &candle_core::Device::Cpu);
+        let segments = Segments::from_positions(&flat.unwrap()).unwrap();
+        let with_sinks = AttentionSpec::causal(1.1).with_sinks(sinks(4));
+        for spec in [with_sinks.clone(), with_sinks.with_sliding_window(4)] {
+            let (segs, pos) = (Some(&segments), Some(positions.as_slice()));
+            check_spec(spec.clone(), pos, &[q.clone(), k.clone(), v.clone()], 15);
+            check_spec(spec.clone(), pos, &[tail.clone(), k.clone(), v.clone()], 15);
+            check_spec(
+                spec.clone(),
+                None,
+                &[tail.clone(), k.clone(), v.clone()],
+                10,
+            );
+            let full = attention(&q, &k, &v, &spec, segs).unwrap();
+            let part = attention(&tail, &k, &v, &spec, segs).unwrap();
+            let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
+            assert!(d < 1e-14, "{d}");
+        }
+    }
+
+    #[test]
+    fn sinks_across_query_blocks() {
+        // 150 queries span two query blocks (the composed path's sink column has `c` rows per head).
+        let inputs = [
+            rand_f64(&[1, 2, 150, 2], 121),
+            rand_f64(&[1, 1, 150, 2], 122),
+            rand_f64(&[1, 1, 150, 2], 123),
+        ];
+        let spec = AttentionSpec::causal(1.5)
+            .with_sliding_window(7)
+            .with_sinks(sinks(2));
+        check_spec(spec, None, &inputs, 6);
+    }
+
+    #[test]
+    fn sinks_take_probability_away_from_the_keys() {
+        // With one key seen, p = 1/(1 + exp(sink − s)): a sink far below the score leaves the output at v, a sink
+        // equal to it halves it, one far above empties it.
+        let (q, k, v) = (
+            rand_f64(&[1, 2, 4, 3], 131),
+            rand_f64(&[1, 1, 4, 3], 132),
+            rand_f64(&[1, 1, 4, 3], 133),
+        );
+        let window = AttentionSpec::causal(1.0).with_sliding_window(1);
+        let plain = candle_transformers_free_repeat_kv(&v, 2).unwrap();
+        let run = |values: Vec<f32>| {
+            let spec = window.clone().with_sinks(AttentionSinks::new(values));
+            let sliced = attention(&q, &k, &v, &spec, None).unwrap();
+            let composite = composed(&q, &k, &v, &spec, None).unwrap();
+            assert!(max_abs_diff(&sliced, &composite) < 1e-15);
+            sliced
+        };
+        assert!(max_abs_diff(&run(vec![-60.0, -60.0]), &plain) < 1e-15);
+        assert!(
+            run(vec![60.0, 60.0])
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap()
+                < 1e-20
+        );
+        // Each head's own sink: head 0 keeps v, head 1 (sink = its score) gets p = ½.
+        let scores = (q.narrow(1, 1, 1).unwrap() * k.clone())
+            .unwrap()
+            .sum(D::Minus1)
+            .unwrap();
+        let y = run(vec![-60.0, 0.0]);
+        assert!(max_abs_diff(&y.narrow(1, 0, 1).unwrap(), &v) < 1e-15);
+        let half = y.narrow(1, 1, 1).unwrap();
+        let expected = v
+            .broadcast_mul(
+                &(scores.neg().unwrap().exp().unwrap() + 1.0)
+                    .unwrap()
+                    .recip()
+                    .unwrap()
+                    .unsqueeze(3)
+                    .unwrap(),
+            )
+            .unwrap();
+        assert!(max_abs_diff(&half, &expected) < 1e-14);
+    }
+
+    #[test]
+    fn sinks_must_match_the_query_heads() {
+        let (q, k) = (rand_f64(&[1, 4, 3, 2], 1), rand_f64(&[1, 2, 3, 2], 2));
+        let spec = AttentionSpec::causal(0.5).with_sinks(sinks(3));
+        let err = attention(&q, &k, &k, &spec, None).unwrap_err().to_string();
+        assert!(err.contains("3 sinks for 4 query heads"), "{err}");
+        assert_eq!(
+            AttentionSpec::causal(0.5).with_sinks(sinks(4)),
+            AttentionSpec::causal(0.5).with_sinks(AttentionSinks::new(vec![0.7, -1.3, 2.2, -8.0]))
+        );
+        assert_eq!(sinks(2).values(), &[0.7, -1.3]);
+    }
+
+    #[test]
+    fn half_precision_composed_path_with_sinks_follows_f64() {
+        // bf16 on the CPU runs the composed path (its sink column and denominator) against the f64 slice kernel.
+        let spec = AttentionSpec::causal(1.4)
+            .with_sliding_window(3)
+            .with_sinks(sinks(4));
+        let xs = [
+            rand_f64(&[1, 4, 8, 4], 141),
+            rand_f64(&[1, 2, 8, 4], 142),
+            rand_f64(&[1, 2, 8, 4], 143),
+        ];
+        let run = |dtype: DType| {
+            let vars: Vec<_> = xs
+                .iter()
+                .map(|x| candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap())
+                .collect();
+            let y = attention(&vars[0], &vars[1], &vars[2], &spec, None).unwrap();
+            let r = rand_f64(y.dims(), 6).to_dtype(dtype).unwrap();
+            let grads = (&y * r).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut out = vec![y.to_dtype(DType::F64).unwrap()];
+            for v in &vars {
+                out.push(grads.get(v).unwrap().to_dtype(DType::F64).unwrap());
+            }
+            out
+        };
+        for (a, b) in run(DType::F64).iter().zip(run(DType::BF16)) {
+            let d = max_abs_diff(a, &b);
+            assert!(d < 3e-2, "{d}");
+        }
     }
 
     #[test]
