@@ -224,6 +224,17 @@ pub fn write_safetensors<'a>(
     tensors: impl IntoIterator<Item = (String, RawTensor<'a>)>,
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
+    // safetensors' serializer indexes past its table (a panic) when a name repeats: refuse that here.
+    let tensors: Vec<(String, RawTensor<'a>)> = tensors.into_iter().collect();
+    let mut names: Vec<&str> = tensors.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    if let Some(pair) = names.windows(2).find(|p| p[0] == p[1]) {
+        return Err(Error::InvalidInput(format!(
+            "{}: tensor `{}` would be written twice",
+            path.display(),
+            pair[0]
+        )));
+    }
     write_file_atomically(path, |tmp| {
         // safetensors writes through a private (0600) temporary file: give the result the mode any new file gets.
         let mode = std::fs::File::create(tmp)

@@ -2,6 +2,7 @@
 //! computed in float32 from the dequantized base — the recommended way to deploy a QLoRA adapter (one rounding,
 //! at the final dtype, instead of PEFT's dequantize → add → re-quantize).
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use candle_core::{DType, Result, Tensor};
@@ -163,10 +164,14 @@ pub fn merge_to_folder(
         for (name, w) in layer.norms() {
             tensors.push((format!("model.layers.{i}.{name}.weight"), stored_norm(w)?));
         }
+        if let Some(sinks) = layer.attention_sinks() {
+            let sinks = Tensor::new(sinks, model.embed_tokens.device())?;
+            tensors.push((format!("model.layers.{i}.self_attn.sinks"), raw(&sinks)?));
+        }
     }
     let arch = model.config().architecture;
     // gpt-oss's experts, written as transformers holds them: `[experts, in, out]` per projection, with biases.
-    let mut stacked_experts: Vec<(String, Vec<Tensor>, Vec<Tensor>)> = Vec::new();
+    let mut stacked_experts: BTreeMap<String, (Vec<Tensor>, Vec<Tensor>)> = BTreeMap::new();
     for (name, lin) in model.linears() {
         let w = effective_weight(lin)?;
         if lin.active_adapter().is_some() {
@@ -184,10 +189,8 @@ pub fn merge_to_folder(
             .flatten()
             .filter(|p| p.contains(".mlp.experts."))
         {
-            if stacked_experts.last().is_none_or(|(k, _, _)| *k != key) {
-                stacked_experts.push((key, Vec::new(), Vec::new()));
-            }
-            let (_, weights, biases) = stacked_experts.last_mut().expect("pushed above");
+            // `linears()` lists the experts in order.
+            let (weights, biases) = stacked_experts.entry(key).or_default();
             weights.push(w.t()?.contiguous()?);
             biases.extend(lin.base.bias.clone());
             continue;
@@ -210,7 +213,7 @@ pub fn merge_to_folder(
             tensors.push((format!("{name}.bias"), raw(b)?));
         }
     }
-    for (key, weights, biases) in stacked_experts {
+    for (key, (weights, biases)) in stacked_experts {
         tensors.push((key.clone(), raw(&Tensor::stack(&weights, 0)?)?));
         if !biases.is_empty() {
             tensors.push((format!("{key}_bias"), raw(&Tensor::stack(&biases, 0)?)?));

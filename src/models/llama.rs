@@ -13,8 +13,8 @@ use super::mlp::{GateUpProjections, Mlp};
 use super::moe::{RouterLogits, SharedExpert, SparseMoe};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
-    self, attention, rms_norm, rope, split_heads, AttentionSpec, FrozenLinear, FrozenWeight,
-    GradSink, Pass, RopeTables, Segments,
+    self, attention, rms_norm, rope, split_heads, AttentionSinks, AttentionSpec, FrozenLinear,
+    FrozenWeight, GradSink, Pass, RopeTables, Segments,
 };
 
 pub use super::mlp::Linear;
@@ -396,6 +396,11 @@ impl DecoderLayer {
         named_linears!(self, mut)
     }
 
+    /// The attention sinks (gpt-oss's `self_attn.sinks`), one per query head.
+    pub fn attention_sinks(&self) -> Option<&[f32]> {
+        self.self_attn.spec.sinks.as_ref().map(|s| s.values())
+    }
+
     /// The layer's norm weights with their names relative to the layer (`input_layernorm`, ...), as the model
     /// holds them (effective scales).
     pub fn norms(&self) -> Vec<(&'static str, &Tensor)> {
@@ -684,7 +689,10 @@ impl LlamaModel {
                             scale: config.attention_scale(),
                             sliding_window: window,
                             softcap: config.attn_logit_softcapping,
-                            sinks: None,
+                            sinks: match &w.sinks {
+                                Some(t) => Some(AttentionSinks::new(t.to_vec1::<f32>()?)),
+                                None => None,
+                            },
                         },
                         eps: config.rms_norm_eps,
                         sliding_rope: sliding_rope.is_some()
