@@ -282,11 +282,7 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
     let block_linear = shapes.iter().map(|(a, b, _)| a * b).sum::<u64>();
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
-    let bias = if c.attention_bias {
-        l * (hq + 2 * hkv)
-    } else {
-        0
-    };
+    let bias = bias_params(c, l, h, hq, hkv);
     let block_norms = if c.architecture.is_gemma() { 4 } else { 2 };
     let head_norms = if c.architecture.has_qk_norm() {
         2 * c.head_dim as u64
@@ -306,6 +302,32 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
         lora: lora_tensors.iter().sum(),
         lora_tensors,
     }
+}
+
+/// Biases and other small per-layer vectors kept dense: attention biases (q/k/v; gpt-oss's o too), gpt-oss's
+/// attention sinks, and its router and expert biases.
+fn bias_params(c: &ModelConfig, layers: u64, h: u64, hq: u64, hkv: u64) -> u64 {
+    let gpt_oss = c.architecture == crate::models::Architecture::GptOss;
+    let attention = match (c.attention_bias, gpt_oss) {
+        (false, _) => 0,
+        (true, false) => layers * (hq + 2 * hkv),
+        (true, true) => layers * (hq + 2 * hkv + h),
+    };
+    let sinks = if c.architecture.has_attention_sinks() {
+        layers * c.num_attention_heads as u64
+    } else {
+        0
+    };
+    let experts = c
+        .moe
+        .as_ref()
+        .filter(|m| m.clamped_swiglu.is_some())
+        .map_or(0, |m| {
+            let sparse = m.sparse_layers.iter().filter(|s| **s).count() as u64;
+            let (e, w) = (m.num_experts as u64, m.moe_intermediate_size as u64);
+            sparse * e * (2 * w + h + 1)
+        });
+    attention + sinks + experts
 }
 
 /// Bytes of an NF4 double-quantized tensor of `n` elements with blocksize 64: packed codes, 8-bit absmax per
@@ -760,6 +782,38 @@ mod tests {
                 .routing,
             None
         );
+    }
+
+    /// gpt-oss-20b (the Hub's config): 20,914,757,184 parameters, as transformers counts them; all-linear adapts
+    /// the attention alone (PEFT: 7,962,624 trainable at r = 16); 1 × 2048 tokens route 8,192 rows per layer.
+    #[test]
+    fn gpt_oss_20b_counts_its_experts_biases_and_sinks() {
+        let json = serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "attention_bias": true, "attention_dropout": 0.0,
+            "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+            "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+            "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+            "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+            "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": false,
+            "pad_token_id": 199999, "rms_norm_eps": 1e-05,
+            "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+            "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": false},
+            "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+            "tie_word_embeddings": false, "use_cache": true, "vocab_size": 201088
+        });
+        let c = ModelConfig::from_hf_config(&json, std::path::Path::new("config.json")).unwrap();
+        let n = counts(&c, 16);
+        assert_eq!(n.block_linear + n.rest, 20_914_757_184);
+        assert_eq!(n.lora, 7_962_624);
+        let args = EstimateArgs {
+            device: DeviceKind::Cuda,
+            gradient_checkpointing: true,
+            ..Default::default()
+        };
+        let e = estimate(&c, &args).unwrap();
+        assert_eq!(e.routing.unwrap().routed_rows, 8_192);
     }
 
     fn llama2_7b() -> ModelConfig {

@@ -588,14 +588,15 @@ fn every_family_on_the_gpu_matches_transformers() {
 /// kernel, a partial absmax block, weight decay, a non-finite gradient element on the 8-bit kernel) — and a state
 /// saved on the GPU resumes on the CPU.
 /// The mixture-of-experts models on the GPU (tokens grouped by expert with Candle's indexed ops, each expert's
-/// product by cuBLAS or our 4-bit kernels): float32 logits equal transformers', also with PEFT's adapters on the
+/// product by cuBLAS or our 4-bit kernels; gpt-oss's sinks and clamped SwiGLU on the composed paths): float32
+/// logits equal transformers', also with PEFT's adapters on the
 /// router and every expert; the training loss with the auxiliary loss and its input gradients, under
 /// checkpointing, equal transformers'; an NF4 model computing in half precision gives the CPU's NF4 loss.
 #[test]
 fn mixture_of_experts_models_on_the_gpu_match_transformers() {
-    use crate::moe::{model_golden, moe_loss, MOE_MODELS};
+    use crate::moe::{model_golden, moe_loss, GPT_OSS, MOE_MODELS};
     use candle_core::Var;
-    for name in MOE_MODELS {
+    for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
         let g = model_golden(name);
         let dir = data_path(&format!("models/{name}"));
         let load = |quantization, device: &Device| {

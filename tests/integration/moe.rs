@@ -186,7 +186,7 @@ fn load_balancing_loss_matches_transformers() {
 /// The tiny whole models of `scripts/golden_moe.py models`.
 pub(crate) const MOE_MODELS: [&str; 3] = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"];
 /// The tiny gpt-oss (`scripts/golden_moe.py gpt-oss`).
-const GPT_OSS: &str = "tiny-gpt-oss";
+pub(crate) const GPT_OSS: &str = "tiny-gpt-oss";
 
 pub(crate) fn model_golden(name: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(
