@@ -103,9 +103,39 @@ fn write_nan_model(out: &Path) {
     candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
 }
 
+/// The tiny MXFP4 gpt-oss with one expert scale set to 255 (E8M0's NaN) at `out/nan-scale`, and with a YaRN
+/// `rope_parameters` that lacks `original_max_position_embeddings` at `out/bad-yarn`.
+fn write_damaged_gpt_oss(out: &Path) {
+    let source = data_path("models/tiny-gpt-oss-mxfp4");
+    for (name, damage_scale) in [("nan-scale", true), ("bad-yarn", false)] {
+        let dir = out.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(source.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+                .unwrap();
+        let mut tensors =
+            candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
+        if damage_scale {
+            let key = "model.layers.1.mlp.experts.down_proj_scales";
+            let scales = &tensors[key];
+            let mut bytes: Vec<u8> = scales.flatten_all().unwrap().to_vec1().unwrap();
+            bytes[5] = 255;
+            let damaged = Tensor::from_vec(bytes, scales.shape(), &Device::Cpu).unwrap();
+            tensors.insert(key.into(), damaged);
+        } else {
+            let rope = config["rope_parameters"].as_object_mut().unwrap();
+            rope.remove("original_max_position_embeddings");
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    }
+}
+
 fn cases(dir: &Path) -> Vec<Case> {
     let config = write_tiny_config(dir, "", "max_steps = 1\nsave_strategy = \"no\"\n");
     write_inputs(dir);
+    write_damaged_gpt_oss(&dir.join("gpt-oss"));
     let model = data_path("models/tiny-llama").display().to_string();
     let file = |name: &str| dir.join(name).display().to_string();
     let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
@@ -378,6 +408,23 @@ fn cases(dir: &Path) -> Vec<Case> {
             estimate(&["--batch", "10000000", "--seq", "10000000"]),
             1,
             "too large",
+        ),
+        // gpt-oss: a damaged MXFP4 scale is named with its tensor; YaRN without its original context is refused.
+        case(
+            strings(&[
+                "generate",
+                "--model",
+                &file("gpt-oss/nan-scale"),
+                "--prompt",
+                "t3",
+            ]),
+            1,
+            "down_proj_blocks` in",
+        ),
+        case(
+            strings(&["estimate", "--model", &file("gpt-oss/bad-yarn")]),
+            1,
+            "YaRN needs `original_max_position_embeddings`",
         ),
     ]
 }
