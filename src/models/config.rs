@@ -1376,8 +1376,16 @@ mod tests {
         let err = parse(v).unwrap_err().to_string();
         assert!(err.contains("gpt2") && err.contains("qwen2"), "{err}");
         let mut v = llama();
+        v["rope_scaling"] = json!({"rope_type": "dynamic", "factor": 4.0});
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.contains("`dynamic`") && err.contains("yarn"), "{err}");
+        let mut v = llama();
         v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
-        assert!(parse(v).unwrap_err().to_string().contains("yarn"));
+        let err = parse(v).unwrap_err().to_string();
+        assert!(
+            err.contains("YaRN needs `original_max_position_embeddings`"),
+            "{err}"
+        );
     }
 
     fn gemma3_v4() -> Value {

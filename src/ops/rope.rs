@@ -104,16 +104,19 @@ impl YarnRopeScaling {
         if self.truncate {
             (low, high) = (low.floor(), high.ceil());
         }
-        let (low, mut high) = (low.max(0.0) as f32, high.min(dim - 1.0) as f32);
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
         if low == high {
             high += 0.001; // transformers' guard against a zero-width ramp
         }
+        // The ramp as transformers forms it: a float32 range minus `low`, over `high − low` taken in float64.
+        let (low, width) = (low as f32, (high - low) as f32);
         (0..rotary_dim / 2)
             .map(|i| {
-                let pos = theta.powf((2 * i) as f64 / dim) as f32;
+                // `base ** (arange(0, dim, 2).float() / dim)` in float32, as transformers computes it.
+                let pos = (theta as f32).powf((2 * i) as f32 / rotary_dim as f32);
                 let extrapolated = 1.0 / pos;
                 let interpolated = 1.0 / (self.factor as f32 * pos);
-                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let ramp = ((i as f32 - low) / width).clamp(0.0, 1.0);
                 let keep = 1.0 - ramp;
                 (interpolated * (1.0 - keep) + extrapolated * keep) as f64
             })
@@ -629,6 +632,59 @@ fn rotate<T: CpuFloat>(
 mod tests {
     use super::*;
     use crate::ops::autograd::gradcheck::{check, rand_f64};
+
+    /// YaRN's frequencies and cos/sin factor equal transformers' `_compute_yarn_parameters`: gpt-oss-20b's
+    /// (head_dim 64, base 150000, factor 32 over 4096, `truncate = false`) and a truncated ramp (head_dim 16, base
+    /// 10⁴, factor 4 over 64, betas 8 and 2).
+    #[test]
+    fn yarn_matches_transformers() {
+        let gpt_oss = YarnRopeScaling {
+            factor: 32.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            original_max_position_embeddings: 4096,
+            truncate: false,
+            attention_factor: YarnRopeScaling::default_attention_factor(32.0, None, None),
+        };
+        assert!((gpt_oss.attention_factor - 1.3465735902799727).abs() < 1e-12);
+        let inv = inverse_frequencies(64, 150_000.0, Some(&RopeScaling::Yarn(gpt_oss)));
+        let want = [
+            1.0,
+            0.05081327259540558,
+            0.0004564839182421565,
+            4.099978468730114e-06,
+        ];
+        for (i, w) in want.iter().enumerate() {
+            assert!(
+                (inv[8 * i] - w).abs() <= 1e-7 * w,
+                "{i}: {} vs {w}",
+                inv[8 * i]
+            );
+        }
+        let truncated = YarnRopeScaling {
+            factor: 4.0,
+            beta_fast: 8.0,
+            beta_slow: 2.0,
+            original_max_position_embeddings: 64,
+            truncate: true,
+            attention_factor: YarnRopeScaling::default_attention_factor(4.0, None, None),
+        };
+        assert!((truncated.attention_factor - 1.138629436111989).abs() < 1e-12);
+        let inv = inverse_frequencies(16, 10_000.0, Some(&RopeScaling::Yarn(truncated)));
+        let want = [
+            1.0,
+            0.19764235615730286,
+            0.02500000037252903,
+            0.007905694656074047,
+            0.0024999999441206455,
+            0.0007905694656074047,
+            0.0002500000118743628,
+            7.905694656074047e-05,
+        ];
+        for (g, w) in inv.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-7 * w, "{g} vs {w}");
+        }
+    }
 
     #[test]
     fn gradient_matches_finite_differences_and_rope_slow() {

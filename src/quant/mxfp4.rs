@@ -70,7 +70,7 @@ mod tests {
         let mut bytes = vec![0u8; 32];
         bytes[0] = 0x71; // 0.5, then 6.0
         bytes[1] = 0xf9; // -0.5, then -6.0
-        bytes[16] = 0x2a; // -1.0, then 1.0 (second group)
+        bytes[16] = 0x2a; // -1.0, then 1.0 (second group, scale 2^-2)
         let blocks = Tensor::from_vec(bytes, (1, 2, 16), &Device::Cpu).unwrap();
         let scales = Tensor::from_vec(vec![128u8, 125], (1, 2), &Device::Cpu).unwrap();
         let v: Vec<f32> = dequantize_mxfp4(&blocks, &scales)
@@ -81,7 +81,7 @@ mod tests {
             .unwrap();
         assert_eq!(v.len(), 64);
         assert_eq!(&v[..4], &[1.0, 12.0, -1.0, -12.0]);
-        assert_eq!(&v[32..34], &[-0.125, 0.125]);
+        assert_eq!(&v[32..34], &[-0.25, 0.25]);
         assert!(v[4..32].iter().all(|x| *x == 0.0));
         assert_eq!(scale_of(0), Some(2f32.powi(-127)));
         assert_eq!(scale_of(254), Some(2f32.powi(127)));
