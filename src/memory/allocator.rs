@@ -10,11 +10,14 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::snapshot::{on_alloc, on_free};
+
 static ALLOCATED: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 static TRACKING: AtomicBool = AtomicBool::new(false);
 
-/// The system allocator, counting live bytes and their peak. Install it in a binary to get exact CPU numbers:
+/// The system allocator, counting live bytes and their peak (and recording allocations for a memory snapshot while
+/// [`super::snapshot::start_recording`] is on). Install it in a binary to get exact CPU numbers:
 ///
 /// ```ignore
 /// #[global_allocator]
@@ -38,6 +41,7 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         if !p.is_null() {
             added(layout.size());
             TRACKING.store(true, Ordering::Relaxed);
+            on_alloc(p as usize, layout.size());
         }
         p
     }
@@ -47,11 +51,14 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         if !p.is_null() {
             added(layout.size());
             TRACKING.store(true, Ordering::Relaxed);
+            on_alloc(p as usize, layout.size());
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Recorded before the address can be handed out again.
+        on_free(ptr as usize, layout.size());
         System.dealloc(ptr, layout);
         removed(layout.size());
     }
@@ -61,8 +68,20 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         if !p.is_null() {
             removed(layout.size());
             added(new_size);
+            on_free(ptr as usize, layout.size());
+            on_alloc(p as usize, new_size);
         }
         p
+    }
+}
+
+/// Takes `bytes` out of the count (and puts them back with `back`): the snapshot recorder's own buffers are not
+/// the program's memory, as PyTorch's recorded history is not counted in the CUDA memory it describes.
+pub(crate) fn exclude(bytes: usize, back: bool) {
+    if back {
+        added(bytes);
+    } else {
+        removed(bytes);
     }
 }
 

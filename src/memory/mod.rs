@@ -1,8 +1,11 @@
 //! Where training memory goes: the heap under CPU tensors ([`allocator`]), measurement ([`mod@stats`]), a per-phase
-//! timeline with a breakdown by category at the peak ([`timeline`]), and prediction before a run ([`mod@estimate`]).
+//! timeline with a breakdown by category at the peak ([`timeline`]), snapshots of every allocation in PyTorch's
+//! format ([`snapshot`], written with [`pickle`]), and prediction before a run ([`mod@estimate`]).
 
 pub mod allocator;
 pub mod estimate;
+pub mod pickle;
+pub mod snapshot;
 pub mod stats;
 pub mod timeline;
 

@@ -9,6 +9,7 @@ use serde::Serialize;
 use candle_core::Device;
 
 use super::allocator::allocated;
+use super::snapshot::{context, SnapshotPhase};
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{line_chart_svg, Series};
@@ -155,6 +156,11 @@ impl MemoryTimeline {
     /// Call when `phase` starts: resets the peak so the next sample sees only this phase.
     pub fn start_phase(&mut self, phase: Phase) {
         self.phase = Some(phase);
+        context::set_phase(match phase {
+            Phase::Forward => SnapshotPhase::Forward,
+            Phase::Backward => SnapshotPhase::Backward,
+            Phase::Optimizer => SnapshotPhase::Optimizer,
+        });
         reset_device_peak(
             self.device.as_ref().unwrap_or(&Device::Cpu),
             self.source == "resident set",
@@ -188,6 +194,7 @@ impl MemoryTimeline {
 
     /// Records the phase that just ended; `optimizer` and `gradients` are the bytes of those categories now.
     pub fn end_phase(&mut self, step: usize, micro_batch: usize, optimizer: u64, gradients: u64) {
+        context::set_phase(SnapshotPhase::Idle);
         let (Some((now, peak, _)), Some(phase)) = (reading(self.device.as_ref()), self.phase)
         else {
             return;

@@ -4,6 +4,7 @@
 //! gradient checkpointing, and a KV cache for generation. Family differences are configuration
 //! ([`ModelConfig`]): which norms wrap a block, fused or separate projections, query/key norms, partial rotary.
 
+use crate::memory::snapshot::context as snapshot_context;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -888,10 +889,12 @@ impl LlamaModel {
             x = if checkpointed {
                 let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
+                    let _layer = snapshot_context::layer(i);
                     layer.run(x, &tables, None, segments.as_ref(), pass, sink.as_ref())
                 });
                 ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
             } else {
+                let _layer = snapshot_context::layer(i);
                 let run = layer.run(
                     &x,
                     &tables,

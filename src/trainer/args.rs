@@ -103,6 +103,12 @@ pub struct TrainingArguments {
     pub gradient_checkpointing: bool,
     /// Accepted for compatibility; checkpointing here is always non-reentrant (`use_reentrant = false`).
     pub gradient_checkpointing_kwargs: Option<serde_json::Value>,
+    /// candle-qlora: record every heap allocation of the run (the CPU's tracking allocator) and write
+    /// `output_dir/memory_snapshot.pickle` at the end, in the layout of PyTorch's `torch.cuda.memory._snapshot()`
+    /// for pytorch.org/memory_viz (frames name the op, the layer, the phase and the step).
+    pub memory_snapshot: bool,
+    /// The most allocation events the snapshot keeps (the last ones; `_record_memory_history(max_entries=…)`).
+    pub memory_snapshot_max_entries: usize,
     /// candle-qlora: memory-aware checkpointing. With `gradient_checkpointing`, the last layers keep their
     /// activations (no recomputation) as long as those fit in this many MiB per micro-batch; only the other layers
     /// are recomputed in the backward. `None` recomputes every layer (transformers' behaviour).
@@ -195,6 +201,8 @@ impl Default for TrainingArguments {
             gradient_checkpointing: false,
             gradient_checkpointing_kwargs: None,
             activation_memory_budget_mib: None,
+            memory_snapshot: false,
+            memory_snapshot_max_entries: 100_000,
             seed: 42,
             data_seed: None,
             resume_from_checkpoint: None,

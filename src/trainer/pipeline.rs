@@ -11,6 +11,7 @@ use crate::adapter::load_adapter;
 use crate::data::{Dataset, PreferenceDataset};
 use crate::error::{Error, Result};
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
+use crate::memory::snapshot::Recording;
 use crate::memory::{human_bytes, process_memory};
 use crate::models::TextTokenizer;
 use crate::precision::Precision;
@@ -127,6 +128,12 @@ impl Trainer {
             quantization: config.quant_config()?,
             compute_dtype: precision.compute_dtype,
         };
+        // A memory snapshot records from before the load, so the weights are in it.
+        let recording = (args.memory_snapshot
+            && device.is_cpu()
+            && crate::memory::tracking()
+            && args.memory_snapshot_max_entries > 0)
+            .then(|| Recording::start(args.memory_snapshot_max_entries));
         let started = std::time::Instant::now();
         let loaded = load_model(model_name, revision, &options)?;
         // Nothing before the load holds much, so the process' peak so far is the load's.
@@ -153,7 +160,11 @@ impl Trainer {
                 Trainer::new_dpo(model, args.clone(), &config.lora, *dpo, train, eval)?
             }
         };
-        trainer.set_prepared(Prepared { lock, checkpoint });
+        trainer.set_prepared(Prepared {
+            lock,
+            checkpoint,
+            recording,
+        });
         trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());
         let callbacks = &config.callbacks;

@@ -40,7 +40,10 @@ use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
+use crate::files::write_file_atomically;
 use crate::lora::LoraConfig;
+use crate::memory::pickle::to_pickle;
+use crate::memory::snapshot::{context as snapshot_context, Recording};
 use crate::memory::{process_memory, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
@@ -54,6 +57,8 @@ pub const ADAPTER: &str = "default";
 /// Files of a finished run in `output_dir` besides the adapter.
 const LOG_FILE: &str = "log.jsonl";
 const PLOT_FILE: &str = "loss.svg";
+/// The memory snapshot `memory_snapshot` writes, for pytorch.org/memory_viz.
+pub const MEMORY_SNAPSHOT_FILE: &str = "memory_snapshot.pickle";
 const RESULTS_FILE: &str = "train_results.json";
 
 /// A trainer for one LoRA adapter on a model.
@@ -108,6 +113,8 @@ struct Run {
     ddp: Option<Ddp>,
     /// The output folder's lock, released when the run ends (rank 0 alone holds it and writes there).
     _lock: Option<OutputLock>,
+    /// Allocations recorded for `memory_snapshot` (stopped when the run ends, however it ends).
+    snapshot: Option<Recording>,
 }
 
 impl Run {
@@ -382,7 +389,11 @@ impl Trainer {
                 self.base_model_name.as_deref(),
             )?;
             run.memory.timeline.write(&run.out)?;
+            if run.snapshot.is_some() {
+                write_memory_snapshot(&run.out)?;
+            }
         }
+        run.snapshot = None;
         let output = self.finish(&run, self.state.global_step < run.total)?;
         self.each_callback(|cb, a, s| cb.on_train_end(a, s))?;
         Ok(output)
@@ -401,9 +412,13 @@ impl Trainer {
             rank: w.rank,
             world_size: w.world_size,
         });
-        let (lock, checked) = match prepared {
-            Some(p) => (p.lock, p.checkpoint),
-            None => (prepare_output_dir(&args, &out, resume.is_some())?, None),
+        let (lock, checked, recording) = match prepared {
+            Some(p) => (p.lock, p.checkpoint, p.recording),
+            None => (
+                prepare_output_dir(&args, &out, resume.is_some())?,
+                None,
+                None,
+            ),
         };
         #[cfg(feature = "nccl")]
         let ddp = match &world {
@@ -500,8 +515,14 @@ impl Trainer {
             std::fs::write(log_path, history)
                 .map_err(|e| Error::io("cannot write", log_path, e))?;
         }
+        let snapshot = match (args.memory_snapshot, recording) {
+            (false, _) => None,
+            (true, Some(started)) => Some(started),
+            (true, None) => Some(start_memory_snapshot(&self.model, &args)?),
+        };
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
+            snapshot,
             _lock: lock,
             base_model,
             progress: if shard.is_main() {
@@ -543,6 +564,7 @@ impl Trainer {
         let step = self.state.global_step + 1;
         let step_started = Instant::now();
         run.memory.step = step;
+        snapshot_context::set_step(step);
         let batches = WindowBatches {
             batches: window,
             first_micro,
@@ -995,27 +1017,63 @@ impl Trainer {
         if let Some(peak) = memory.summary() {
             eprintln!("{peak}");
         }
-        eprintln!(
-            "{}",
-            summary(
-                &output,
-                best,
-                &[
-                    format!(
-                        "adapter: {}",
-                        out.join("adapter_model.safetensors").display()
-                    ),
-                    format!("log: {}", out.join(LOG_FILE).display()),
-                    format!("loss plot: {}", plot.display()),
-                    format!(
-                        "memory timeline: {} and memory.svg",
-                        out.join("memory_timeline.json").display()
-                    ),
-                ]
-            )
-        );
+        let mut files = vec![
+            format!(
+                "adapter: {}",
+                out.join("adapter_model.safetensors").display()
+            ),
+            format!("log: {}", out.join(LOG_FILE).display()),
+            format!("loss plot: {}", plot.display()),
+            format!(
+                "memory timeline: {} and memory.svg",
+                out.join("memory_timeline.json").display()
+            ),
+        ];
+        if run.args.memory_snapshot {
+            files.push(format!(
+                "memory snapshot: {} (open it in pytorch.org/memory_viz)",
+                out.join(MEMORY_SNAPSHOT_FILE).display()
+            ));
+        }
+        eprintln!("{}", summary(&output, best, &files));
         Ok(output)
     }
+}
+
+/// Starts recording allocations for `memory_snapshot`: the CPU heap, counted by the tracking allocator.
+fn start_memory_snapshot(model: &LlamaModel, args: &TrainingArguments) -> Result<Recording> {
+    if !model.device().is_cpu() {
+        return Err(Error::InvalidInput(
+            "memory_snapshot records the CPU heap (the tracking allocator); a snapshot of a GPU's memory pool is \
+             not supported yet: train on the CPU with it, or set memory_snapshot = false"
+                .into(),
+        ));
+    }
+    if !crate::memory::tracking() {
+        return Err(Error::InvalidInput(
+            "memory_snapshot needs candle_qlora::memory::TrackingAllocator as the program's #[global_allocator] \
+             (the qlora command has it)"
+                .into(),
+        ));
+    }
+    if args.memory_snapshot_max_entries == 0 {
+        return Err(Error::InvalidInput(
+            "memory_snapshot_max_entries must be at least 1".into(),
+        ));
+    }
+    Ok(Recording::start(args.memory_snapshot_max_entries))
+}
+
+/// Writes `out/memory_snapshot.pickle` from the allocations recorded so far.
+fn write_memory_snapshot(out: &Path) -> Result<()> {
+    let Some(snapshot) = crate::memory::snapshot::snapshot() else {
+        return Ok(());
+    };
+    let path = out.join(MEMORY_SNAPSHOT_FILE);
+    let bytes = to_pickle(&snapshot);
+    write_file_atomically(&path, |tmp| {
+        std::fs::write(tmp, &bytes).map_err(|e| Error::io("cannot write", tmp, e))
+    })
 }
 
 /// DPO's reward accuracy and margin, for the progress lines: `"  rewards/accuracies 0.750  rewards/margins 0.120"`
@@ -1051,6 +1109,8 @@ pub(super) struct Prepared {
     pub(super) lock: Option<OutputLock>,
     /// The resume checkpoint and its verified manifest (`None` for one written before manifests).
     pub(super) checkpoint: Option<(PathBuf, Option<Manifest>)>,
+    /// `memory_snapshot`'s recording, started before the weights loaded (so they are in the snapshot).
+    pub(super) recording: Option<Recording>,
 }
 
 /// Takes the output folder's lock (one run per folder), then refuses to reuse the output of an earlier run (an

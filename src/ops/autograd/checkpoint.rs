@@ -12,6 +12,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
 use super::{Apply, Op, Value};
+use crate::memory::snapshot::{context as snapshot_context, SnapshotPhase};
 
 /// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`]; and, in a recomputation, an
 /// optional scalar the block adds to the objective (a layer's share of an auxiliary loss computed after the
@@ -92,10 +93,13 @@ impl Op<2> for Checkpoint {
         } else {
             None
         };
-        let (y, extra) = (self.block)(
-            input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
-            Pass::Recompute,
-        )?;
+        let (y, extra) = {
+            let _phase = snapshot_context::phase(SnapshotPhase::Recompute);
+            (self.block)(
+                input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
+                Pass::Recompute,
+            )?
+        };
         // The vector-Jacobian product: Candle seeds a backward with ones, so y·grad needs no sum (a reduction on
         // a GPU would upload its layout every layer) unless a scalar joins it.
         let product = (y * grad)?;

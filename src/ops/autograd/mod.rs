@@ -12,6 +12,8 @@ pub(crate) mod gradcheck;
 
 use std::sync::{Arc, Mutex};
 
+use crate::memory::snapshot::context as snapshot_context;
+
 use candle_core::op::BackpropOp;
 use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape,
@@ -190,6 +192,7 @@ impl<O: Op<1>> CustomOp1 for Node<O> {
         self.take_cuda(O::NAME)
     }
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let _op = snapshot_context::op(O::NAME);
         let [gx] = self
             .op
             .bwd_with_output([&x.detach()], &res.detach(), &grad.detach(), [true])?;
@@ -227,6 +230,7 @@ impl<O: Op<2>> CustomOp2 for Node<O> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _op = snapshot_context::op(O::NAME);
         let needs = [a.track_op(), b.track_op()];
         let inputs = [&a.detach(), &b.detach()];
         let [ga, gb] = self
@@ -271,6 +275,7 @@ impl<O: Op<3>> CustomOp3 for Node<O> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _op = snapshot_context::op(O::NAME);
         let needs = [a.track_op(), b.track_op(), c.track_op()];
         let inputs = [&a.detach(), &b.detach(), &c.detach()];
         let [ga, gb, gc] = self
@@ -282,7 +287,10 @@ impl<O: Op<3>> CustomOp3 for Node<O> {
 
 impl<O: Op<1>> Apply<1> for O {
     fn apply(mut self, [x]: [&Tensor; 1]) -> Result<Tensor> {
-        let value = self.fwd([x])?;
+        let value = {
+            let _op = snapshot_context::op(O::NAME);
+            self.fwd([x])?
+        };
         if !x.track_op() {
             return value.into_tensor();
         }
@@ -292,7 +300,10 @@ impl<O: Op<1>> Apply<1> for O {
 
 impl<O: Op<2>> Apply<2> for O {
     fn apply(mut self, [a, b]: [&Tensor; 2]) -> Result<Tensor> {
-        let value = self.fwd([a, b])?;
+        let value = {
+            let _op = snapshot_context::op(O::NAME);
+            self.fwd([a, b])?
+        };
         if !a.track_op() && !b.track_op() {
             return value.into_tensor();
         }
@@ -302,7 +313,10 @@ impl<O: Op<2>> Apply<2> for O {
 
 impl<O: Op<3>> Apply<3> for O {
     fn apply(mut self, [a, b, c]: [&Tensor; 3]) -> Result<Tensor> {
-        let value = self.fwd([a, b, c])?;
+        let value = {
+            let _op = snapshot_context::op(O::NAME);
+            self.fwd([a, b, c])?
+        };
         if !a.track_op() && !b.track_op() && !c.track_op() {
             return value.into_tensor();
         }

@@ -1,0 +1,595 @@
+//! Memory snapshots in PyTorch's format: the allocations of a run recorded as `torch.cuda.memory.
+//! _record_memory_history` records them, and written as `torch.cuda.memory._snapshot()` lays them out (`segments`
+//! with their `blocks`, `device_traces` of `alloc` / `free_requested` / `free_completed` events), pickled, for
+//! PyTorch's memory_viz (pytorch.org/memory_viz) and `torch.cuda._memory_viz`.
+//!
+//! What is recorded is the tracking allocator's heap ([`super::TrackingAllocator`]) — the memory under CPU tensors:
+//! every allocation while recording is on (so replaying the trace gives the heap's count exactly), each with its
+//! context as frames
+//! (the op, the layer, the phase and the step, set by the trainer, the model and the ops through [`context`]).
+//! The allocator hook never allocates: events go to a ring of `max_entries` (the oldest dropped, as PyTorch bounds
+//! its trace) and the live allocations to an open-addressing table, both allocated when recording starts.
+//!
+//! Each live allocation becomes a segment of one block (a heap has no segments); the trace is device 0's.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use super::allocator::exclude;
+use super::pickle::PyValue;
+
+/// The most live allocations tracked at once (a large tokenizer holds hundreds of thousands of small ones; past
+/// it, `untracked_allocations` counts them). The table takes 40 bytes per slot, two slots per allocation.
+const MAX_LIVE: usize = 1 << 20;
+
+/// The phase of a training step an allocation happened in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum SnapshotPhase {
+    /// Outside a training step (loading, evaluation, saving).
+    Idle = 0,
+    /// A micro-batch's forward.
+    Forward = 1,
+    /// A checkpointed layer recomputed in the backward.
+    Recompute = 2,
+    /// The backward.
+    Backward = 3,
+    /// Clipping and the optimizer update.
+    Optimizer = 4,
+}
+
+impl SnapshotPhase {
+    fn name(code: u8) -> &'static str {
+        match code {
+            1 => "forward",
+            2 => "recompute",
+            3 => "backward",
+            4 => "optimizer",
+            _ => "idle",
+        }
+    }
+}
+
+/// What allocating code is doing, for the frames of the allocations it makes: global (Candle's CPU ops allocate
+/// on worker threads), set by the one thread that drives training.
+pub mod context {
+    use super::*;
+
+    pub(super) static STEP: AtomicU32 = AtomicU32::new(0);
+    pub(super) static PHASE: AtomicU8 = AtomicU8::new(0);
+    /// The layer index, −1 outside the layers.
+    pub(super) static LAYER: AtomicI32 = AtomicI32::new(-1);
+    /// The op's name as a packed `&'static str` (see [`pack`]), 0 for none.
+    pub(super) static OP: AtomicU64 = AtomicU64::new(0);
+
+    /// A `&'static str` as one word: its address (48 bits on the platforms Rust targets) and its length (16 bits);
+    /// 0 when it does not fit.
+    fn pack(name: &'static str) -> u64 {
+        let (ptr, len) = (name.as_ptr() as u64, name.len() as u64);
+        if ptr >> 48 == 0 && len < 1 << 16 {
+            ptr << 16 | len
+        } else {
+            0
+        }
+    }
+
+    /// The name [`pack`] packed.
+    pub(super) fn unpack(word: u64) -> Option<&'static str> {
+        if word == 0 {
+            return None;
+        }
+        let (ptr, len) = ((word >> 16) as *const u8, (word & 0xffff) as usize);
+        // SAFETY: only `pack` writes `OP`, from a `&'static str`: the bytes live forever and are valid UTF-8.
+        Some(unsafe { std::str::from_utf8_unchecked(std::slice::from_raw_parts(ptr, len)) })
+    }
+
+    /// Sets the optimizer step (1-based).
+    pub fn set_step(step: usize) {
+        STEP.store(step as u32, Ordering::Relaxed);
+    }
+
+    /// Sets the phase until the next call.
+    pub fn set_phase(phase: SnapshotPhase) {
+        PHASE.store(phase as u8, Ordering::Relaxed);
+    }
+
+    /// Restores what a scope replaced when dropped.
+    #[must_use]
+    pub struct Scope {
+        restore: fn(u64),
+        previous: u64,
+    }
+
+    impl Drop for Scope {
+        fn drop(&mut self) {
+            (self.restore)(self.previous);
+        }
+    }
+
+    /// Allocations are attributed to op `name` until the scope ends.
+    pub fn op(name: &'static str) -> Scope {
+        let previous = OP.swap(pack(name), Ordering::Relaxed);
+        Scope {
+            restore: |p| OP.store(p, Ordering::Relaxed),
+            previous,
+        }
+    }
+
+    /// Allocations are attributed to layer `index` until the scope ends.
+    pub fn layer(index: usize) -> Scope {
+        let previous = LAYER.swap(index as i32, Ordering::Relaxed);
+        Scope {
+            restore: |p| LAYER.store(p as i32, Ordering::Relaxed),
+            previous: previous as u32 as u64,
+        }
+    }
+
+    /// The phase is `phase` until the scope ends.
+    pub fn phase(phase: SnapshotPhase) -> Scope {
+        let previous = PHASE.swap(phase as u8, Ordering::Relaxed);
+        Scope {
+            restore: |p| PHASE.store(p as u8, Ordering::Relaxed),
+            previous: previous as u64,
+        }
+    }
+}
+
+/// The context of one allocation.
+#[derive(Clone, Copy, Default)]
+struct Context {
+    step: u32,
+    phase: u8,
+    layer: i32,
+    op: u64,
+}
+
+impl Context {
+    fn now() -> Self {
+        Context {
+            step: context::STEP.load(Ordering::Relaxed),
+            phase: context::PHASE.load(Ordering::Relaxed),
+            layer: context::LAYER.load(Ordering::Relaxed),
+            op: context::OP.load(Ordering::Relaxed),
+        }
+    }
+
+    /// PyTorch's frames, innermost first: the op in its layer, then the phase of its step.
+    fn frames(&self) -> PyValue {
+        let frame = |name: &str, filename: String, line: i64| {
+            PyValue::dict([
+                ("name", PyValue::str(name)),
+                ("filename", PyValue::Str(filename)),
+                ("line", PyValue::Int(line)),
+            ])
+        };
+        let layer = if self.layer >= 0 {
+            format!("model.layers.{}", self.layer)
+        } else {
+            "model".to_string()
+        };
+        let op = context::unpack(self.op).unwrap_or("candle");
+        PyValue::List(vec![
+            frame(op, layer, 0),
+            frame(
+                SnapshotPhase::name(self.phase),
+                format!("step {}", self.step),
+                self.step as i64,
+            ),
+        ])
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Action {
+    Alloc,
+    Free,
+}
+
+/// One recorded event.
+#[derive(Clone, Copy)]
+struct Event {
+    action: Action,
+    addr: usize,
+    size: usize,
+    time_us: u64,
+    context: Context,
+}
+
+/// A live allocation (`addr` 0: an empty slot).
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    addr: usize,
+    size: usize,
+    context: Context,
+}
+
+struct Recorder {
+    /// The ring: `len` events ending before `head`.
+    events: Vec<Event>,
+    head: usize,
+    len: usize,
+    /// Events dropped from the ring's front.
+    dropped: u64,
+    /// Open addressing with linear probing; `mask + 1` slots.
+    live: Vec<Slot>,
+    mask: usize,
+    live_count: usize,
+    /// Allocations not tracked because the table was full.
+    untracked: u64,
+    start: Instant,
+    epoch_us: u64,
+}
+
+impl Recorder {
+    fn new(max_entries: usize, max_live: usize) -> Self {
+        let slots = (2 * max_live).next_power_of_two().max(1024);
+        let blank = Event {
+            action: Action::Alloc,
+            addr: 0,
+            size: 0,
+            time_us: 0,
+            context: Context::default(),
+        };
+        let recorder = Recorder {
+            events: vec![blank; max_entries.max(1)],
+            head: 0,
+            len: 0,
+            dropped: 0,
+            live: vec![Slot::default(); slots],
+            mask: slots - 1,
+            live_count: 0,
+            untracked: 0,
+            start: Instant::now(),
+            epoch_us: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
+        };
+        recorder
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        self.events.capacity() * std::mem::size_of::<Event>()
+            + self.live.capacity() * std::mem::size_of::<Slot>()
+    }
+
+    fn home(&self, addr: usize) -> usize {
+        ((addr >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15)) & self.mask
+    }
+
+    fn push(&mut self, action: Action, addr: usize, size: usize, context: Context) {
+        let capacity = self.events.len();
+        self.events[self.head] = Event {
+            action,
+            addr,
+            size,
+            time_us: self.epoch_us + self.start.elapsed().as_micros() as u64,
+            context,
+        };
+        self.head = (self.head + 1) % capacity;
+        if self.len == capacity {
+            self.dropped += 1;
+        } else {
+            self.len += 1;
+        }
+    }
+
+    fn insert(&mut self, addr: usize, size: usize, context: Context) {
+        if self.live_count * 4 >= self.live.len() * 3 {
+            self.untracked += 1;
+            return;
+        }
+        let mut i = self.home(addr);
+        while self.live[i].addr != 0 {
+            i = (i + 1) & self.mask;
+        }
+        self.live[i] = Slot {
+            addr,
+            size,
+            context,
+        };
+        self.live_count += 1;
+    }
+
+    /// Removes `addr` (backward-shift deletion, so no tombstones build up); false when it was not tracked.
+    fn remove(&mut self, addr: usize) -> bool {
+        let mut i = self.home(addr);
+        loop {
+            match self.live[i].addr {
+                0 => return false,
+                a if a == addr => break,
+                _ => i = (i + 1) & self.mask,
+            }
+        }
+        let mut hole = i;
+        let mut j = i;
+        loop {
+            j = (j + 1) & self.mask;
+            if self.live[j].addr == 0 {
+                break;
+            }
+            let home = self.home(self.live[j].addr);
+            // Move `j` into the hole unless its home lies cyclically in (hole, j].
+            let stays = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !stays {
+                self.live[hole] = self.live[j];
+                hole = j;
+            }
+        }
+        self.live[hole] = Slot::default();
+        self.live_count -= 1;
+        true
+    }
+}
+
+/// The recorder, touched only under [`LOCK`].
+struct Shared(UnsafeCell<Option<Recorder>>);
+// SAFETY: every access goes through `with_recorder`, which holds `LOCK`.
+unsafe impl Sync for Shared {}
+
+static RECORDER: Shared = Shared(UnsafeCell::new(None));
+static LOCK: AtomicBool = AtomicBool::new(false);
+static RECORDING: AtomicBool = AtomicBool::new(false);
+
+/// Runs `f` on the recorder under the spin lock (held for a few hundred nanoseconds at most).
+fn with_recorder<R>(f: impl FnOnce(&mut Option<Recorder>) -> R) -> R {
+    while LOCK
+        .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        std::hint::spin_loop();
+    }
+    // SAFETY: the lock gives exclusive access.
+    let r = f(unsafe { &mut *RECORDER.0.get() });
+    LOCK.store(false, Ordering::Release);
+    r
+}
+
+/// Called by the tracking allocator after each allocation. Allocates nothing.
+#[inline]
+pub(crate) fn on_alloc(addr: usize, size: usize) {
+    if !RECORDING.load(Ordering::Relaxed) {
+        return;
+    }
+    let context = Context::now();
+    with_recorder(|r| {
+        if let Some(r) = r.as_mut().filter(|_| RECORDING.load(Ordering::Relaxed)) {
+            r.insert(addr, size, context);
+            r.push(Action::Alloc, addr, size, context);
+        }
+    });
+}
+
+/// Called by the tracking allocator before each free. Allocates nothing.
+#[inline]
+pub(crate) fn on_free(addr: usize, size: usize) {
+    if !RECORDING.load(Ordering::Relaxed) {
+        return;
+    }
+    let context = Context::now();
+    with_recorder(|r| {
+        if let Some(r) = r.as_mut().filter(|_| RECORDING.load(Ordering::Relaxed)) {
+            r.remove(addr);
+            r.push(Action::Free, addr, size, context);
+        }
+    });
+}
+
+/// Starts recording allocations, keeping the last `max_entries` events (PyTorch's `max_entries`). Replaces a
+/// recording in progress. Only the tracking allocator's allocations are seen (see [`super::tracking`]).
+pub fn start_recording(max_entries: usize) {
+    stop_recording();
+    // Allocated before recording turns on, so the hook never sees its own buffers.
+    let recorder = Recorder::new(max_entries, MAX_LIVE);
+    // The recording's own buffers are not the program's memory (see `exclude`).
+    exclude(recorder.buffer_bytes(), false);
+    with_recorder(|r| *r = Some(recorder));
+    RECORDING.store(true, Ordering::Relaxed);
+}
+
+/// Records allocations while alive: [`start_recording`] when made, [`stop_recording`] when dropped — unless a
+/// recording was already on, which it joins and leaves running (a program may start recording before it builds
+/// the trainer, so the model's loading is in the snapshot).
+#[must_use]
+pub struct Recording {
+    owner: bool,
+}
+
+impl Recording {
+    /// Starts recording, keeping the last `max_entries` events, or joins the recording already on.
+    pub fn start(max_entries: usize) -> Self {
+        let owner = !recording();
+        if owner {
+            start_recording(max_entries);
+        }
+        Recording { owner }
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        if self.owner {
+            stop_recording();
+        }
+    }
+}
+
+/// Stops recording and drops what was recorded.
+pub fn stop_recording() {
+    RECORDING.store(false, Ordering::Relaxed);
+    // Freed outside the lock (the allocator hook does not record now).
+    if let Some(old) = with_recorder(|r| r.take()) {
+        exclude(old.buffer_bytes(), true);
+        drop(old);
+    }
+}
+
+/// Whether allocations are being recorded.
+pub fn recording() -> bool {
+    RECORDING.load(Ordering::Relaxed)
+}
+
+/// The snapshot of what is recorded, as `torch.cuda.memory._snapshot()` returns it (`None` when not recording).
+/// Recording pauses while it is built, so the snapshot's own allocations are not in it.
+pub fn snapshot() -> Option<PyValue> {
+    if !RECORDING.swap(false, Ordering::Relaxed) {
+        return None;
+    }
+    // Copied under the lock (the hook records nothing now, so allocating here cannot deadlock).
+    let copied = with_recorder(|r| {
+        r.as_ref().map(|r| {
+            let capacity = r.events.len();
+            let first = (r.head + capacity - r.len) % capacity;
+            let events: Vec<Event> = (0..r.len)
+                .map(|i| r.events[(first + i) % capacity])
+                .collect();
+            let live: Vec<Slot> = r.live.iter().filter(|s| s.addr != 0).copied().collect();
+            (events, live, r.dropped, r.untracked)
+        })
+    });
+    RECORDING.store(true, Ordering::Relaxed);
+    let (events, mut live, dropped, untracked) = copied?;
+    live.sort_by_key(|s| s.addr);
+    let int = |n: usize| PyValue::uint(n as u64);
+    let segments = live
+        .iter()
+        .map(|s| {
+            let block = PyValue::dict([
+                ("address", int(s.addr)),
+                ("size", int(s.size)),
+                ("requested_size", int(s.size)),
+                ("state", PyValue::str("active_allocated")),
+                ("frames", s.context.frames()),
+            ]);
+            PyValue::dict([
+                ("device", PyValue::Int(0)),
+                ("address", int(s.addr)),
+                ("total_size", int(s.size)),
+                ("allocated_size", int(s.size)),
+                ("active_size", int(s.size)),
+                ("requested_size", int(s.size)),
+                ("stream", PyValue::Int(0)),
+                (
+                    "segment_type",
+                    PyValue::str(if s.size > 1 << 20 { "large" } else { "small" }),
+                ),
+                (
+                    "segment_pool_id",
+                    PyValue::Tuple(vec![PyValue::Int(0), PyValue::Int(0)]),
+                ),
+                ("is_expandable", PyValue::Bool(false)),
+                ("frames", s.context.frames()),
+                ("blocks", PyValue::List(vec![block])),
+            ])
+        })
+        .collect();
+    let mut trace = Vec::with_capacity(events.len() * 2);
+    for e in &events {
+        let entry = |action: &str| {
+            PyValue::dict([
+                ("action", PyValue::str(action)),
+                ("addr", int(e.addr)),
+                ("size", int(e.size)),
+                ("stream", PyValue::Int(0)),
+                ("time_us", PyValue::uint(e.time_us)),
+                ("frames", e.context.frames()),
+            ])
+        };
+        match e.action {
+            Action::Alloc => trace.push(entry("alloc")),
+            // A heap frees at once: the request and its completion are one moment.
+            Action::Free => trace.extend([entry("free_requested"), entry("free_completed")]),
+        }
+    }
+    Some(PyValue::dict([
+        ("segments", PyValue::List(segments)),
+        ("device_traces", PyValue::List(vec![PyValue::List(trace)])),
+        (
+            "allocator_settings",
+            PyValue::dict([
+                (
+                    "source",
+                    PyValue::str("candle-qlora heap (TrackingAllocator)"),
+                ),
+                ("dropped_events", PyValue::uint(dropped)),
+                ("untracked_allocations", PyValue::uint(untracked)),
+            ]),
+        ),
+    ]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The live table keeps exactly the allocations not yet freed through insertions and backward-shift
+    /// deletions that wrap around the end of the table.
+    #[test]
+    fn live_table_tracks_inserts_and_removes() {
+        let mut r = Recorder::new(8, 8);
+        let mut expected = std::collections::BTreeMap::new();
+        let mut x: u64 = 7;
+        for i in 0..4000usize {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let addr = (((x >> 20) as usize) % 512 + 1) * 16;
+            if expected.remove(&addr).is_some() {
+                assert!(r.remove(addr), "{i}: {addr} was live");
+            } else if r.live_count * 4 < r.live.len() * 3 {
+                r.insert(addr, i, Context::default());
+                expected.insert(addr, i);
+            }
+            assert_eq!(r.live_count, expected.len());
+        }
+        let mut live: Vec<(usize, usize)> = r
+            .live
+            .iter()
+            .filter(|s| s.addr != 0)
+            .map(|s| (s.addr, s.size))
+            .collect();
+        live.sort();
+        assert_eq!(live, expected.into_iter().collect::<Vec<_>>());
+        assert!(!r.remove(3));
+    }
+
+    /// The ring keeps the last events in order and counts the dropped ones; frames name op, layer, phase, step.
+    #[test]
+    fn ring_keeps_the_last_events_and_frames_name_the_context() {
+        let mut r = Recorder::new(3, 4);
+        for addr in 1..=5 {
+            r.push(Action::Alloc, addr * 16, 1024, Context::default());
+        }
+        let capacity = r.events.len();
+        let first = (r.head + capacity - r.len) % capacity;
+        let kept: Vec<usize> = (0..r.len)
+            .map(|i| r.events[(first + i) % capacity].addr)
+            .collect();
+        assert_eq!((kept, r.dropped), (vec![48, 64, 80], 2));
+
+        context::set_step(3);
+        let _phase = context::phase(SnapshotPhase::Recompute);
+        let _layer = context::layer(2);
+        let _op = context::op("attention");
+        let frames = Context::now().frames();
+        let PyValue::List(frames) = frames else {
+            panic!("frames are a list")
+        };
+        let name = |f: &PyValue| match f {
+            PyValue::Dict(items) => (items[0].1.clone(), items[1].1.clone()),
+            _ => panic!("a frame is a dict"),
+        };
+        assert_eq!(
+            name(&frames[0]),
+            (PyValue::str("attention"), PyValue::str("model.layers.2"))
+        );
+        assert_eq!(
+            name(&frames[1]),
+            (PyValue::str("recompute"), PyValue::str("step 3"))
+        );
+    }
+}
