@@ -141,6 +141,7 @@ pub mod plot;
 pub mod precision;
 pub mod quant;
 mod rng;
+pub mod trace;
 pub mod trainer;
 
 pub use error::{Error, Result};

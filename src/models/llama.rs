@@ -5,6 +5,7 @@
 //! ([`ModelConfig`]): which norms wrap a block, fused or separate projections, query/key norms, partial rotary.
 
 use crate::memory::snapshot::context as snapshot_context;
+use crate::trace;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -890,11 +891,25 @@ impl LlamaModel {
                 let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
                     let _layer = snapshot_context::layer(i);
+                    let _span = (pass == Pass::Forward)
+                        .then(|| trace::span_with(|| format!("model.layers.{i}"), "forward"));
                     layer.run(x, &tables, None, segments.as_ref(), pass, sink.as_ref())
                 });
-                ops::checkpoint(&x, block, &checkpointing.params, &checkpointing.sink)?
+                let label = if trace::enabled() {
+                    format!("model.layers.{i}")
+                } else {
+                    String::new()
+                };
+                ops::checkpoint_labeled(
+                    &x,
+                    block,
+                    &checkpointing.params,
+                    &checkpointing.sink,
+                    label,
+                )?
             } else {
                 let _layer = snapshot_context::layer(i);
+                let _span = trace::span_with(|| format!("model.layers.{i}"), "forward");
                 let run = layer.run(
                     &x,
                     &tables,

@@ -46,7 +46,7 @@ use candle_core::DType;
 pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
 };
-pub use autograd::{checkpoint, Block, GradSink, Pass};
+pub use autograd::{checkpoint, checkpoint_labeled, Block, GradSink, Pass};
 pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};
 pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;

@@ -107,6 +107,10 @@ pub struct TrainingArguments {
     /// `output_dir/memory_snapshot.pickle` at the end, in the layout of PyTorch's `torch.cuda.memory._snapshot()`
     /// for pytorch.org/memory_viz (frames name the op, the layer, the phase and the step).
     pub memory_snapshot: bool,
+    /// candle-qlora: the optimizer steps (1-based) to trace into `output_dir/trace.json` (Chrome's trace-event
+    /// format, as `torch.profiler`'s `export_chrome_trace`; open it in ui.perfetto.dev): spans per layer for the
+    /// forward, recomputation and backward, the loss, the optimizer, data loading and checkpoints, and memory.
+    pub trace_steps: Vec<usize>,
     /// The most allocation events the snapshot keeps (the last ones; `_record_memory_history(max_entries=…)`).
     pub memory_snapshot_max_entries: usize,
     /// candle-qlora: memory-aware checkpointing. With `gradient_checkpointing`, the last layers keep their
@@ -202,6 +206,7 @@ impl Default for TrainingArguments {
             gradient_checkpointing_kwargs: None,
             activation_memory_budget_mib: None,
             memory_snapshot: false,
+            trace_steps: Vec::new(),
             memory_snapshot_max_entries: 100_000,
             seed: 42,
             data_seed: None,

@@ -50,6 +50,7 @@ use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::plot::loss_svg;
 use crate::precision::Precision;
+use crate::trace;
 
 /// The adapter the trainer trains.
 pub const ADAPTER: &str = "default";
@@ -57,6 +58,8 @@ pub const ADAPTER: &str = "default";
 /// Files of a finished run in `output_dir` besides the adapter.
 const LOG_FILE: &str = "log.jsonl";
 const PLOT_FILE: &str = "loss.svg";
+/// The Chrome trace of the steps `trace_steps` names, for Perfetto.
+pub const TRACE_FILE: &str = "trace.json";
 /// The memory snapshot `memory_snapshot` writes, for pytorch.org/memory_viz.
 pub const MEMORY_SNAPSHOT_FILE: &str = "memory_snapshot.pickle";
 const RESULTS_FILE: &str = "train_results.json";
@@ -373,8 +376,15 @@ impl Trainer {
                     break 'epochs;
                 }
                 let epoch_done = epoch as f64 + (w + 1) as f64 / windows as f64;
+                let next = self.state.global_step + 1;
+                let tracing =
+                    trace::trace_if(run.args.trace_steps.contains(&next), self.model.device());
+                let step_span = trace::span_with(|| format!("step {next}"), "step");
                 let entry = self.step(&mut run, window, first_micro, epoch_done)?;
+                let after = trace::span("log, evaluate, save", "log");
                 self.after_step(&mut run, entry, micro, w + 1 == windows)?;
+                drop(after);
+                drop((step_span, tracing));
                 if run.control.should_training_stop {
                     break 'epochs;
                 }
@@ -389,6 +399,10 @@ impl Trainer {
                 self.base_model_name.as_deref(),
             )?;
             run.memory.timeline.write(&run.out)?;
+            let events = trace::take_events();
+            if !events.is_empty() {
+                trace::write_chrome_trace(&run.out.join(TRACE_FILE), &events)?;
+            }
             if run.snapshot.is_some() {
                 write_memory_snapshot(&run.out)?;
             }
@@ -599,6 +613,7 @@ impl Trainer {
         self.state.epoch = epoch;
         self.state.num_input_tokens_seen += result.input_tokens;
         let mut grads = result.grads;
+        let sync = trace::span("read loss and gradient norm", "sync");
         let (loss_sum, stop_flag) =
             Self::reduce_over_ranks(run, &mut grads, result.loss_sum, step)?;
         // The one read from the device in a step: the loss and the squared gradient norm together (and a
@@ -619,6 +634,7 @@ impl Trainer {
             0,
         )?
         .to_vec1()?;
+        drop(sync);
         let grad_norm = squared_norm.as_ref().map_or(0.0, |_| read[1].sqrt());
         let aux_at = 1 + usize::from(squared_norm.is_some());
         let aux_loss = result.aux_loss.as_ref().map(|_| read[aux_at]);
@@ -647,6 +663,7 @@ impl Trainer {
         };
         if loss.is_finite() {
             self.state.consecutive_nonfinite_losses = 0;
+            let _optimizer = trace::span("optimizer", "optimizer");
             run.memory.timeline.start_phase(Phase::Optimizer);
             scale_to_norm(&run.vars, &mut grads, grad_norm, args.max_grad_norm)?;
             run.optimizer
@@ -767,7 +784,10 @@ impl Trainer {
             if let Some(ddp) = &run.ddp {
                 ddp.check_same_adapter(&run.vars, step)?;
             }
-            let checkpoint = self.save_checkpoint(run, &data, &scheduler)?;
+            let checkpoint = {
+                let _save = trace::span("checkpoint", "checkpoint");
+                self.save_checkpoint(run, &data, &scheduler)?
+            };
             if interrupted {
                 run.progress.finish();
                 return Err(Error::Interrupted { step, checkpoint });

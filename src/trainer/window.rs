@@ -13,6 +13,7 @@ use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
+use crate::trace;
 
 /// Label tokens a batch contributes to the loss (after the shift).
 fn counted_tokens(examples: &[&TokenizedExample]) -> usize {
@@ -134,8 +135,12 @@ pub(super) fn forward_micro_batch(
     memory: &mut StepMemory,
 ) -> Result<MicroBatchForward> {
     model.lora_runtime.set_step_seed(seed);
-    let batch = collate(rows, &Device::Cpu)?;
+    let batch = {
+        let _data = trace::span("data", "data");
+        collate(rows, &Device::Cpu)?
+    };
     let ck = checkpointing(model, args, batch.ids.elem_count() as u64, vars);
+    let _forward = trace::span("forward", "forward");
     memory.timeline.start_phase(Phase::Forward);
     let mut embeds = model.embed(&batch.ids)?;
     if let Some(alpha) = args.neftune_noise_alpha.filter(|a| *a > 0.0) {
@@ -162,6 +167,7 @@ pub(super) fn backward_into(
     k: usize,
 ) -> Result<()> {
     memory.end_phase(k, gradient_bytes(vars, grads));
+    let _backward = trace::span("backward", "backward");
     memory.timeline.start_phase(Phase::Backward);
     let mut g = objective.backward()?;
     ck.sink.merge_into(&mut g)?;
@@ -267,7 +273,10 @@ impl Window {
                 router,
                 ck,
             } = forward_micro_batch(model, ex, args, vars, seed, moe.is_some(), memory)?;
-            let (sum, _) = model.loss_from_hidden(&hidden, &batch.labels)?;
+            let (sum, _) = {
+                let _loss = trace::span("loss", "loss");
+                model.loss_from_hidden(&hidden, &batch.labels)?
+            };
             let mut sum_f64 = sum.to_dtype(DType::F64)?;
             let mut objective = (sum / counted.max(1) as f64)?;
             if let (Some(moe), Some(router)) = (moe, &router) {

@@ -863,3 +863,83 @@ fn tensorboard_reads_back_exactly_the_logged_scalars() {
     }
     assert_eq!(board, expected);
 }
+
+/// `trace_steps = [2]` writes `trace.json` in Chrome's trace-event format: one `step 2` span, spans that nest
+/// (none overlaps another without containing it), a span per layer in each forward and each checkpointed layer's
+/// recomputation and backward under it, the loss, the optimizer, data loading and the checkpoint, memory
+/// counters, and top-level spans whose durations add up to the step (90% of it at least: the glue between
+/// them is not traced).
+#[test]
+fn step_traces_nest_and_add_up_to_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(
+        dir.path(),
+        "",
+        "max_steps = 3\nsave_steps = 2\nsave_total_limit = 1\ngradient_checkpointing = true\n\
+         gradient_accumulation_steps = 2\ntrace_steps = [2]\n",
+    );
+    crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
+    let text = std::fs::read_to_string(dir.path().join("out/trace.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let spans: Vec<(String, String, f64, f64)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_string(),
+                e["cat"].as_str().unwrap().to_string(),
+                e["ts"].as_f64().unwrap(),
+                e["dur"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let steps: Vec<_> = spans.iter().filter(|s| s.1 == "step").collect();
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert_eq!(steps[0].0, "step 2");
+    let (_, _, step_ts, step_dur) = steps[0].clone();
+    // Nesting: two spans are disjoint or one holds the other (timestamps in µs, to the nanosecond).
+    let eps = 1e-3;
+    let within = |a: &(String, String, f64, f64), b: &(String, String, f64, f64)| {
+        a.2 >= b.2 - eps && a.2 + a.3 <= b.2 + b.3 + eps
+    };
+    for (i, a) in spans.iter().enumerate() {
+        assert!(within(a, steps[0]), "{a:?} outside the step");
+        for b in &spans[i + 1..] {
+            let disjoint = a.2 + a.3 <= b.2 + eps || b.2 + b.3 <= a.2 + eps;
+            assert!(
+                disjoint || within(a, b) || within(b, a),
+                "{a:?} and {b:?} overlap"
+            );
+        }
+    }
+    let count = |name: &str, cat: &str| spans.iter().filter(|s| s.0 == name && s.1 == cat).count();
+    // Two micro-batches, two layers each: forward spans per layer, recompute + backward under each layer.
+    assert_eq!(count("forward", "forward"), 2);
+    assert_eq!(count("model.layers.1", "forward"), 2);
+    assert_eq!(count("model.layers.0", "backward"), 2);
+    assert_eq!(count("recompute", "recompute"), 4);
+    for (name, cat) in [("loss", "loss"), ("data", "data"), ("backward", "backward")] {
+        assert!(count(name, cat) >= 2, "{name}");
+    }
+    assert_eq!(count("optimizer", "optimizer"), 1);
+    assert_eq!(count("checkpoint", "checkpoint"), 1);
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "C" && e["args"]["bytes"].as_u64().is_some_and(|b| b > 0)));
+    // The step's direct children (spans inside it and inside no other span) cover it.
+    let children: Vec<_> = spans
+        .iter()
+        .filter(|s| s.1 != "step")
+        .filter(|s| {
+            !spans
+                .iter()
+                .any(|o| o.1 != "step" && !std::ptr::eq(*s, o) && within(s, o) && o.3 > s.3)
+        })
+        .collect();
+    let covered: f64 = children.iter().map(|s| s.3).sum();
+    assert!(
+        covered <= step_dur + eps && covered >= 0.9 * step_dur,
+        "top-level spans {covered} µs of the step's {step_dur} µs (from {step_ts}): {children:?}"
+    );
+}

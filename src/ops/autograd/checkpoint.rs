@@ -13,6 +13,7 @@ use candle_core::{Result, Tensor, Var};
 
 use super::{Apply, Op, Value};
 use crate::memory::snapshot::{context as snapshot_context, SnapshotPhase};
+use crate::trace;
 
 /// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`]; and, in a recomputation, an
 /// optional scalar the block adds to the objective (a layer's share of an auxiliary loss computed after the
@@ -69,6 +70,8 @@ impl GradSink {
 /// differentiated even when `x` needs no gradient); the backward recomputes the block and differentiates it.
 struct Checkpoint {
     block: Block,
+    /// What the block is, for the step trace (`model.layers.3`).
+    label: String,
     params: Vec<Var>,
     sink: GradSink,
 }
@@ -93,13 +96,16 @@ impl Op<2> for Checkpoint {
         } else {
             None
         };
+        let _span = trace::span_with(|| self.label.clone(), "backward");
         let (y, extra) = {
             let _phase = snapshot_context::phase(SnapshotPhase::Recompute);
+            let _span = trace::span("recompute", "recompute");
             (self.block)(
                 input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
                 Pass::Recompute,
             )?
         };
+        let _span = trace::span("backward", "backward");
         // The vector-Jacobian product: Candle seeds a backward with ones, so y·grad needs no sum (a reduction on
         // a GPU would upload its layout every layer) unless a scalar joins it.
         let product = (y * grad)?;
@@ -120,6 +126,17 @@ impl Op<2> for Checkpoint {
 /// Runs `block` on `x` checkpointed. `params` are the trainable variables the block uses; their gradients go to
 /// `sink`. `x` itself need not require a gradient (its gradient is returned only if it does).
 pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> Result<Tensor> {
+    checkpoint_labeled(x, block, params, sink, "block".into())
+}
+
+/// [`checkpoint`], with the block named `label` in step traces (its recomputation and backward nest under it).
+pub fn checkpoint_labeled(
+    x: &Tensor,
+    block: Block,
+    params: &[Var],
+    sink: &GradSink,
+    label: String,
+) -> Result<Tensor> {
     // The graph node hangs on a parameter, so the block is differentiated even when `x` needs no gradient.
     let anchor = match params.first() {
         Some(p) => p.as_tensor().clone(),
@@ -128,6 +145,7 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
     };
     Checkpoint {
         block,
+        label,
         params: params.to_vec(),
         sink: sink.clone(),
     }

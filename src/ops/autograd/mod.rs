@@ -20,7 +20,7 @@ use candle_core::{
     Storage, Tensor, WithDType,
 };
 
-pub use checkpoint::{checkpoint, Block, GradSink, Pass};
+pub use checkpoint::{checkpoint, checkpoint_labeled, Block, GradSink, Pass};
 
 /// A differentiable op with `N` tensor inputs (Candle's graph takes one to three).
 ///
