@@ -12,7 +12,7 @@ use super::allocator::allocated;
 use super::snapshot::{context, SnapshotPhase};
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
-use crate::plot::{line_chart_svg, Series};
+use crate::plot::{memory_svg, MemoryPoint};
 
 /// A phase of a training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -114,6 +114,10 @@ pub struct MemoryTimeline {
     pub samples: Vec<PhaseSample>,
     /// The highest peak and what it was made of.
     pub peak: Option<(PhaseSample, Breakdown)>,
+    /// The bytes a memory estimate (`memory::estimate`) predicts for the run, drawn in `memory.svg` as a line to
+    /// compare the measured phases with; `None` (the trainer does not estimate its own run): no line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<u64>,
     base_weights: u64,
     lora: u64,
     other: u64,
@@ -240,36 +244,23 @@ impl MemoryTimeline {
         let json = dir.join("memory_timeline.json");
         let text = serde_json::to_string_pretty(self).unwrap_or_default();
         std::fs::write(&json, text).map_err(|e| Error::io("cannot write", &json, e))?;
-        // x: step, with the phases of a step spread over it in order.
-        let per_step = |step: usize| self.samples.iter().filter(|s| s.step == step).count();
-        let mut index_in_step = 0usize;
-        let mut last_step = 0usize;
-        let mut peak = vec![];
-        let mut live = vec![];
-        for s in &self.samples {
-            if s.step != last_step {
-                (last_step, index_in_step) = (s.step, 0);
-            }
-            let x = s.step as f64 - 1.0 + (index_in_step + 1) as f64 / per_step(s.step) as f64;
-            index_in_step += 1;
-            peak.push((x, s.peak as f64 / (1u64 << 20) as f64));
-            live.push((x, s.allocated as f64 / (1u64 << 20) as f64));
-        }
-        let svg = line_chart_svg(
-            &format!("Memory ({}, MiB) per phase", self.source),
-            "step",
-            &[
-                Series {
-                    label: "peak in phase",
-                    points: peak,
+        let points: Vec<MemoryPoint> = self
+            .samples
+            .iter()
+            .map(|s| MemoryPoint {
+                step: s.step,
+                phase: match s.phase {
+                    Phase::Forward => "forward",
+                    Phase::Backward => "backward",
+                    Phase::Optimizer => "optimizer",
                 },
-                Series {
-                    label: "live at phase end",
-                    points: live,
-                },
-            ],
-        );
+                peak: s.peak,
+                live: s.allocated,
+            })
+            .collect();
         let path = dir.join("memory.svg");
+        let svg = memory_svg(self.source, &points, self.estimate)
+            .map_err(|e| Error::io("cannot draw", &path, e))?;
         std::fs::write(&path, svg).map_err(|e| Error::io("cannot write", &path, e))
     }
 }

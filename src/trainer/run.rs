@@ -48,7 +48,7 @@ use crate::memory::{process_memory, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
-use crate::plot::loss_svg;
+use crate::plot::{loss_svg, LossCurves};
 use crate::precision::Precision;
 use crate::trace;
 
@@ -1014,10 +1014,21 @@ impl Trainer {
             .iter()
             .filter_map(|e| Some((e.step, e.loss?)))
             .collect();
+        let learning_rate: Vec<(usize, f64)> = self
+            .state
+            .log_history
+            .iter()
+            .filter_map(|e| Some((e.step, e.learning_rate?)))
+            .collect();
         let eval = self.state.eval_losses();
         let plot = out.join(PLOT_FILE);
-        std::fs::write(&plot, loss_svg(&train, &eval))
-            .map_err(|e| Error::io("cannot write", &plot, e))?;
+        let svg = loss_svg(&LossCurves {
+            train: &train,
+            eval: &eval,
+            learning_rate: &learning_rate,
+        })
+        .map_err(|e| Error::io("cannot draw", &plot, e))?;
+        std::fs::write(&plot, svg).map_err(|e| Error::io("cannot write", &plot, e))?;
         let results = out.join(RESULTS_FILE);
         let json = serde_json::json!({
             "epoch": self.state.epoch,
