@@ -114,8 +114,8 @@ pub struct MemoryTimeline {
     pub samples: Vec<PhaseSample>,
     /// The highest peak and what it was made of.
     pub peak: Option<(PhaseSample, Breakdown)>,
-    /// The bytes a memory estimate (`memory::estimate`) predicts for the run, drawn in `memory.svg` as a line to
-    /// compare the measured phases with; `None` (the trainer does not estimate its own run): no line.
+    /// The bytes a memory estimate (`memory::estimate`) predicts for the run (the trainer sets it for its longest
+    /// micro-batch), drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimate: Option<u64>,
     base_weights: u64,

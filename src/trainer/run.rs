@@ -44,7 +44,7 @@ use crate::files::write_file_atomically;
 use crate::lora::LoraConfig;
 use crate::memory::pickle::to_pickle;
 use crate::memory::snapshot::{context as snapshot_context, Recording};
-use crate::memory::{process_memory, MemoryTimeline, Phase};
+use crate::memory::{estimate, process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
@@ -413,6 +413,37 @@ impl Trainer {
         Ok(output)
     }
 
+    /// What `qlora estimate` predicts for this run's longest micro-batch (drawn on the memory chart): its batch and
+    /// longest example, the adapter's rank (as if on every linear layer, the estimate's assumption), optimizer,
+    /// checkpointing, base and device. `None` when the estimate refuses the sizes.
+    fn run_estimate(&self, args: &TrainingArguments, world_size: usize) -> Option<u64> {
+        let lora_r = self.model.adapter_configs.get(ADAPTER)?.r;
+        let quantize = self
+            .model
+            .linears()
+            .iter()
+            .any(|(_, l)| !matches!(l.base.weight, crate::ops::FrozenWeight::Dense(_)));
+        let estimate_args = EstimateArgs {
+            batch: args.per_device_train_batch_size,
+            seq: self.task.train_lengths().into_iter().max()?,
+            lora_r,
+            optim: args.optim,
+            gradient_checkpointing: args.gradient_checkpointing,
+            activation_memory_budget_mib: args.activation_memory_budget_mib,
+            quantize,
+            device: if self.model.device().is_cpu() {
+                DeviceKind::Cpu
+            } else {
+                DeviceKind::Cuda
+            },
+            world_size,
+            preference: matches!(self.task, Task::Preference(_)),
+        };
+        estimate(self.model.config(), &estimate_args)
+            .ok()
+            .map(|e| e.total_bytes)
+    }
+
     /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored
     /// from `resume`), the log file, and the callbacks' `on_train_begin`.
     fn setup(&mut self, resume: Option<&Path>) -> Result<Run> {
@@ -478,12 +509,14 @@ impl Trainer {
             .iter()
             .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
             .sum();
+        let mut timeline = MemoryTimeline::new(
+            self.model.device(),
+            self.model.weight_bytes() as u64,
+            lora_bytes,
+        );
+        timeline.estimate = self.run_estimate(&args, shard.world_size);
         let memory = StepMemory {
-            timeline: MemoryTimeline::new(
-                self.model.device(),
-                self.model.weight_bytes() as u64,
-                lora_bytes,
-            ),
+            timeline,
             step: 0,
             optimizer_bytes: optimizer.resident_bytes() as u64,
         };
