@@ -139,9 +139,9 @@ pub mod ops;
 pub mod optim;
 pub mod plot;
 pub mod precision;
+pub mod profile;
 pub mod quant;
 mod rng;
-pub mod trace;
 pub mod trainer;
 
 pub use error::{Error, Result};

@@ -6,178 +6,47 @@
 //! What is recorded is the tracking allocator's heap ([`super::TrackingAllocator`]) — the memory under CPU tensors:
 //! every allocation while recording is on (so replaying the trace gives the heap's count exactly), each with its
 //! context as frames
-//! (the op, the layer, the phase and the step, set by the trainer, the model and the ops through [`context`]).
+//! (the op, the layer, the phase and the step, set by the trainer, the model and the ops through
+//! [`crate::profile::context`]).
 //! The allocator hook never allocates: events go to a ring of `max_entries` (the oldest dropped, as PyTorch bounds
 //! its trace) and the live allocations to an open-addressing table, both allocated when recording starts.
 //!
 //! Each live allocation becomes a segment of one block (a heap has no segments); the trace is device 0's.
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::allocator::exclude;
 use super::pickle::PyValue;
+use crate::profile::context::Context;
 
 /// The most live allocations tracked at once (a large tokenizer holds hundreds of thousands of small ones; past
 /// it, `untracked_allocations` counts them). The table takes 40 bytes per slot, two slots per allocation.
 const MAX_LIVE: usize = 1 << 20;
 
-/// The phase of a training step an allocation happened in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum SnapshotPhase {
-    /// Outside a training step (loading, evaluation, saving).
-    Idle = 0,
-    /// A micro-batch's forward.
-    Forward = 1,
-    /// A checkpointed layer recomputed in the backward.
-    Recompute = 2,
-    /// The backward.
-    Backward = 3,
-    /// Clipping and the optimizer update.
-    Optimizer = 4,
-}
-
-impl SnapshotPhase {
-    fn name(code: u8) -> &'static str {
-        match code {
-            1 => "forward",
-            2 => "recompute",
-            3 => "backward",
-            4 => "optimizer",
-            _ => "idle",
-        }
-    }
-}
-
-/// What allocating code is doing, for the frames of the allocations it makes: global (Candle's CPU ops allocate
-/// on worker threads), set by the one thread that drives training.
-pub mod context {
-    use super::*;
-
-    pub(super) static STEP: AtomicU32 = AtomicU32::new(0);
-    pub(super) static PHASE: AtomicU8 = AtomicU8::new(0);
-    /// The layer index, −1 outside the layers.
-    pub(super) static LAYER: AtomicI32 = AtomicI32::new(-1);
-    /// The op's name as a packed `&'static str` (see [`pack`]), 0 for none.
-    pub(super) static OP: AtomicU64 = AtomicU64::new(0);
-
-    /// A `&'static str` as one word: its address (48 bits on the platforms Rust targets) and its length (16 bits);
-    /// 0 when it does not fit.
-    fn pack(name: &'static str) -> u64 {
-        let (ptr, len) = (name.as_ptr() as u64, name.len() as u64);
-        if ptr >> 48 == 0 && len < 1 << 16 {
-            ptr << 16 | len
-        } else {
-            0
-        }
-    }
-
-    /// The name [`pack`] packed.
-    pub(super) fn unpack(word: u64) -> Option<&'static str> {
-        if word == 0 {
-            return None;
-        }
-        let (ptr, len) = ((word >> 16) as *const u8, (word & 0xffff) as usize);
-        // SAFETY: only `pack` writes `OP`, from a `&'static str`: the bytes live forever and are valid UTF-8.
-        Some(unsafe { std::str::from_utf8_unchecked(std::slice::from_raw_parts(ptr, len)) })
-    }
-
-    /// Sets the optimizer step (1-based).
-    pub fn set_step(step: usize) {
-        STEP.store(step as u32, Ordering::Relaxed);
-    }
-
-    /// Sets the phase until the next call.
-    pub fn set_phase(phase: SnapshotPhase) {
-        PHASE.store(phase as u8, Ordering::Relaxed);
-    }
-
-    /// Restores what a scope replaced when dropped.
-    #[must_use]
-    pub struct Scope {
-        restore: fn(u64),
-        previous: u64,
-    }
-
-    impl Drop for Scope {
-        fn drop(&mut self) {
-            (self.restore)(self.previous);
-        }
-    }
-
-    /// Allocations are attributed to op `name` until the scope ends.
-    pub fn op(name: &'static str) -> Scope {
-        let previous = OP.swap(pack(name), Ordering::Relaxed);
-        Scope {
-            restore: |p| OP.store(p, Ordering::Relaxed),
-            previous,
-        }
-    }
-
-    /// Allocations are attributed to layer `index` until the scope ends.
-    pub fn layer(index: usize) -> Scope {
-        let previous = LAYER.swap(index as i32, Ordering::Relaxed);
-        Scope {
-            restore: |p| LAYER.store(p as i32, Ordering::Relaxed),
-            previous: previous as u32 as u64,
-        }
-    }
-
-    /// The phase is `phase` until the scope ends.
-    pub fn phase(phase: SnapshotPhase) -> Scope {
-        let previous = PHASE.swap(phase as u8, Ordering::Relaxed);
-        Scope {
-            restore: |p| PHASE.store(p as u8, Ordering::Relaxed),
-            previous: previous as u64,
-        }
-    }
-}
-
-/// The context of one allocation.
-#[derive(Clone, Copy, Default)]
-struct Context {
-    step: u32,
-    phase: u8,
-    layer: i32,
-    op: u64,
-}
-
-impl Context {
-    fn now() -> Self {
-        Context {
-            step: context::STEP.load(Ordering::Relaxed),
-            phase: context::PHASE.load(Ordering::Relaxed),
-            layer: context::LAYER.load(Ordering::Relaxed),
-            op: context::OP.load(Ordering::Relaxed),
-        }
-    }
-
-    /// PyTorch's frames, innermost first: the op in its layer, then the phase of its step.
-    fn frames(&self) -> PyValue {
-        let frame = |name: &str, filename: String, line: i64| {
-            PyValue::dict([
-                ("name", PyValue::str(name)),
-                ("filename", PyValue::Str(filename)),
-                ("line", PyValue::Int(line)),
-            ])
-        };
-        let layer = if self.layer >= 0 {
-            format!("model.layers.{}", self.layer)
-        } else {
-            "model".to_string()
-        };
-        let op = context::unpack(self.op).unwrap_or("candle");
-        PyValue::List(vec![
-            frame(op, layer, 0),
-            frame(
-                SnapshotPhase::name(self.phase),
-                format!("step {}", self.step),
-                self.step as i64,
-            ),
+/// PyTorch's frames of an allocation made in `context`, innermost first: the op in its layer, then the phase of
+/// its step.
+fn frames(context: &Context) -> PyValue {
+    let frame = |name: &str, filename: String, line: i64| {
+        PyValue::dict([
+            ("name", PyValue::str(name)),
+            ("filename", PyValue::Str(filename)),
+            ("line", PyValue::Int(line)),
         ])
-    }
+    };
+    let layer = match context.layer() {
+        Some(l) => format!("model.layers.{l}"),
+        None => "model".to_string(),
+    };
+    PyValue::List(vec![
+        frame(context.op().unwrap_or("candle"), layer, 0),
+        frame(
+            context.phase().name(),
+            format!("step {}", context.step()),
+            context.step() as i64,
+        ),
+    ])
 }
 
 #[derive(Clone, Copy)]
@@ -463,7 +332,7 @@ pub fn snapshot() -> Option<PyValue> {
                 ("size", int(s.size)),
                 ("requested_size", int(s.size)),
                 ("state", PyValue::str("active_allocated")),
-                ("frames", s.context.frames()),
+                ("frames", frames(&s.context)),
             ]);
             PyValue::dict([
                 ("device", PyValue::Int(0)),
@@ -482,7 +351,7 @@ pub fn snapshot() -> Option<PyValue> {
                     PyValue::Tuple(vec![PyValue::Int(0), PyValue::Int(0)]),
                 ),
                 ("is_expandable", PyValue::Bool(false)),
-                ("frames", s.context.frames()),
+                ("frames", frames(&s.context)),
                 ("blocks", PyValue::List(vec![block])),
             ])
         })
@@ -496,7 +365,7 @@ pub fn snapshot() -> Option<PyValue> {
                 ("size", int(e.size)),
                 ("stream", PyValue::Int(0)),
                 ("time_us", PyValue::uint(e.time_us)),
-                ("frames", e.context.frames()),
+                ("frames", frames(&e.context)),
             ])
         };
         match e.action {
@@ -557,7 +426,7 @@ mod tests {
         assert!(!r.remove(3));
     }
 
-    /// The ring keeps the last events in order and counts the dropped ones; frames name op, layer, phase, step.
+    /// The ring keeps the last events in order and counts the dropped ones; frames outside any op, layer or step say so.
     #[test]
     fn ring_keeps_the_last_events_and_frames_name_the_context() {
         let mut r = Recorder::new(3, 4);
@@ -571,12 +440,7 @@ mod tests {
             .collect();
         assert_eq!((kept, r.dropped), (vec![48, 64, 80], 2));
 
-        context::set_step(3);
-        let _phase = context::phase(SnapshotPhase::Recompute);
-        let _layer = context::layer(2);
-        let _op = context::op("attention");
-        let frames = Context::now().frames();
-        let PyValue::List(frames) = frames else {
+        let PyValue::List(frames) = frames(&Context::default()) else {
             panic!("frames are a list")
         };
         let name = |f: &PyValue| match f {
@@ -585,11 +449,11 @@ mod tests {
         };
         assert_eq!(
             name(&frames[0]),
-            (PyValue::str("attention"), PyValue::str("model.layers.2"))
+            (PyValue::str("candle"), PyValue::str("model"))
         );
         assert_eq!(
             name(&frames[1]),
-            (PyValue::str("recompute"), PyValue::str("step 3"))
+            (PyValue::str("idle"), PyValue::str("step 0"))
         );
     }
 }

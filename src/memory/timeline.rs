@@ -9,10 +9,10 @@ use serde::Serialize;
 use candle_core::Device;
 
 use super::allocator::allocated;
-use super::snapshot::{context, SnapshotPhase};
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{memory_svg, MemoryPoint};
+use crate::profile::context::{self, Phase as SnapshotPhase};
 
 /// A phase of a training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

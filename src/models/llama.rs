@@ -4,8 +4,8 @@
 //! gradient checkpointing, and a KV cache for generation. Family differences are configuration
 //! ([`ModelConfig`]): which norms wrap a block, fused or separate projections, query/key norms, partial rotary.
 
-use crate::memory::snapshot::context as snapshot_context;
-use crate::trace;
+use crate::profile::context as snapshot_context;
+use crate::profile::trace;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};

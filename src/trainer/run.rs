@@ -43,14 +43,15 @@ use crate::error::{Error, Result};
 use crate::files::write_file_atomically;
 use crate::lora::LoraConfig;
 use crate::memory::pickle::to_pickle;
-use crate::memory::snapshot::{context as snapshot_context, Recording};
+use crate::memory::snapshot::Recording;
 use crate::memory::{estimate, process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::plot::{loss_svg, LossCurves};
 use crate::precision::Precision;
-use crate::trace;
+use crate::profile::context as snapshot_context;
+use crate::profile::trace;
 
 /// The adapter the trainer trains.
 pub const ADAPTER: &str = "default";
@@ -377,8 +378,10 @@ impl Trainer {
                 }
                 let epoch_done = epoch as f64 + (w + 1) as f64 / windows as f64;
                 let next = self.state.global_step + 1;
-                let tracing =
-                    trace::trace_if(run.args.trace_steps.contains(&next), self.model.device());
+                let device = self.model.device().clone();
+                let tracing = trace::trace_if(run.args.trace_steps.contains(&next), || {
+                    Box::new(move || crate::memory::stats(&device).allocated)
+                });
                 let step_span = trace::span_with(|| format!("step {next}"), "step");
                 let entry = self.step(&mut run, window, first_micro, epoch_done)?;
                 let after = trace::span("log, evaluate, save", "log");

@@ -13,7 +13,7 @@ use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
-use crate::trace;
+use crate::profile::trace;
 
 /// Label tokens a batch contributes to the loss (after the shift).
 fn counted_tokens(examples: &[&TokenizedExample]) -> usize {

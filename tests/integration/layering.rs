@@ -9,7 +9,7 @@ const LAYERS: &[&[&str]] = &[
     &["error"],
     &["names", "rng"],
     &["cuda", "files", "plot"],
-    &["precision", "quant"],
+    &["precision", "profile", "quant"],
     &["ops"],
     &["lora"],
     &["models"],

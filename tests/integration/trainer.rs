@@ -409,7 +409,7 @@ fn bundled_configs_are_valid() {
             n += 1;
         }
     }
-    assert_eq!(n, 12);
+    assert_eq!(n, 13);
     // The DPO recipe is DPO, and its commented continuation of an SFT adapter reads that adapter's settings.
     let dpo =
         candle_qlora::trainer::RunConfig::load(&dir.join("smollm2-135m-dpo.toml"), &[]).unwrap();

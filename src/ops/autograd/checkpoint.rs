@@ -12,8 +12,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
 use super::{Apply, Op, Value};
-use crate::memory::snapshot::{context as snapshot_context, SnapshotPhase};
-use crate::trace;
+use crate::profile::context::{self as snapshot_context, Phase as SnapshotPhase};
+use crate::profile::trace;
 
 /// A block to checkpoint: input hidden states to output hidden states, for a [`Pass`]; and, in a recomputation, an
 /// optional scalar the block adds to the objective (a layer's share of an auxiliary loss computed after the

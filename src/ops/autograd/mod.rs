@@ -12,7 +12,7 @@ pub(crate) mod gradcheck;
 
 use std::sync::{Arc, Mutex};
 
-use crate::memory::snapshot::context as snapshot_context;
+use crate::profile::context as snapshot_context;
 
 use candle_core::op::BackpropOp;
 use candle_core::{

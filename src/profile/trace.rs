@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-use candle_core::Device;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -21,7 +20,11 @@ use crate::files::write_file_atomically;
 
 static ON: AtomicBool = AtomicBool::new(false);
 static EVENTS: Mutex<Vec<TraceEvent>> = Mutex::new(Vec::new());
-static DEVICE: Mutex<Option<Device>> = Mutex::new(None);
+/// What the memory counter reads (the trainer's device's bytes in use), while tracing.
+static MEMORY: Mutex<Option<MemoryReader>> = Mutex::new(None);
+
+/// Reads the bytes in use on the traced device.
+pub type MemoryReader = Box<dyn Fn() -> Option<u64> + Send>;
 
 /// The trace's time origin.
 fn origin() -> Instant {
@@ -57,11 +60,11 @@ pub struct TraceEvent {
     pub args: serde_json::Map<String, serde_json::Value>,
 }
 
-/// Turns tracing on or off; `device` is whose memory the counters read (the heap for the CPU).
-pub fn set_enabled(on: bool, device: Option<&Device>) {
+/// Turns tracing on or off; `memory` reads the bytes in use for the counters.
+pub fn set_enabled(on: bool, memory: Option<MemoryReader>) {
     origin();
-    if let Ok(mut d) = DEVICE.lock() {
-        *d = device.cloned();
+    if let Ok(mut m) = MEMORY.lock() {
+        *m = memory;
     }
     ON.store(on, Ordering::Relaxed);
 }
@@ -70,10 +73,10 @@ pub fn set_enabled(on: bool, device: Option<&Device>) {
 #[must_use]
 pub struct Tracing(bool);
 
-/// Turns tracing on for the guard's life when `on`, reading `device`'s memory.
-pub fn trace_if(on: bool, device: &Device) -> Tracing {
+/// Turns tracing on for the guard's life when `on`, its counters read by `memory`.
+pub fn trace_if(on: bool, memory: impl FnOnce() -> MemoryReader) -> Tracing {
     if on {
-        set_enabled(true, Some(device));
+        set_enabled(true, Some(memory()));
     }
     Tracing(on)
 }
@@ -99,13 +102,9 @@ pub fn take_events() -> Vec<TraceEvent> {
         .unwrap_or_default()
 }
 
-/// Bytes in use on the traced device: the device pool's, or the tracked heap's.
+/// Bytes in use on the traced device.
 fn memory_in_use() -> Option<u64> {
-    let device = DEVICE.lock().ok()?.clone();
-    match device.filter(|d| !d.is_cpu()) {
-        Some(d) => crate::memory::stats(&d).allocated,
-        None => crate::memory::allocated().map(|(now, _)| now),
-    }
+    MEMORY.lock().ok()?.as_ref()?()
 }
 
 /// A span being timed; recorded when dropped.
