@@ -100,7 +100,7 @@ impl Recorder {
             time_us: 0,
             context: Context::default(),
         };
-        let recorder = Recorder {
+        Recorder {
             events: vec![blank; max_entries.max(1)],
             head: 0,
             len: 0,
@@ -113,8 +113,7 @@ impl Recorder {
             epoch_us: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_micros() as u64),
-        };
-        recorder
+        }
     }
 
     fn buffer_bytes(&self) -> usize {
