@@ -196,6 +196,13 @@ pub(crate) fn model_golden(name: &str) -> HashMap<String, Tensor> {
     .unwrap()
 }
 
+/// Whether projection `name` of `model` holds an NF4 weight.
+fn is_nf4(model: &LlamaModel, name: &str) -> bool {
+    let linears = model.linears();
+    let (_, l) = linears.iter().find(|(n, _)| n == name).unwrap();
+    matches!(l.base.weight, FrozenWeight::Nf4(_))
+}
+
 fn load_moe(name: &str, quantization: Option<QuantConfig>) -> LlamaModel {
     let dir = data_path(&format!("models/{name}"));
     let options = LoadOptions {
@@ -321,17 +328,12 @@ fn gguf_mixtures_of_experts_match_transformers() {
             ..Default::default()
         };
         let quantized = load_model(&path, None, &nf4).unwrap().model;
-        let linears = quantized.linears();
-        let is_nf4 = |n: &str| {
-            let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
-            matches!(l.base.weight, FrozenWeight::Nf4(_))
-        };
         assert!(
-            is_nf4("model.layers.1.mlp.experts.2.gate_up_proj"),
+            is_nf4(&quantized, "model.layers.1.mlp.experts.2.gate_up_proj"),
             "{file}"
         );
         assert!(
-            !is_nf4("model.layers.0.mlp.gate"),
+            !is_nf4(&quantized, "model.layers.0.mlp.gate"),
             "{file}: the router stays dense"
         );
         if golden_of != "tiny-qwen3-moe-gguf" {
@@ -349,12 +351,12 @@ fn gguf_mixtures_of_experts_match_transformers() {
     }
 }
 
-/// PEFT's adapters on the router, every expert (`target_parameters`) and the linear modules load with PEFT's
-/// logits, save back to PEFT's exact tensors, and merge (through the command's library call) into a folder
-/// transformers reads, with PEFT's merged logits.
+/// PEFT's adapters on the router, every expert (`target_parameters`; gpt-oss's interleaved ones too) and the
+/// linear modules load with PEFT's logits, save back to PEFT's exact tensors, and merge (through the command's
+/// library call) into a folder transformers reads (gpt-oss: its 3-D expert layout), with PEFT's merged logits.
 #[test]
 fn peft_expert_adapters_load_save_and_merge() {
-    for name in MOE_MODELS {
+    for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
         let g = model_golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let peft_dir = data_path(&format!("models/{name}/adapter"));
@@ -404,51 +406,10 @@ fn peft_expert_adapters_load_save_and_merge() {
     }
 }
 
-/// gpt-oss: PEFT's adapter on the attention, the router and the interleaved experts (`target_parameters`) gives
-/// PEFT's logits, saves back to PEFT's exact tensors and merges (into transformers' 3-D expert layout) with PEFT's
-/// merged logits; the MXFP4 checkpoint (`*_blocks` / `*_scales`) loads with
-/// the logits of transformers' own dequantization of its bytes, and in 4 bits with NF4 experts and a dense router.
+/// gpt-oss's MXFP4 checkpoint (`*_blocks` / `*_scales`) loads with the logits of transformers' own dequantization
+/// of its bytes, and in 4 bits with NF4 experts and a dense router.
 #[test]
-fn gpt_oss_adapters_and_mxfp4_checkpoints_match_transformers() {
-    let g = model_golden(GPT_OSS);
-    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
-    let peft_dir = data_path(&format!("models/{GPT_OSS}/adapter"));
-    let mut model = load_moe(GPT_OSS, None);
-    load_adapter(&mut model, &peft_dir, "default").unwrap();
-    let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_adapter"]);
-    assert!(d <= 1e-4, "logits with PEFT's adapter differ by {d}");
-    let dir = tempfile::tempdir().unwrap();
-    save_adapter(&model, "default", dir.path(), None).unwrap();
-    let ours =
-        candle_core::safetensors::load(dir.path().join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
-    let theirs =
-        candle_core::safetensors::load(peft_dir.join(ADAPTER_WEIGHTS), &Device::Cpu).unwrap();
-    let mut keys: Vec<&String> = ours.keys().collect();
-    keys.sort();
-    let mut expected: Vec<&String> = theirs.keys().collect();
-    expected.sort();
-    assert_eq!(keys, expected, "saved keys");
-    for (k, t) in &theirs {
-        assert_eq!(
-            max_abs_diff(&ours[k], t),
-            0.0,
-            "`{k}` changed on the round trip"
-        );
-    }
-    let merged = dir.path().join("merged");
-    let options = MergeOptions {
-        dtype: DType::F32,
-        requantize: None,
-        overwrite: false,
-    };
-    let source = data_path(&format!("models/{GPT_OSS}"));
-    merge_to_folder(&model, None, Some(&source), &merged, &options).unwrap();
-    let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
-        .unwrap()
-        .model;
-    let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &g["logits_merged"]);
-    assert!(d <= 1e-4, "merged logits differ from PEFT's merge by {d}");
-
+fn gpt_oss_mxfp4_checkpoints_match_transformers() {
     let mxfp4 = "tiny-gpt-oss-mxfp4";
     let golden = model_golden(mxfp4);
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
@@ -456,14 +417,12 @@ fn gpt_oss_adapters_and_mxfp4_checkpoints_match_transformers() {
     let d = max_abs_diff(&model.logits(&ids).unwrap(), &golden["logits"]);
     assert!(d <= 1e-5, "MXFP4 logits differ from transformers' by {d}");
     let quantized = load_moe(mxfp4, Some(QuantConfig::nf4()));
-    let linears = quantized.linears();
-    let is_nf4 = |n: &str| {
-        let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
-        matches!(l.base.weight, FrozenWeight::Nf4(_))
-    };
-    assert!(is_nf4("model.layers.1.mlp.experts.3.gate_up_proj"));
+    assert!(is_nf4(
+        &quantized,
+        "model.layers.1.mlp.experts.3.gate_up_proj"
+    ));
     assert!(
-        !is_nf4("model.layers.0.mlp.router"),
+        !is_nf4(&quantized, "model.layers.0.mlp.router"),
         "the router stays dense"
     );
     let loss_of = |m: &LlamaModel| {
@@ -485,11 +444,7 @@ fn experts_quantize_on_load_and_the_router_stays_dense() {
     let g = model_golden("tiny-qwen3-moe");
     let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
     let model = load_moe("tiny-qwen3-moe", Some(QuantConfig::nf4()));
-    let linears = model.linears();
-    let kind = |n: &str| {
-        let (_, l) = linears.iter().find(|(name, _)| name == n).unwrap();
-        matches!(l.base.weight, FrozenWeight::Nf4(_))
-    };
+    let kind = |n: &str| is_nf4(&model, n);
     assert!(kind("model.layers.0.mlp.experts.3.gate_up_proj"));
     assert!(kind("model.layers.2.mlp.experts.0.down_proj"));
     assert!(

@@ -817,7 +817,7 @@ mod tests {
     }
 
     #[test]
-    fn window_and_softcap_with_cached_keys() {
+    fn window_softcap_and_sinks_with_cached_keys() {
         // 3 new queries over 10 keys (packed and not): equal to the reference and to the tail of the full call.
         let (q, k, v) = (
             rand_f64(&[2, 4, 10, 3], 51),
@@ -828,21 +828,28 @@ mod tests {
         let positions = two_rows(10);
         let flat = Tensor::from_vec(positions.concat(), (2, 10), &candle_core::Device::Cpu);
         let segments = Segments::from_positions(&flat.unwrap()).unwrap();
-        let spec = AttentionSpec::causal(1.3)
-            .with_sliding_window(4)
-            .with_softcap(0.8);
-        for (segs, pos) in [(None, None), (Some(&segments), Some(positions.as_slice()))] {
-            let inputs = [tail.clone(), k.clone(), v.clone()];
-            check_spec(spec.clone(), pos, &inputs, 15);
-            let full = attention(&q, &k, &v, &spec, segs).unwrap();
-            let part = attention(&tail, &k, &v, &spec, segs).unwrap();
-            let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
-            assert!(d < 1e-14, "{d}");
+        let with_sinks = AttentionSpec::causal(1.1).with_sinks(sinks(4));
+        let specs = [
+            AttentionSpec::causal(1.3)
+                .with_sliding_window(4)
+                .with_softcap(0.8),
+            with_sinks.clone(),
+            with_sinks.with_sliding_window(4),
+        ];
+        for spec in specs {
+            for (segs, pos) in [(None, None), (Some(&segments), Some(positions.as_slice()))] {
+                let inputs = [tail.clone(), k.clone(), v.clone()];
+                check_spec(spec.clone(), pos, &inputs, 15);
+                let full = attention(&q, &k, &v, &spec, segs).unwrap();
+                let part = attention(&tail, &k, &v, &spec, segs).unwrap();
+                let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
+                assert!(d < 1e-14, "{d}");
+            }
         }
     }
 
     #[test]
-    fn window_and_softcap_across_query_blocks() {
+    fn window_softcap_and_sinks_across_query_blocks() {
         // 150 queries span two query blocks; the second block's keys start inside the first's queries.
         let inputs = [
             rand_f64(&[1, 2, 150, 2], 61),
@@ -859,6 +866,11 @@ mod tests {
             &inputs,
             4,
         );
+        // The composed path's sink column has `c` rows per head in each block.
+        let with_sinks = AttentionSpec::causal(1.5)
+            .with_sliding_window(7)
+            .with_sinks(sinks(2));
+        check_spec(with_sinks, None, &inputs, 6);
     }
 
     #[test]
@@ -912,10 +924,19 @@ mod tests {
 
     #[test]
     fn half_precision_composed_path_follows_f64() {
-        // bf16 on the CPU runs the composed path: forward and gradients near the f64 slice kernel's.
-        let spec = AttentionSpec::causal(1.4)
-            .with_sliding_window(3)
-            .with_softcap(0.9);
+        // bf16 on the CPU runs the composed path (its soft cap; its sink column and denominator): forward and
+        // gradients near the f64 slice kernel's.
+        let window = AttentionSpec::causal(1.4).with_sliding_window(3);
+        for spec in [
+            window.clone().with_softcap(0.9),
+            window.with_sinks(sinks(4)),
+        ] {
+            half_precision_follows_f64(&spec);
+        }
+    }
+
+    /// `spec` in bf16 (the composed path) against f64 (the slice kernel): output and gradients.
+    fn half_precision_follows_f64(spec: &AttentionSpec) {
         let xs = [
             rand_f64(&[1, 4, 8, 4], 91),
             rand_f64(&[1, 2, 8, 4], 92),
@@ -926,7 +947,7 @@ mod tests {
                 .iter()
                 .map(|x| candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap())
                 .collect();
-            let y = attention(&vars[0], &vars[1], &vars[2], &spec, None).unwrap();
+            let y = attention(&vars[0], &vars[1], &vars[2], spec, None).unwrap();
             let r = rand_f64(y.dims(), 5).to_dtype(dtype).unwrap();
             let grads = (&y * r).unwrap().sum_all().unwrap().backward().unwrap();
             let mut out = vec![y.to_dtype(DType::F64).unwrap()];
@@ -992,51 +1013,6 @@ mod tests {
     }
 
     #[test]
-    fn sinks_on_packed_rows_with_cached_keys() {
-        // 3 new queries over 10 packed keys (examples of 3 and 7 tokens in row 0), with a window and without:
-        // equal to the reference and to the tail of the full call.
-        let (q, k, v) = (
-            rand_f64(&[2, 4, 10, 3], 111),
-            rand_f64(&[2, 2, 10, 3], 112),
-            rand_f64(&[2, 2, 10, 3], 113),
-        );
-        let tail = q.narrow(2, 7, 3).unwrap();
-        let positions = two_rows(10);
-        let flat = Tensor::from_vec(positions.concat(), (2, 10), &candle_core::Device::Cpu);
-        let segments = Segments::from_positions(&flat.unwrap()).unwrap();
-        let with_sinks = AttentionSpec::causal(1.1).with_sinks(sinks(4));
-        for spec in [with_sinks.clone(), with_sinks.with_sliding_window(4)] {
-            let (segs, pos) = (Some(&segments), Some(positions.as_slice()));
-            check_spec(spec.clone(), pos, &[q.clone(), k.clone(), v.clone()], 15);
-            check_spec(spec.clone(), pos, &[tail.clone(), k.clone(), v.clone()], 15);
-            check_spec(
-                spec.clone(),
-                None,
-                &[tail.clone(), k.clone(), v.clone()],
-                10,
-            );
-            let full = attention(&q, &k, &v, &spec, segs).unwrap();
-            let part = attention(&tail, &k, &v, &spec, segs).unwrap();
-            let d = max_abs_diff(&full.narrow(2, 7, 3).unwrap(), &part);
-            assert!(d < 1e-14, "{d}");
-        }
-    }
-
-    #[test]
-    fn sinks_across_query_blocks() {
-        // 150 queries span two query blocks (the composed path's sink column has `c` rows per head).
-        let inputs = [
-            rand_f64(&[1, 2, 150, 2], 121),
-            rand_f64(&[1, 1, 150, 2], 122),
-            rand_f64(&[1, 1, 150, 2], 123),
-        ];
-        let spec = AttentionSpec::causal(1.5)
-            .with_sliding_window(7)
-            .with_sinks(sinks(2));
-        check_spec(spec, None, &inputs, 6);
-    }
-
-    #[test]
     fn sinks_take_probability_away_from_the_keys() {
         // With one key seen, p = 1/(1 + exp(sink − s)): a sink far below the score leaves the output at v, a sink
         // equal to it halves it, one far above empties it.
@@ -1097,37 +1073,6 @@ mod tests {
             AttentionSpec::causal(0.5).with_sinks(AttentionSinks::new(vec![0.7, -1.3, 2.2, -8.0]))
         );
         assert_eq!(sinks(2).values(), &[0.7, -1.3]);
-    }
-
-    #[test]
-    fn half_precision_composed_path_with_sinks_follows_f64() {
-        // bf16 on the CPU runs the composed path (its sink column and denominator) against the f64 slice kernel.
-        let spec = AttentionSpec::causal(1.4)
-            .with_sliding_window(3)
-            .with_sinks(sinks(4));
-        let xs = [
-            rand_f64(&[1, 4, 8, 4], 141),
-            rand_f64(&[1, 2, 8, 4], 142),
-            rand_f64(&[1, 2, 8, 4], 143),
-        ];
-        let run = |dtype: DType| {
-            let vars: Vec<_> = xs
-                .iter()
-                .map(|x| candle_core::Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap())
-                .collect();
-            let y = attention(&vars[0], &vars[1], &vars[2], &spec, None).unwrap();
-            let r = rand_f64(y.dims(), 6).to_dtype(dtype).unwrap();
-            let grads = (&y * r).unwrap().sum_all().unwrap().backward().unwrap();
-            let mut out = vec![y.to_dtype(DType::F64).unwrap()];
-            for v in &vars {
-                out.push(grads.get(v).unwrap().to_dtype(DType::F64).unwrap());
-            }
-            out
-        };
-        for (a, b) in run(DType::F64).iter().zip(run(DType::BF16)) {
-            let d = max_abs_diff(a, &b);
-            assert!(d < 3e-2, "{d}");
-        }
     }
 
     #[test]
