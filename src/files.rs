@@ -217,6 +217,24 @@ pub fn write_file_atomically(path: &Path, write: impl FnOnce(&Path) -> Result<()
     result
 }
 
+/// The first value of `t` that is a NaN or an infinity, with its flat index; read in chunks, so the check needs no
+/// copy of a large tensor.
+pub fn first_non_finite(t: &candle_core::Tensor) -> candle_core::Result<Option<(usize, f32)>> {
+    const CHUNK: usize = 1 << 20;
+    let flat = t.flatten_all()?;
+    let n = flat.elem_count();
+    for start in (0..n).step_by(CHUNK) {
+        let values: Vec<f32> = flat
+            .narrow(0, start, CHUNK.min(n - start))?
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec1()?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Ok(Some((start + i, values[i])));
+        }
+    }
+    Ok(None)
+}
+
 /// Writes tensors to `path` atomically (see [`write_file_atomically`]). Tensors are written in name order (as
 /// safetensors requires).
 pub fn write_safetensors<'a>(

@@ -11,7 +11,9 @@ use candle_core::{DType, Device, Tensor};
 use crate::adapter::registry::peft_key;
 use crate::adapter::{AdapterSlot, Adapters};
 use crate::error::{Error, Result};
-use crate::files::{read_json, write_atomic, write_safetensors, MappedSafetensors, RawTensor};
+use crate::files::{
+    first_non_finite, read_json, write_atomic, write_safetensors, MappedSafetensors, RawTensor,
+};
 use crate::lora::LoraConfig;
 use crate::models::LlamaModel;
 use crate::ops::frozen_linear::FrozenWeight;
@@ -203,6 +205,14 @@ pub fn save_adapter(
         .collect();
     let mut tensors = Vec::new();
     for (key, t) in stack_experts(params)? {
+        // A diverged adapter is not saved as if it were one: nothing that loads it could use it.
+        if let Some((at, value)) = first_non_finite(&t)? {
+            return Err(Error::InvalidInput(format!(
+                "adapter `{name}` holds {value} in `{key}` (element {at}): training diverged, so it is not saved \
+                 to {}; lower learning_rate (or max_grad_norm) and train again from the last checkpoint",
+                dir.display()
+            )));
+        }
         tensors.push((key, RawTensor::from_tensor(&t.to_dtype(DType::F32)?)?));
     }
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -238,6 +248,15 @@ pub fn load_adapter(model: &mut LlamaModel, dir: &Path, name: &str) -> Result<Lo
         let t = view
             .load(&Device::Cpu)
             .map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
+        if let Some((at, value)) = first_non_finite(&t)? {
+            return Err(Error::invalid_file(
+                &path,
+                format!(
+                    "`{key}` holds {value} at element {at}: the adapter was saved from a diverged run and cannot be \
+                     used; use an earlier checkpoint's adapter"
+                ),
+            ));
+        }
         tensors.insert(key.to_string(), t);
     }
     let tensors =

@@ -13,6 +13,7 @@ use super::hub::{hub_fetcher, hub_required, hub_snapshot, HUB_FILES};
 use super::safetensors::ShardedSafetensors;
 use super::source::ModelSource;
 use crate::error::{Error, Result};
+use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
 use crate::models::{
     Architecture, LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer,
@@ -371,24 +372,13 @@ fn gpt_oss_linears(
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
 /// loss from the first step, before any update. Read in chunks, so the check needs no copy of a large tensor.
 fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
-    const CHUNK: usize = 1 << 20;
-    let flat = t.flatten_all()?;
-    let n = flat.elem_count();
-    for start in (0..n).step_by(CHUNK) {
-        let values: Vec<f32> = flat
-            .narrow(0, start, CHUNK.min(n - start))?
-            .to_dtype(DType::F32)?
-            .to_vec1()?;
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            return Err(Error::Model(format!(
-                "tensor `{name}` in {place} holds {} at element {}: the model's weights are damaged (or were saved \
-                 from a diverged run); use an intact copy of the model",
-                values[i],
-                start + i
-            )));
-        }
+    match first_non_finite(t)? {
+        None => Ok(()),
+        Some((at, value)) => Err(Error::Model(format!(
+            "tensor `{name}` in {place} holds {value} at element {at}: the model's weights are damaged (or were \
+             saved from a diverged run); use an intact copy of the model"
+        ))),
     }
-    Ok(())
 }
 
 fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {

@@ -40,7 +40,7 @@ use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
-use crate::files::write_file_atomically;
+use crate::files::{first_non_finite, write_file_atomically};
 use crate::lora::LoraConfig;
 use crate::memory::pickle::to_pickle;
 use crate::memory::snapshot::Recording;
@@ -954,12 +954,7 @@ impl Trainer {
     /// What holds a NaN or an infinity — an adapter weight or a parameter's optimizer state — if anything does.
     fn non_finite_state(&self, optimizer: &Optimizer) -> Result<Option<String>> {
         for (name, var) in self.model.adapter_parameters(ADAPTER)? {
-            let values: Vec<f32> = var
-                .as_tensor()
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?;
-            if !values.iter().all(|x| x.is_finite()) {
+            if first_non_finite(var.as_tensor())?.is_some() {
                 return Ok(Some(format!("adapter weight `{name}`")));
             }
         }

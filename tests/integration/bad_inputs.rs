@@ -57,6 +57,7 @@ fn write_inputs(dir: &Path) {
     }
     std::fs::write(unreadable.join("model.safetensors"), "not weights").unwrap();
     write_foreign_adapter(&dir.join("foreign_adapter"));
+    write_nan_adapter(&dir.join("nan_adapter"));
     write_nan_model(&dir.join("nan_model"));
 }
 
@@ -81,6 +82,32 @@ fn write_foreign_adapter(out: &Path) {
         })
         .collect();
     candle_core::safetensors::save(&narrowed, out.join("adapter_model.safetensors")).unwrap();
+}
+
+/// The tiny Llama's all-linear PEFT adapter with a NaN in one `lora_B` (as a diverged run would leave it).
+fn write_nan_adapter(out: &Path) {
+    let source = data_path("peft/lora_all_linear");
+    std::fs::create_dir_all(out).unwrap();
+    std::fs::copy(
+        source.join("adapter_config.json"),
+        out.join("adapter_config.json"),
+    )
+    .unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(source.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    let key = tensors
+        .keys()
+        .find(|k| k.contains("lora_B"))
+        .unwrap()
+        .clone();
+    let t = &tensors[&key];
+    let nan = Tensor::full(f32::NAN, t.shape(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap();
+    tensors.insert(key, nan);
+    candle_core::safetensors::save(&tensors, out.join("adapter_model.safetensors")).unwrap();
 }
 
 /// The tiny Llama with a NaN in its final norm.
@@ -380,6 +407,35 @@ fn cases(dir: &Path) -> Vec<Case> {
             ]),
             1,
             "more (an adapter for another base model?)",
+        ),
+        // An adapter saved from a diverged run: refused by every command that reads it, naming the tensor.
+        case(
+            generate(&["--adapter", &file("nan_adapter"), "--prompt", "t3"]),
+            1,
+            "saved from a diverged run",
+        ),
+        case(
+            eval(&[
+                "--data",
+                &file("with_empty.jsonl"),
+                "--adapter",
+                &file("nan_adapter"),
+            ]),
+            1,
+            "lora_B.weight` holds NaN",
+        ),
+        case(
+            strings(&[
+                "merge",
+                "--model",
+                &model,
+                "--adapter",
+                &file("nan_adapter"),
+                "--output",
+                &file("merged_nan"),
+            ]),
+            1,
+            "saved from a diverged run",
         ),
         case(
             strings(&["generate", "--model", &file("nan_model"), "--prompt", "t3"]),

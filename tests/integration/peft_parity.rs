@@ -708,3 +708,32 @@ fn qlora_steps_lower_the_loss_with_and_without_checkpointing() {
         );
     }
 }
+
+/// An adapter that diverged (a NaN in one weight) is not saved: the error names the adapter and the tensor and
+/// says what to do, and no adapter file is written where none was.
+#[test]
+fn a_diverged_adapter_is_not_saved() {
+    let mut model = base();
+    load_adapter(&mut model, &data_path("peft/lora_all_linear"), "default").unwrap();
+    let (key, var) = model
+        .adapter_parameters("default")
+        .unwrap()
+        .into_iter()
+        .find(|(k, _)| k.contains("lora_B"))
+        .unwrap();
+    let nan = Tensor::full(f32::NAN, var.shape(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(var.dtype())
+        .unwrap();
+    var.set(&nan).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("adapter");
+    let err = save_adapter(&model, "default", &out, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("holds NaN") && err.contains(&key) && err.contains("lower learning_rate"),
+        "{err}"
+    );
+    assert!(!out.join("adapter_model.safetensors").exists());
+}

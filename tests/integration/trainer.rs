@@ -728,7 +728,8 @@ fn callbacks_divergence_and_output_dir_rules() {
 
 /// A diverged run never writes a checkpoint with a non-finite adapter or optimizer state, so rotation keeps the
 /// last good one: two good steps (checkpoint-2), then a resumed run whose learning rate overflows float32 makes the
-/// weights infinite at step 3; with `save_total_limit = 1`, checkpoint-2 must still be there at the end.
+/// weights infinite at step 3; with `save_total_limit = 1`, checkpoint-2 must still be there at the end, and the
+/// run ends in an error that says it diverged instead of saving a non-finite final adapter.
 #[test]
 fn non_finite_state_is_never_checkpointed() {
     let dir = tempfile::tempdir().unwrap();
@@ -751,7 +752,19 @@ fn non_finite_state_is_never_checkpointed() {
         .unwrap();
     assert!(out.join("checkpoint-2").exists());
     let mut t = trainer_with(&out, settings(4, 1e39), vec![]);
-    t.train(Some(&out.join("checkpoint-2"))).unwrap();
+    let err = t
+        .train(Some(&out.join("checkpoint-2")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("training diverged"), "{err}");
+    // The first run's final adapter is still the one in the folder, finite.
+    let adapter =
+        candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    for (k, t) in &adapter {
+        let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(v.iter().all(|x| x.is_finite()), "{k}");
+    }
     let kept: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
