@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
