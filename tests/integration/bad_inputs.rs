@@ -61,31 +61,8 @@ fn write_inputs(dir: &Path) {
     write_nan_model(&dir.join("nan_model"));
 }
 
-/// A PEFT adapter for a narrower model (every LoRA matrix cut to half its input or output width).
-fn write_foreign_adapter(out: &Path) {
-    let source = data_path("peft/lora_all_linear");
-    std::fs::create_dir_all(out).unwrap();
-    std::fs::copy(
-        source.join("adapter_config.json"),
-        out.join("adapter_config.json"),
-    )
-    .unwrap();
-    let tensors =
-        candle_core::safetensors::load(source.join("adapter_model.safetensors"), &Device::Cpu)
-            .unwrap();
-    let narrowed: HashMap<String, Tensor> = tensors
-        .into_iter()
-        .map(|(k, t)| {
-            let dim = if k.contains("lora_A") { 1 } else { 0 };
-            let half = t.dim(dim).unwrap() / 2;
-            (k, t.narrow(dim, 0, half).unwrap())
-        })
-        .collect();
-    candle_core::safetensors::save(&narrowed, out.join("adapter_model.safetensors")).unwrap();
-}
-
-/// The tiny Llama's all-linear PEFT adapter with a NaN in one `lora_B` (as a diverged run would leave it).
-fn write_nan_adapter(out: &Path) {
+/// The tiny Llama's all-linear PEFT adapter written to `out` with its tensors changed by `change`.
+fn write_changed_adapter(out: &Path, change: impl FnOnce(&mut HashMap<String, Tensor>)) {
     let source = data_path("peft/lora_all_linear");
     std::fs::create_dir_all(out).unwrap();
     std::fs::copy(
@@ -96,18 +73,36 @@ fn write_nan_adapter(out: &Path) {
     let mut tensors =
         candle_core::safetensors::load(source.join("adapter_model.safetensors"), &Device::Cpu)
             .unwrap();
-    let key = tensors
-        .keys()
-        .find(|k| k.contains("lora_B"))
-        .unwrap()
-        .clone();
-    let t = &tensors[&key];
-    let nan = Tensor::full(f32::NAN, t.shape(), &Device::Cpu)
-        .unwrap()
-        .to_dtype(t.dtype())
-        .unwrap();
-    tensors.insert(key, nan);
+    change(&mut tensors);
     candle_core::safetensors::save(&tensors, out.join("adapter_model.safetensors")).unwrap();
+}
+
+/// A PEFT adapter for a narrower model (every LoRA matrix cut to half its input or output width).
+fn write_foreign_adapter(out: &Path) {
+    write_changed_adapter(out, |tensors| {
+        for (k, t) in tensors.iter_mut() {
+            let dim = if k.contains("lora_A") { 1 } else { 0 };
+            let half = t.dim(dim).unwrap() / 2;
+            *t = t.narrow(dim, 0, half).unwrap();
+        }
+    });
+}
+
+/// The adapter with a NaN in one `lora_B` (as a diverged run would leave it).
+fn write_nan_adapter(out: &Path) {
+    write_changed_adapter(out, |tensors| {
+        let key = tensors
+            .keys()
+            .find(|k| k.contains("lora_B"))
+            .unwrap()
+            .clone();
+        let t = &tensors[&key];
+        let nan = Tensor::full(f32::NAN, t.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(t.dtype())
+            .unwrap();
+        tensors.insert(key, nan);
+    });
 }
 
 /// The tiny Llama with a NaN in its final norm.
