@@ -220,6 +220,17 @@ impl PeftOnlyKeys {
     }
 }
 
+/// The largest LoRA rank accepted: far above any layer's width (a rank beyond min(in, out) adds nothing), and small
+/// enough that an adapter's sizes cannot overflow.
+pub const MAX_RANK: usize = 1 << 16;
+
+/// The message for a rank above [`MAX_RANK`].
+pub fn rank_too_large(r: usize) -> String {
+    format!(
+        "rank {r} is larger than any layer (at most {MAX_RANK}; QLoRA ranks are usually 8 to 256)"
+    )
+}
+
 impl LoraConfig {
     /// `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA) for a module of rank `r` and alpha `alpha`.
     pub fn scaling(&self, r: usize, alpha: f64) -> f64 {
@@ -300,12 +311,7 @@ impl LoraConfig {
         if self.r == 0 {
             return bad("r must be at least 1".into());
         }
-        // Far above any layer's width (a rank beyond min(in, out) adds nothing), and small enough that the adapter's
-        // sizes cannot overflow.
-        const MAX_RANK: usize = 1 << 16;
-        let too_large = |r: usize| {
-            format!("rank {r} is larger than any layer (at most {MAX_RANK}; QLoRA ranks are usually 8 to 256)")
-        };
+        let too_large = rank_too_large;
         if self.r > MAX_RANK {
             return bad(format!("r = {}: {}", self.r, too_large(self.r)));
         }

@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::models::ModelConfig;
 use crate::ops::attention::{CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
@@ -66,6 +67,13 @@ impl EstimateArgs {
             if value == 0 {
                 return bad(format!("{name} must be at least 1"));
             }
+        }
+        if self.lora_r > MAX_RANK {
+            return bad(format!(
+                "lora_r = {}: {}",
+                self.lora_r,
+                rank_too_large(self.lora_r)
+            ));
         }
         match self.batch.checked_mul(self.seq) {
             Some(tokens) if tokens <= MAX_ESTIMATE_TOKENS => {}

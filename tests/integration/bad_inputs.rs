@@ -460,6 +460,12 @@ fn cases(dir: &Path) -> Vec<Case> {
             1,
             "too large",
         ),
+        // A rank whose sizes would overflow: refused as training refuses it (it overflowed the arithmetic before).
+        case(
+            estimate(&["--lora-r", "18446744073709551615"]),
+            1,
+            "is larger than any layer",
+        ),
         // gpt-oss: a damaged MXFP4 scale is named with its tensor; YaRN without its original context is refused.
         case(
             strings(&[
