@@ -15,9 +15,7 @@ use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
-use crate::models::{
-    Architecture, LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer,
-};
+use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
 use crate::ops::rope::RopeScaling;
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::quant::mxfp4::{dequantize_mxfp4, MXFP4_BLOCK};
@@ -237,9 +235,6 @@ fn sparse_linears(
     quant: Option<&QuantConfig>,
 ) -> Result<Vec<LoraLinear>> {
     let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
-    if moe.clamped_swiglu.is_some() {
-        return gpt_oss_linears(weights, p, moe, hidden, quant);
-    }
     let block = if weights.has(&format!("{p}.block_sparse_moe.gate.weight")) {
         "block_sparse_moe"
     } else {
@@ -324,25 +319,25 @@ fn gpt_oss_linears(
         FrozenWeight::Dense(weights.dense(&format!("{router}.weight"), &[experts, hidden])?),
         weights.dense(&format!("{router}.bias"), &[experts])?,
     )?];
-    // `[experts, out, in]` of one projection.
-    let stacked = |projection: &str, out_dim: usize, in_dim: usize| -> Result<Tensor> {
+    let stacked = |projection: &str, out_dim: usize, in_dim: usize| -> Result<ExpertStack> {
         let name = format!("{p}.mlp.experts.{projection}");
         let blocks = format!("{name}_blocks");
-        if weights.has(&blocks) {
-            if in_dim % MXFP4_BLOCK != 0 {
-                return Err(Error::Model(format!(
-                    "`{blocks}`: MXFP4 needs the input width ({in_dim}) to be a multiple of {MXFP4_BLOCK}"
-                )));
-            }
-            let groups = in_dim / MXFP4_BLOCK;
-            let codes = weights.dense(&blocks, &[experts, out_dim, groups, MXFP4_BLOCK / 2])?;
-            let scales = weights.dense(&format!("{name}_scales"), &[experts, out_dim, groups])?;
-            return dequantize_mxfp4(&codes, &scales)
-                .map_err(|e| Error::Model(format!("`{blocks}` in {}: {e}", weights.where_())));
+        if !weights.has(&blocks) {
+            return Ok(ExpertStack::Dense(
+                weights.dense(&name, &[experts, in_dim, out_dim])?,
+            ));
         }
-        Ok(weights
-            .dense(&name, &[experts, in_dim, out_dim])?
-            .transpose(1, 2)?)
+        if in_dim % MXFP4_BLOCK != 0 {
+            return Err(Error::Model(format!(
+                "`{blocks}`: MXFP4 needs the input width ({in_dim}) to be a multiple of {MXFP4_BLOCK}"
+            )));
+        }
+        let groups = in_dim / MXFP4_BLOCK;
+        Ok(ExpertStack::Mxfp4 {
+            codes: weights.dense(&blocks, &[experts, out_dim, groups, MXFP4_BLOCK / 2])?,
+            scales: weights.dense(&format!("{name}_scales"), &[experts, out_dim, groups])?,
+            place: format!("`{blocks}` in {}", weights.where_()),
+        })
     };
     let gate_up = stacked("gate_up_proj", 2 * width, hidden)?;
     let down = stacked("down_proj", hidden, width)?;
@@ -356,9 +351,12 @@ fn gpt_oss_linears(
     )?;
     for e in 0..experts {
         let ours = format!("{p}.mlp.experts.{e}");
-        let weight = |t: &Tensor, projection: &str| -> Result<FrozenWeight> {
-            let dense = t.get(e)?.contiguous()?.to_dtype(DType::F32)?;
-            frozen_weight(dense, &format!("{ours}.{projection}.weight"), quant)
+        let weight = |stack: &ExpertStack, projection: &str| -> Result<FrozenWeight> {
+            frozen_weight(
+                stack.expert(e)?,
+                &format!("{ours}.{projection}.weight"),
+                quant,
+            )
         };
         out.push(linear(
             weight(&gate_up, "gate_up_proj")?,
@@ -367,6 +365,33 @@ fn gpt_oss_linears(
         out.push(linear(weight(&down, "down_proj")?, down_bias.get(e)?)?);
     }
     Ok(out)
+}
+
+/// One projection of every gpt-oss expert, as stored: MXFP4 codes and scales `[experts, out, …]`, or transformers'
+/// dense `[experts, in, out]`. Experts are decoded one at a time, so a layer's experts are never all in float32.
+enum ExpertStack {
+    Mxfp4 {
+        codes: Tensor,
+        scales: Tensor,
+        /// The tensor and file, for errors.
+        place: String,
+    },
+    Dense(Tensor),
+}
+
+impl ExpertStack {
+    /// Expert `e`'s `[out, in]` weight in float32.
+    fn expert(&self, e: usize) -> Result<Tensor> {
+        Ok(match self {
+            ExpertStack::Mxfp4 {
+                codes,
+                scales,
+                place,
+            } => dequantize_mxfp4(&codes.get(e)?, &scales.get(e)?)
+                .map_err(|err| Error::Model(format!("{place}: {err}")))?,
+            ExpertStack::Dense(t) => t.get(e)?.t()?.contiguous()?.to_dtype(DType::F32)?,
+        })
+    }
 }
 
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
@@ -410,12 +435,14 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
             if name == arch.router_name() {
                 // The router opens the experts, loaded together (see `sparse_linears`).
                 let moe = sparse.expect("only sparse layers have a router");
-                linears.extend(sparse_linears(weights, &p, moe, h, quant)?);
+                linears.extend(match moe.clamped_swiglu {
+                    Some(_) => gpt_oss_linears(weights, &p, moe, h, quant)?,
+                    None => sparse_linears(weights, &p, moe, h, quant)?,
+                });
             } else if !name.starts_with("mlp.experts.") {
-                // gpt-oss's output projection has a bias too.
                 let bias = cfg.attention_bias
                     && name.starts_with("self_attn.")
-                    && (name != "self_attn.o_proj" || arch == Architecture::GptOss);
+                    && (name != "self_attn.o_proj" || arch.biases_attention_output());
                 linears.push(weights.linear(&format!("{p}.{name}"), shape, bias, quant)?);
             }
         }

@@ -315,8 +315,7 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
 /// Biases and other small per-layer vectors kept dense: attention biases (q/k/v; gpt-oss's o too), gpt-oss's
 /// attention sinks, and its router and expert biases.
 fn bias_params(c: &ModelConfig, layers: u64, h: u64, hq: u64, hkv: u64) -> u64 {
-    let gpt_oss = c.architecture == crate::models::Architecture::GptOss;
-    let attention = match (c.attention_bias, gpt_oss) {
+    let attention = match (c.attention_bias, c.architecture.biases_attention_output()) {
         (false, _) => 0,
         (true, false) => layers * (hq + 2 * hkv),
         (true, true) => layers * (hq + 2 * hkv + h),

@@ -220,29 +220,31 @@ fn with_recorder<R>(f: impl FnOnce(&mut Option<Recorder>) -> R) -> R {
 /// Called by the tracking allocator after each allocation. Allocates nothing.
 #[inline]
 pub(crate) fn on_alloc(addr: usize, size: usize) {
-    if !RECORDING.load(Ordering::Relaxed) {
-        return;
-    }
-    let context = Context::now();
-    with_recorder(|r| {
-        if let Some(r) = r.as_mut().filter(|_| RECORDING.load(Ordering::Relaxed)) {
-            r.insert(addr, size, context);
-            r.push(Action::Alloc, addr, size, context);
-        }
-    });
+    record(Action::Alloc, addr, size);
 }
 
 /// Called by the tracking allocator before each free. Allocates nothing.
 #[inline]
 pub(crate) fn on_free(addr: usize, size: usize) {
+    record(Action::Free, addr, size);
+}
+
+/// Records `action` on the allocation at `addr` (the live table and the ring) while recording is on.
+#[inline]
+fn record(action: Action, addr: usize, size: usize) {
     if !RECORDING.load(Ordering::Relaxed) {
         return;
     }
     let context = Context::now();
     with_recorder(|r| {
         if let Some(r) = r.as_mut().filter(|_| RECORDING.load(Ordering::Relaxed)) {
-            r.remove(addr);
-            r.push(Action::Free, addr, size, context);
+            match action {
+                Action::Alloc => r.insert(addr, size, context),
+                Action::Free => {
+                    r.remove(addr);
+                }
+            }
+            r.push(action, addr, size, context);
         }
     });
 }

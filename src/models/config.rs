@@ -142,6 +142,11 @@ impl Architecture {
         }
     }
 
+    /// With `attention_bias`, the output projection has a bias too (gpt-oss; the others bias q/k/v only).
+    pub fn biases_attention_output(self) -> bool {
+        self == Architecture::GptOss
+    }
+
     /// Each attention head has a learned sink logit joined to its softmax (`self_attn.sinks`, gpt-oss).
     pub fn has_attention_sinks(self) -> bool {
         self == Architecture::GptOss

@@ -1039,18 +1039,12 @@ impl Trainer {
         if !run.writes() {
             return Ok(output);
         }
-        let train: Vec<(usize, f64)> = self
-            .state
-            .log_history
-            .iter()
-            .filter_map(|e| Some((e.step, e.loss?)))
-            .collect();
-        let learning_rate: Vec<(usize, f64)> = self
-            .state
-            .log_history
-            .iter()
-            .filter_map(|e| Some((e.step, e.learning_rate?)))
-            .collect();
+        let by_step = |value: fn(&LogEntry) -> Option<f64>| -> Vec<(usize, f64)> {
+            let history = self.state.log_history.iter();
+            history.filter_map(|e| Some((e.step, value(e)?))).collect()
+        };
+        let train = by_step(|e| e.loss);
+        let learning_rate = by_step(|e| e.learning_rate);
         let eval = self.state.eval_losses();
         let plot = out.join(PLOT_FILE);
         let svg = loss_svg(&LossCurves {
