@@ -10,8 +10,9 @@ status 3 and says so.
 
 Output: {"segsum": <memory_viz's segment summary text>, "trace_lines": <lines of its trace printout>,
 "segments": n, "events": n, "live_bytes": bytes in the segments, "replayed_peak": the highest live total during a
-step's phases (forward, recompute, backward, optimizer; the trace replayed from the live total its start implies), "frames": the first alloc's frames
-formatted as memory_viz formats them}.
+step's phases (forward, recompute, backward, optimizer; the trace replayed from the live total its start implies),
+"frames": the first alloc's frames formatted as memory_viz formats them, "allocator_settings": as written,
+"ooms": the allocations the device refused (size, device_free)}.
 """
 
 import importlib.util
@@ -44,7 +45,8 @@ def main():
         data = pickle.load(f)
     segsum = viz.segsum(data)  # raises on an inconsistent segment
     trace = viz.trace(data)
-    events = data["device_traces"][0]
+    # The recorded device's trace (the heap's is device 0's; a GPU's is at its ordinal).
+    events = max(data["device_traces"], key=len)
     live = sum(b["size"] for s in data["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
     net = sum(e["size"] for e in events if e["action"] == "alloc") - sum(
         e["size"] for e in events if e["action"] == "free_completed")
@@ -70,6 +72,7 @@ def main():
         "replayed_peak": peak,
         "frames": viz._frames_fmt(first["frames"]),
         "allocator_settings": data["allocator_settings"],
+        "ooms": [{"size": e["size"], "device_free": e["device_free"]} for e in events if e["action"] == "oom"],
     }))
 
 

@@ -241,14 +241,17 @@ fn train(args: TrainArgs) -> anyhow::Result<()> {
         config.training.resume_from_checkpoint = Some(resume);
     }
     let resume = config.training.resume_checkpoint()?;
-    // `memory_snapshot`: record from here, so the tokenizer, the data and the weights are in the snapshot.
+    // `memory_snapshot` of a CPU run: record the heap from here, so the tokenizer, the data and the weights are in
+    // the snapshot (a GPU's pool is recorded from when the trainer opens the device).
     let _recording = (config.training.memory_snapshot
-        && config.training.memory_snapshot_max_entries > 0)
-        .then(|| {
-            candle_qlora::memory::snapshot::Recording::start(
-                config.training.memory_snapshot_max_entries,
-            )
-        });
+        && config.training.memory_snapshot_max_entries > 0
+        && (config.training.use_cpu || !cfg!(feature = "cuda")))
+    .then(|| {
+        candle_qlora::memory::snapshot::Recording::start(
+            candle_qlora::memory::snapshot::Source::Heap,
+            config.training.memory_snapshot_max_entries,
+        )
+    });
     let mut trainer = Trainer::from_run_config(&config)?;
     candle_qlora::trainer::interrupt::stop_on_ctrl_c()
         .context("cannot install the Ctrl-C handler")?;

@@ -1,8 +1,10 @@
 //! Where training memory goes: the heap under CPU tensors ([`allocator`]), measurement ([`mod@stats`]), a per-phase
 //! timeline with a breakdown by category at the peak ([`timeline`]), snapshots of every allocation in PyTorch's
-//! format ([`snapshot`], written with [`pickle`]), and prediction before a run ([`mod@estimate`]).
+//! format ([`snapshot`], written with [`pickle`]; a CUDA pool's allocations seen through `cuda_hooks`), and prediction before a run ([`mod@estimate`]).
 
 pub mod allocator;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_hooks;
 pub mod estimate;
 pub mod pickle;
 pub mod snapshot;

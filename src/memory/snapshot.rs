@@ -3,22 +3,26 @@
 //! with their `blocks`, `device_traces` of `alloc` / `free_requested` / `free_completed` events), pickled, for
 //! PyTorch's memory_viz (pytorch.org/memory_viz) and `torch.cuda._memory_viz`.
 //!
-//! What is recorded is the tracking allocator's heap ([`super::TrackingAllocator`]) — the memory under CPU tensors:
-//! every allocation while recording is on (so replaying the trace gives the heap's count exactly), each with its
-//! context as frames
-//! (the op, the layer, the phase and the step, set by the trainer, the model and the ops through
-//! [`crate::profile::context`]).
-//! The allocator hook never allocates: events go to a ring of `max_entries` (the oldest dropped, as PyTorch bounds
-//! its trace) and the live allocations to an open-addressing table, both allocated when recording starts.
+//! What is recorded is one [`Source`]: the tracking allocator's heap ([`super::TrackingAllocator`]) — the memory
+//! under CPU tensors — or a CUDA device's memory pool (the buffers Candle allocates, seen through
+//! `super::cuda_hooks`). Every allocation while recording is on is kept (so replaying the trace gives the source's
+//! count exactly), each with its context as frames (the op, the layer, the phase and the step, set by the trainer,
+//! the model and the ops through [`crate::profile::context`]).
+//! The hooks never allocate: events go to a ring of `max_entries` (the oldest dropped, as PyTorch bounds its
+//! trace) and the live allocations to an open-addressing table, both allocated when recording starts.
 //!
-//! Each live allocation becomes a segment of one block (a heap has no segments); the trace is device 0's.
+//! Each live allocation becomes a segment of one block (neither a heap nor Candle's use of the pool has PyTorch's
+//! segments); the trace is the recorded device's (device 0 for the heap).
 
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use super::allocator::exclude;
-use super::pickle::PyValue;
+use super::pickle::{to_pickle, PyValue};
+use crate::error::{Error, Result};
+use crate::files::write_file_atomically;
 use crate::profile::context::Context;
 
 /// The most live allocations tracked at once (a large tokenizer holds hundreds of thousands of small ones; past
@@ -49,10 +53,45 @@ fn frames(context: &Context) -> PyValue {
     ])
 }
 
+/// What a recording sees.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The heap counted by [`super::TrackingAllocator`] (CPU tensors).
+    Heap,
+    /// The memory pool of CUDA device `ordinal`: Candle's buffers, allocated with `cuMemAllocAsync` (builds with
+    /// the `cuda` feature).
+    CudaPool {
+        /// The device's ordinal (its index in the snapshot's `device_traces`).
+        ordinal: usize,
+    },
+}
+
+impl Source {
+    /// Its number in [`SOURCE`] (0: not recording).
+    fn code(self) -> u8 {
+        match self {
+            Source::Heap => 1,
+            Source::CudaPool { .. } => 2,
+        }
+    }
+
+    /// Where the snapshot says its allocations come from.
+    fn describe(self) -> &'static str {
+        match self {
+            Source::Heap => "candle-qlora heap (TrackingAllocator)",
+            Source::CudaPool { .. } => "candle-qlora CUDA pool (cuMemAllocAsync)",
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Action {
     Alloc,
     Free,
+    /// An allocation of `size` bytes the device refused; `addr` holds the bytes it had free (PyTorch's
+    /// `device_free`). Only a CUDA pool refuses: the heap's allocation failure aborts the program.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Oom,
 }
 
 /// One recorded event.
@@ -74,6 +113,7 @@ struct Slot {
 }
 
 struct Recorder {
+    source: Source,
     /// The ring: `len` events ending before `head`.
     events: Vec<Event>,
     head: usize,
@@ -91,7 +131,7 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new(max_entries: usize, max_live: usize) -> Self {
+    fn new(source: Source, max_entries: usize, max_live: usize) -> Self {
         let slots = (2 * max_live).next_power_of_two().max(1024);
         let blank = Event {
             action: Action::Alloc,
@@ -101,6 +141,7 @@ impl Recorder {
             context: Context::default(),
         };
         Recorder {
+            source,
             events: vec![blank; max_entries.max(1)],
             head: 0,
             len: 0,
@@ -159,16 +200,18 @@ impl Recorder {
         self.live_count += 1;
     }
 
-    /// Removes `addr` (backward-shift deletion, so no tombstones build up); false when it was not tracked.
-    fn remove(&mut self, addr: usize) -> bool {
+    /// Removes `addr` (backward-shift deletion, so no tombstones build up), returning its size; `None` when it was
+    /// not tracked.
+    fn remove(&mut self, addr: usize) -> Option<usize> {
         let mut i = self.home(addr);
         loop {
             match self.live[i].addr {
-                0 => return false,
+                0 => return None,
                 a if a == addr => break,
                 _ => i = (i + 1) & self.mask,
             }
         }
+        let size = self.live[i].size;
         let mut hole = i;
         let mut j = i;
         loop {
@@ -190,7 +233,7 @@ impl Recorder {
         }
         self.live[hole] = Slot::default();
         self.live_count -= 1;
-        true
+        Some(size)
     }
 }
 
@@ -201,7 +244,8 @@ unsafe impl Sync for Shared {}
 
 static RECORDER: Shared = Shared(UnsafeCell::new(None));
 static LOCK: AtomicBool = AtomicBool::new(false);
-static RECORDING: AtomicBool = AtomicBool::new(false);
+/// The [`Source::code`] being recorded; 0 when not recording.
+static SOURCE: AtomicU8 = AtomicU8::new(0);
 
 /// Runs `f` on the recorder under the spin lock (held for a few hundred nanoseconds at most).
 fn with_recorder<R>(f: impl FnOnce(&mut Option<Recorder>) -> R) -> R {
@@ -220,61 +264,101 @@ fn with_recorder<R>(f: impl FnOnce(&mut Option<Recorder>) -> R) -> R {
 /// Called by the tracking allocator after each allocation. Allocates nothing.
 #[inline]
 pub(crate) fn on_alloc(addr: usize, size: usize) {
-    record(Action::Alloc, addr, size);
+    record(Source::Heap.code(), Action::Alloc, addr, size);
 }
 
 /// Called by the tracking allocator before each free. Allocates nothing.
 #[inline]
 pub(crate) fn on_free(addr: usize, size: usize) {
-    record(Action::Free, addr, size);
+    record(Source::Heap.code(), Action::Free, addr, size);
 }
 
-/// Records `action` on the allocation at `addr` (the live table and the ring) while recording is on.
+/// Called by the CUDA hooks after the driver allocated `size` bytes at `addr`. Allocates nothing.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_device_alloc(addr: usize, size: usize) {
+    record(
+        Source::CudaPool { ordinal: 0 }.code(),
+        Action::Alloc,
+        addr,
+        size,
+    );
+}
+
+/// Called by the CUDA hooks before the driver frees `addr` (its size is the recorded one). Allocates nothing.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_device_free(addr: usize) {
+    record(
+        Source::CudaPool { ordinal: 0 }.code(),
+        Action::Free,
+        addr,
+        0,
+    );
+}
+
+/// Called by the CUDA hooks when the driver refused `size` bytes with `free` bytes left. Allocates nothing.
+#[cfg(feature = "cuda")]
+pub(crate) fn on_device_oom(size: usize, free: usize) {
+    record(
+        Source::CudaPool { ordinal: 0 }.code(),
+        Action::Oom,
+        free,
+        size,
+    );
+}
+
+/// Records `action` on the allocation at `addr` (the live table and the ring) while `source` is recorded. A free
+/// takes the size recorded with the allocation when it has one.
 #[inline]
-fn record(action: Action, addr: usize, size: usize) {
-    if !RECORDING.load(Ordering::Relaxed) {
+fn record(source: u8, action: Action, addr: usize, size: usize) {
+    if SOURCE.load(Ordering::Relaxed) != source {
         return;
     }
     let context = Context::now();
     with_recorder(|r| {
-        if let Some(r) = r.as_mut().filter(|_| RECORDING.load(Ordering::Relaxed)) {
-            match action {
-                Action::Alloc => r.insert(addr, size, context),
-                Action::Free => {
-                    r.remove(addr);
+        if let Some(r) = r
+            .as_mut()
+            .filter(|_| SOURCE.load(Ordering::Relaxed) == source)
+        {
+            let size = match action {
+                Action::Alloc => {
+                    r.insert(addr, size, context);
+                    size
                 }
-            }
+                Action::Free => r.remove(addr).unwrap_or(size),
+                Action::Oom => size,
+            };
             r.push(action, addr, size, context);
         }
     });
 }
 
-/// Starts recording allocations, keeping the last `max_entries` events (PyTorch's `max_entries`). Replaces a
-/// recording in progress. Only the tracking allocator's allocations are seen (see [`super::tracking`]).
-pub fn start_recording(max_entries: usize) {
+/// Starts recording the allocations of `source`, keeping the last `max_entries` events (PyTorch's
+/// `max_entries`). Replaces a recording in progress. The heap is seen only under the tracking allocator (see
+/// [`super::tracking`]), a CUDA pool only where the hooks are linked (`super::cuda_hooks`).
+pub fn start_recording(source: Source, max_entries: usize) {
     stop_recording();
     // Allocated before recording turns on, so the hook never sees its own buffers.
-    let recorder = Recorder::new(max_entries, MAX_LIVE);
+    let recorder = Recorder::new(source, max_entries, MAX_LIVE);
     // The recording's own buffers are not the program's memory (see `exclude`).
     exclude(recorder.buffer_bytes(), false);
     with_recorder(|r| *r = Some(recorder));
-    RECORDING.store(true, Ordering::Relaxed);
+    SOURCE.store(source.code(), Ordering::Relaxed);
 }
 
 /// Records allocations while alive: [`start_recording`] when made, [`stop_recording`] when dropped — unless a
-/// recording was already on, which it joins and leaves running (a program may start recording before it builds
-/// the trainer, so the model's loading is in the snapshot).
+/// recording of the same source was already on, which it joins and leaves running (a program may start recording
+/// before it builds the trainer, so the model's loading is in the snapshot).
 #[must_use]
 pub struct Recording {
     owner: bool,
 }
 
 impl Recording {
-    /// Starts recording, keeping the last `max_entries` events, or joins the recording already on.
-    pub fn start(max_entries: usize) -> Self {
-        let owner = !recording();
+    /// Starts recording `source`, keeping the last `max_entries` events, or joins its recording already on.
+    pub fn start(source: Source, max_entries: usize) -> Self {
+        let owner = recording() != Some(source);
         if owner {
-            start_recording(max_entries);
+            start_recording(source, max_entries);
         }
         Recording { owner }
     }
@@ -290,23 +374,27 @@ impl Drop for Recording {
 
 /// Stops recording and drops what was recorded.
 pub fn stop_recording() {
-    RECORDING.store(false, Ordering::Relaxed);
-    // Freed outside the lock (the allocator hook does not record now).
+    SOURCE.store(0, Ordering::Relaxed);
+    // Freed outside the lock (the hooks do not record now).
     if let Some(old) = with_recorder(|r| r.take()) {
         exclude(old.buffer_bytes(), true);
         drop(old);
     }
 }
 
-/// Whether allocations are being recorded.
-pub fn recording() -> bool {
-    RECORDING.load(Ordering::Relaxed)
+/// What is being recorded, if anything.
+pub fn recording() -> Option<Source> {
+    if SOURCE.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    with_recorder(|r| r.as_ref().map(|r| r.source))
 }
 
 /// The snapshot of what is recorded, as `torch.cuda.memory._snapshot()` returns it (`None` when not recording).
 /// Recording pauses while it is built, so the snapshot's own allocations are not in it.
 pub fn snapshot() -> Option<PyValue> {
-    if !RECORDING.swap(false, Ordering::Relaxed) {
+    let source = SOURCE.swap(0, Ordering::Relaxed);
+    if source == 0 {
         return None;
     }
     // Copied under the lock (the hook records nothing now, so allocating here cannot deadlock).
@@ -318,11 +406,15 @@ pub fn snapshot() -> Option<PyValue> {
                 .map(|i| r.events[(first + i) % capacity])
                 .collect();
             let live: Vec<Slot> = r.live.iter().filter(|s| s.addr != 0).copied().collect();
-            (events, live, r.dropped, r.untracked)
+            (r.source, events, live, r.dropped, r.untracked)
         })
     });
-    RECORDING.store(true, Ordering::Relaxed);
-    let (events, mut live, dropped, untracked) = copied?;
+    SOURCE.store(source, Ordering::Relaxed);
+    let (source, events, mut live, dropped, untracked) = copied?;
+    let device = match source {
+        Source::Heap => 0,
+        Source::CudaPool { ordinal } => ordinal,
+    };
     live.sort_by_key(|s| s.addr);
     let int = |n: usize| PyValue::uint(n as u64);
     let segments = live
@@ -336,7 +428,7 @@ pub fn snapshot() -> Option<PyValue> {
                 ("frames", frames(&s.context)),
             ]);
             PyValue::dict([
-                ("device", PyValue::Int(0)),
+                ("device", int(device)),
                 ("address", int(s.addr)),
                 ("total_size", int(s.size)),
                 ("allocated_size", int(s.size)),
@@ -373,23 +465,45 @@ pub fn snapshot() -> Option<PyValue> {
             Action::Alloc => trace.push(entry("alloc")),
             // A heap frees at once: the request and its completion are one moment.
             Action::Free => trace.extend([entry("free_requested"), entry("free_completed")]),
+            Action::Oom => trace.push(PyValue::dict([
+                ("action", PyValue::str("oom")),
+                ("addr", PyValue::Int(0)),
+                ("size", int(e.size)),
+                ("device_free", int(e.addr)),
+                ("stream", PyValue::Int(0)),
+                ("time_us", PyValue::uint(e.time_us)),
+                ("frames", frames(&e.context)),
+            ])),
         }
     }
+    // One trace per device up to the recorded one, as PyTorch lists them by ordinal.
+    let mut traces = vec![PyValue::List(Vec::new()); device];
+    traces.push(PyValue::List(trace));
     Some(PyValue::dict([
         ("segments", PyValue::List(segments)),
-        ("device_traces", PyValue::List(vec![PyValue::List(trace)])),
+        ("device_traces", PyValue::List(traces)),
         (
             "allocator_settings",
             PyValue::dict([
-                (
-                    "source",
-                    PyValue::str("candle-qlora heap (TrackingAllocator)"),
-                ),
+                ("source", PyValue::str(source.describe())),
                 ("dropped_events", PyValue::uint(dropped)),
                 ("untracked_allocations", PyValue::uint(untracked)),
             ]),
         ),
     ]))
+}
+
+/// Writes the snapshot of what is recorded to `path` (atomically), pickled as `torch.cuda.memory._dump_snapshot`
+/// writes it. False when nothing is being recorded.
+pub fn write_snapshot(path: &Path) -> Result<bool> {
+    let Some(snapshot) = snapshot() else {
+        return Ok(false);
+    };
+    let bytes = to_pickle(&snapshot);
+    write_file_atomically(path, |tmp| {
+        std::fs::write(tmp, &bytes).map_err(|e| Error::io("cannot write", tmp, e))
+    })?;
+    Ok(true)
 }
 
 #[cfg(test)]
@@ -400,7 +514,7 @@ mod tests {
     /// deletions that wrap around the end of the table.
     #[test]
     fn live_table_tracks_inserts_and_removes() {
-        let mut r = Recorder::new(8, 8);
+        let mut r = Recorder::new(Source::Heap, 8, 8);
         let mut expected = std::collections::BTreeMap::new();
         let mut x: u64 = 7;
         for i in 0..4000usize {
@@ -408,8 +522,8 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let addr = (((x >> 20) as usize) % 512 + 1) * 16;
-            if expected.remove(&addr).is_some() {
-                assert!(r.remove(addr), "{i}: {addr} was live");
+            if let Some(size) = expected.remove(&addr) {
+                assert_eq!(r.remove(addr), Some(size), "{i}: {addr} was live");
             } else if r.live_count * 4 < r.live.len() * 3 {
                 r.insert(addr, i, Context::default());
                 expected.insert(addr, i);
@@ -424,13 +538,13 @@ mod tests {
             .collect();
         live.sort();
         assert_eq!(live, expected.into_iter().collect::<Vec<_>>());
-        assert!(!r.remove(3));
+        assert_eq!(r.remove(3), None);
     }
 
     /// The ring keeps the last events in order and counts the dropped ones; frames outside any op, layer or step say so.
     #[test]
     fn ring_keeps_the_last_events_and_frames_name_the_context() {
-        let mut r = Recorder::new(3, 4);
+        let mut r = Recorder::new(Source::Heap, 3, 4);
         for addr in 1..=5 {
             r.push(Action::Alloc, addr * 16, 1024, Context::default());
         }

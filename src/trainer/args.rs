@@ -103,9 +103,10 @@ pub struct TrainingArguments {
     pub gradient_checkpointing: bool,
     /// Accepted for compatibility; checkpointing here is always non-reentrant (`use_reentrant = false`).
     pub gradient_checkpointing_kwargs: Option<serde_json::Value>,
-    /// candle-qlora: record every heap allocation of the run (the CPU's tracking allocator) and write
-    /// `output_dir/memory_snapshot.pickle` at the end, in the layout of PyTorch's `torch.cuda.memory._snapshot()`
-    /// for pytorch.org/memory_viz (frames name the op, the layer, the phase and the step).
+    /// candle-qlora: record every allocation of the run (the CPU's tracking allocator, or the GPU's memory pool)
+    /// and write `output_dir/memory_snapshot.pickle` at the end — and when a GPU step runs out of memory — in the
+    /// layout of PyTorch's `torch.cuda.memory._snapshot()` for pytorch.org/memory_viz (frames name the op, the
+    /// layer, the phase and the step).
     pub memory_snapshot: bool,
     /// candle-qlora: the optimizer steps (1-based) to trace into `output_dir/trace.json` (Chrome's trace-event
     /// format, as `torch.profiler`'s `export_chrome_trace`; open it in ui.perfetto.dev): spans per layer for the

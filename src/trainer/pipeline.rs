@@ -6,12 +6,11 @@ use super::checkpoint::verify_checkpoint_files;
 use super::config::RunConfig;
 use super::dpo::DpoConfig;
 use super::run::ADAPTER;
-use super::run::{prepare_output_dir, Prepared, Trainer};
+use super::run::{prepare_output_dir, start_memory_snapshot, Prepared, Trainer};
 use crate::adapter::load_adapter;
 use crate::data::{Dataset, PreferenceDataset};
 use crate::error::{Error, Result};
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
-use crate::memory::snapshot::Recording;
 use crate::memory::{human_bytes, process_memory};
 use crate::models::TextTokenizer;
 use crate::precision::Precision;
@@ -129,11 +128,10 @@ impl Trainer {
             compute_dtype: precision.compute_dtype,
         };
         // A memory snapshot records from before the load, so the weights are in it.
-        let recording = (args.memory_snapshot
-            && device.is_cpu()
-            && crate::memory::tracking()
-            && args.memory_snapshot_max_entries > 0)
-            .then(|| Recording::start(args.memory_snapshot_max_entries));
+        let recording = args
+            .memory_snapshot
+            .then(|| start_memory_snapshot(&device, args))
+            .transpose()?;
         let started = std::time::Instant::now();
         let loaded = load_model(model_name, revision, &options)?;
         // Nothing before the load holds much, so the process' peak so far is the load's.

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
@@ -40,10 +40,9 @@ use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
-use crate::files::{first_non_finite, write_file_atomically};
+use crate::files::first_non_finite;
 use crate::lora::LoraConfig;
-use crate::memory::pickle::to_pickle;
-use crate::memory::snapshot::Recording;
+use crate::memory::snapshot::{write_snapshot, Recording, Source};
 use crate::memory::{estimate, process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
@@ -407,7 +406,7 @@ impl Trainer {
                 trace::write_chrome_trace(&run.out.join(TRACE_FILE), &events)?;
             }
             if run.snapshot.is_some() {
-                write_memory_snapshot(&run.out)?;
+                write_snapshot(&run.out.join(MEMORY_SNAPSHOT_FILE))?;
             }
         }
         run.snapshot = None;
@@ -522,6 +521,8 @@ impl Trainer {
             timeline,
             step: 0,
             optimizer_bytes: optimizer.resident_bytes() as u64,
+            snapshot_on_oom: (args.memory_snapshot && shard.is_main())
+                .then(|| out.join(MEMORY_SNAPSHOT_FILE)),
         };
         let every = Intervals {
             log: TrainingArguments::interval(args.logging_steps, total),
@@ -568,7 +569,7 @@ impl Trainer {
         let snapshot = match (args.memory_snapshot, recording) {
             (false, _) => None,
             (true, Some(started)) => Some(started),
-            (true, None) => Some(start_memory_snapshot(&self.model, &args)?),
+            (true, None) => Some(start_memory_snapshot(self.model.device(), &args)?),
         };
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
@@ -1096,40 +1097,43 @@ impl Trainer {
     }
 }
 
-/// Starts recording allocations for `memory_snapshot`: the CPU heap, counted by the tracking allocator.
-fn start_memory_snapshot(model: &LlamaModel, args: &TrainingArguments) -> Result<Recording> {
-    if !model.device().is_cpu() {
-        return Err(Error::InvalidInput(
-            "memory_snapshot records the CPU heap (the tracking allocator); a snapshot of a GPU's memory pool is \
-             not supported yet: train on the CPU with it, or set memory_snapshot = false"
-                .into(),
-        ));
+/// What `memory_snapshot` records on `device`: the CPU heap (counted by the tracking allocator) or a CUDA device's
+/// pool; an error says why it cannot.
+fn snapshot_source(device: &Device) -> Result<Source> {
+    const NEEDS_TRACKING: &str =
+        "memory_snapshot needs candle_qlora::memory::TrackingAllocator as the program's \
+         #[global_allocator] (the qlora command has it)";
+    match device {
+        Device::Cpu if crate::memory::tracking() => Ok(Source::Heap),
+        Device::Cpu => Err(Error::InvalidInput(NEEDS_TRACKING.into())),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(cuda) => {
+            crate::memory::cuda_hooks::check(device)?;
+            Ok(Source::CudaPool {
+                ordinal: cuda.cuda_stream().context().ordinal(),
+            })
+        }
+        other => Err(Error::InvalidInput(format!(
+            "memory_snapshot records the CPU heap or a CUDA device's pool, not {:?}'s memory: set \
+             memory_snapshot = false",
+            other.location()
+        ))),
     }
-    if !crate::memory::tracking() {
-        return Err(Error::InvalidInput(
-            "memory_snapshot needs candle_qlora::memory::TrackingAllocator as the program's #[global_allocator] \
-             (the qlora command has it)"
-                .into(),
-        ));
-    }
+}
+
+/// Starts recording allocations for `memory_snapshot` on `device` (see [`snapshot_source`]), or joins the
+/// recording already on.
+pub(super) fn start_memory_snapshot(
+    device: &Device,
+    args: &TrainingArguments,
+) -> Result<Recording> {
     if args.memory_snapshot_max_entries == 0 {
         return Err(Error::InvalidInput(
             "memory_snapshot_max_entries must be at least 1".into(),
         ));
     }
-    Ok(Recording::start(args.memory_snapshot_max_entries))
-}
-
-/// Writes `out/memory_snapshot.pickle` from the allocations recorded so far.
-fn write_memory_snapshot(out: &Path) -> Result<()> {
-    let Some(snapshot) = crate::memory::snapshot::snapshot() else {
-        return Ok(());
-    };
-    let path = out.join(MEMORY_SNAPSHOT_FILE);
-    let bytes = to_pickle(&snapshot);
-    write_file_atomically(&path, |tmp| {
-        std::fs::write(tmp, &bytes).map_err(|e| Error::io("cannot write", tmp, e))
-    })
+    let source = snapshot_source(device)?;
+    Ok(Recording::start(source, args.memory_snapshot_max_entries))
 }
 
 /// DPO's reward accuracy and margin, for the progress lines: `"  rewards/accuracies 0.750  rewards/margins 0.120"`

@@ -2,6 +2,8 @@
 //! summed and the loss normalized by the window's label tokens (transformers' `num_items_in_batch`), with the memory
 //! of each phase recorded.
 
+use std::path::PathBuf;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
@@ -11,6 +13,7 @@ use super::oom::oom_report;
 use super::sampler::Shard;
 use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::{Error, Result};
+use crate::memory::snapshot::write_snapshot;
 use crate::memory::{is_out_of_memory, kept_layers, DeviceKind, MemoryTimeline, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
 use crate::profile::trace;
@@ -42,6 +45,8 @@ pub(super) struct StepMemory {
     pub step: usize,
     /// Bytes of optimizer state on the training device.
     pub optimizer_bytes: u64,
+    /// Where the memory snapshot is written when a step runs out of memory (`memory_snapshot`, the writing rank).
+    pub snapshot_on_oom: Option<PathBuf>,
 }
 
 impl StepMemory {
@@ -51,7 +56,8 @@ impl StepMemory {
             .end_phase(self.step, micro_batch, self.optimizer_bytes, gradients);
     }
 
-    /// `error` turned into the out-of-memory report when it is an allocation failure.
+    /// `error` turned into the out-of-memory report when it is an allocation failure, with the memory snapshot
+    /// written next to it when one is being recorded (PyTorch's "dump on OOM").
     pub(super) fn explain(&self, error: Error, args: &TrainingArguments) -> Error {
         if !is_out_of_memory(&error.to_string()) {
             return error;
@@ -62,8 +68,20 @@ impl StepMemory {
         let phase = self.timeline.current_phase().unwrap_or(Phase::Forward);
         // The device's words are the error's first line (a backtrace may follow).
         let said = error.to_string();
+        let snapshot = match self
+            .snapshot_on_oom
+            .as_deref()
+            .map(|p| (p, write_snapshot(p)))
+        {
+            Some((path, Ok(true))) => format!(
+                "\nmemory snapshot up to the failure: {} (open it in pytorch.org/memory_viz)",
+                path.display()
+            ),
+            Some((_, Err(e))) => format!("\nthe memory snapshot could not be written: {e}"),
+            _ => String::new(),
+        };
         Error::OutOfMemory(format!(
-            "{}\n(the device said: {})",
+            "{}\n(the device said: {}){snapshot}",
             oom_report(&live, self.step, phase, args),
             said.lines().next().unwrap_or_default()
         ))

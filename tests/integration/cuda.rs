@@ -920,8 +920,8 @@ fn preference_training_on_the_gpu_matches_the_cpu() {
 }
 
 /// A GPU nearly full (a ballast tensor leaves 2 GiB, 256 MiB on the emulated device) and a micro-batch that needs more: training stops with the
-/// out-of-memory report (step, phase, live memory by category, the fixes cheapest first), and the device is usable
-/// afterwards.
+/// out-of-memory report (step, phase, live memory by category, the fixes cheapest first) and, with
+/// `memory_snapshot`, the snapshot written next to it; the device is usable afterwards.
 #[test]
 fn out_of_memory_stops_training_with_the_report() {
     let dev = gpu();
@@ -941,11 +941,13 @@ fn out_of_memory_stops_training_with_the_report() {
     let batch = if emulated { 256 } else { 2048 };
     let data = vec![row; batch];
     // No dropout: its masks, drawn on the host, would take longer than reaching the failure.
-    let mut trainer = tiny_trainer(&dev, &dir.path().join("oom"), data, 0.0, |a| {
+    let out = dir.path().join("oom");
+    let mut trainer = tiny_trainer(&dev, &out, data, 0.0, |a| {
         a.per_device_train_batch_size = batch;
         a.gradient_accumulation_steps = 1;
         a.gradient_checkpointing = false;
         a.max_steps = 1;
+        a.memory_snapshot = true;
     });
     let err = trainer.train(None).unwrap_err();
     let Error::OutOfMemory(report) = &err else {
@@ -968,11 +970,66 @@ fn out_of_memory_stops_training_with_the_report() {
     );
     assert!(report.contains("gradient_checkpointing = true"), "{report}");
     assert!(report.contains("the device said"), "{report}");
+    // The snapshot is dumped next to the report, its trace ending in the refused allocation.
+    let snapshot = out.join("memory_snapshot.pickle");
+    assert!(
+        report.contains(&format!(
+            "memory snapshot up to the failure: {}",
+            snapshot.display()
+        )),
+        "{report}"
+    );
+    if let Some(r) = crate::memory::read_memory_snapshot(&snapshot) {
+        let ooms = r["ooms"].as_array().unwrap();
+        assert!(!ooms.is_empty(), "{}", r["allocator_settings"]);
+        let last = &ooms[ooms.len() - 1];
+        assert!(
+            last["size"].as_u64() > last["device_free"].as_u64(),
+            "{last}"
+        );
+        let trace = r["trace_lines"].as_array().unwrap();
+        assert!(
+            trace
+                .iter()
+                .any(|l| l.as_str().unwrap().contains("OutOfMemoryError")),
+            "{r}"
+        );
+    }
     drop(trainer);
     drop(ballast);
     // The failed step's memory went back to the pool: the GPU still computes.
     let x = Tensor::ones((1024, 1024), DType::F32, &dev).unwrap();
     assert_eq!(x.sum_all().unwrap().to_scalar::<f32>().unwrap(), 1048576.0);
+}
+
+/// `memory_snapshot = true` on the GPU records its pool's allocations (Candle's buffers, seen as the driver is
+/// called): `qlora train` writes a snapshot that PyTorch's memory_viz reads, whose trace replays to the pool's peak
+/// in the memory timeline (within the pool's rounding of each allocation) and whose frames name the op, the layer,
+/// the phase and the step.
+#[test]
+fn memory_snapshot_of_the_gpu_pool_replays_to_its_peak() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = crate::trainer::write_tiny_config(
+        dir.path(),
+        "",
+        "max_steps = 2\nsave_strategy = \"no\"\ngradient_checkpointing = true\nmemory_snapshot = true\n",
+    );
+    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
+    assert!(text.contains("(device pool)"), "{text}");
+    let out = dir.path().join("out");
+    let snapshot = out.join("memory_snapshot.pickle");
+    let Some(r) = crate::memory::read_memory_snapshot(&snapshot) else {
+        return;
+    };
+    assert!(
+        r["allocator_settings"]["source"]
+            .as_str()
+            .unwrap()
+            .contains("CUDA pool"),
+        "{r}"
+    );
+    crate::memory::assert_replays_to_the_timeline_peak(&r, &out, 0.02);
+    crate::memory::assert_frames_name_every_phase(&r, &snapshot);
 }
 
 /// A SmolLM2-135M-shaped Llama with random bf16 weights and `layers` layers (the real model has 30), written as a

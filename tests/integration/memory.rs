@@ -1,6 +1,8 @@
 //! Memory accounting: the NF4 model's weight bytes as predicted, the trainer's per-phase timeline and breakdown,
 //! and `qlora estimate`.
 
+use std::path::Path;
+
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
 use candle_qlora::memory::{estimate, EstimateArgs};
 use candle_qlora::quant::QuantConfig;
@@ -209,6 +211,74 @@ fn every_family_weight_bytes_match_the_prediction() {
     }
 }
 
+/// `snapshot` read by PyTorch's `torch.cuda._memory_viz` (`scripts/read_memory_snapshot.py`: `segsum`, `trace`, the
+/// trace replayed), checked to be read; `None` (the test skipped) where neither torch nor `$QLORA_MEMORY_VIZ` is
+/// there, which CI must not be.
+pub(crate) fn read_memory_snapshot(snapshot: &Path) -> Option<serde_json::Value> {
+    let read = std::process::Command::new("python3")
+        .arg(crate::common::repo_root().join("scripts/read_memory_snapshot.py"))
+        .arg(snapshot)
+        .output()
+        .unwrap();
+    if read.status.code() == Some(3) {
+        let said = String::from_utf8_lossy(&read.stderr);
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must provide PyTorch's _memory_viz.py: {said}"
+        );
+        eprintln!("skipped: {said} (set QLORA_MEMORY_VIZ to torch/cuda/_memory_viz.py)");
+        return None;
+    }
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
+    assert!(
+        r["segsum"].as_str().unwrap().contains("total_allocated"),
+        "{r}"
+    );
+    Some(r)
+}
+
+/// The snapshot's trace `r` (as [`read_memory_snapshot`] gives it) replays to the peak the memory timeline of the
+/// run in `out` reports, within `tolerance` of it.
+pub(crate) fn assert_replays_to_the_timeline_peak(
+    r: &serde_json::Value,
+    out: &Path,
+    tolerance: f64,
+) {
+    let timeline: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("memory_timeline.json")).unwrap())
+            .unwrap();
+    let peak = timeline["peak"][0]["peak"].as_f64().unwrap();
+    let replayed = r["replayed_peak"].as_f64().unwrap();
+    assert!(
+        (replayed - peak).abs() <= tolerance * peak,
+        "replayed peak {replayed} vs the timeline's {peak}"
+    );
+}
+
+/// The snapshot's frames (as memory_viz formats them in `r`) are two (the op in its layer, the phase of its step),
+/// and every phase of a step appears in `snapshot`, with layers and op names.
+pub(crate) fn assert_frames_name_every_phase(r: &serde_json::Value, snapshot: &Path) {
+    let frames: Vec<String> = r["frames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(frames.len(), 2, "{frames:?}");
+    let lines = r["trace_lines"].as_array().unwrap().len();
+    let pickle = std::fs::read(snapshot).unwrap();
+    let has = |s: &str| pickle.windows(s.len()).any(|w| w == s.as_bytes());
+    for phase in ["forward", "recompute", "backward", "optimizer"] {
+        assert!(has(phase), "no `{phase}` frame in {lines} trace lines");
+    }
+    assert!(has("model.layers.1") && has("step 2") && has("attention"));
+}
+
 /// `memory_snapshot = true` writes `memory_snapshot.pickle`, which PyTorch's own `torch.cuda._memory_viz` reads
 /// (`segsum`, `trace`); its frames name the op, the layer, the phase and the step; the weights are in its segments
 /// (recording starts before they load); and replaying its trace gives the heap peak the memory timeline reports.
@@ -224,54 +294,10 @@ fn memory_snapshot_reads_in_pytorch_memory_viz_and_replays_to_the_peak() {
     let out = dir.path().join("out");
     let snapshot = out.join("memory_snapshot.pickle");
     assert!(text.contains("memory snapshot:"), "{text}");
-    let read = std::process::Command::new("python3")
-        .arg(crate::common::repo_root().join("scripts/read_memory_snapshot.py"))
-        .arg(&snapshot)
-        .output()
-        .unwrap();
-    if read.status.code() == Some(3) {
-        let said = String::from_utf8_lossy(&read.stderr);
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must provide PyTorch's _memory_viz.py: {said}"
-        );
-        eprintln!("skipped: {said} (set QLORA_MEMORY_VIZ to torch/cuda/_memory_viz.py)");
+    let Some(r) = read_memory_snapshot(&snapshot) else {
         return;
-    }
-    assert!(
-        read.status.success(),
-        "{}",
-        String::from_utf8_lossy(&read.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&read.stdout).unwrap();
-    assert!(
-        r["segsum"].as_str().unwrap().contains("total_allocated"),
-        "{r}"
-    );
+    };
     assert!(r["trace_lines"].as_array().unwrap().len() > 100, "{r}");
-    // The NF4 weights are live at the end: the segments hold at least the model's packed codes.
-    let timeline: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("memory_timeline.json")).unwrap())
-            .unwrap();
-    let peak = timeline["peak"][0]["peak"].as_f64().unwrap();
-    let replayed = r["replayed_peak"].as_f64().unwrap();
-    assert!(
-        (replayed - peak).abs() <= 0.005 * peak,
-        "replayed peak {replayed} vs the timeline's {peak}"
-    );
-    let frames: Vec<String> = r["frames"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|f| f.as_str().unwrap().to_string())
-        .collect();
-    assert_eq!(frames.len(), 2, "{frames:?}");
-    // Every phase of a step appears in the trace, with layers and op names.
-    let lines = r["trace_lines"].as_array().unwrap().len();
-    let pickle = std::fs::read(&snapshot).unwrap();
-    let has = |s: &str| pickle.windows(s.len()).any(|w| w == s.as_bytes());
-    for phase in ["forward", "recompute", "backward", "optimizer"] {
-        assert!(has(phase), "no `{phase}` frame in {lines} trace lines");
-    }
-    assert!(has("model.layers.1") && has("step 2") && has("attention"));
+    assert_replays_to_the_timeline_peak(&r, &out, 0.005);
+    assert_frames_name_every_phase(&r, &snapshot);
 }
