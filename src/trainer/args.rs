@@ -112,7 +112,8 @@ pub struct TrainingArguments {
     /// format, as `torch.profiler`'s `export_chrome_trace`; open it in ui.perfetto.dev): spans per layer for the
     /// forward, recomputation and backward, the loss, the optimizer, data loading and checkpoints, and memory.
     pub trace_steps: Vec<usize>,
-    /// The most allocation events the snapshot keeps (the last ones; `_record_memory_history(max_entries=…)`).
+    /// The most allocations and frees the snapshot keeps (the last ones; `_record_memory_history(max_entries=…)`;
+    /// a free is written as two events, `free_requested` and `free_completed`).
     pub memory_snapshot_max_entries: usize,
     /// candle-qlora: memory-aware checkpointing. With `gradient_checkpointing`, the last layers keep their
     /// activations (no recomputation) as long as those fit in this many MiB per micro-batch; only the other layers

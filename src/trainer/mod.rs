@@ -20,7 +20,6 @@ mod ddp;
 pub mod dpo;
 pub mod evaluate;
 pub mod interrupt;
-pub mod lock;
 mod neftune;
 mod oom;
 pub mod pipeline;

@@ -29,7 +29,6 @@ use super::dpo::{
     REFERENCE_ADAPTER,
 };
 use super::evaluate::{exact_match_share, loss_sums, EvalReport};
-use super::lock::OutputLock;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::{DataPlan, Shard};
 use super::state::{LogEntry, TrainOutput, TrainerState};
@@ -40,7 +39,8 @@ use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
-use crate::files::first_non_finite;
+use crate::files::lock::OutputLock;
+use crate::files::{first_non_finite, sweep_abandoned};
 use crate::lora::LoraConfig;
 use crate::memory::snapshot::{write_snapshot, Recording, Source};
 use crate::memory::{estimate, process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase};
@@ -1217,5 +1217,7 @@ pub(super) fn prepare_output_dir(
         }
     }
     remove_partial_checkpoints(out)?;
+    // Files a killed run was writing (the folder is ours now: no one else writes into it).
+    sweep_abandoned(out, None)?;
     Ok(Some(lock))
 }

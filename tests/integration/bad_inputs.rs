@@ -483,12 +483,51 @@ fn cases(dir: &Path) -> Vec<Case> {
             1,
             "YaRN needs `original_max_position_embeddings`",
         ),
+        // A folder a run is writing into (its lock held, see the test) is replaced by no command.
+        case(
+            strings(&[
+                "merge",
+                "--model",
+                &model,
+                "--adapter",
+                &data_path("peft/lora_all_linear").display().to_string(),
+                "--output",
+                &file(RUNNING),
+                "--overwrite",
+            ]),
+            1,
+            "is the output folder of a run in progress",
+        ),
+        case(
+            strings(&[
+                "quantize",
+                "--input",
+                &model,
+                "--output",
+                &file(RUNNING),
+                "--overwrite",
+            ]),
+            1,
+            "is the output folder of a run in progress",
+        ),
+        case(
+            train(&[&format!("training.output_dir={:?}", file(RUNNING))]),
+            1,
+            "is the output folder of a run in progress",
+        ),
     ]
 }
+
+/// A folder beside the inputs whose output lock the test holds, as a running `qlora train` would.
+const RUNNING: &str = "running";
 
 #[test]
 fn bad_inputs_get_clear_errors_and_never_panic() {
     let dir = tempfile::tempdir().unwrap();
+    let running = dir.path().join(RUNNING);
+    std::fs::create_dir(&running).unwrap();
+    std::fs::write(running.join("adapter_model.safetensors"), "a run's").unwrap();
+    let _running = candle_qlora::files::lock::OutputLock::acquire(&running).unwrap();
     let mut failures = vec![];
     for case in cases(dir.path()) {
         let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
@@ -513,4 +552,8 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    assert_eq!(
+        std::fs::read_to_string(running.join("adapter_model.safetensors")).unwrap(),
+        "a run's"
+    );
 }

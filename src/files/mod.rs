@@ -9,6 +9,10 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
 
 use crate::error::{Error, Result};
 
+pub mod lock;
+
+use lock::{FileLock, OutputLock};
+
 /// A safetensors file mapped into memory.
 pub struct MappedSafetensors {
     path: PathBuf,
@@ -197,11 +201,11 @@ pub fn partial_path(path: &Path) -> PathBuf {
 
 /// `dir/.name.<tag>-<pid>`, next to `path`.
 fn sibling(path: &Path, tag: &str) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "output".into());
-    path.with_file_name(format!(".{name}.{tag}-{}", std::process::id()))
+    path.with_file_name(format!(
+        ".{}.{tag}-{}",
+        output_name(path),
+        std::process::id()
+    ))
 }
 
 /// Writes `path` atomically: `write` fills a temporary sibling, which is renamed over `path` (or removed when
@@ -287,19 +291,122 @@ pub fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
 
 /// Builds a folder at `output` atomically: `build` fills a staging sibling, which replaces `output` (an existing
 /// folder or file there is moved aside and deleted only once the new one is in place) or is removed when anything
-/// fails, so a failure leaves `output` as it was and no temporary folder behind.
+/// fails, so a failure leaves `output` as it was and no temporary folder behind. A folder a run is writing into
+/// (its [`OutputLock`] held) is never replaced: the lock is taken before building and again before the move. What an
+/// earlier builder of `output` left when it was killed is cleaned first (see [`sweep_abandoned`]).
 pub fn replace_dir<R>(output: &Path, build: impl FnOnce(&Path) -> Result<R>) -> Result<R> {
+    let parent = output
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    sweep_abandoned(parent, Some(&output_name(output)))?;
     let staging = partial_path(output);
+    // Held until the new folder is in place, so that a later command finding the staging folder (or the previous
+    // version moved aside) with this lock free knows its builder is gone.
+    let builder = FileLock::try_acquire(&builder_lock_path(&staging))?.ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "`{}` is being written by another command of this process",
+            output.display()
+        ))
+    })?;
+    let mut in_use = lock_existing(output)?;
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).map_err(|e| Error::io("cannot create", &staging, e))?;
     let result = build(&staging).and_then(|result| {
+        if in_use.is_none() {
+            // It may have appeared while building.
+            in_use = lock_existing(output)?;
+        }
         move_into_place(&staging, output)?;
         Ok(result)
     });
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&staging);
     }
+    drop(in_use);
+    drop(builder);
     result
+}
+
+/// The lock on `output` when it is an existing folder (refused when a run holds it).
+fn lock_existing(output: &Path) -> Result<Option<OutputLock>> {
+    if output.is_dir() && !output.is_symlink() {
+        return OutputLock::acquire(output).map(Some);
+    }
+    Ok(None)
+}
+
+/// `output`'s file name, as the staging siblings spell it.
+fn output_name(output: &Path) -> String {
+    output
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into())
+}
+
+/// The lock a builder holds while it fills `staging`: `staging` + `.lock`, beside it.
+fn builder_lock_path(staging: &Path) -> PathBuf {
+    let mut name = staging.file_name().unwrap_or_default().to_os_string();
+    name.push(".lock");
+    staging.with_file_name(name)
+}
+
+/// Cleans what killed writers left in `dir` (of the output named `only`, or of every output): a staging folder or
+/// temporary file (`.NAME.partial-PID`) whose builder's lock (`.NAME.partial-PID.lock`) is free is deleted; a
+/// previous version moved aside (`.NAME.replaced-PID`) is put back when `NAME` is missing (its replacement never
+/// arrived) and deleted otherwise. A builder that is still running holds its lock, so its files are left alone
+/// whatever process id they name.
+pub fn sweep_abandoned(dir: &Path, only: Option<&str>) -> Result<()> {
+    let mut writers = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let file_name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = file_name.strip_prefix('.') else {
+            continue;
+        };
+        let rest = rest.strip_suffix(".lock").unwrap_or(rest);
+        for tag in [".partial-", ".replaced-"] {
+            if let Some((name, pid)) = rest.rsplit_once(tag) {
+                let digits = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
+                if digits && only.is_none_or(|o| o == name) {
+                    writers.insert((name.to_string(), pid.to_string()));
+                }
+            }
+        }
+    }
+    for (name, pid) in writers {
+        let staging = dir.join(format!(".{name}.partial-{pid}"));
+        // Dropped at the end of this iteration, removing the lock file too.
+        let Some(_abandoned) = FileLock::try_acquire(&builder_lock_path(&staging))? else {
+            continue; // its writer is alive
+        };
+        remove_path(&staging)?;
+        let aside = dir.join(format!(".{name}.replaced-{pid}"));
+        let output = dir.join(&name);
+        if !aside.exists() {
+            continue;
+        }
+        if output.exists() {
+            remove_path(&aside)?;
+        } else {
+            std::fs::rename(&aside, &output)
+                .map_err(|e| Error::io("cannot put back", &aside, e))?;
+            eprintln!(
+                "note: `{}` had been moved aside by a command that did not finish; put back",
+                output.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Removes the folder or file at `path`, if any.
+fn remove_path(path: &Path) -> Result<()> {
+    let removed = match std::fs::symlink_metadata(path) {
+        Err(_) => return Ok(()),
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+    };
+    removed.map_err(|e| Error::io("cannot remove", path, e))
 }
 
 /// Renames `staging` to `output`; an existing `output` is moved aside first and restored if the rename fails.
@@ -379,5 +486,78 @@ mod tests {
         .unwrap();
         assert_eq!(entries(dir.path()), ["merged"]);
         assert_eq!(entries(&output), ["model.safetensors"]);
+    }
+
+    /// A folder whose output lock is held (a run writing into it) is not replaced, before building or after: it
+    /// stays as it was, with no staging folder beside it.
+    #[test]
+    fn replace_dir_never_replaces_a_folder_a_run_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let output = dir.path().join("run");
+        std::fs::create_dir(&output).unwrap();
+        std::fs::write(output.join("checkpoint"), "keep").unwrap();
+        let running = OutputLock::acquire(&output).unwrap();
+        let err = replace_dir(&output, |_| Ok(())).unwrap_err().to_string();
+        assert!(err.contains("run in progress"), "{err}");
+        // A run that claims the folder while the replacement is being built.
+        let late = dir.path().join("late");
+        let mut claimed = None;
+        let err = replace_dir(&late, |_| {
+            std::fs::create_dir(&late).unwrap();
+            claimed = Some(OutputLock::acquire(&late).unwrap());
+            Ok(())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("run in progress"), "{err}");
+        assert_eq!(entries(dir.path()), ["late", "run"]);
+        assert_eq!(entries(&output), [".qlora.lock", "checkpoint"]);
+        drop((running, claimed));
+    }
+
+    /// What a killed builder left — its staging folder, a temporary file, the previous version it had moved aside,
+    /// a lone lock file — is cleaned by the next writer of that output (the previous version put back where the
+    /// output is missing); a live builder's (its lock held) is left alone, whatever process id the names carry.
+    #[test]
+    fn leftovers_of_dead_builders_are_swept_and_live_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for folder in [
+            ".merged.partial-7",
+            ".merged.partial-8",
+            ".gone.replaced-9",
+            ".gone.partial-9",
+            ".other.partial-5",
+        ] {
+            std::fs::create_dir(d.join(folder)).unwrap();
+        }
+        std::fs::write(d.join(".gone.replaced-9/model.safetensors"), "the user's").unwrap();
+        std::fs::write(d.join(".adapter.json.partial-11"), "half").unwrap();
+        std::fs::write(d.join(".merged.partial-12.lock"), "12").unwrap();
+        // Builder 8 is alive.
+        let live = FileLock::try_acquire(&d.join(".merged.partial-8.lock"))
+            .unwrap()
+            .unwrap();
+        sweep_abandoned(d, Some("merged")).unwrap();
+        assert_eq!(
+            entries(d),
+            [
+                ".adapter.json.partial-11",
+                ".gone.partial-9",
+                ".gone.replaced-9",
+                ".merged.partial-8",
+                ".merged.partial-8.lock",
+                ".other.partial-5"
+            ]
+        );
+        sweep_abandoned(d, None).unwrap();
+        assert_eq!(
+            entries(d),
+            [".merged.partial-8", ".merged.partial-8.lock", "gone"]
+        );
+        assert_eq!(entries(&d.join("gone")), ["model.safetensors"]);
+        drop(live);
+        replace_dir(&d.join("merged"), |_| Ok(())).unwrap();
+        assert_eq!(entries(d), ["gone", "merged"]);
     }
 }
