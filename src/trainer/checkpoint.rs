@@ -15,9 +15,12 @@ use sha2::{Digest, Sha256};
 
 use super::args::{SamplingStrategy, TrainingArguments};
 use super::state::TrainerState;
+use crate::adapter::{read_base_quantization, BASE_QUANTIZATION};
+use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
 use crate::models::LlamaModel;
 use crate::optim::SchedulerType;
+use crate::quant::QuantConfig;
 
 /// File names inside a checkpoint folder.
 pub const TRAINER_STATE: &str = "trainer_state.json";
@@ -204,6 +207,40 @@ pub fn check_base_model(
     Ok(())
 }
 
+/// An error when the checkpoint in `ckpt` was trained on a base stored another way than this run's (`now`: its
+/// 4-bit format, or `None` for a dense base): the adapter learned against other weights. Checkpoints that do not
+/// record it, and `ignore_base_mismatch`, pass.
+pub fn check_base_quantization(
+    ckpt: &Path,
+    now: Option<QuantConfig>,
+    ignore_base_mismatch: bool,
+) -> Result<()> {
+    let Some(then) = read_base_quantization(ckpt)? else {
+        return Ok(());
+    };
+    let format = |q: Option<QuantConfig>| q.map(|q| (q.quant_type, q.blocksize, q.double_quant));
+    if ignore_base_mismatch || format(then) == format(now) {
+        return Ok(());
+    }
+    let words = |q: Option<QuantConfig>| match q {
+        None => "a dense base (not quantized)".to_string(),
+        Some(q) => format!(
+            "a {} base (bnb_4bit_blocksize = {}, bnb_4bit_use_double_quant = {})",
+            q.quant_type, q.blocksize, q.double_quant
+        ),
+    };
+    Err(Error::invalid_file(
+        ckpt.join(BASE_QUANTIZATION),
+        format!(
+            "the checkpoint was trained on {}, this run loads {}: the adapter learned against other base weights; \
+             set [model.quantization] as the checkpoint's, set ignore_base_model_mismatch = true to resume anyway, \
+             or start a new run",
+            words(then),
+            words(now)
+        ),
+    ))
+}
+
 /// Where the data stream stands and what it depends on. Data order is a pure function of these seeds and the
 /// epoch, and dropout/NEFTune noise of (seed, micro-batch index), so this is the whole random state of a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -228,6 +265,60 @@ pub struct DataPosition {
     /// the global micro-batch index, so this one file is every rank's random state (HF's `rng_state_{rank}`).
     #[serde(default = "single_process")]
     pub world_size: usize,
+    /// What the training items hold (absent in checkpoints written before it was recorded).
+    #[serde(default, flatten)]
+    pub data: Option<DataFingerprint>,
+}
+
+/// SHA-256 digests of the training items, after tokenization, truncation, label masking and packing: a resumed run
+/// must replay the same tokens with the same labels.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DataFingerprint {
+    /// Of every item's token ids (and a packed row's example boundaries), in order.
+    pub inputs_sha256: String,
+    /// Of every item's labels, in order.
+    pub labels_sha256: String,
+}
+
+impl DataFingerprint {
+    /// The digests of `items`.
+    pub fn of<'a>(items: impl IntoIterator<Item = &'a TokenizedExample>) -> Self {
+        let (mut inputs, mut labels) = (Sha256::new(), Sha256::new());
+        for item in items {
+            inputs.update((item.input_ids.len() as u64).to_le_bytes());
+            for id in &item.input_ids {
+                inputs.update(id.to_le_bytes());
+            }
+            inputs.update((item.segments.len() as u64).to_le_bytes());
+            for segment in &item.segments {
+                inputs.update((*segment as u64).to_le_bytes());
+            }
+            for label in &item.labels {
+                labels.update(label.to_le_bytes());
+            }
+        }
+        DataFingerprint {
+            inputs_sha256: hex(&inputs.finalize()),
+            labels_sha256: hex(&labels.finalize()),
+        }
+    }
+
+    /// Why `self` (a checkpoint's) and `now` would not train on the same data, if they would not.
+    fn difference(&self, now: &DataFingerprint) -> Option<&'static str> {
+        if self.inputs_sha256 != now.inputs_sha256 {
+            Some(
+                "the checkpoint was trained on other tokens (the data files, max_length, packing, the chat template or \
+                 the tokenizer changed)",
+            )
+        } else if self.labels_sha256 != now.labels_sha256 {
+            Some(
+                "the checkpoint was trained on the same tokens with other labels (the label masking changed: \
+                 completion_only_loss, assistant_only_loss, or the data's prompt/completion split)",
+            )
+        } else {
+            None
+        }
+    }
 }
 
 fn single_process() -> usize {
@@ -274,18 +365,26 @@ impl DataPosition {
                 now.world_size
             );
         }
-        for (name, then, now) in pairs {
-            if then != now {
-                return Err(Error::invalid_file(
-                    ckpt.join(RNG_STATE),
-                    format!(
-                        "the checkpoint was written with {name} = {then}, this run has {now}: resuming would not \
-                         replay the same data; use the checkpoint's settings and data, or start a new run"
-                    ),
-                ));
-            }
+        let changed = pairs
+            .into_iter()
+            .find(|(_, then, now)| then != now)
+            .map(|(name, then, now)| {
+                format!("the checkpoint was written with {name} = {then}, this run has {now}")
+            })
+            .or_else(|| match (&self.data, &now.data) {
+                (Some(then), Some(now)) => then.difference(now).map(str::to_string),
+                _ => None,
+            });
+        match changed {
+            Some(why) => Err(Error::invalid_file(
+                ckpt.join(RNG_STATE),
+                format!(
+                    "{why}: resuming would not replay the same data; use the checkpoint's settings and data, or \
+                     start a new run"
+                ),
+            )),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -448,6 +547,7 @@ mod tests {
             world_size: 1,
             micro_batches_done: 4,
             epoch: 0,
+            data: None,
         }
     }
 

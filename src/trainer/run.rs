@@ -18,9 +18,10 @@ use candle_core::{Device, Tensor, Var};
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
 use super::checkpoint::{
-    check_base_model, latest_checkpoint, read_json, remove_partial_checkpoints, rotate_checkpoints,
-    verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
-    Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
+    check_base_model, check_base_quantization, latest_checkpoint, read_json,
+    remove_partial_checkpoints, rotate_checkpoints, verify_checkpoint_files, write_checkpoint,
+    BaseModelId, CheckpointFiles, DataPosition, Manifest, SchedulerState, RNG_STATE, SCHEDULER,
+    TRAINER_STATE,
 };
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
@@ -35,7 +36,7 @@ use super::state::{LogEntry, TrainOutput, TrainerState};
 use super::task::Task;
 use super::tensorboard::TensorBoardCallback;
 use super::window::{gradient_bytes, StepMemory, Window, WindowBatches};
-use crate::adapter::{load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
+use crate::adapter::{base_quantization, load_adapter, save_adapter, Adapters, ADAPTER_CONFIG};
 use crate::data::{Dataset, PreferenceDataset};
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
@@ -486,7 +487,12 @@ impl Trainer {
                 shard.world_size
             )));
         }
-        let plan = DataPlan::new(self.task.train_lengths(), &args, shard.world_size);
+        let plan = DataPlan::new(
+            self.task.train_lengths(),
+            self.task.train_fingerprint(),
+            &args,
+            shard.world_size,
+        );
         let total = args.total_steps(plan.batches_per_epoch);
         let warmup = args.warmup_for(total);
         let schedule = Schedule::new(
@@ -549,6 +555,11 @@ impl Trainer {
             if let Some(manifest) = &manifest {
                 check_base_model(ckpt, manifest, &base_model, args.ignore_base_model_mismatch)?;
             }
+            check_base_quantization(
+                ckpt,
+                base_quantization(&self.model),
+                args.ignore_base_model_mismatch,
+            )?;
             self.restore(ckpt, &mut optimizer, &plan)?;
         }
         if let Task::Preference(task) = &mut self.task {

@@ -2,7 +2,7 @@
 //! sequential or grouped by length — and where a run stands in that stream.
 
 use super::args::{SamplingStrategy, TrainingArguments};
-use super::checkpoint::DataPosition;
+use super::checkpoint::{DataFingerprint, DataPosition};
 
 /// Where this process stands in a run: rank `rank` of `world_size` (0 of 1 alone).
 #[derive(Clone, Copy, Debug)]
@@ -79,6 +79,7 @@ fn even_out(mut batches: Vec<Vec<usize>>, world_size: usize) -> Vec<Vec<usize>> 
 /// How the data is walked: fixed once per run.
 pub(super) struct DataPlan {
     lengths: Vec<usize>,
+    data: DataFingerprint,
     strategy: SamplingStrategy,
     data_seed: u64,
     /// Processes of the run; each takes every `world_size`-th micro-batch.
@@ -88,12 +89,18 @@ pub(super) struct DataPlan {
 }
 
 impl DataPlan {
-    /// The plan over training items of `lengths` (tokens each, for `group_by_length`).
-    pub(super) fn new(lengths: Vec<usize>, args: &TrainingArguments, world_size: usize) -> Self {
+    /// The plan over training items of `lengths` (tokens each, for `group_by_length`) holding `data`.
+    pub(super) fn new(
+        lengths: Vec<usize>,
+        data: DataFingerprint,
+        args: &TrainingArguments,
+        world_size: usize,
+    ) -> Self {
         let strategy = args.sampling();
         let data_seed = args.data_seed.unwrap_or(args.seed);
         let mut plan = DataPlan {
             lengths,
+            data,
             strategy,
             data_seed,
             world_size,
@@ -133,6 +140,7 @@ impl DataPlan {
             micro_batches_done,
             epoch: micro_batches_done / (self.batches_per_epoch * self.world_size).max(1),
             world_size: self.world_size,
+            data: Some(self.data.clone()),
         }
     }
 }

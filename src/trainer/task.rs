@@ -1,6 +1,7 @@
 //! What a [`super::Trainer`] optimizes, with its data: the causal-LM loss on labelled tokens (supervised
 //! fine-tuning), or DPO's preference loss on pairs.
 
+use super::checkpoint::DataFingerprint;
 use super::dpo::PreferenceTask;
 use crate::data::Dataset;
 
@@ -25,6 +26,16 @@ impl Task {
                 train.rows.iter().map(|r| r.input_ids.len()).collect()
             }
             Task::Preference(p) => p.train.pairs.iter().map(|p| p.longest()).collect(),
+        }
+    }
+
+    /// The digests of the training items (a pair's chosen then rejected sequence), which a resumed run checks.
+    pub(super) fn train_fingerprint(&self) -> DataFingerprint {
+        match self {
+            Task::LanguageModeling { train, .. } => DataFingerprint::of(&train.rows),
+            Task::Preference(p) => {
+                DataFingerprint::of(p.train.pairs.iter().flat_map(|p| [&p.chosen, &p.rejected]))
+            }
         }
     }
 

@@ -61,6 +61,50 @@ fn write_inputs(dir: &Path) {
     write_nan_model(&dir.join("nan_model"));
 }
 
+/// Trains the tiny config two steps on instruction data (`instructions.jsonl`, written beside it with an edited
+/// copy, `instructions_edited.jsonl`) into
+/// `dir/resumable`, returning its checkpoint.
+fn write_checkpoint(dir: &Path, config: &Path) -> std::path::PathBuf {
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            format!(
+                "{{\"instruction\": \"say t{}\", \"output\": \"t{} t{}\"}}",
+                i + 3,
+                i + 4,
+                i + 5
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("instructions.jsonl"), lines.join("\n")).unwrap();
+    // The same number of examples, one answer changed.
+    let edited = lines.join("\n").replacen("t4 t5", "t4 t6", 1);
+    std::fs::write(dir.join("instructions_edited.jsonl"), edited).unwrap();
+    let out = dir.join("resumable");
+    let status = Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .args(["--set", "data.train_file=\"instructions.jsonl\""])
+        .args([
+            "--set",
+            &format!("training.output_dir={:?}", out.display().to_string()),
+        ])
+        .args([
+            "--set",
+            "training.max_steps=2",
+            "--set",
+            "training.save_strategy=\"steps\"",
+        ])
+        .args(["--set", "training.save_steps=2"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    out.join("checkpoint-2")
+}
+
 /// The tiny Llama's all-linear PEFT adapter written to `out` with its tensors changed by `change`.
 fn write_changed_adapter(out: &Path, change: impl FnOnce(&mut HashMap<String, Tensor>)) {
     let source = data_path("peft/lora_all_linear");
@@ -179,6 +223,13 @@ fn cases(dir: &Path) -> Vec<Case> {
     let eval = |extra: &[&str]| on_model("eval", extra);
     let estimate = |extra: &[&str]| on_model("estimate", extra);
     let case = |args: Vec<String>, exit: i32, says: &'static str| Case { args, exit, says };
+    // A checkpoint of a run on instruction data; `resume(sets)` resumes it with `sets` changed.
+    let checkpoint = write_checkpoint(dir, &config);
+    let resume = |sets: &[&str]| {
+        let mut args = train(&[&["data.train_file=\"instructions.jsonl\""], sets].concat());
+        args.extend(strings(&["--resume", &checkpoint.display().to_string()]));
+        args
+    };
     let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
     vec![
         // Numbers out of range or not numbers at all: refused by name, with the range.
@@ -482,6 +533,22 @@ fn cases(dir: &Path) -> Vec<Case> {
             strings(&["estimate", "--model", &file("gpt-oss/bad-yarn")]),
             1,
             "YaRN needs `original_max_position_embeddings`",
+        ),
+        // Resuming a checkpoint with other data, labels or base weights: refused, saying which changed.
+        case(
+            resume(&["data.train_file=\"instructions_edited.jsonl\""]),
+            1,
+            "the checkpoint was trained on other tokens",
+        ),
+        case(
+            resume(&["data.completion_only_loss=false"]),
+            1,
+            "the same tokens with other labels",
+        ),
+        case(
+            resume(&["model.quantization.bnb_4bit_quant_type=\"fp4\""]),
+            1,
+            "the checkpoint was trained on a nf4 base",
         ),
         // A folder a run is writing into (its lock held, see the test) is replaced by no command.
         case(

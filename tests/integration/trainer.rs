@@ -315,7 +315,7 @@ fn train_command_runs_a_config_and_resumes() {
     let config = write_tiny_config(
         dir.path(),
         "eval_split = 0.25\n",
-        "max_steps = 4\nsave_steps = 2\nlogging_steps = 1\nlearning_rate = 1e-2\noptim = \"adamw_8bit\"\n\
+        "max_steps = 4\nsave_steps = 2\nlogging_steps = 1\nlearning_rate = 5e-5\noptim = \"adamw_8bit\"\n\
          eval_strategy = \"steps\"\neval_steps = 2\n",
     );
     let run = |extra: &[&str]| run_train(&config, extra);
@@ -335,8 +335,19 @@ fn train_command_runs_a_config_and_resumes() {
     let last = dir.path().join("out/checkpoint-4");
     assert!(last.join("optimizer.safetensors").exists());
     std::fs::remove_dir_all(&last).unwrap();
+    let log = std::fs::read_to_string(dir.path().join("out/log.jsonl")).unwrap();
     let (ok, text) = run(&["--resume"]);
     assert!(ok, "{text}");
+    // The history up to the checkpoint is written back exactly as it was logged, to the last digit.
+    let resumed = std::fs::read_to_string(dir.path().join("out/log.jsonl")).unwrap();
+    let until_checkpoint = |log: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains("\"step\":1,") || l.contains("\"step\":2,"))
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(until_checkpoint(&resumed), until_checkpoint(&log));
+    assert_eq!(until_checkpoint(&log).len(), 3, "{log}");
     assert_eq!(
         std::fs::read(dir.path().join("out/adapter_model.safetensors")).unwrap(),
         adapter,
