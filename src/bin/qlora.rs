@@ -552,7 +552,7 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     }
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
-    let dataset = Dataset::tokenize(examples, tokenizer, &data)?;
+    let dataset = Dataset::from_read(&args.data, &examples, &read, tokenizer, &data)?;
     dataset.check_learnable(&args.data.display().to_string())?;
     let report = evaluate(&loaded.model, &dataset.rows, args.batch_size)?;
     if args.json {

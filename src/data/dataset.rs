@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::formats::{read_jsonl, DataFormat, Example, TokenizedExample};
+use super::formats::{read_jsonl, DataFormat, Example, ReadReport, TokenizedExample};
 use super::packing::pack;
 use crate::error::{Error, Result};
 use crate::models::TextTokenizer;
@@ -136,8 +136,42 @@ impl Dataset {
     /// `skip_bad_lines`).
     pub fn from_jsonl(path: &Path, tokenizer: &TextTokenizer, config: &DataConfig) -> Result<Self> {
         let (examples, read) = read_jsonl(path, config.format, config.skip_bad_lines)?;
-        let mut dataset = Self::tokenize(examples, tokenizer, config)?;
-        dataset.skipped = read.skipped;
+        Self::from_read(path, &examples, &read, tokenizer, config)
+    }
+
+    /// Tokenizes the `examples` that [`read_jsonl`] read from `path` (with its `read` report): an example that
+    /// cannot be tokenized is an error naming the file and its line, and so is a file whose every example is empty
+    /// (dropped as TRL drops them), saying how many.
+    pub fn from_read(
+        path: &Path,
+        examples: &[Example],
+        read: &ReadReport,
+        tokenizer: &TextTokenizer,
+        config: &DataConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let rows = examples
+            .iter()
+            .zip(&read.lines)
+            .map(|(e, line)| {
+                e.tokenize(tokenizer, config.max_length, config.all_tokens(e))
+                    .map_err(|err| Error::InvalidInput(format!("{}:{line}: {err}", path.display())))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut dataset = Dataset::from(rows);
+        dataset.skipped = read.skipped.clone();
+        if dataset.rows.is_empty() {
+            return Err(Error::InvalidInput(format!(
+                "{}: every example is empty (all {} have no tokens) and was skipped, as TRL drops empty ones{}: \
+                 the file has nothing to train on",
+                path.display(),
+                dataset.empty,
+                match dataset.skipped.len() {
+                    0 => String::new(),
+                    n => format!(", and {n} bad lines were skipped"),
+                }
+            )));
+        }
         Ok(dataset)
     }
 

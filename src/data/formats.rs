@@ -195,16 +195,20 @@ fn parse_line(v: &Value, format: DataFormat) -> std::result::Result<Example, Str
 pub struct ReadReport {
     /// Lines skipped as bad (only with `skip_bad_lines`).
     pub skipped: Vec<(usize, String)>,
+    /// The line (from 1) of each example read, in order, for messages about an example.
+    pub lines: Vec<usize>,
 }
 
 /// Reads a JSONL file. A bad line is an error naming the file and line, unless `skip_bad_lines`, which counts it
-/// in the report instead (also a line that is not UTF-8). Blank lines are ignored.
+/// in the report instead (also a line that is not UTF-8). Blank lines are ignored, and so is a UTF-8 byte order
+/// mark at the start (as Python's `utf-8-sig` and the datasets library's JSON loader read it).
 pub fn read_jsonl(
     path: &Path,
     format: DataFormat,
     skip_bad_lines: bool,
 ) -> Result<(Vec<Example>, ReadReport)> {
     let bytes = std::fs::read(path).map_err(|e| Error::io("cannot read data file", path, e))?;
+    let bytes = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(&bytes);
     let mut examples = Vec::new();
     let mut report = ReadReport::default();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
@@ -222,7 +226,10 @@ pub fn read_jsonl(
         });
         let parsed = parsed.and_then(|v| parse_line(&v, format));
         match parsed {
-            Ok(ex) => examples.push(ex),
+            Ok(ex) => {
+                examples.push(ex);
+                report.lines.push(line_no);
+            }
             Err(reason) if skip_bad_lines => report.skipped.push((line_no, reason)),
             Err(reason) => {
                 return Err(Error::InvalidInput(format!(
@@ -231,6 +238,13 @@ pub fn read_jsonl(
                 )))
             }
         }
+    }
+    if let (true, Some((line, reason))) = (examples.is_empty(), report.skipped.first()) {
+        return Err(Error::InvalidInput(format!(
+            "{}: every line was skipped as bad ({} lines; the first, line {line}: {reason}): fix the lines",
+            path.display(),
+            report.skipped.len()
+        )));
     }
     if examples.is_empty() {
         return Err(Error::InvalidInput(format!(
@@ -302,7 +316,18 @@ impl Example {
                             .into(),
                     ));
                 }
-                let full = tokenizer.apply_chat_template(messages, false)?;
+                let full = tokenizer
+                    .apply_chat_template(messages, false)
+                    .map_err(|e| match (messages.iter().find(|m| m.role != "system"), e) {
+                        (Some(first), Error::Tokenizer(why)) if first.role == "assistant" => {
+                            Error::Tokenizer(format!(
+                                "the conversation starts with an assistant turn, and the model's chat template \
+                                 refuses it ({why}); start it with the user's message (a system message may come \
+                                 first)"
+                            ))
+                        }
+                        (_, e) => e,
+                    })?;
                 let mut spans = Vec::new();
                 for (i, m) in messages.iter().enumerate() {
                     if m.role == "assistant" {

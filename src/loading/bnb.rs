@@ -355,6 +355,27 @@ pub fn quantize_file(
     Ok(report)
 }
 
+/// An error saying what to do when `input` is a GGUF file (by its magic bytes, whatever its name): its weights are
+/// already quantized in llama.cpp's formats, and the model loads from it directly.
+fn refuse_gguf(input: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let is_gguf = std::fs::File::open(input)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF";
+    if !is_gguf {
+        return Ok(());
+    }
+    Err(Error::invalid_file(
+        input,
+        "this is a GGUF file, whose weights are already quantized (llama.cpp's formats), not safetensors: train, \
+         evaluate or generate on it directly (`--model` / `name_or_path` = the .gguf file; its linear weights are \
+         quantized to NF4 on load), or quantize the model's Hugging Face folder (config.json + *.safetensors) \
+         instead",
+    ))
+}
+
 /// Quantizes `input` into `output` (which must not exist or may be replaced), adding to `report`.
 fn quantize_one_file(
     input: &Path,
@@ -362,6 +383,7 @@ fn quantize_one_file(
     options: &QuantizeOptions,
     report: &mut QuantizeReport,
 ) -> Result<BTreeMap<String, usize>> {
+    refuse_gguf(input)?;
     let file = MappedSafetensors::open(input)?;
     let st = file.tensors()?;
     if let Some(already) = quantized_weight_names(&st).first() {

@@ -96,6 +96,11 @@ impl GgufFile {
         })
     }
 
+    /// Its `general.architecture` (empty when missing).
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

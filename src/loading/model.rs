@@ -15,6 +15,7 @@ use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
+use crate::models::config::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
 use crate::ops::rope::RopeScaling;
 use crate::ops::{FrozenLinear, FrozenWeight};
@@ -406,7 +407,75 @@ fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
     }
 }
 
+impl Weights {
+    /// The layer-numbered tensor (`model.layers.{l}.…`, GGUF's `blk.{l}.…`) of the lowest layer at or beyond
+    /// `layers`, with the number of layers the weights hold.
+    fn beyond_layers(&self, layers: usize) -> Option<(String, usize)> {
+        let (prefix, names): (&str, Vec<&str>) = match self {
+            Weights::Safetensors(s) => ("model.layers.", s.names().collect()),
+            Weights::Gguf(g) => (
+                "blk.",
+                g.0.content()
+                    .tensor_infos
+                    .keys()
+                    .map(String::as_str)
+                    .collect(),
+            ),
+        };
+        let layer_of = |name: &str| -> Option<usize> {
+            name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
+        };
+        let held = names.iter().filter_map(|n| layer_of(n)).max()? + 1;
+        names
+            .into_iter()
+            .filter_map(|n| layer_of(n).filter(|l| *l >= layers).map(|l| (l, n)))
+            .min()
+            .map(|(_, name)| (name.to_string(), held))
+    }
+
+    /// Checks, before anything is read, that the weights are the model the configuration describes where a
+    /// mismatch would load silently: layers beyond `num_hidden_layers` (transformers drops them with a warning,
+    /// leaving a different model) and an untied head with no `lm_head.weight` (transformers initializes it at
+    /// random, which trains and generates garbage).
+    fn check_matches(&self, cfg: &ModelConfig) -> Result<()> {
+        let (config_file, layer_key) = match self {
+            Weights::Safetensors(s) => (
+                s.folder().join("config.json").display().to_string(),
+                "num_hidden_layers".to_string(),
+            ),
+            Weights::Gguf(g) => (
+                g.0.path().display().to_string(),
+                format!("{}.block_count", g.0.arch()),
+            ),
+        };
+        if let Some((name, held)) = self.beyond_layers(cfg.num_hidden_layers) {
+            return Err(Error::Model(format!(
+                "tensor `{name}` in {} is not used: {config_file} sets {layer_key} = {}, but the weights hold {held} \
+                 layers; set {layer_key} = {held} (or use the config the weights were saved with)",
+                self.where_(),
+                cfg.num_hidden_layers,
+            )));
+        }
+        if !cfg.tie_word_embeddings && !self.has("lm_head.weight") {
+            return Err(Error::Model(format!(
+                "`lm_head.weight` is missing from {}, but {config_file} says the output head is not tied to the \
+                 embeddings (`tie_word_embeddings` = false{}); transformers would initialize the head at random, \
+                 which trains and generates garbage. Use the complete model files, or set \
+                 `\"tie_word_embeddings\": true` if the model's head is its embedding matrix",
+                self.where_(),
+                if cfg.architecture.is_gemma() {
+                    ""
+                } else {
+                    ", also its default"
+                }
+            )));
+        }
+        Ok(())
+    }
+}
+
 fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
+    weights.check_matches(&cfg)?;
     let quant = opts.quantization.as_ref();
     let arch = cfg.architecture;
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -476,7 +545,7 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
         });
     }
     // transformers keeps lm_head unquantized; so do we.
-    let lm_head = if cfg.tie_word_embeddings || !weights.has("lm_head.weight") {
+    let lm_head = if cfg.tie_word_embeddings {
         FrozenLinear::new(FrozenWeight::Dense(embed.clone()), None)
     } else {
         FrozenLinear::new(
@@ -502,6 +571,13 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
     match ModelSource::parse(spec, revision)? {
         ModelSource::Folder(dir) => {
             let cfg = ModelConfig::from_hf_config_file(&dir.join("config.json"))?;
+            if let Some(problem) = generation_config_problem(&dir) {
+                eprintln!(
+                    "note: {problem}; qlora does not read generation_config.json, so it is ignored here, but \
+                     transformers skips an invalid one and fails on a wrong type (loading or generating): fix or \
+                     delete it"
+                );
+            }
             let weights = Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?);
             let model = build_model(&weights, cfg, opts)?;
             let tokenizer = folder_tokenizer(&dir)?;
@@ -532,6 +608,46 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
     }
 }
 
+/// What is wrong with a model folder's `generation_config.json`, if it has one that transformers' `generate`
+/// could not use: not a JSON object, or a generation setting of the wrong type.
+fn generation_config_problem(dir: &Path) -> Option<String> {
+    let path = dir.join("generation_config.json");
+    let text = std::fs::read(&path).ok()?;
+    let place = path.display();
+    let value: serde_json::Value = match serde_json::from_slice(&text) {
+        Ok(v) => v,
+        Err(e) => return Some(format!("{place} is not valid JSON ({e})")),
+    };
+    let Some(obj) = value.as_object() else {
+        return Some(format!("{place} is not a JSON object"));
+    };
+    use serde_json::Value as V;
+    // Whole numbers may be negative (`pad_token_id = -1` is common and harmless).
+    let whole = |v: &V| v.is_i64() || v.is_u64();
+    let token_ids = |v: &V| match v {
+        V::Array(ids) => ids.iter().all(whole),
+        v => whole(v),
+    };
+    /// A key, what its value must be, and the test of that.
+    type Expected<'a> = (&'a str, &'a str, &'a dyn Fn(&V) -> bool);
+    let expected: [Expected; 10] = [
+        ("do_sample", "true or false", &V::is_boolean),
+        ("temperature", "a number", &V::is_number),
+        ("top_p", "a number", &V::is_number),
+        ("repetition_penalty", "a number", &V::is_number),
+        ("top_k", "a whole number", &whole),
+        ("max_length", "a whole number", &whole),
+        ("max_new_tokens", "a whole number", &whole),
+        ("bos_token_id", "a token id", &whole),
+        ("eos_token_id", "a token id or a list of them", &token_ids),
+        ("pad_token_id", "a token id", &whole),
+    ];
+    expected.iter().find_map(|(key, what, ok)| {
+        let v = obj.get(*key).filter(|v| !v.is_null())?;
+        (!ok(v)).then(|| format!("{place}: `{key}` = {v} must be {what}"))
+    })
+}
+
 /// The configuration of a GGUF file: its metadata, and Phi-3's LongRoPE factors (stored as tensors).
 fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
     let path = file.path();
@@ -550,6 +666,7 @@ fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
             ));
         }
         cfg.rope_scaling = Some(RopeScaling::LongRope(long_rope));
+        cfg.validate(path, ConfigKeys::Gguf(file.arch()))?;
     }
     Ok(cfg)
 }

@@ -1045,7 +1045,7 @@ impl ModelConfig {
             eos_token_ids: hf.eos_token_id.map(TokenIds::into_vec).unwrap_or_default(),
             moe,
         };
-        config.validate(path)?;
+        config.validate(path, ConfigKeys::Json)?;
         Ok(config)
     }
 
@@ -1145,9 +1145,18 @@ impl ModelConfig {
             .map(String::as_str)
         {
             None | Some("none") => None,
-            Some("linear") => get_f("rope.scaling.factor")
-                .filter(|f| *f > 0.0)
-                .map(|factor| RopeScaling::Linear { factor }),
+            // A missing factor is an error (it was plain RoPE before); `validate` refuses a non-positive one.
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: get_f("rope.scaling.factor").ok_or_else(|| {
+                    bad(
+                        path,
+                        format!(
+                            "GGUF metadata `{}` is missing (rope scaling `linear` needs it)",
+                            key("rope.scaling.factor")
+                        ),
+                    )
+                })?,
+            }),
             Some(other) => {
                 return Err(bad(
                     path,
@@ -1239,11 +1248,16 @@ impl ModelConfig {
             eos_token_ids: u32_key("tokenizer.ggml.eos_token_id").into_iter().collect(),
             moe,
         };
-        config.validate(path)?;
+        config.validate(path, ConfigKeys::Gguf(&arch_name))?;
         Ok(config)
     }
 
-    fn validate(&self, path: &Path) -> Result<()> {
+    /// Refuses what no model has and what would make every value NaN or infinite: head counts and widths that do
+    /// not fit together, sizes beyond any model, and a norm epsilon, RoPE base or RoPE scaling that is not a
+    /// positive finite number. Every parsed configuration goes through it; `keys` names the values as the file
+    /// does.
+    pub(crate) fn validate(&self, path: &Path, keys: ConfigKeys<'_>) -> Result<()> {
+        self.validate_numbers(path, keys)?;
         if self.num_attention_heads == 0
             || self.num_key_value_heads == 0
             || self.num_attention_heads % self.num_key_value_heads != 0
@@ -1276,6 +1290,16 @@ impl ModelConfig {
                     "the rotated dimensions ({}, head_dim × partial_rotary_factor) must be even, positive and at most head_dim ({})",
                     self.rotary_dim, self.head_dim
                 ),
+            ));
+        }
+        let zero = [
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ];
+        if let Some((key, _)) = zero.iter().find(|(_, v)| *v == 0) {
+            return Err(bad(
+                path,
+                format!("`{}` = 0: must be at least 1", keys.name(key)),
             ));
         }
         // Sizes no model has are a damaged file: refuse them before anything is computed or allocated from them.
@@ -1328,6 +1352,122 @@ impl ModelConfig {
                     self.max_position_embeddings, self.head_dim
                 ),
             ));
+        }
+        Ok(())
+    }
+}
+
+/// Where a configuration's values come from, to name them as that file does in errors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ConfigKeys<'a> {
+    /// A Hugging Face `config.json`.
+    Json,
+    /// GGUF metadata of this `general.architecture`.
+    Gguf(&'a str),
+}
+
+impl ConfigKeys<'_> {
+    /// The key of `field` (a `config.json` name) in this kind of file.
+    fn name(self, field: &str) -> String {
+        let ConfigKeys::Gguf(arch) = self else {
+            return field.to_string();
+        };
+        let gguf = match field {
+            "rms_norm_eps" => "attention.layer_norm_rms_epsilon",
+            "rope_theta" => "rope.freq_base",
+            "intermediate_size" => "feed_forward_length",
+            "max_position_embeddings" => "context_length",
+            "rope_scaling.factor" => "rope.scaling.factor",
+            "rope_scaling.attention_factor" => "rope.scaling.attn_factor",
+            "rope_scaling.short_factor" => "rope_factors_short (tensor)",
+            "rope_scaling.long_factor" => "rope_factors_long (tensor)",
+            other => other,
+        };
+        format!("{arch}.{gguf}")
+    }
+}
+
+impl ModelConfig {
+    /// The norm epsilon, RoPE bases and RoPE scaling: each a positive finite number (a zero or negative epsilon
+    /// divides by zero or takes the root of a negative number, a non-positive base or scaling factor gives
+    /// infinite or NaN frequencies), and Llama 3's band with `high_freq_factor > low_freq_factor` (equal ones
+    /// divide by zero in the smoothing, transformers warns on both).
+    fn validate_numbers(&self, path: &Path, keys: ConfigKeys<'_>) -> Result<()> {
+        let mut checks: Vec<(&str, f64, &str)> = vec![
+            ("rms_norm_eps", self.rms_norm_eps, "models use 1e-6 to 1e-5"),
+            ("rope_theta", self.rope_theta, "models use 1e4 to 1e6"),
+        ];
+        if let Some(theta) = self.sliding_rope_theta {
+            checks.push(("rope_local_base_freq", theta, "Gemma 3 uses 1e4"));
+        }
+        let factor_hint = "1 is no scaling, larger extends the context";
+        match &self.rope_scaling {
+            None => {}
+            Some(RopeScaling::Linear { factor }) => {
+                checks.push(("rope_scaling.factor", *factor, factor_hint))
+            }
+            Some(RopeScaling::Llama3(s)) => {
+                checks.push(("rope_scaling.factor", s.factor, factor_hint));
+                checks.push((
+                    "rope_scaling.low_freq_factor",
+                    s.low_freq_factor,
+                    "Llama 3.1 uses 1",
+                ));
+                checks.push((
+                    "rope_scaling.high_freq_factor",
+                    s.high_freq_factor,
+                    "Llama 3.1 uses 4",
+                ));
+            }
+            Some(RopeScaling::Yarn(s)) => {
+                checks.push(("rope_scaling.factor", s.factor, factor_hint));
+                checks.push(("rope_scaling.beta_fast", s.beta_fast, "the default is 32"));
+                checks.push(("rope_scaling.beta_slow", s.beta_slow, "the default is 1"));
+                checks.push((
+                    "rope_scaling.attention_factor",
+                    s.attention_factor,
+                    "leave it out for YaRN's default",
+                ));
+            }
+            Some(RopeScaling::LongRope(s)) => {
+                checks.push((
+                    "rope_scaling.attention_factor",
+                    s.attention_factor,
+                    "leave it out for LongRoPE's default",
+                ));
+                for (key, factors) in [
+                    ("rope_scaling.short_factor", &s.short_factor),
+                    ("rope_scaling.long_factor", &s.long_factor),
+                ] {
+                    if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                        checks.push((key, *f, "every factor is a positive number"));
+                    }
+                }
+            }
+        }
+        if let Some((key, value, hint)) =
+            checks.iter().find(|(_, v, _)| !(v.is_finite() && *v > 0.0))
+        {
+            return Err(bad(
+                path,
+                format!(
+                    "`{}` = {value}: must be a positive finite number ({hint}); with it every value the model \
+                     computes is NaN or infinite",
+                    keys.name(key)
+                ),
+            ));
+        }
+        if let Some(RopeScaling::Llama3(s)) = &self.rope_scaling {
+            if s.high_freq_factor <= s.low_freq_factor {
+                return Err(bad(
+                    path,
+                    format!(
+                        "`rope_scaling.high_freq_factor` = {} must be greater than `rope_scaling.low_freq_factor` = {} \
+                         (Llama 3.1 uses 4 and 1)",
+                        s.high_freq_factor, s.low_freq_factor
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -1582,6 +1722,71 @@ mod tests {
             v[key] = value;
             let err = parse(v).unwrap_err().to_string();
             assert!(err.contains(says), "{key}: {err}");
+        }
+    }
+
+    /// GGUF metadata that would make every value NaN is refused naming llama.cpp's key.
+    #[test]
+    fn gguf_numbers_that_give_nan_are_refused_by_their_key() {
+        use gguf_file::Value as V;
+        let content = |changes: &[(&str, V)]| {
+            let mut metadata: std::collections::HashMap<String, V> = [
+                ("general.architecture", V::String("llama".into())),
+                ("llama.embedding_length", V::U32(64)),
+                ("llama.attention.head_count", V::U32(4)),
+                ("llama.feed_forward_length", V::U32(128)),
+                ("llama.block_count", V::U32(2)),
+                ("llama.context_length", V::U32(256)),
+                ("llama.vocab_size", V::U32(100)),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            for (k, v) in changes {
+                metadata.insert(k.to_string(), v.clone());
+            }
+            gguf_file::Content {
+                magic: gguf_file::VersionedMagic::GgufV3,
+                metadata,
+                tensor_infos: Default::default(),
+                tensor_data_offset: 0,
+            }
+        };
+        let path = Path::new("m.gguf");
+        assert!(ModelConfig::from_gguf(&content(&[]), path, true).is_ok());
+        for (changes, says) in [
+            (
+                vec![("llama.attention.layer_norm_rms_epsilon", V::F32(0.0))],
+                "`llama.attention.layer_norm_rms_epsilon` = 0: must be a positive finite number",
+            ),
+            (
+                vec![("llama.rope.freq_base", V::F32(f32::NAN))],
+                "`llama.rope.freq_base` = NaN",
+            ),
+            (
+                vec![("llama.rope.freq_base", V::F32(f32::INFINITY))],
+                "`llama.rope.freq_base` = inf",
+            ),
+            (
+                vec![
+                    ("llama.rope.scaling.type", V::String("linear".into())),
+                    ("llama.rope.scaling.factor", V::F32(-2.0)),
+                ],
+                "`llama.rope.scaling.factor` = -2",
+            ),
+            (
+                vec![("llama.rope.scaling.type", V::String("linear".into()))],
+                "`llama.rope.scaling.factor` is missing",
+            ),
+            (
+                vec![("llama.context_length", V::U32(0))],
+                "`llama.context_length` = 0: must be at least 1",
+            ),
+        ] {
+            let err = ModelConfig::from_gguf(&content(&changes), path, true)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("m.gguf") && err.contains(says), "{err}");
         }
     }
 

@@ -33,14 +33,54 @@ pub struct TextTokenizer {
     pub chat_template: Option<String>,
 }
 
-fn token_text(v: Option<&serde_json::Value>) -> Option<String> {
-    match v? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o
-            .get("content")
-            .and_then(|c| c.as_str())
-            .map(str::to_string),
-        _ => None,
+/// A special token of `tokenizer_config.json`: a string, an `AddedToken` object (`{"content": …}`) or `null`;
+/// anything else is refused naming `key`, as transformers refuses it ("has to be either str or AddedToken").
+fn token_text(cfg: &serde_json::Value, key: &str, path: &Path) -> Result<Option<String>> {
+    match cfg.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(serde_json::Value::Object(o)) if o.get("content").is_some_and(|c| c.is_string()) => {
+            Ok(o["content"].as_str().map(str::to_string))
+        }
+        Some(other) => Err(Error::invalid_file(
+            path,
+            format!(
+                "`{key}` = {other}: must be the token's text (a string) or an object with its text in `content`"
+            ),
+        )),
+    }
+}
+
+/// The chat template of `tokenizer_config.json`: a string, or transformers' list of named templates (`[{"name":
+/// …, "template": …}]`, of which it uses `default`); anything else is refused naming the key.
+fn chat_template_of(cfg: &serde_json::Value, path: &Path) -> Result<Option<String>> {
+    let bad = |reason: String| Error::invalid_file(path, reason);
+    match cfg.get("chat_template") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(t)) => Ok(Some(t.clone())),
+        Some(serde_json::Value::Array(named)) => {
+            let mut names = Vec::new();
+            for (i, entry) in named.iter().enumerate() {
+                let field = |k: &str| entry.get(k).and_then(serde_json::Value::as_str);
+                let (Some(name), Some(template)) = (field("name"), field("template")) else {
+                    return Err(bad(format!(
+                        "`chat_template[{i}]` must be an object with a string `name` and `template`"
+                    )));
+                };
+                if name == "default" {
+                    return Ok(Some(template.to_string()));
+                }
+                names.push(name);
+            }
+            Err(bad(format!(
+                "`chat_template` lists named templates ({}) but none named `default`, the one transformers uses; \
+                 name the one to use `default`",
+                names.join(", ")
+            )))
+        }
+        Some(other) => Err(bad(format!(
+            "`chat_template` = {other}: must be a Jinja template (a string) or a list of named templates"
+        ))),
     }
 }
 
@@ -54,19 +94,23 @@ impl TextTokenizer {
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text)
                 .map_err(|e| Error::invalid_file(&cfg_path, format!("not valid JSON: {e}")))?,
-            Err(_) => serde_json::Value::Null,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
+            Err(e) => return Err(Error::io("cannot read", &cfg_path, e)),
         };
-        let mut chat_template = cfg
-            .get("chat_template")
-            .and_then(|t| t.as_str())
-            .map(str::to_string);
+        if !(cfg.is_object() || cfg.is_null()) {
+            return Err(Error::invalid_file(
+                &cfg_path,
+                "must be a JSON object (`{\"eos_token\": …, \"chat_template\": …}`)",
+            ));
+        }
+        let mut chat_template = chat_template_of(&cfg, &cfg_path)?;
         if chat_template.is_none() {
             chat_template = std::fs::read_to_string(folder.join("chat_template.jinja")).ok();
         }
         Ok(TextTokenizer {
             inner,
-            bos_token: token_text(cfg.get("bos_token")),
-            eos_token: token_text(cfg.get("eos_token")),
+            bos_token: token_text(&cfg, "bos_token", &cfg_path)?,
+            eos_token: token_text(&cfg, "eos_token", &cfg_path)?,
             chat_template,
         })
     }
@@ -299,6 +343,54 @@ pub fn render_chat_template(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `tokenizer_config.json` as transformers reads it: named templates pick `default`; special tokens and
+    /// templates of the wrong type, and a file that is no object, are refused naming the key.
+    #[test]
+    fn tokenizer_config_values_follow_transformers() {
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/models/tiny-llama");
+        std::fs::copy(
+            tiny.join("tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        let load = |config: &str| {
+            std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
+            TextTokenizer::from_folder(dir.path()).map_err(|e| e.to_string())
+        };
+        let named = r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+                        "eos_token": {"content": "</s>", "lstrip": false}}"#;
+        let t = load(named).unwrap();
+        assert_eq!(t.chat_template.as_deref(), Some("D"));
+        assert_eq!(t.eos_token.as_deref(), Some("</s>"));
+        for (config, says) in [
+            (
+                r#"{"chat_template": [{"name": "tool_use", "template": "T"}]}"#,
+                "none named `default`",
+            ),
+            (
+                r#"{"chat_template": [{"name": "default"}]}"#,
+                "`chat_template[0]` must be an object",
+            ),
+            (
+                r#"{"chat_template": {"a": 1}}"#,
+                "`chat_template` = {\"a\":1}",
+            ),
+            (r#"{"bos_token": ["<s>"]}"#, "`bos_token` = [\"<s>\"]"),
+            (
+                r#"{"eos_token": {"text": "</s>"}}"#,
+                "`eos_token` = {\"text\":\"</s>\"}",
+            ),
+            ("\"text\"", "must be a JSON object"),
+        ] {
+            let err = load(config).err().unwrap();
+            assert!(
+                err.contains("tokenizer_config.json") && err.contains(says),
+                "{err}"
+            );
+        }
+    }
 
     #[test]
     fn renders_a_chatml_template() {

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 
 use candle_core::{Device, Tensor};
+use serde_json::json;
 
 use crate::common::data_path;
 use crate::trainer::write_tiny_config;
@@ -198,10 +199,134 @@ fn write_damaged_gpt_oss(out: &Path) {
     }
 }
 
+/// Copies of the tiny Llama under `out/<name>`, each with some `config.json` keys set and its files then changed,
+/// and data files beside them (a BOM, a conversation opened by the assistant, all lines bad, all examples empty).
+fn write_changed_models(out: &Path) {
+    let source = data_path("models/tiny-llama");
+    let no_head = |dir: &Path| {
+        let mut tensors =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        tensors.remove("lm_head.weight");
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    };
+    let file = |name: &'static str, text: String| {
+        move |dir: &Path| std::fs::write(dir.join(name), &text).unwrap()
+    };
+    let gemma_template =
+        std::fs::read_to_string(data_path("chat_templates/google-gemma-2-2b-it.jinja")).unwrap();
+    let keep = |_: &Path| {};
+    type ChangeFiles = Box<dyn Fn(&Path)>;
+    let models: Vec<(&str, serde_json::Value, ChangeFiles)> = vec![
+        ("eps-0", json!({"rms_norm_eps": 0.0}), Box::new(keep)),
+        (
+            "theta-negative",
+            json!({"rope_theta": -1.0}),
+            Box::new(keep),
+        ),
+        (
+            "llama3-factor-0",
+            json!({"rope_scaling": {"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+            Box::new(keep),
+        ),
+        (
+            "llama3-band-empty",
+            json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                   "high_freq_factor": 2.0, "original_max_position_embeddings": 64}}),
+            Box::new(keep),
+        ),
+        (
+            "yarn-attention-negative",
+            json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                   "attention_factor": -1.0, "original_max_position_embeddings": 64}}),
+            Box::new(keep),
+        ),
+        (
+            "context-0",
+            json!({"max_position_embeddings": 0}),
+            Box::new(keep),
+        ),
+        (
+            "fewer-layers",
+            json!({"num_hidden_layers": 1}),
+            Box::new(keep),
+        ),
+        ("no-head", json!({}), Box::new(no_head)),
+        (
+            "token-not-text",
+            json!({}),
+            Box::new(file("tokenizer_config.json", r#"{"eos_token": 7}"#.into())),
+        ),
+        (
+            "template-not-text",
+            json!({}),
+            Box::new(file(
+                "tokenizer_config.json",
+                r#"{"chat_template": 5}"#.into(),
+            )),
+        ),
+        (
+            "generation-not-json",
+            json!({}),
+            Box::new(file("generation_config.json", "{not json".into())),
+        ),
+        (
+            "generation-wrong-type",
+            json!({}),
+            Box::new(file(
+                "generation_config.json",
+                r#"{"max_new_tokens": "many"}"#.into(),
+            )),
+        ),
+        (
+            "alternating-template",
+            json!({}),
+            Box::new(file(
+                "tokenizer_config.json",
+                json!({"chat_template": gemma_template, "bos_token": "<s>", "eos_token": "</s>"})
+                    .to_string(),
+            )),
+        ),
+    ];
+    for (name, changes, change_files) in models {
+        let dir = out.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["config.json", "tokenizer.json", "model.safetensors"] {
+            std::fs::copy(source.join(f), dir.join(f)).unwrap();
+        }
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        for (k, v) in changes.as_object().unwrap() {
+            config[k] = v.clone();
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        change_files(&dir);
+    }
+    std::fs::write(
+        out.join("bom.jsonl"),
+        "\u{feff}{\"text\": \"t3 t4\"}\n{\"text\": \"t5 t6\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        out.join("assistant_first.jsonl"),
+        "{\"messages\": [{\"role\": \"assistant\", \"content\": \"t3\"}, {\"role\": \"user\", \"content\": \"t4\"}, \
+         {\"role\": \"assistant\", \"content\": \"t5\"}]}\n",
+    )
+    .unwrap();
+    std::fs::write(out.join("all_bad.jsonl"), "not json\n{\"txt\": \"t3\"}\n").unwrap();
+    std::fs::write(
+        out.join("all_empty.jsonl"),
+        "{\"text\": \"\"}\n{\"text\": \"\"}\n",
+    )
+    .unwrap();
+}
+
 fn cases(dir: &Path) -> Vec<Case> {
     let config = write_tiny_config(dir, "", "max_steps = 1\nsave_strategy = \"no\"\n");
     write_inputs(dir);
     write_damaged_gpt_oss(&dir.join("gpt-oss"));
+    write_changed_models(&dir.join("changed"));
     let model = data_path("models/tiny-llama").display().to_string();
     let file = |name: &str| dir.join(name).display().to_string();
     let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
@@ -229,6 +354,28 @@ fn cases(dir: &Path) -> Vec<Case> {
         let mut args = train(&[&["data.train_file=\"instructions.jsonl\""], sets].concat());
         args.extend(strings(&["--resume", &checkpoint.display().to_string()]));
         args
+    };
+    let changed = |name: &str| dir.join("changed").join(name).display().to_string();
+    let estimate_of = |name: &str| strings(&["estimate", "--model", &changed(name)]);
+    let generate_on = |name: &str| {
+        strings(&[
+            "generate",
+            "--model",
+            &changed(name),
+            "--prompt",
+            "t3",
+            "--max-new-tokens",
+            "1",
+        ])
+    };
+    let quantize_of = |input: &str| {
+        strings(&[
+            "quantize",
+            "--input",
+            input,
+            "--output",
+            &file("quantized.safetensors"),
+        ])
     };
     let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
     vec![
@@ -487,6 +634,85 @@ fn cases(dir: &Path) -> Vec<Case> {
             strings(&["generate", "--model", &file("nan_model"), "--prompt", "t3"]),
             1,
             "tensor `model.norm.weight`",
+        ),
+        // Model configs that make every value NaN: refused naming the file, the key and the range.
+        case(
+            estimate_of("eps-0"),
+            1,
+            "config.json`: `rms_norm_eps` = 0: must be a positive finite number",
+        ),
+        case(estimate_of("theta-negative"), 1, "`rope_theta` = -1: must be a positive"),
+        case(estimate_of("llama3-factor-0"), 1, "`rope_scaling.factor` = 0: must be"),
+        case(
+            estimate_of("llama3-band-empty"),
+            1,
+            "`rope_scaling.high_freq_factor` = 2 must be greater than `rope_scaling.low_freq_factor` = 2",
+        ),
+        case(
+            estimate_of("yarn-attention-negative"),
+            1,
+            "`rope_scaling.attention_factor` = -1: must be a positive",
+        ),
+        case(estimate_of("context-0"), 1, "`max_position_embeddings` = 0: must be at least 1"),
+        // Loose model folders: weights the config does not use, a head that is not there, garbage side files.
+        case(
+            generate_on("fewer-layers"),
+            1,
+            "`model.layers.1.input_layernorm.weight` in",
+        ),
+        case(generate_on("fewer-layers"), 1, "set num_hidden_layers = 2"),
+        case(generate_on("no-head"), 1, "`lm_head.weight` is missing from"),
+        case(
+            generate_on("token-not-text"),
+            1,
+            "tokenizer_config.json`: `eos_token` = 7: must be the token's text",
+        ),
+        case(
+            generate_on("template-not-text"),
+            1,
+            "`chat_template` = 5: must be a Jinja template",
+        ),
+        case(
+            generate_on("generation-not-json"),
+            0,
+            "generation_config.json is not valid JSON",
+        ),
+        case(
+            generate_on("generation-wrong-type"),
+            0,
+            "generation_config.json: `max_new_tokens` = \"many\" must be a whole number",
+        ),
+        case(
+            quantize_of(&data_path("models/tiny-qwen3/model.gguf").display().to_string()),
+            1,
+            "this is a GGUF file, whose weights are already quantized",
+        ),
+        // Data: a byte order mark is read as datasets reads it; the line of a conversation its template refuses;
+        // a file whose every line or example was skipped.
+        case(eval(&["--data", &changed("bom.jsonl")]), 0, "perplexity"),
+        case(
+            strings(&[
+                "eval",
+                "--model",
+                &changed("alternating-template"),
+                "--data",
+                &changed("assistant_first.jsonl"),
+            ]),
+            1,
+            "assistant_first.jsonl:1: tokenizer: the conversation starts with an assistant turn",
+        ),
+        case(
+            train(&[
+                &format!("data.train_file={:?}", changed("all_bad.jsonl")),
+                "data.skip_bad_lines=true",
+            ]),
+            1,
+            "all_bad.jsonl: every line was skipped as bad (2 lines",
+        ),
+        case(
+            train(&[&format!("data.train_file={:?}", changed("all_empty.jsonl"))]),
+            1,
+            "all_empty.jsonl: every example is empty (all 2 have no tokens)",
         ),
         case(
             train(&["training.learning_rate=\"fast\""]),

@@ -752,6 +752,8 @@ const GGUF_KEYS: &[&str] = &[
     "llama.rope.dimension_count",
     "llama.attention.layer_norm_rms_epsilon",
     "llama.rope.freq_base",
+    "llama.rope.scaling.type",
+    "llama.rope.scaling.factor",
     "llama.vocab_size",
     "llama.expert_count",
     "llama.expert_used_count",
