@@ -573,6 +573,16 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
 }
 
 fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
+    let mut config = GenerationConfig {
+        max_new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        eos_token_ids: None,
+    };
+    // The settings are checked before the weights load.
+    config.validate()?;
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
     let prompt_ids = if args.chat {
@@ -597,14 +607,7 @@ fn generate_text(args: GenerateArgs) -> anyhow::Result<()> {
     {
         eos.push(id);
     }
-    let config = GenerationConfig {
-        max_new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_p: args.top_p,
-        top_k: args.top_k,
-        seed: args.seed,
-        eos_token_ids: Some(if args.ignore_eos { Vec::new() } else { eos }),
-    };
+    config.eos_token_ids = Some(if args.ignore_eos { Vec::new() } else { eos });
     let start = std::time::Instant::now();
     let mut tokens = Vec::new();
     let mut printed = 0usize;

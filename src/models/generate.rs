@@ -40,9 +40,15 @@ impl GenerationConfig {
         }
     }
 
-    /// Checks the sampling settings: a finite temperature of 0 or more, `top_p` in (0, 1], `top_k` at least 1.
+    /// Checks the settings: at least one new token (transformers' `GenerationConfig.validate` refuses
+    /// `max_new_tokens` ≤ 0), a finite temperature of 0 or more, `top_p` in (0, 1], `top_k` at least 1.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidInput(format!("generation: {m}")));
+        if self.max_new_tokens == 0 {
+            return bad(
+                "max_new_tokens = 0: must be at least 1 (the tokens to generate at most)".into(),
+            );
+        }
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad(format!(
                 "temperature = {}: must be 0 (greedy) or more",

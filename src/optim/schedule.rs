@@ -43,6 +43,114 @@ pub fn warmup_steps(warmup: f64, total: usize) -> usize {
     }
 }
 
+/// What one `lr_scheduler_kwargs` key holds.
+#[derive(Clone, Copy)]
+enum Kwarg {
+    /// Any finite number.
+    Number,
+    /// A step count: a finite number, 0 or more.
+    Steps,
+    /// One of these names.
+    Choice(&'static [&'static str]),
+}
+
+/// The keyword arguments transformers' schedule function of `kind` takes (its signature in
+/// `transformers/optimization.py`, besides the optimizer, warmup and total steps).
+fn kwargs_of(kind: SchedulerType) -> &'static [(&'static str, Kwarg)] {
+    const SHAPES: Kwarg = Kwarg::Choice(&["linear", "cosine", "1-sqrt"]);
+    match kind {
+        SchedulerType::Cosine | SchedulerType::CosineWithRestarts => {
+            &[("num_cycles", Kwarg::Number)]
+        }
+        SchedulerType::Polynomial => &[("lr_end", Kwarg::Number), ("power", Kwarg::Number)],
+        SchedulerType::InverseSqrt => &[("timescale", Kwarg::Steps)],
+        SchedulerType::CosineWithMinLr => &[
+            ("num_cycles", Kwarg::Number),
+            ("min_lr", Kwarg::Number),
+            ("min_lr_rate", Kwarg::Number),
+        ],
+        SchedulerType::WarmupStableDecay => &[
+            ("num_decay_steps", Kwarg::Steps),
+            ("num_stable_steps", Kwarg::Steps),
+            ("warmup_type", SHAPES),
+            ("decay_type", SHAPES),
+            ("min_lr_ratio", Kwarg::Number),
+            ("num_cycles", Kwarg::Number),
+        ],
+        SchedulerType::Linear | SchedulerType::Constant | SchedulerType::ConstantWithWarmup => &[],
+    }
+}
+
+/// Checks `lr_scheduler_kwargs` for schedule `kind` at learning rate `base_lr` — a table whose every key the
+/// schedule takes (transformers' schedule functions raise a `TypeError` on any other), holding a value of its
+/// type, with the keys a schedule needs — and returns it. Needs no model or data, so a run checks it before
+/// loading anything.
+pub fn check_kwargs(
+    kind: SchedulerType,
+    base_lr: f64,
+    kwargs: Option<&Value>,
+) -> Result<Map<String, Value>> {
+    let name = kind.as_str();
+    let bad = |m: String| {
+        Err(Error::InvalidInput(format!(
+            "lr_scheduler_kwargs{m} (lr_scheduler_type = \"{name}\")"
+        )))
+    };
+    let kwargs = match kwargs {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(other) => {
+            return bad(format!(
+                " = {other}: must be a table, e.g. {{ num_cycles = 1 }}"
+            ))
+        }
+    };
+    let takes = kwargs_of(kind);
+    for (key, value) in &kwargs {
+        let Some((_, kind_of)) = takes.iter().find(|(k, _)| k == key) else {
+            let names: Vec<&str> = takes.iter().map(|(k, _)| *k).collect();
+            let takes = if names.is_empty() {
+                "takes none".to_string()
+            } else {
+                format!("takes {}", names.join(", "))
+            };
+            return bad(format!(
+                ": `{key}` does not apply to this schedule, which {takes}"
+            ));
+        };
+        let ok = match (kind_of, value) {
+            (Kwarg::Number, Value::Number(n)) => n.as_f64().is_some_and(f64::is_finite),
+            (Kwarg::Steps, Value::Number(n)) => {
+                n.as_f64().is_some_and(|x| x.is_finite() && x >= 0.0)
+            }
+            (Kwarg::Choice(names), Value::String(s)) => names.contains(&s.as_str()),
+            _ => false,
+        };
+        if !ok {
+            let want = match kind_of {
+                Kwarg::Number => "a finite number".to_string(),
+                Kwarg::Steps => "a number of steps, 0 or more".to_string(),
+                Kwarg::Choice(names) => format!("one of \"{}\"", names.join("\", \"")),
+            };
+            return bad(format!(".{key} = {value}: must be {want}"));
+        }
+    }
+    let has = |k: &str| kwargs.contains_key(k);
+    if kind == SchedulerType::CosineWithMinLr && has("min_lr") == has("min_lr_rate") {
+        return bad(": cosine_with_min_lr needs exactly one of min_lr and min_lr_rate".into());
+    }
+    if kind == SchedulerType::WarmupStableDecay && !has("num_decay_steps") {
+        return bad(": warmup_stable_decay needs num_decay_steps".into());
+    }
+    let lr_end = kwargs.get("lr_end").and_then(Value::as_f64).unwrap_or(1e-7);
+    if kind == SchedulerType::Polynomial && lr_end > base_lr {
+        return bad(format!(
+            ".lr_end = {lr_end}: must not exceed the learning rate ({base_lr})"
+        ));
+    }
+    Ok(kwargs)
+}
+
 /// A learning-rate schedule.
 #[derive(Clone, Debug)]
 pub struct Schedule {
@@ -62,59 +170,14 @@ impl Schedule {
         total: usize,
         kwargs: Option<&Value>,
     ) -> Result<Self> {
-        let kwargs = match kwargs {
-            None | Some(Value::Null) => Map::new(),
-            Some(Value::Object(m)) => m.clone(),
-            Some(other) => {
-                return Err(Error::InvalidInput(format!(
-                    "lr_scheduler_kwargs must be a table, got {other}"
-                )))
-            }
-        };
-        let allowed: &[&str] = match kind {
-            SchedulerType::Cosine | SchedulerType::CosineWithRestarts => &["num_cycles"],
-            SchedulerType::Polynomial => &["lr_end", "power"],
-            SchedulerType::InverseSqrt => &["timescale"],
-            SchedulerType::CosineWithMinLr => &["num_cycles", "min_lr", "min_lr_rate"],
-            SchedulerType::WarmupStableDecay => &[
-                "num_decay_steps",
-                "num_stable_steps",
-                "warmup_type",
-                "decay_type",
-                "min_lr_ratio",
-                "num_cycles",
-            ],
-            _ => &[],
-        };
-        if let Some(k) = kwargs.keys().find(|k| !allowed.contains(&k.as_str())) {
-            return Err(Error::InvalidInput(format!(
-                "lr_scheduler_kwargs: `{k}` does not apply to {kind:?} (it takes {allowed:?})"
-            )));
-        }
-        let s = Schedule {
+        let kwargs = check_kwargs(kind, base_lr, kwargs)?;
+        Ok(Schedule {
             kind,
             base_lr,
             warmup,
             total,
             kwargs,
-        };
-        let has = |k: &str| s.num(k).is_some();
-        if kind == SchedulerType::CosineWithMinLr && has("min_lr") == has("min_lr_rate") {
-            return Err(Error::InvalidInput(
-                "cosine_with_min_lr needs exactly one of lr_scheduler_kwargs.min_lr and min_lr_rate".into(),
-            ));
-        }
-        if kind == SchedulerType::WarmupStableDecay && s.num("num_decay_steps").is_none() {
-            return Err(Error::InvalidInput(
-                "warmup_stable_decay needs lr_scheduler_kwargs.num_decay_steps".into(),
-            ));
-        }
-        if kind == SchedulerType::Polynomial && s.num("lr_end").unwrap_or(1e-7) > base_lr {
-            return Err(Error::InvalidInput(
-                "polynomial: lr_end must not exceed the learning rate".into(),
-            ));
-        }
-        Ok(s)
+        })
     }
 
     fn num(&self, k: &str) -> Option<f64> {
@@ -263,9 +326,51 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("num_cycles") && err.contains("Linear"),
+            err.contains("`num_cycles` does not apply")
+                && err.contains("lr_scheduler_type = \"linear\"")
+                && err.contains("takes none"),
             "{err}"
         );
+        // A value of the wrong type, or a name the schedule does not know, is refused naming the key (it was
+        // ignored: the default used instead).
+        for (kind, kw, says) in [
+            (
+                SchedulerType::Cosine,
+                serde_json::json!({"num_cycles": "two"}),
+                "lr_scheduler_kwargs.num_cycles = \"two\": must be a finite number (lr_scheduler_type = \"cosine\")",
+            ),
+            (
+                SchedulerType::WarmupStableDecay,
+                serde_json::json!({"num_decay_steps": 2, "decay_type": "exp"}),
+                "decay_type = \"exp\": must be one of \"linear\", \"cosine\", \"1-sqrt\"",
+            ),
+            (
+                SchedulerType::WarmupStableDecay,
+                serde_json::json!({"num_decay_steps": -3}),
+                "num_decay_steps = -3: must be a number of steps, 0 or more",
+            ),
+            (
+                SchedulerType::Polynomial,
+                serde_json::json!({"power": true}),
+                "power = true: must be a finite number",
+            ),
+            (
+                SchedulerType::Cosine,
+                serde_json::json!({"timescale": 10}),
+                "`timescale` does not apply to this schedule, which takes num_cycles",
+            ),
+            (
+                SchedulerType::Cosine,
+                serde_json::json!("num_cycles=2"),
+                "must be a table",
+            ),
+        ] {
+            let err = check_kwargs(kind, 1e-4, Some(&kw)).unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        let kw =
+            serde_json::json!({"num_decay_steps": 2, "decay_type": "1-sqrt", "min_lr_ratio": 0.1});
+        check_kwargs(SchedulerType::WarmupStableDecay, 1e-4, Some(&kw)).unwrap();
         let kw = serde_json::json!({"min_lr": 1e-6, "min_lr_rate": 0.1});
         assert!(Schedule::new(SchedulerType::CosineWithMinLr, 1e-4, 0, 10, Some(&kw)).is_err());
         assert!(Schedule::new(SchedulerType::WarmupStableDecay, 1e-4, 0, 10, None).is_err());

@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::latest_checkpoint;
+use super::checkpoint::{latest_checkpoint, TRAINER_STATE};
 use super::config::read_section;
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::names::named_enum;
-use crate::optim::schedule::warmup_steps;
+use crate::optim::schedule::{check_kwargs, warmup_steps};
 use crate::optim::{OptimizerName, SchedulerType};
 
 /// When to evaluate / save / log (`IntervalStrategy`).
@@ -93,8 +93,10 @@ pub struct TrainingArguments {
     pub save_strategy: IntervalStrategy,
     /// Save every N steps.
     pub save_steps: f64,
-    /// Keep at most this many checkpoints.
-    pub save_total_limit: Option<usize>,
+    /// Keep at most this many checkpoints (transformers' meaning: unset, 0 or less keeps every one; the newest is
+    /// always kept, and with `metric_for_best_model` the best one too — so a limit of 1 keeps two when the best
+    /// is not the newest).
+    pub save_total_limit: Option<i64>,
     /// bf16 autocast.
     pub bf16: bool,
     /// fp16 autocast.
@@ -233,6 +235,36 @@ impl Default for TrainingArguments {
     }
 }
 
+/// The most epochs a run without `max_steps` may ask for: 2^53, beyond which a step count is no longer an exact
+/// float (and a run of even one step per epoch would never end).
+const MAX_EPOCHS: f64 = 9_007_199_254_740_992.0;
+
+/// `dir`, named by `resume_from_checkpoint` (or `--resume`), if it is a checkpoint folder (it has
+/// `trainer_state.json`); otherwise an error naming it and what to resume from instead — checked before anything
+/// loads.
+fn check_resume_folder(dir: &Path) -> Result<PathBuf> {
+    let shown = dir.display();
+    let problem = if !dir.exists() {
+        "does not exist".to_string()
+    } else if !dir.is_dir() {
+        "is a file, not a checkpoint folder".to_string()
+    } else if !dir.join(TRAINER_STATE).is_file() {
+        match latest_checkpoint(dir) {
+            Some(latest) => format!(
+                "is not a checkpoint (no {TRAINER_STATE}) but holds checkpoints: resume from the latest, {}",
+                latest.display()
+            ),
+            None => format!("is not a checkpoint (no {TRAINER_STATE})"),
+        }
+    } else {
+        return Ok(dir.to_path_buf());
+    };
+    Err(Error::InvalidInput(format!(
+        "resume_from_checkpoint (--resume) `{shown}` {problem}; name a checkpoint-N folder, or give --resume \
+         without a value to resume from the latest checkpoint in output_dir"
+    )))
+}
+
 /// The range a number of [`TrainingArguments`] must be in.
 #[derive(Clone, Copy)]
 enum Range {
@@ -309,18 +341,51 @@ impl TrainingArguments {
                     out.display()
                 ))
             }),
-            Some(dir) => Ok(Some(PathBuf::from(dir))),
+            Some(dir) => check_resume_folder(Path::new(dir)).map(Some),
         }
     }
 
     /// Checks names and ranges.
     pub fn validate(&self, path: &str) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidInput(format!("{path}: [training]: {m}")));
-        if self.per_device_train_batch_size == 0 || self.gradient_accumulation_steps == 0 {
+        if self.output_dir.trim().is_empty() {
             return bad(
-                "per_device_train_batch_size and gradient_accumulation_steps must be at least 1"
+                "`output_dir` is empty: name the folder for the checkpoints, logs and adapter (transformers' \
+                 default is \"trainer_output\")"
                     .into(),
             );
+        }
+        for (key, value) in [
+            (
+                "per_device_train_batch_size",
+                self.per_device_train_batch_size,
+            ),
+            (
+                "per_device_eval_batch_size",
+                self.per_device_eval_batch_size,
+            ),
+            (
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+            ),
+        ] {
+            if value == 0 {
+                return bad(format!("`{key}` = 0: must be at least 1"));
+            }
+        }
+        // Without max_steps the epochs bound the run: a finite count whose steps can be counted (each epoch has at
+        // least one), as transformers needs max_steps > 0 or a finite num_train_epochs > 0.
+        if self.max_steps <= 0 && self.num_train_epochs > MAX_EPOCHS {
+            return bad(format!(
+                "`num_train_epochs` = {} with max_steps = {}: the run would never end; set max_steps > 0 (the \
+                 optimizer steps to train) or a finite num_train_epochs of at most {MAX_EPOCHS:e}",
+                if self.num_train_epochs.is_finite() {
+                    format!("{:e}", self.num_train_epochs)
+                } else {
+                    self.num_train_epochs.to_string()
+                },
+                self.max_steps
+            ));
         }
         // Every number a finite value in its range (PyTorch's for the optimizer's), named with the range.
         let epochs = if self.max_steps > 0 {
@@ -354,6 +419,14 @@ impl TrainingArguments {
             .is_some_and(|b| !b.is_finite() || b < 0.0)
         {
             return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
+        }
+        // The schedule's keyword arguments, as transformers' schedule function would take them.
+        if let Err(e) = check_kwargs(
+            self.lr_scheduler_type,
+            self.learning_rate,
+            self.lr_scheduler_kwargs.as_ref(),
+        ) {
+            return bad(e.to_string());
         }
         if self.bf16 && self.fp16 {
             return bad("bf16 and fp16 are both true: choose one".into());
@@ -496,6 +569,58 @@ mod tests {
         );
         let err = parse("optim = \"adafactor\"").unwrap_err().to_string();
         assert!(err.contains("adafactor"), "{err}");
+    }
+
+    #[test]
+    fn combinations_transformers_refuses_are_refused_by_key() {
+        for (toml, says) in [
+            ("per_device_train_batch_size = 0", "`per_device_train_batch_size` = 0: must be at least 1"),
+            ("per_device_eval_batch_size = 0", "`per_device_eval_batch_size` = 0: must be at least 1"),
+            ("gradient_accumulation_steps = 0", "`gradient_accumulation_steps` = 0: must be at least 1"),
+            ("output_dir = \"\"", "`output_dir` is empty"),
+            ("output_dir = \"  \"", "`output_dir` is empty"),
+            ("num_train_epochs = inf\nmax_steps = 0", "`num_train_epochs` = inf with max_steps = 0"),
+            ("num_train_epochs = 1e300", "`num_train_epochs` = 1e300 with max_steps = -1"),
+            (
+                "lr_scheduler_type = \"cosine\"\nlr_scheduler_kwargs = { num_cycles = \"2\" }",
+                "lr_scheduler_kwargs.num_cycles = \"2\": must be a finite number (lr_scheduler_type = \"cosine\")",
+            ),
+            (
+                "lr_scheduler_kwargs = { power = 2.0 }",
+                "`power` does not apply to this schedule, which takes none (lr_scheduler_type = \"linear\")",
+            ),
+        ] {
+            let err = parse(toml).unwrap_err().to_string();
+            assert!(err.contains("run.toml: [training]") && err.contains(says), "{toml}: {err}");
+        }
+        // With max_steps the epochs do not bound the run.
+        parse("num_train_epochs = 1e300\nmax_steps = 5").unwrap();
+    }
+
+    #[test]
+    fn a_resume_folder_that_is_no_checkpoint_is_named_before_anything_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = |resume: &Path| TrainingArguments {
+            resume_from_checkpoint: Some(resume.display().to_string()),
+            ..Default::default()
+        };
+        let err = |resume: &Path| args(resume).resume_checkpoint().unwrap_err().to_string();
+        let missing = dir.path().join("checkpoint-9");
+        assert!(err(&missing).contains("checkpoint-9` does not exist"));
+        assert!(err(dir.path()).contains("is not a checkpoint (no trainer_state.json)"));
+        let file = dir.path().join("notes.txt");
+        std::fs::write(&file, "x").unwrap();
+        assert!(err(&file).contains("is a file, not a checkpoint folder"));
+        // An output folder holding checkpoints: the latest is named.
+        let ckpt = dir.path().join("checkpoint-4");
+        std::fs::create_dir(&ckpt).unwrap();
+        std::fs::write(ckpt.join(TRAINER_STATE), "{}").unwrap();
+        let e = err(dir.path());
+        assert!(
+            e.contains("resume from the latest") && e.contains("checkpoint-4"),
+            "{e}"
+        );
+        assert_eq!(args(&ckpt).resume_checkpoint().unwrap(), Some(ckpt));
     }
 
     #[test]

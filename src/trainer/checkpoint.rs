@@ -493,14 +493,76 @@ pub fn latest_checkpoint(dir: &Path) -> Option<PathBuf> {
     checkpoints(dir).pop().map(|(_, p)| p)
 }
 
-/// Removes the oldest checkpoints beyond `limit` (at least one is kept).
-pub fn rotate_checkpoints(dir: &Path, limit: usize) -> Result<()> {
-    let mut all = checkpoints(dir);
-    while all.len() > limit.max(1) {
-        let (_, p) = all.remove(0);
+/// Applies `save_total_limit` to the checkpoints of `dir` as transformers' `rotate_checkpoints` does: `None`, 0
+/// or less keeps every one; otherwise the oldest are removed until `limit` remain, never the newest (to resume
+/// from) nor `best` (the best model's checkpoint, with `metric_for_best_model`) — so a limit of 1 keeps two when
+/// the best is not the newest.
+pub fn rotate_checkpoints(dir: &Path, limit: Option<i64>, best: Option<&Path>) -> Result<()> {
+    for p in checkpoints_to_rotate(&checkpoints(dir), limit, best) {
         remove_checkpoint(&p)?;
     }
     Ok(())
+}
+
+/// At the end of training, as transformers: with `save_total_limit = 1` and a best checkpoint, only the best one
+/// stays (the newest, kept until then to resume from, is no longer needed).
+pub fn rotate_checkpoints_at_end(
+    dir: &Path,
+    limit: Option<i64>,
+    best: Option<&Path>,
+) -> Result<()> {
+    for p in checkpoints_to_remove_at_end(&checkpoints(dir), limit, best) {
+        remove_checkpoint(&p)?;
+    }
+    Ok(())
+}
+
+/// The checkpoints of `all` that [`rotate_checkpoints_at_end`] removes: every one but `best`, when `limit` is 1
+/// and `best` is among them.
+fn checkpoints_to_remove_at_end(
+    all: &[(usize, PathBuf)],
+    limit: Option<i64>,
+    best: Option<&Path>,
+) -> Vec<PathBuf> {
+    let best = best.and_then(Path::file_name);
+    let is_best = |p: &Path| best.is_some() && p.file_name() == best;
+    if limit != Some(1) || !all.iter().any(|(_, p)| is_best(p)) {
+        return Vec::new();
+    }
+    all.iter()
+        .filter(|(_, p)| !is_best(p))
+        .map(|(_, p)| p.clone())
+        .collect()
+}
+
+/// The checkpoints of `all` (oldest first) that `save_total_limit = limit` removes, `best` protected (see
+/// [`rotate_checkpoints`]).
+fn checkpoints_to_rotate(
+    all: &[(usize, PathBuf)],
+    limit: Option<i64>,
+    best: Option<&Path>,
+) -> Vec<PathBuf> {
+    let Some(limit) = limit.filter(|&l| l > 0) else {
+        return Vec::new();
+    };
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    let newest = all.last().map(|(_, p)| p.as_path());
+    // The best is named by its folder's name: all are in one folder, which a resumed run may spell differently.
+    let best = best.and_then(Path::file_name);
+    let protected = |p: &Path| Some(p) == newest || (best.is_some() && p.file_name() == best);
+    let kept_anyway = all.iter().filter(|(_, p)| protected(p)).count();
+    let mut remaining = all.len();
+    let mut doomed = Vec::new();
+    for (_, p) in all {
+        if remaining <= limit.max(kept_anyway) {
+            break;
+        }
+        if !protected(p) {
+            doomed.push(p.clone());
+            remaining -= 1;
+        }
+    }
+    doomed
 }
 
 /// Removes checkpoint folder `dir` without ever leaving a part of it that looks complete: it is first renamed to a
@@ -605,6 +667,83 @@ mod tests {
         );
         let manifest = verify_checkpoint_files(&written).unwrap().unwrap();
         check_base_model(&written, &manifest, files.base_model, false).unwrap();
+    }
+
+    /// transformers 5's `rotate_checkpoints` (`trainer_utils.py`) on the names of `steps`: `None` or ≤ 0 keeps
+    /// all; else the oldest go until `limit` remain, never the newest nor the best. Returns the steps kept.
+    fn transformers_rotation(
+        steps: &[usize],
+        limit: Option<i64>,
+        best: Option<usize>,
+    ) -> Vec<usize> {
+        let Some(limit) = limit.filter(|&l| l > 0) else {
+            return steps.to_vec();
+        };
+        let mut protected = vec![*steps.last().unwrap()];
+        protected.extend(best);
+        protected.dedup();
+        let keep = (limit as usize).max(protected.len());
+        let mut remaining = steps.len();
+        let mut kept = vec![];
+        for &s in steps {
+            if remaining > keep && !protected.contains(&s) {
+                remaining -= 1;
+            } else {
+                kept.push(s);
+            }
+        }
+        kept
+    }
+
+    #[test]
+    fn save_total_limit_rotates_as_transformers() {
+        let dir = Path::new("out");
+        let steps = [2, 4, 6, 8, 10];
+        let all: Vec<(usize, PathBuf)> = steps
+            .iter()
+            .map(|&s| (s, dir.join(format!("checkpoint-{s}"))))
+            .collect();
+        let kept = |limit: Option<i64>, best: Option<usize>| -> Vec<usize> {
+            let best = best.map(|b| PathBuf::from(format!("elsewhere/checkpoint-{b}")));
+            let doomed = checkpoints_to_rotate(&all, limit, best.as_deref());
+            all.iter()
+                .filter(|(_, p)| !doomed.contains(p))
+                .map(|(s, _)| *s)
+                .collect()
+        };
+        // Every value of the limit, with and without a best checkpoint anywhere in the list.
+        for limit in [
+            None,
+            Some(-1),
+            Some(0),
+            Some(1),
+            Some(2),
+            Some(3),
+            Some(5),
+            Some(9),
+        ] {
+            for best in [None, Some(2), Some(6), Some(10)] {
+                assert_eq!(
+                    kept(limit, best),
+                    transformers_rotation(&steps, limit, best),
+                    "save_total_limit = {limit:?}, best = {best:?}"
+                );
+            }
+        }
+        // The rules themselves: 0 and unset keep all (0 kept one before), 1 keeps the best and the newest.
+        assert_eq!(kept(Some(0), None), steps);
+        assert_eq!(kept(None, None), steps);
+        assert_eq!(kept(Some(1), None), [10]);
+        assert_eq!(kept(Some(1), Some(4)), [4, 10]);
+        assert_eq!(kept(Some(2), Some(2)), [2, 10]);
+        assert_eq!(kept(Some(3), Some(2)), [2, 8, 10]);
+        // At the end, a limit of 1 leaves only the best.
+        let best = PathBuf::from("out/checkpoint-4");
+        let doomed = checkpoints_to_remove_at_end(&all, Some(1), Some(&best));
+        assert_eq!(doomed.len(), 4);
+        assert!(!doomed.contains(&best));
+        assert!(checkpoints_to_remove_at_end(&all, Some(2), Some(&best)).is_empty());
+        assert!(checkpoints_to_remove_at_end(&all, Some(1), None).is_empty());
     }
 
     #[test]

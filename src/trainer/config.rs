@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::args::TrainingArguments;
+use super::args::{IntervalStrategy, TrainingArguments};
 use super::dpo::DpoConfig;
 use crate::data::DataConfig;
 use crate::error::{Error, Result};
@@ -220,6 +220,25 @@ fn check_keys<T: DeserializeOwned>(
     }
 }
 
+/// serde's message for an integer its unsigned type cannot hold, with the range the key takes.
+fn with_range(message: &str) -> String {
+    let max = [
+        ("usize", usize::MAX as u64),
+        ("u64", u64::MAX),
+        ("u32", u32::MAX as u64),
+        ("u16", u16::MAX as u64),
+        ("u8", u8::MAX as u64),
+    ]
+    .into_iter()
+    .find(|(ty, _)| message.ends_with(&format!("expected {ty}")));
+    match max {
+        Some((_, max)) if message.starts_with("invalid value: integer") => {
+            format!("{message}: must be an integer from 0 to {max}")
+        }
+        _ => message.to_string(),
+    }
+}
+
 /// Reads `[section]` of the config at `path` as `T`: an unknown key (other than `extra_keys`, accepted and
 /// ignored) is an error suggesting the closest field, a wrong value an error naming its key.
 pub(crate) fn read_section<T: DeserializeOwned>(
@@ -239,7 +258,7 @@ pub(crate) fn read_section<T: DeserializeOwned>(
     table.retain(|key, _| fields.contains(&key));
     serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
         let key = e.path().to_string();
-        let message = e.into_inner().message().to_string();
+        let message = with_range(e.into_inner().message());
         let at = if key == "." {
             String::new()
         } else {
@@ -249,17 +268,63 @@ pub(crate) fn read_section<T: DeserializeOwned>(
     })
 }
 
-/// Parses `value` of a `--set` as TOML (numbers, booleans, arrays), falling back to a string.
-fn parse_value(text: &str) -> toml::Value {
-    format!("v = {text}")
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(text.into()))
+/// A `--set` value that is not TOML, kept as a string: the argument and its text.
+struct RawOverride<'a> {
+    assignment: &'a str,
+    text: String,
 }
 
-/// Sets `section.key[.key…] = value` in `root` (a `--set` override).
-fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<()> {
+/// Parses `text`, the value of `--set assignment`, as TOML (numbers, booleans, strings, arrays, inline tables).
+/// Text that is no TOML value is taken as a string (`training.optim=adamw_8bit`), unless it looks like a broken
+/// one — an unclosed array, table or string, or an integer beyond TOML's 64 bits — which is an error naming the
+/// argument. The flag is true for such a string (see [`explain_raw`]).
+fn parse_value(assignment: &str, text: &str) -> Result<(toml::Value, bool)> {
+    let parsed = format!("v = {text}").parse::<toml::Table>();
+    let err = match parsed.map(|mut t| t.remove("v")) {
+        Ok(Some(value)) => return Ok((value, false)),
+        Ok(None) => "no value".to_string(),
+        Err(e) => e.message().trim().replace('\n', ": "),
+    };
+    let digits = text.strip_prefix(['+', '-']).unwrap_or(text);
+    if !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit() || c == '_') {
+        return Err(Error::InvalidInput(format!(
+            "--set `{assignment}`: {text} is out of range: a TOML integer is from {} to {}",
+            i64::MIN,
+            i64::MAX
+        )));
+    }
+    if text.starts_with(['[', '{', '"', '\'']) {
+        return Err(Error::InvalidInput(format!(
+            "--set `{assignment}`: `{text}` is not a valid TOML value ({err}); close the array, table or \
+             string, or quote the whole value to mean a string (key='\"…\"')"
+        )));
+    }
+    Ok((toml::Value::String(text.into()), true))
+}
+
+/// `err` from reading the config, explained when a `--set` value taken as a string (see [`parse_value`]) went to
+/// a key that takes no string: the message names the argument.
+fn explain_raw(err: Error, raw: &[RawOverride<'_>]) -> Error {
+    let message = err.to_string();
+    match raw
+        .iter()
+        .find(|r| message.contains(&format!("invalid type: string {:?}", r.text)))
+    {
+        Some(r) => Error::InvalidInput(format!(
+            "--set `{}`: `{}` is not a TOML value, and the key takes no string ({message}); write a number \
+             (e.g. 1e-3), true or false, or an array, as TOML",
+            r.assignment, r.text
+        )),
+        None => err,
+    }
+}
+
+/// Sets `section.key[.key…] = value` in `root` (a `--set` override); returns the value's text when it is no
+/// TOML value and was taken as a string.
+fn apply_override<'a>(
+    root: &mut toml::Table,
+    assignment: &'a str,
+) -> Result<Option<RawOverride<'a>>> {
     let (key, value) = assignment.split_once('=').ok_or_else(|| {
         Error::InvalidInput(format!("--set `{assignment}`: expected section.key=value"))
     })?;
@@ -279,8 +344,13 @@ fn apply_override(root: &mut toml::Table, assignment: &str) -> Result<()> {
                 Error::InvalidInput(format!("--set `{assignment}`: `{p}` is not a table"))
             })?;
     }
-    table.insert(last.to_string(), parse_value(value.trim()));
-    Ok(())
+    let text = value.trim();
+    let (value, raw) = parse_value(assignment, text)?;
+    table.insert(last.to_string(), value);
+    Ok(raw.then(|| RawOverride {
+        assignment,
+        text: text.to_string(),
+    }))
 }
 
 /// The LoRA settings of a run continuing the adapter in `dir`: the adapter's own, which a `[lora]` section (when
@@ -309,10 +379,11 @@ impl RunConfig {
         let mut root: toml::Table = text.parse().map_err(|e: toml::de::Error| {
             Error::InvalidInput(format!("{}: {e}", path.display()))
         })?;
+        let mut raw = Vec::new();
         for o in overrides {
-            apply_override(&mut root, o)?;
+            raw.extend(apply_override(&mut root, o)?);
         }
-        Self::from_table(&root, path)
+        Self::from_table(&root, path).map_err(|e| explain_raw(e, &raw))
     }
 
     /// Builds a config from a parsed TOML document; `path` names it in errors and relative data files are resolved
@@ -361,7 +432,18 @@ impl RunConfig {
         data.validate()
             .map_err(|e| Error::InvalidInput(format!("{p}: [data]: {e}")))?;
         let training = TrainingArguments::from_toml_value(&optional("training"), &p)?;
-        let callbacks = read_section(&optional("callbacks"), &p, "callbacks", &[])?;
+        let callbacks: CallbackSection =
+            read_section(&optional("callbacks"), &p, "callbacks", &[])?;
+        // transformers' EarlyStoppingCallback asserts as much when training begins: here before anything loads.
+        if let Some(patience) = callbacks.early_stopping_patience {
+            if training.eval_strategy == IntervalStrategy::No {
+                return Err(Error::InvalidInput(format!(
+                    "{p}: [callbacks] early_stopping_patience = {patience} needs evaluations, and [training] \
+                     eval_strategy is \"no\": set eval_strategy = \"steps\" or \"epoch\" (with [data] eval_file \
+                     or eval_split), or remove early_stopping_patience"
+                )));
+            }
+        }
         let dpo: Option<DpoConfig> = root
             .get("dpo")
             .map(|v| read_section(v, &p, "dpo", &[]))
@@ -512,6 +594,52 @@ optim = "paged_adamw_8bit"
             .unwrap_err()
             .to_string()
             .contains("train_file"));
+    }
+
+    #[test]
+    fn set_values_that_are_no_toml_are_refused_naming_the_argument() {
+        let (_d, p) = write(RECIPE);
+        let load = |set: &str| RunConfig::load(&p, &[set.to_string()]);
+        let err = |set: &str| load(set).unwrap_err().to_string();
+        // A broken number for a key of another type: named by the argument (it was "invalid type: string").
+        let e = err("training.learning_rate=1e-3x");
+        assert!(
+            e.contains("--set `training.learning_rate=1e-3x`") && e.contains("takes no string"),
+            "{e}"
+        );
+        // A broken array or string for a string key was taken as the string itself.
+        let e = err("training.output_dir=[runs");
+        assert!(
+            e.contains("--set `training.output_dir=[runs`") && e.contains("not a valid TOML value"),
+            "{e}"
+        );
+        assert!(err("training.output_dir=\"runs").contains("not a valid TOML value"));
+        // An integer beyond 64 bits: the range, not "invalid type: string".
+        let e = err("training.seed=99999999999999999999");
+        assert!(
+            e.contains("99999999999999999999 is out of range")
+                && e.contains("9223372036854775807")
+                && !e.contains("invalid type"),
+            "{e}"
+        );
+        // A negative count: the range of the key.
+        let e = err("training.per_device_train_batch_size=-1");
+        assert!(e.contains("must be an integer from 0 to"), "{e}");
+        // A bare word for a string key, and a quoted one, still work.
+        assert_eq!(
+            load("training.output_dir=runs/x")
+                .unwrap()
+                .training
+                .output_dir,
+            "runs/x"
+        );
+        assert_eq!(
+            load("training.output_dir=\"[runs\"")
+                .unwrap()
+                .training
+                .output_dir,
+            "[runs"
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Training: `TrainingArguments` (transformers' names and defaults), TOML run configs, and the `Trainer`.
 //!
 //! - [`args`]: `TrainingArguments`; [`config`]: TOML run configs; [`pipeline`]: a `Trainer` built from a run config
-//!   (model, data, callbacks).
+//!   (model, data, callbacks); `preflight`: the run's checks against its data and files before the weights load.
 //! - [`run`]: the `Trainer` and its loop; `task`: what it optimizes (supervised or DPO); `window`: one
 //!   accumulation window's forward and backward; [`dpo`]: DPO's settings, losses, reference and window; `sampler`:
 //!   the data order and each rank's share; `ddp` (feature `nccl`): a rank of a distributed run (gradient
@@ -23,6 +23,7 @@ pub mod interrupt;
 mod neftune;
 mod oom;
 pub mod pipeline;
+mod preflight;
 mod progress;
 pub mod run;
 mod sampler;

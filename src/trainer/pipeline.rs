@@ -5,6 +5,7 @@ use super::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use super::checkpoint::verify_checkpoint_files;
 use super::config::RunConfig;
 use super::dpo::DpoConfig;
+use super::preflight::{check_before_loading, DataFacts};
 use super::run::ADAPTER;
 use super::run::{prepare_output_dir, start_memory_snapshot, Prepared, Trainer};
 use crate::adapter::load_adapter;
@@ -97,8 +98,8 @@ impl Trainer {
     /// callbacks of `[callbacks]`. Resume with
     /// `train(config.training.resume_checkpoint()?.as_deref())`.
     pub fn from_run_config(config: &RunConfig) -> Result<Self> {
-        // Everything cheap first (tokenizer, chat template, data, output folder, resume checkpoint), so a mistake
-        // is reported in seconds, not after loading the weights.
+        // Everything cheap first (tokenizer, chat template, data, the run against its data and the model's config,
+        // output folder, resume checkpoint), so a mistake is reported in seconds, not after loading the weights.
         let args = &config.training;
         let model_name = &config.model.name_or_path;
         let revision = config.model.revision.as_deref();
@@ -108,6 +109,11 @@ impl Trainer {
             ))
         })?;
         let task = Data::read(config, &tokenizer)?;
+        let facts = match &task {
+            Data::Supervised(train, eval, _) => DataFacts::supervised(train, eval),
+            Data::Preference(_, train, eval, _) => DataFacts::preference(train, eval),
+        };
+        check_before_loading(config, &facts)?;
         let resume = args.resume_checkpoint()?;
         let checkpoint = match resume {
             Some(ckpt) => {

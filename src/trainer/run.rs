@@ -19,9 +19,9 @@ use super::args::{IntervalStrategy, TrainingArguments};
 use super::callbacks::{TrainerCallback, TrainerControl};
 use super::checkpoint::{
     check_base_model, check_base_quantization, latest_checkpoint, read_json,
-    remove_partial_checkpoints, rotate_checkpoints, verify_checkpoint_files, write_checkpoint,
-    BaseModelId, CheckpointFiles, DataPosition, Manifest, SchedulerState, RNG_STATE, SCHEDULER,
-    TRAINER_STATE,
+    remove_partial_checkpoints, rotate_checkpoints, rotate_checkpoints_at_end,
+    verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
+    Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
@@ -401,6 +401,8 @@ impl Trainer {
                 &run.out,
                 self.base_model_name.as_deref(),
             )?;
+            let best = self.state.best_model_checkpoint.as_deref().map(Path::new);
+            rotate_checkpoints_at_end(&run.out, run.args.save_total_limit, best)?;
             run.memory.timeline.write(&run.out)?;
             let events = trace::take_events();
             if !events.is_empty() {
@@ -920,9 +922,16 @@ impl Trainer {
             );
             return Ok(latest_checkpoint(out));
         }
-        if self.state.best_global_step.is_some_and(|b| b <= step) {
-            self.state.best_model_checkpoint =
-                Some(out.join(format!("checkpoint-{step}")).display().to_string());
+        // As transformers 5: with metric_for_best_model, the checkpoint of the best evaluation's step once saved.
+        if let Some(best) = self
+            .state
+            .best_global_step
+            .filter(|_| self.args.metric_for_best_model.is_some())
+        {
+            let dir = out.join(format!("checkpoint-{best}"));
+            if best == step || dir.join(TRAINER_STATE).exists() {
+                self.state.best_model_checkpoint = Some(dir.display().to_string());
+            }
         }
         self.state.stateful_callbacks = self
             .callbacks
@@ -950,9 +959,8 @@ impl Trainer {
                 }
                 optimizer.save(tmp)
             })?;
-            if let Some(limit) = self.args.save_total_limit {
-                rotate_checkpoints(out, limit)?;
-            }
+            let best = self.state.best_model_checkpoint.as_deref().map(Path::new);
+            rotate_checkpoints(out, self.args.save_total_limit, best)?;
             dir
         } else {
             out.join(format!("checkpoint-{step}"))

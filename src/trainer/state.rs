@@ -80,7 +80,8 @@ pub struct TrainerState {
     pub best_metric: Option<f64>,
     /// Step of the best metric.
     pub best_global_step: Option<usize>,
-    /// Checkpoint saved at or after the best metric, if any.
+    /// The checkpoint of the best metric's step, once saved (with `metric_for_best_model`, as transformers 5);
+    /// `save_total_limit` never removes it.
     pub best_model_checkpoint: Option<String>,
     /// Always true (one process).
     pub is_world_process_zero: bool,

@@ -322,6 +322,15 @@ fn write_changed_models(out: &Path) {
     .unwrap();
 }
 
+/// Inputs of the run checks made before the weights load: examples of 300 tokens (the tiny Llama's context is
+/// 256 positions) and a file where a folder belongs.
+fn write_run_check_inputs(dir: &Path) {
+    let long: String = (0..300).map(|i| format!("t{} ", i % 100 + 3)).collect();
+    let line = format!("{{\"text\": \"{}\"}}", long.trim());
+    std::fs::write(dir.join("long.jsonl"), [line.as_str(); 4].join("\n")).unwrap();
+    std::fs::write(dir.join("a_file"), "not a folder").unwrap();
+}
+
 fn cases(dir: &Path) -> Vec<Case> {
     let config = write_tiny_config(dir, "", "max_steps = 1\nsave_strategy = \"no\"\n");
     write_inputs(dir);
@@ -348,9 +357,9 @@ fn cases(dir: &Path) -> Vec<Case> {
     let eval = |extra: &[&str]| on_model("eval", extra);
     let estimate = |extra: &[&str]| on_model("estimate", extra);
     let case = |args: Vec<String>, exit: i32, says: &'static str| Case { args, exit, says };
-    // A checkpoint of a run on instruction data; `resume(sets)` resumes it with `sets` changed.
+    // A checkpoint of a run on instruction data; `resume_changed(sets)` resumes it with `sets` changed.
     let checkpoint = write_checkpoint(dir, &config);
-    let resume = |sets: &[&str]| {
+    let resume_changed = |sets: &[&str]| {
         let mut args = train(&[&["data.train_file=\"instructions.jsonl\""], sets].concat());
         args.extend(strings(&["--resume", &checkpoint.display().to_string()]));
         args
@@ -378,6 +387,19 @@ fn cases(dir: &Path) -> Vec<Case> {
         ])
     };
     let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
+    // The run's checks come before the weights load: these runs name a model whose weights cannot be read, so a
+    // check made after the load would say so instead of the phrase.
+    write_run_check_inputs(dir);
+    let unreadable = format!(
+        "model.name_or_path={:?}",
+        file("unreadable_weights").to_string()
+    );
+    let early = |sets: &[&str]| train(&[&[unreadable.as_str()], sets].concat());
+    let resume = |path: &str| {
+        let mut args = early(&[]);
+        args.extend(strings(&["--resume", path]));
+        args
+    };
     vec![
         // Numbers out of range or not numbers at all: refused by name, with the range.
         case(
@@ -762,17 +784,17 @@ fn cases(dir: &Path) -> Vec<Case> {
         ),
         // Resuming a checkpoint with other data, labels or base weights: refused, saying which changed.
         case(
-            resume(&["data.train_file=\"instructions_edited.jsonl\""]),
+            resume_changed(&["data.train_file=\"instructions_edited.jsonl\""]),
             1,
             "the checkpoint was trained on other tokens",
         ),
         case(
-            resume(&["data.completion_only_loss=false"]),
+            resume_changed(&["data.completion_only_loss=false"]),
             1,
             "the same tokens with other labels",
         ),
         case(
-            resume(&["model.quantization.bnb_4bit_quant_type=\"fp4\""]),
+            resume_changed(&["model.quantization.bnb_4bit_quant_type=\"fp4\""]),
             1,
             "the checkpoint was trained on a nf4 base",
         ),
@@ -807,6 +829,143 @@ fn cases(dir: &Path) -> Vec<Case> {
             train(&[&format!("training.output_dir={:?}", file(RUNNING))]),
             1,
             "is the output folder of a run in progress",
+        ),
+        // What transformers refuses, refused before the weights load, naming the key and what to do.
+        case(
+            early(&["training.eval_strategy=\"steps\""]),
+            1,
+            "eval_strategy = \"steps\" asks for evaluations, but the run has no evaluation data",
+        ),
+        case(
+            early(&["training.eval_strategy=\"epoch\"", "data.eval_split=0"]),
+            1,
+            "no evaluation data ([data] eval_split = 0 holds none",
+        ),
+        case(
+            early(&["training.eval_on_start=true"]),
+            1,
+            "eval_on_start = true asks for evaluations",
+        ),
+        case(
+            early(&["callbacks.early_stopping_patience=2"]),
+            1,
+            "early_stopping_patience = 2 needs evaluations, and [training] eval_strategy is \"no\"",
+        ),
+        case(
+            early(&["training.per_device_train_batch_size=0"]),
+            1,
+            "`per_device_train_batch_size` = 0: must be at least 1",
+        ),
+        case(
+            early(&["training.per_device_eval_batch_size=0"]),
+            1,
+            "`per_device_eval_batch_size` = 0: must be at least 1",
+        ),
+        case(
+            early(&["training.gradient_accumulation_steps=0"]),
+            1,
+            "`gradient_accumulation_steps` = 0: must be at least 1",
+        ),
+        case(
+            strings(&[
+                "generate",
+                "--model",
+                &file("unreadable_weights"),
+                "--prompt",
+                "t3",
+                "--max-new-tokens",
+                "0",
+            ]),
+            1,
+            "max_new_tokens = 0: must be at least 1",
+        ),
+        case(
+            early(&["training.output_dir=\"\""]),
+            1,
+            "`output_dir` is empty",
+        ),
+        case(
+            early(&[&format!("training.output_dir={:?}", file("a_file"))]),
+            1,
+            "a_file\" is a file, not a folder",
+        ),
+        case(
+            early(&["training.num_train_epochs=inf", "training.max_steps=0"]),
+            1,
+            "`num_train_epochs` = inf with max_steps = 0: the run would never end",
+        ),
+        case(
+            early(&["training.num_train_epochs=1e300", "training.max_steps=0"]),
+            1,
+            "`num_train_epochs` = 1e300 with max_steps = 0",
+        ),
+        // `--set` values that are no TOML: named by the argument, not used as a string.
+        case(
+            early(&["training.learning_rate=1e-3x"]),
+            1,
+            "--set `training.learning_rate=1e-3x`: `1e-3x` is not a TOML value, and the key takes no string",
+        ),
+        case(
+            early(&["training.output_dir=[runs"]),
+            1,
+            "--set `training.output_dir=[runs`: `[runs` is not a valid TOML value",
+        ),
+        case(
+            early(&["training.seed=99999999999999999999"]),
+            1,
+            "99999999999999999999 is out of range: a TOML integer is from",
+        ),
+        case(
+            early(&["training.per_device_train_batch_size=-1"]),
+            1,
+            "per_device_train_batch_size: invalid value: integer `-1`, expected usize: must be an integer from 0",
+        ),
+        // The schedule's keyword arguments as transformers' schedule functions take them.
+        case(
+            early(&[
+                "training.lr_scheduler_type=\"cosine\"",
+                "training.lr_scheduler_kwargs={num_cycles=\"two\"}",
+            ]),
+            1,
+            "lr_scheduler_kwargs.num_cycles = \"two\": must be a finite number (lr_scheduler_type = \"cosine\")",
+        ),
+        case(
+            early(&["training.lr_scheduler_kwargs={power=2.0}"]),
+            1,
+            "`power` does not apply to this schedule, which takes none (lr_scheduler_type = \"linear\")",
+        ),
+        case(
+            early(&[
+                "training.lr_scheduler_type=\"warmup_stable_decay\"",
+                "training.lr_scheduler_kwargs={num_decay_steps=2, decay_type=\"exp\"}",
+            ]),
+            1,
+            "decay_type = \"exp\": must be one of",
+        ),
+        // A resume folder that is missing or is no checkpoint.
+        case(
+            resume(&file("out/checkpoint-7")),
+            1,
+            "checkpoint-7` does not exist",
+        ),
+        case(
+            resume(&file("gpt-oss")),
+            1,
+            "is not a checkpoint (no trainer_state.json)",
+        ),
+        // Examples longer than the model's context: reported up front with the fix, which then trains.
+        case(
+            early(&[&format!("data.train_file={:?}", file("long.jsonl"))]),
+            1,
+            "the training set has 4 example(s) longer than the model's context of 256 positions",
+        ),
+        case(
+            train(&[
+                &format!("data.train_file={:?}", file("long.jsonl")),
+                "data.max_length=256",
+            ]),
+            0,
+            "4 examples truncated to 256 tokens",
         ),
     ]
 }

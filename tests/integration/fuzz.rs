@@ -1693,6 +1693,7 @@ learning_rate = 2e-4
 optim = "paged_adamw_8bit"
 warmup_steps = 0.03
 lr_scheduler_type = "cosine"
+eval_strategy = "steps"
 [callbacks]
 early_stopping_patience = 3
 "#;

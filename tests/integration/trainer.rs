@@ -967,3 +967,71 @@ fn step_traces_nest_and_add_up_to_the_step() {
         "top-level spans {covered} µs of the step's {step_dur} µs (from {step_ts}): {children:?}"
     );
 }
+
+/// Records the checkpoint folders of `out` after every save.
+struct CheckpointLister {
+    out: PathBuf,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Vec<usize>>>>,
+}
+
+impl candle_qlora::trainer::TrainerCallback for CheckpointLister {
+    fn name(&self) -> &str {
+        "CheckpointLister"
+    }
+
+    fn on_save(
+        &mut self,
+        _args: &TrainingArguments,
+        _state: &candle_qlora::trainer::TrainerState,
+        _dir: &Path,
+    ) -> candle_qlora::Result<()> {
+        let steps = candle_qlora::trainer::checkpoint::checkpoints(&self.out);
+        let steps = steps.into_iter().map(|(s, _)| s).collect();
+        self.seen.lock().unwrap().push(steps);
+        Ok(())
+    }
+}
+
+/// `save_total_limit = 1` as transformers 5: with `metric_for_best_model` the best checkpoint stays beside the
+/// newest while training and alone at the end; without it only the newest stays. The learning rate is 0, so the
+/// evaluation loss never improves on the first evaluation's and checkpoint-1 is the best.
+#[test]
+fn save_total_limit_keeps_the_best_checkpoint_as_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, metric: Option<&str>| {
+        let out = dir.path().join(name);
+        let mut t = trainer_with(
+            &out,
+            |a| {
+                a.learning_rate = 0.0;
+                a.max_steps = 4;
+                a.save_steps = 1.0;
+                a.save_total_limit = Some(1);
+                a.eval_strategy = IntervalStrategy::Steps;
+                a.eval_steps = Some(1.0);
+                a.metric_for_best_model = metric.map(String::from);
+            },
+            examples()[..4].to_vec(),
+        );
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        t.add_callback(Box::new(CheckpointLister {
+            out: out.clone(),
+            seen: seen.clone(),
+        }));
+        t.train(None).unwrap();
+        let at_end: Vec<usize> = candle_qlora::trainer::checkpoint::checkpoints(&out)
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        let best = t.state().best_model_checkpoint.clone();
+        let seen = seen.lock().unwrap().clone();
+        (seen, at_end, best)
+    };
+    let (seen, at_end, best) = run("best", Some("eval_loss"));
+    assert_eq!(seen, [vec![1], vec![1, 2], vec![1, 3], vec![1, 4]]);
+    assert_eq!(at_end, [1]);
+    assert!(best.is_some_and(|b| b.ends_with("checkpoint-1")));
+    let (seen, at_end, best) = run("newest", None);
+    assert_eq!(seen, [vec![1], vec![2], vec![3], vec![4]]);
+    assert_eq!((at_end, best), (vec![4], None));
+}
