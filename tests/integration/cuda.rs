@@ -1009,14 +1009,8 @@ fn out_of_memory_stops_training_with_the_report() {
 #[test]
 fn memory_snapshot_of_the_gpu_pool_replays_to_its_peak() {
     let dir = tempfile::tempdir().unwrap();
-    let config = crate::trainer::write_tiny_config(
-        dir.path(),
-        "",
-        "max_steps = 2\nsave_strategy = \"no\"\ngradient_checkpointing = true\nmemory_snapshot = true\n",
-    );
-    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
+    let (out, text) = crate::memory::train_with_memory_snapshot(dir.path());
     assert!(text.contains("(device pool)"), "{text}");
-    let out = dir.path().join("out");
     let snapshot = out.join("memory_snapshot.pickle");
     let Some(r) = crate::memory::read_memory_snapshot(&snapshot) else {
         return;

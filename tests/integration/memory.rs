@@ -211,6 +211,18 @@ fn every_family_weight_bytes_match_the_prediction() {
     }
 }
 
+/// `qlora train` in `dir` on the tiny config for 2 steps with gradient checkpointing and `memory_snapshot`: its
+/// output folder and what it printed.
+pub(crate) fn train_with_memory_snapshot(dir: &Path) -> (std::path::PathBuf, String) {
+    let config = crate::trainer::write_tiny_config(
+        dir,
+        "",
+        "max_steps = 2\nsave_strategy = \"no\"\ngradient_checkpointing = true\nmemory_snapshot = true\n",
+    );
+    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
+    (dir.join("out"), text)
+}
+
 /// `snapshot` read by PyTorch's `torch.cuda._memory_viz` (`scripts/read_memory_snapshot.py`: `segsum`, `trace`, the
 /// trace replayed), checked to be read; `None` (the test skipped) where neither torch nor `$QLORA_MEMORY_VIZ` is
 /// there, which CI must not be.
@@ -285,15 +297,9 @@ pub(crate) fn assert_frames_name_every_phase(r: &serde_json::Value, snapshot: &P
 #[test]
 fn memory_snapshot_reads_in_pytorch_memory_viz_and_replays_to_the_peak() {
     let dir = tempfile::tempdir().unwrap();
-    let config = crate::trainer::write_tiny_config(
-        dir.path(),
-        "",
-        "max_steps = 2\nsave_strategy = \"no\"\ngradient_checkpointing = true\nmemory_snapshot = true\n",
-    );
-    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
-    let out = dir.path().join("out");
-    let snapshot = out.join("memory_snapshot.pickle");
+    let (out, text) = train_with_memory_snapshot(dir.path());
     assert!(text.contains("memory snapshot:"), "{text}");
+    let snapshot = out.join("memory_snapshot.pickle");
     let Some(r) = read_memory_snapshot(&snapshot) else {
         return;
     };
