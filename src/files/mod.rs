@@ -1,5 +1,6 @@
-//! Files the crate reads and writes: safetensors through a memory map, and writes that never leave a half-written
-//! file or folder behind (written next to the final name, then renamed into place).
+//! Files the crate reads and writes: safetensors through a memory map, writes that never leave a half-written
+//! file or folder behind (written next to the final name, then renamed into place), one writer per output folder
+//! ([`lock`]) and the cleaning of what killed writers left ([`sweep_abandoned`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
