@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::args::IntervalStrategy;
+use super::args::{IntervalStrategy, TrainingArguments};
 use super::config::RunConfig;
 use crate::data::{Dataset, PreferenceDataset};
 use crate::error::{Error, Result};
@@ -62,44 +62,82 @@ impl DataFacts {
 pub(crate) fn check_before_loading(config: &RunConfig, facts: &DataFacts) -> Result<()> {
     let p = config.path.display();
     let args = &config.training;
-    // transformers' Trainer refuses evaluation without an eval_dataset (and `evaluate` without one).
-    if facts.eval_examples == 0 {
-        let asked = match args.eval_strategy {
-            IntervalStrategy::Steps => Some("eval_strategy = \"steps\""),
-            IntervalStrategy::Epoch => Some("eval_strategy = \"epoch\""),
-            IntervalStrategy::No => args.eval_on_start.then_some("eval_on_start = true"),
+    if let Some(asked) = evaluation_without_data(args, facts) {
+        let split = match config.data.eval_split {
+            Some(split) if config.data.eval_file.is_none() => {
+                format!(" ([data] eval_split = {split} holds none of the examples)")
+            }
+            _ => String::new(),
         };
-        if let Some(asked) = asked {
-            let split = match config.data.eval_split {
-                Some(split) if config.data.eval_file.is_none() => {
-                    format!(" ([data] eval_split = {split} holds none of the examples)")
-                }
-                _ => String::new(),
-            };
-            return Err(Error::InvalidInput(format!(
-                "{p}: [training] {asked} asks for evaluations, but the run has no evaluation data{split}: add \
-                 [data] eval_file (or a larger eval_split), or set eval_strategy = \"no\" and eval_on_start = false"
-            )));
-        }
+        return Err(Error::InvalidInput(format!(
+            "{p}: [training] {asked} asks for evaluations, but the run has no evaluation data{split}: add \
+             [data] eval_file (or a larger eval_split), or set eval_strategy = \"no\" and eval_on_start = false"
+        )));
     }
     check_output_dir(&config.training.output_dir, &p.to_string())?;
     // Examples longer than the model's context would stop the run at the first batch holding one. TRL truncates
     // to max_length only (never to the model's context), so a max_length above the context is the mistake.
     let model = load_model_config(&config.model.name_or_path, config.model.revision.as_deref())?;
     let context = model.max_position_embeddings;
-    for (set, lengths) in &facts.lengths {
-        let longer = lengths.iter().filter(|&&l| l > context).count();
-        if longer > 0 {
-            let longest = lengths.iter().max().copied().unwrap_or_default();
-            return Err(Error::InvalidInput(format!(
-                "{p}: the {set} has {longer} example(s) longer than the model's context of {context} positions \
-                 (max_position_embeddings; the longest has {longest} tokens, [data] max_length = {}): set [data] \
-                 max_length = {context} or less, so longer examples are truncated to it",
-                config.data.max_length
-            )));
-        }
+    if let Some((set, longer, longest)) = longer_than(facts, context) {
+        return Err(Error::InvalidInput(format!(
+            "{p}: the {set} has {longer} example(s) longer than the model's context of {context} positions \
+             (max_position_embeddings; the longest has {longest} tokens, [data] max_length = {}): set [data] \
+             max_length = {context} or less, so longer examples are truncated to it",
+            config.data.max_length
+        )));
     }
     Ok(())
+}
+
+/// The same data checks for a trainer built in code (`Trainer::new`, `Trainer::new_dpo`), on the model it holds:
+/// evaluation asked for with no evaluation data, examples longer than the model's `context`. (A run config's were
+/// made before its weights loaded, by [`check_before_loading`].)
+pub(crate) fn check_trainer_data(
+    args: &TrainingArguments,
+    facts: &DataFacts,
+    context: usize,
+) -> Result<()> {
+    if let Some(asked) = evaluation_without_data(args, facts) {
+        return Err(Error::InvalidInput(format!(
+            "TrainingArguments: {asked} asks for evaluations, but the trainer was given no evaluation data: pass \
+             evaluation examples, or set eval_strategy to No and eval_on_start to false"
+        )));
+    }
+    if let Some((set, longer, longest)) = longer_than(facts, context) {
+        return Err(Error::InvalidInput(format!(
+            "the {set} has {longer} example(s) longer than the model's context of {context} positions (the \
+             longest has {longest} tokens): tokenize with a max_length of {context} or less"
+        )));
+    }
+    Ok(())
+}
+
+/// What asks for evaluations when there is no evaluation data (transformers' Trainer refuses evaluation without
+/// an eval_dataset), if anything does.
+fn evaluation_without_data(args: &TrainingArguments, facts: &DataFacts) -> Option<&'static str> {
+    if facts.eval_examples > 0 {
+        return None;
+    }
+    match args.eval_strategy {
+        IntervalStrategy::Steps => Some("eval_strategy = \"steps\""),
+        IntervalStrategy::Epoch => Some("eval_strategy = \"epoch\""),
+        IntervalStrategy::No => args.eval_on_start.then_some("eval_on_start = true"),
+    }
+}
+
+/// The first set with examples longer than `context` tokens: its name, how many, and the longest's length.
+fn longer_than(facts: &DataFacts, context: usize) -> Option<(&'static str, usize, usize)> {
+    facts.lengths.iter().find_map(|(set, lengths)| {
+        let longer = lengths.iter().filter(|&&l| l > context).count();
+        (longer > 0).then(|| {
+            (
+                *set,
+                longer,
+                lengths.iter().max().copied().unwrap_or_default(),
+            )
+        })
+    })
 }
 
 /// An error unless `output_dir` is, or can be created as, a folder: neither it nor a folder above it is a file.

@@ -30,6 +30,7 @@ use super::dpo::{
     REFERENCE_ADAPTER,
 };
 use super::evaluate::{exact_match_share, loss_sums, EvalReport};
+use super::preflight::check_trainer_data;
 use super::progress::{summary, Progress, StepFigures};
 use super::sampler::{DataPlan, Shard};
 use super::state::{LogEntry, TrainOutput, TrainerState};
@@ -210,6 +211,8 @@ impl Trainer {
         task: Task,
     ) -> Result<Self> {
         args.validate("TrainingArguments")?;
+        // A run config's data was checked before its weights loaded; this is for trainers built in code.
+        check_trainer_data(&args, &task.facts(), model.config().max_position_embeddings)?;
         let mut model = match (model.device().is_cpu(), args.use_cpu) {
             (true, false) => match args.device()? {
                 gpu if !gpu.is_cpu() => model.to_device(&gpu)?,

@@ -3,6 +3,7 @@
 
 use super::checkpoint::DataFingerprint;
 use super::dpo::PreferenceTask;
+use super::preflight::DataFacts;
 use crate::data::Dataset;
 
 /// The trainer's objective and data.
@@ -36,6 +37,14 @@ impl Task {
             Task::Preference(p) => {
                 DataFingerprint::of(p.train.pairs.iter().flat_map(|p| [&p.chosen, &p.rejected]))
             }
+        }
+    }
+
+    /// What the data checks need of the training and evaluation data.
+    pub(super) fn facts(&self) -> DataFacts {
+        match self {
+            Task::LanguageModeling { train, eval } => DataFacts::supervised(train, eval),
+            Task::Preference(p) => DataFacts::preference(&p.train, &p.eval),
         }
     }
 

@@ -98,6 +98,49 @@ fn trainer_with_lora(
     trainer
 }
 
+/// A trainer built in code checks its data as a run config's is checked: evaluation asked for with no evaluation
+/// data, and examples longer than the model's context (the tiny Llama's 256 positions), are refused by name.
+#[test]
+fn trainers_built_in_code_check_their_data() {
+    let model = || {
+        let opts = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        };
+        load_model(
+            data_path("models/tiny-llama").to_str().unwrap(),
+            None,
+            &opts,
+        )
+        .unwrap()
+        .model
+    };
+    let lora = LoraConfig::default();
+    let steps = TrainingArguments {
+        eval_strategy: IntervalStrategy::Steps,
+        ..Default::default()
+    };
+    let err = Trainer::new(model(), steps, &lora, examples(), vec![])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("eval_strategy = \"steps\" asks for evaluations"),
+        "{err}"
+    );
+    let long = vec![candle_qlora::data::TokenizedExample::learning_every_token(
+        (0..300).map(|i| 3 + i % 100).collect(),
+    )];
+    let err = Trainer::new(model(), TrainingArguments::default(), &lora, long, vec![])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("the training set has 1 example(s) longer than the model's context of 256"),
+        "{err}"
+    );
+}
+
 /// Exact match counts an example when the greedy answer from its prompt (up to the end-of-sequence token) is its
 /// labelled tokens, and not otherwise; `predict_with_generate` reports it with the evaluation loss.
 #[test]
