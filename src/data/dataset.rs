@@ -124,10 +124,25 @@ impl Dataset {
         tokenizer: &TextTokenizer,
         config: &DataConfig,
     ) -> Result<Self> {
+        Self::tokenize_each(examples, tokenizer, config, |_, e| e)
+    }
+
+    /// Tokenizes `examples` as [`Dataset::tokenize`], an error passed through `at` with the example's index.
+    fn tokenize_each<E: std::borrow::Borrow<Example>>(
+        examples: impl IntoIterator<Item = E>,
+        tokenizer: &TextTokenizer,
+        config: &DataConfig,
+        at: impl Fn(usize, Error) -> Error,
+    ) -> Result<Self> {
         config.validate()?;
         let rows = examples
             .into_iter()
-            .map(|e| e.tokenize(tokenizer, config.max_length, config.all_tokens(&e)))
+            .enumerate()
+            .map(|(i, e)| {
+                let e = e.borrow();
+                e.tokenize(tokenizer, config.max_length, config.all_tokens(e))
+                    .map_err(|err| at(i, err))
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Dataset::from(rows))
     }
@@ -149,16 +164,10 @@ impl Dataset {
         tokenizer: &TextTokenizer,
         config: &DataConfig,
     ) -> Result<Self> {
-        config.validate()?;
-        let rows = examples
-            .iter()
-            .zip(&read.lines)
-            .map(|(e, line)| {
-                e.tokenize(tokenizer, config.max_length, config.all_tokens(e))
-                    .map_err(|err| Error::InvalidInput(format!("{}:{line}: {err}", path.display())))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut dataset = Dataset::from(rows);
+        let mut dataset = Self::tokenize_each(examples, tokenizer, config, |i, err| {
+            let line = read.lines.get(i).copied().unwrap_or_default();
+            Error::InvalidInput(format!("{}:{line}: {err}", path.display()))
+        })?;
         dataset.skipped = read.skipped.clone();
         if dataset.rows.is_empty() {
             return Err(Error::InvalidInput(format!(

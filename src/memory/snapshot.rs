@@ -66,12 +66,17 @@ pub enum Source {
     },
 }
 
+/// [`SOURCE`]'s value while the heap is recorded.
+const HEAP: u8 = 1;
+/// [`SOURCE`]'s value while a CUDA pool is recorded.
+const CUDA_POOL: u8 = 2;
+
 impl Source {
-    /// Its number in [`SOURCE`] (0: not recording).
+    /// Its value in [`SOURCE`] (0: not recording).
     fn code(self) -> u8 {
         match self {
-            Source::Heap => 1,
-            Source::CudaPool { .. } => 2,
+            Source::Heap => HEAP,
+            Source::CudaPool { .. } => CUDA_POOL,
         }
     }
 
@@ -264,46 +269,31 @@ fn with_recorder<R>(f: impl FnOnce(&mut Option<Recorder>) -> R) -> R {
 /// Called by the tracking allocator after each allocation. Allocates nothing.
 #[inline]
 pub(crate) fn on_alloc(addr: usize, size: usize) {
-    record(Source::Heap.code(), Action::Alloc, addr, size);
+    record(HEAP, Action::Alloc, addr, size);
 }
 
 /// Called by the tracking allocator before each free. Allocates nothing.
 #[inline]
 pub(crate) fn on_free(addr: usize, size: usize) {
-    record(Source::Heap.code(), Action::Free, addr, size);
+    record(HEAP, Action::Free, addr, size);
 }
 
 /// Called by the CUDA hooks after the driver allocated `size` bytes at `addr`. Allocates nothing.
 #[cfg(feature = "cuda")]
 pub(crate) fn on_device_alloc(addr: usize, size: usize) {
-    record(
-        Source::CudaPool { ordinal: 0 }.code(),
-        Action::Alloc,
-        addr,
-        size,
-    );
+    record(CUDA_POOL, Action::Alloc, addr, size);
 }
 
 /// Called by the CUDA hooks before the driver frees `addr` (its size is the recorded one). Allocates nothing.
 #[cfg(feature = "cuda")]
 pub(crate) fn on_device_free(addr: usize) {
-    record(
-        Source::CudaPool { ordinal: 0 }.code(),
-        Action::Free,
-        addr,
-        0,
-    );
+    record(CUDA_POOL, Action::Free, addr, 0);
 }
 
 /// Called by the CUDA hooks when the driver refused `size` bytes with `free` bytes left. Allocates nothing.
 #[cfg(feature = "cuda")]
 pub(crate) fn on_device_oom(size: usize, free: usize) {
-    record(
-        Source::CudaPool { ordinal: 0 }.code(),
-        Action::Oom,
-        free,
-        size,
-    );
+    record(CUDA_POOL, Action::Oom, free, size);
 }
 
 /// Records `action` on the allocation at `addr` (the live table and the ring) while `source` is recorded. A free
