@@ -126,15 +126,15 @@ bool exited(pid_t pid) {
     return end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X');
 }
 
-// Notes a peer that exited or aborted as the communicator's asynchronous error, once.
+// Notes a peer that exited or aborted as the communicator's asynchronous error, once. The message is in place
+// before the error is published: a watchdog that sees the error reads the message next (ncclGetLastError).
 void note_remote_failure(Comm *comm, int peer, const char *what) {
-    int expected = Success;
-    if (!comm->async_error.compare_exchange_strong(expected, RemoteError)) return;
-    const std::string message = format("NCCL (emulated): rank %d %s while rank %d was in %s", peer, what, comm->rank,
-                                       comm->shared->doing[comm->rank]);
-    fprintf(stderr, "cuda-emu: %s\n", message.c_str());
     std::lock_guard<std::mutex> hold(comm->message_lock);
-    comm->message = message;
+    if (comm->async_error.load() != Success) return;
+    comm->message = format("NCCL (emulated): rank %d %s while rank %d was in %s", peer, what, comm->rank,
+                           comm->shared->doing[comm->rank]);
+    comm->async_error.store(RemoteError);
+    fprintf(stderr, "cuda-emu: %s\n", comm->message.c_str());
 }
 
 // Waits until every rank has reached the communicator's next phase. Only an abort of this communicator ends the
