@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::Deserialize;
 
+use super::safetensors::{weight_files, INDEX_FILE};
 use crate::error::{Error, Result};
 use crate::files::{
     candle_float_dtype, read_json, refuse_existing, replace_dir, view_to_f32, write_safetensors,
@@ -466,17 +467,7 @@ pub fn quantize_model_dir(
         .filter(|p| p.is_file())
         .collect();
     entries.sort();
-    let shards: Vec<&PathBuf> = entries
-        .iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-        .collect();
-    if shards.is_empty() {
-        return Err(Error::invalid_file(
-            input,
-            "no *.safetensors weights in this folder (pytorch_model.bin is not supported: save the model with safetensors)",
-        ));
-    }
-
+    let shards = weight_files(input)?;
     // With --overwrite, the old output goes only once the new one is complete.
     replace_dir(output, |staging| {
         let mut report = QuantizeReport::default();
@@ -501,7 +492,7 @@ pub fn quantize_model_dir(
             .iter()
             .map(|f| output.join(f.file_name().unwrap_or_default()))
             .collect();
-        if input.join("model.safetensors.index.json").exists() {
+        if input.join(INDEX_FILE).exists() {
             let index = serde_json::json!({ "metadata": { "total_size": total_size }, "weight_map": weight_map });
             write_json(&staging.join("model.safetensors.index.json"), &index)?;
         }
@@ -512,7 +503,7 @@ pub fn quantize_model_dir(
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
             let is_weights = name.ends_with(".safetensors")
-                || name == "model.safetensors.index.json"
+                || name == INDEX_FILE
                 || name == "config.json"
                 || [".bin", ".pt", ".pth", ".gguf"]
                     .iter()

@@ -1,7 +1,7 @@
 //! GGUF files: tensors dequantized one at a time under their Hugging Face names, q/k weights un-permuted back to
 //! the HF layout (llama.cpp permutes them for its interleaved RoPE), and the model config from the metadata.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -18,6 +18,8 @@ pub struct GgufFile {
     file: Mutex<std::fs::File>,
     /// `general.architecture` (empty when missing).
     arch: String,
+    /// The llama.cpp names of the tensors read so far, so what a model leaves unread can be reported.
+    read: Mutex<HashSet<String>>,
 }
 
 /// The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (`general.architecture`:
@@ -93,6 +95,7 @@ impl GgufFile {
             content,
             file: Mutex::new(file),
             arch,
+            read: Mutex::new(HashSet::new()),
         })
     }
 
@@ -200,8 +203,41 @@ impl GgufFile {
         }))
     }
 
+    /// The per-frequency divisors of llama.cpp's `rope_freqs` tensor, if the file has one: its converter writes
+    /// Llama 3's frequency-dependent RoPE scaling (`rope_type = "llama3"`) that way instead of as metadata, each
+    /// inverse frequency divided by its factor.
+    pub fn rope_frequency_factors(&self) -> Result<Option<Vec<f64>>> {
+        const NAME: &str = "rope_freqs.weight";
+        if !self.content.tensor_infos.contains_key(NAME) {
+            return Ok(None);
+        }
+        let factors: Vec<f32> = self.read(NAME)?.flatten_all()?.to_vec1()?;
+        Ok(Some(factors.into_iter().map(f64::from).collect()))
+    }
+
+    /// The tensors (by llama.cpp name) starting with `prefix` that nothing has read yet, sorted.
+    pub fn unread(&self, prefix: &str) -> Vec<String> {
+        let read = self
+            .read
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut unread: Vec<String> = self
+            .content
+            .tensor_infos
+            .keys()
+            .filter(|n| n.starts_with(prefix) && !read.contains(*n))
+            .cloned()
+            .collect();
+        unread.sort();
+        unread
+    }
+
     /// Reads and dequantizes (to f32) the tensor llama.cpp names `name`.
     fn read(&self, name: &str) -> Result<Tensor> {
+        self.read
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(name.to_string());
         let info = self.content.tensor_infos.get(name).ok_or_else(|| {
             Error::invalid_file(&self.path, format!("tensor `{name}` is missing"))
         })?;

@@ -17,7 +17,7 @@ use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
 use crate::models::config::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
-use crate::ops::rope::RopeScaling;
+use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::quant::mxfp4::{dequantize_mxfp4, MXFP4_BLOCK};
 use crate::quant::{Nf4Tensor, QuantConfig};
@@ -93,6 +93,7 @@ impl Weights {
                         s.folder().display()
                     ))
                 })?;
+                s.mark_read(name);
                 let st = file.tensors()?;
                 let view = st
                     .tensor(name)
@@ -127,12 +128,17 @@ impl Weights {
             return Ok(None);
         };
         let st = file.tensors()?;
-        let is_quantized = st
-            .names()
+        let is_companion = |k: &str| k.starts_with(name) && k[name.len()..].starts_with('.');
+        let names = st.names();
+        if !names
             .iter()
-            .any(|k| k.starts_with(name) && k[name.len()..].starts_with(".quant_state."));
-        if !is_quantized {
+            .any(|k| is_companion(k) && k[name.len()..].starts_with(".quant_state."))
+        {
             return Ok(None);
+        }
+        s.mark_read(name);
+        for companion in names.into_iter().filter(|k| is_companion(k)) {
+            s.mark_read(companion);
         }
         read_bnb_weight(&st, name, file.path()).map(Some)
     }
@@ -472,6 +478,60 @@ impl Weights {
         }
         Ok(())
     }
+
+    /// The stored tensors of layer `layer` (or of the whole model, with `None`) that loading has not read, without
+    /// those transformers and llama.cpp leave out too: old checkpoints' rotary buffers (`rotary_emb.inv_freq`,
+    /// GGUF's `attn_rot_embd`), which they recompute, and a tied model's stored `lm_head.weight` (its head is the
+    /// embedding matrix).
+    fn unread(&self, layer: Option<usize>, cfg: &ModelConfig) -> Vec<String> {
+        let mut unread = match (self, layer) {
+            (Weights::Safetensors(s), Some(l)) => s.unread(&format!("model.layers.{l}.")),
+            (Weights::Safetensors(s), None) => s.unread(""),
+            (Weights::Gguf(g), Some(l)) => g.0.unread(&format!("blk.{l}.")),
+            (Weights::Gguf(g), None) => g.0.unread(""),
+        };
+        unread.retain(|n| {
+            !n.ends_with(".rotary_emb.inv_freq")
+                && !n.ends_with(".attn_rot_embd")
+                && !(cfg.tie_word_embeddings && n == "lm_head.weight")
+        });
+        unread
+    }
+
+    /// Refuses stored tensors that loading left unread — of layer `layer` right after it is built, so a mismatch
+    /// stops the load early, or of the whole model at the end. Such a tensor is part of the checkpoint the model
+    /// described by the configuration lacks (biases the architecture does not have, norms of another family): the
+    /// model trained would not be the checkpoint's. transformers only warns here; loading on would silently train
+    /// and save a different model.
+    fn check_all_read(&self, layer: Option<usize>, cfg: &ModelConfig) -> Result<()> {
+        let unread = self.unread(layer, cfg);
+        let Some(first) = unread.first() else {
+            return Ok(());
+        };
+        let shown: Vec<&str> = unread[1..].iter().take(3).map(String::as_str).collect();
+        let more = match unread.len() - 1 {
+            0 => String::new(),
+            n => format!(
+                " (and {n} more: {}{})",
+                shown.join(", "),
+                if n > shown.len() { ", …" } else { "" }
+            ),
+        };
+        let described = match self {
+            Weights::Safetensors(s) => format!(
+                "the {} model {} describes",
+                cfg.architecture.model_type(),
+                s.folder().join("config.json").display()
+            ),
+            Weights::Gguf(g) => format!("the {} model its metadata describes", g.0.arch()),
+        };
+        Err(Error::Model(format!(
+            "tensor `{first}` in {}{more} is not used by {described}: the weights are of another model than the \
+             configuration (another architecture or variant), and loading would silently leave the tensor out. Use \
+             the configuration saved with these weights",
+            self.where_()
+        )))
+    }
 }
 
 fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
@@ -543,6 +603,7 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
                 .transpose()?,
             linears,
         });
+        weights.check_all_read(Some(l), &cfg)?;
     }
     // transformers keeps lm_head unquantized; so do we.
     let lm_head = if cfg.tie_word_embeddings {
@@ -554,6 +615,7 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
         )
     };
     let final_norm = norm("model.norm.weight", h)?;
+    weights.check_all_read(None, &cfg)?;
     Ok(LlamaModel::new(
         cfg,
         embed,
@@ -648,17 +710,41 @@ fn generation_config_problem(dir: &Path) -> Option<String> {
     })
 }
 
-/// The configuration of a GGUF file: its metadata, and Phi-3's LongRoPE factors (stored as tensors).
+/// The configuration of a GGUF file: its metadata, and the RoPE factors llama.cpp stores as tensors — Phi-3's
+/// LongRoPE, or Llama 3's scaling as one divisor per frequency (`rope_freqs`), which is LongRoPE with equal short
+/// and long factors and no cos/sin multiplier.
 fn gguf_config(file: &GgufFile) -> Result<ModelConfig> {
     let path = file.path();
     let mut cfg = ModelConfig::from_gguf(file.content(), path, file.has("lm_head.weight"))?;
-    if let Some(long_rope) = file.long_rope(cfg.max_position_embeddings)? {
+    let long_rope = match (
+        file.long_rope(cfg.max_position_embeddings)?,
+        file.rope_frequency_factors()?,
+    ) {
+        (Some(long_rope), _) => Some(long_rope),
+        (None, Some(factors)) => {
+            if cfg.rope_scaling.is_some() {
+                return Err(Error::invalid_file(
+                    path,
+                    "both `rope.scaling.type` metadata and a `rope_freqs` tensor scale RoPE; llama.cpp's converter \
+                     writes one or the other: convert the model again",
+                ));
+            }
+            Some(LongRopeScaling {
+                short_factor: factors.clone(),
+                long_factor: factors,
+                original_max_position_embeddings: cfg.max_position_embeddings,
+                attention_factor: 1.0,
+            })
+        }
+        (None, None) => None,
+    };
+    if let Some(long_rope) = long_rope {
         let expected = cfg.rotary_dim / 2;
         if long_rope.short_factor.len() != expected || long_rope.long_factor.len() != expected {
             return Err(Error::invalid_file(
                 path,
                 format!(
-                    "LongRoPE factor tensors hold {} / {} values; the rotary dimension {} needs {expected}",
+                    "RoPE factor tensors hold {} / {} values; the rotary dimension {} needs {expected}",
                     long_rope.short_factor.len(),
                     long_rope.long_factor.len(),
                     cfg.rotary_dim

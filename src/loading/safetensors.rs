@@ -1,53 +1,91 @@
 //! The safetensors weights of a model folder: one file or shards, memory-mapped, read one tensor at a time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::files::{read_json, MappedSafetensors};
 
+/// A sharded model's index of its shards (`weight_map`: tensor name → file).
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The weights file of an unsharded model.
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// The safetensors files holding a model folder's weights, as transformers picks them: the shards
+/// `model.safetensors.index.json` lists, else `model.safetensors`. Other `*.safetensors` files in the folder
+/// (Mistral's `consolidated.safetensors` copy of the weights, an adapter, test data) are not the model's.
+pub fn weight_files(folder: &Path) -> Result<Vec<PathBuf>> {
+    let index_path = folder.join(INDEX_FILE);
+    if index_path.exists() {
+        let index: serde_json::Value = read_json(&index_path)?;
+        let map = index
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::invalid_file(&index_path, "`weight_map` is missing"))?;
+        let mut files: Vec<PathBuf> = map
+            .values()
+            .filter_map(|v| v.as_str())
+            .map(|f| folder.join(f))
+            .collect();
+        files.sort();
+        files.dedup();
+        return Ok(files);
+    }
+    let single = folder.join(SINGLE_FILE);
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    let files: Vec<String> = std::fs::read_dir(folder)
+        .map_err(|e| Error::io("cannot list", folder, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect();
+    let with = |ext: &str| -> Vec<&str> {
+        let mut named: Vec<&str> = files
+            .iter()
+            .map(String::as_str)
+            .filter(|n| n.ends_with(ext))
+            .collect();
+        named.sort();
+        named
+    };
+    let (others, gguf) = (with(".safetensors"), with(".gguf"));
+    let advice = if let Some(gguf) = gguf.first() {
+        format!(
+            "to use the GGUF file here, pass it itself: --model {}",
+            folder.join(gguf).display()
+        )
+    } else if others.is_empty() {
+        "pytorch_model.bin is not supported: save the model with safetensors".to_string()
+    } else {
+        format!(
+            "only {}: as transformers, qlora reads the model's weights from those names; rename the weights file to \
+             {SINGLE_FILE}",
+            others.join(", ")
+        )
+    };
+    Err(Error::invalid_file(
+        folder,
+        format!("no {SINGLE_FILE} (or {INDEX_FILE}) in this folder; {advice}"),
+    ))
+}
+
 /// The safetensors files of a model folder (one file, or shards listed by `model.safetensors.index.json`),
-/// memory-mapped, with a name → file map. Tensors are read one at a time.
+/// memory-mapped, with a name → file map. Tensors are read one at a time, and the names read are recorded, so
+/// what a model leaves unread can be reported.
 pub struct ShardedSafetensors {
     files: Vec<MappedSafetensors>,
     index: HashMap<String, usize>,
     folder: PathBuf,
+    read: Mutex<HashSet<String>>,
 }
 
 impl ShardedSafetensors {
-    /// Opens the weights of a Hugging Face model folder.
+    /// Opens the weights of a Hugging Face model folder (the files [`weight_files`] names).
     pub fn open_folder(folder: &Path) -> Result<Self> {
-        let index_path = folder.join("model.safetensors.index.json");
-        let mut paths: Vec<PathBuf> = if index_path.exists() {
-            let index: serde_json::Value = read_json(&index_path)?;
-            let map = index
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| Error::invalid_file(&index_path, "`weight_map` is missing"))?;
-            let mut files: Vec<PathBuf> = map
-                .values()
-                .filter_map(|v| v.as_str())
-                .map(|f| folder.join(f))
-                .collect();
-            files.sort();
-            files.dedup();
-            files
-        } else {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
-                .map_err(|e| Error::io("cannot list", folder, e))?
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-                .collect();
-            files.sort();
-            files
-        };
-        if paths.is_empty() {
-            return Err(Error::invalid_file(
-                folder,
-                "no *.safetensors weights in this folder (pytorch_model.bin is not supported: save with safetensors)",
-            ));
-        }
-        paths.dedup();
+        let index_path = folder.join(INDEX_FILE);
+        let paths = weight_files(folder)?;
         let mut files = Vec::with_capacity(paths.len());
         let mut index = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
@@ -70,6 +108,7 @@ impl ShardedSafetensors {
             files,
             index,
             folder: folder.to_path_buf(),
+            read: Mutex::new(HashSet::new()),
         })
     }
 
@@ -86,5 +125,28 @@ impl ShardedSafetensors {
     /// Every tensor name.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.index.keys().map(String::as_str)
+    }
+
+    /// Records that the model has read tensor `name`.
+    pub fn mark_read(&self, name: &str) {
+        self.read
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(name.to_string());
+    }
+
+    /// The tensors starting with `prefix` that no [`mark_read`](Self::mark_read) has named, sorted.
+    pub fn unread(&self, prefix: &str) -> Vec<String> {
+        let read = self
+            .read
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut unread: Vec<String> = self
+            .names()
+            .filter(|n| n.starts_with(prefix) && !read.contains(*n))
+            .map(str::to_string)
+            .collect();
+        unread.sort();
+        unread
     }
 }

@@ -209,6 +209,17 @@ fn write_changed_models(out: &Path) {
         tensors.remove("lm_head.weight");
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
     };
+    // A tensor the tiny Llama does not have, stored among its weights.
+    let with_tensor = |name: &'static str, shape: &'static [usize]| {
+        move |dir: &Path| {
+            let mut tensors =
+                candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu)
+                    .unwrap();
+            let zeros = Tensor::zeros(shape, candle_core::DType::F32, &Device::Cpu).unwrap();
+            tensors.insert(name.into(), zeros);
+            candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+        }
+    };
     let file = |name: &'static str, text: String| {
         move |dir: &Path| std::fs::write(dir.join(name), &text).unwrap()
     };
@@ -216,7 +227,8 @@ fn write_changed_models(out: &Path) {
         std::fs::read_to_string(data_path("chat_templates/google-gemma-2-2b-it.jinja")).unwrap();
     let keep = |_: &Path| {};
     type ChangeFiles = Box<dyn Fn(&Path)>;
-    let models: Vec<(&str, serde_json::Value, ChangeFiles)> = vec![
+    let models: Vec<(&str, serde_json::Value, ChangeFiles)> =
+        vec![
         ("eps-0", json!({"rms_norm_eps": 0.0}), Box::new(keep)),
         (
             "theta-negative",
@@ -252,6 +264,34 @@ fn write_changed_models(out: &Path) {
             Box::new(keep),
         ),
         ("no-head", json!({}), Box::new(no_head)),
+        (
+            "layer-bias",
+            json!({}),
+            Box::new(with_tensor("model.layers.1.self_attn.q_proj.bias", &[64])),
+        ),
+        (
+            "extra-part",
+            json!({}),
+            Box::new(with_tensor("model.vision_tower.patch_embed.weight", &[4, 4])),
+        ),
+        (
+            "old-rotary-buffer",
+            json!({}),
+            Box::new(with_tensor("model.layers.0.self_attn.rotary_emb.inv_freq", &[8])),
+        ),
+        (
+            "other-safetensors",
+            json!({}),
+            Box::new(file("consolidated.safetensors", "not the model's".into())),
+        ),
+        (
+            "renamed-weights",
+            json!({}),
+            Box::new(|dir: &Path| {
+                std::fs::rename(dir.join("model.safetensors"), dir.join("weights.safetensors"))
+                    .unwrap()
+            }),
+        ),
         (
             "token-not-text",
             json!({}),
@@ -684,6 +724,28 @@ fn cases(dir: &Path) -> Vec<Case> {
         ),
         case(generate_on("fewer-layers"), 1, "set num_hidden_layers = 2"),
         case(generate_on("no-head"), 1, "`lm_head.weight` is missing from"),
+        case(
+            generate_on("layer-bias"),
+            1,
+            "tensor `model.layers.1.self_attn.q_proj.bias` in",
+        ),
+        case(
+            generate_on("layer-bias"),
+            1,
+            "is not used by the llama model",
+        ),
+        case(
+            generate_on("extra-part"),
+            1,
+            "tensor `model.vision_tower.patch_embed.weight` in",
+        ),
+        case(generate_on("old-rotary-buffer"), 0, "tokens in"),
+        case(generate_on("other-safetensors"), 0, "tokens in"),
+        case(
+            generate_on("renamed-weights"),
+            1,
+            "only weights.safetensors: as transformers, qlora reads the model's weights from those names; rename",
+        ),
         case(
             generate_on("token-not-text"),
             1,

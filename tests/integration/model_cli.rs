@@ -183,7 +183,9 @@ fn broken_models_are_clear_errors() {
 
     let d = copy("no-weights");
     std::fs::remove_file(d.join("model.safetensors")).unwrap();
-    assert!(load(&d).contains("no *.safetensors weights"));
+    assert!(load(&d).contains(
+        "no model.safetensors (or model.safetensors.index.json) in this folder; pytorch_model.bin"
+    ));
 
     let d = copy("truncated");
     let bytes = std::fs::read(d.join("model.safetensors")).unwrap();

@@ -583,6 +583,131 @@ fn gguf_files_of_qwen3_and_phi3_match_transformers() {
     }
 }
 
+/// A Llama 3 GGUF as llama.cpp's `convert_hf_to_gguf.py` writes one — its `rope_type = "llama3"` scaling as the
+/// `rope_freqs` tensor of per-frequency divisors, no scaling metadata; q/k rows permuted — gives the tiny Llama's
+/// transformers logits (its config scales RoPE with llama3). Written here from the folder's weights.
+#[test]
+fn llama3_gguf_scales_rope_by_its_frequency_tensor() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let name = "tiny-llama";
+    let folder = data_path(&format!("models/{name}"));
+    let cfg = load_tiny(name, None).config().clone();
+    let Some(RopeScaling::Llama3(llama3)) = &cfg.rope_scaling else {
+        panic!("{name} is expected to scale RoPE as Llama 3");
+    };
+    // The converter's factors (LlamaModel.generate_extra_tensors), from float32 frequencies.
+    let old = llama3.original_max_position_embeddings as f64;
+    let (low, high) = (old / llama3.low_freq_factor, old / llama3.high_freq_factor);
+    let factors: Vec<f32> = (0..cfg.head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / (cfg.rope_theta as f32).powf((2 * i) as f32 / cfg.head_dim as f32);
+            let wavelen = 2.0 * std::f64::consts::PI / freq as f64;
+            if wavelen < high {
+                1.0
+            } else if wavelen > low {
+                llama3.factor as f32
+            } else {
+                let smooth = (old / wavelen - llama3.low_freq_factor)
+                    / (llama3.high_freq_factor - llama3.low_freq_factor);
+                (1.0 / ((1.0 - smooth) / llama3.factor + smooth)) as f32
+            }
+        })
+        .collect();
+    assert!(
+        factors.iter().any(|f| *f != 1.0),
+        "the scaling must change some frequency"
+    );
+    // llama.cpp's permute of q/k rows for its interleaved RoPE.
+    let permute = |w: &Tensor, heads: usize| {
+        let (out, inp) = w.dims2().unwrap();
+        w.reshape((heads, 2, out / heads / 2, inp))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .reshape((out, inp))
+            .unwrap()
+    };
+    let weights =
+        candle_core::safetensors::load(folder.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut tensors = vec![(
+        "rope_freqs.weight".to_string(),
+        Tensor::new(factors.as_slice(), &Device::Cpu).unwrap(),
+    )];
+    for (hf, w) in &weights {
+        let w = if hf.contains("q_proj") {
+            permute(w, cfg.num_attention_heads)
+        } else if hf.contains("k_proj") {
+            permute(w, cfg.num_key_value_heads)
+        } else {
+            w.clone()
+        };
+        let gguf = candle_qlora::loading::gguf::gguf_name(hf, "llama")
+            .unwrap_or_else(|| panic!("no llama.cpp name for {hf}"));
+        tensors.push((gguf, w));
+    }
+    let tensors: Vec<(String, QTensor)> = tensors
+        .into_iter()
+        .map(|(n, t)| (n, QTensor::quantize(&t, GgmlDType::F32).unwrap()))
+        .collect();
+    use gguf_file::Value as V;
+    let metadata = [
+        ("general.architecture", V::String("llama".into())),
+        ("llama.block_count", V::U32(cfg.num_hidden_layers as u32)),
+        (
+            "llama.context_length",
+            V::U32(cfg.max_position_embeddings as u32),
+        ),
+        ("llama.embedding_length", V::U32(cfg.hidden_size as u32)),
+        (
+            "llama.feed_forward_length",
+            V::U32(cfg.intermediate_size as u32),
+        ),
+        (
+            "llama.attention.head_count",
+            V::U32(cfg.num_attention_heads as u32),
+        ),
+        (
+            "llama.attention.head_count_kv",
+            V::U32(cfg.num_key_value_heads as u32),
+        ),
+        ("llama.rope.dimension_count", V::U32(cfg.head_dim as u32)),
+        ("llama.rope.freq_base", V::F32(cfg.rope_theta as f32)),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            V::F32(cfg.rms_norm_eps as f32),
+        ),
+        ("llama.vocab_size", V::U32(cfg.vocab_size as u32)),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama3.gguf");
+    let mut file = std::fs::File::create(&path).unwrap();
+    gguf_file::write(
+        &mut file,
+        &metadata.iter().map(|(k, v)| (*k, v)).collect::<Vec<_>>(),
+        &tensors
+            .iter()
+            .map(|(n, t)| (n.as_str(), t))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    drop(file);
+
+    let loaded = load_model(path.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    let Some(RopeScaling::LongRope(scaling)) = &loaded.model.config().rope_scaling else {
+        panic!("the rope_freqs tensor must scale RoPE");
+    };
+    assert_eq!(scaling.attention_factor, 1.0);
+    let g = golden(name);
+    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+    let d = max_abs_diff(&loaded.model.logits(&ids).unwrap(), &g["logits"]);
+    assert!(
+        d <= 1e-5,
+        "Llama 3 GGUF logits differ from transformers by {d}"
+    );
+}
+
 /// Gemma 2 / 3 GGUF files in llama.cpp's conventions (norms stored as `1 + w`; `post_attention_norm`, `ffn_norm`
 /// and `post_ffw_norm` around the blocks; soft-caps, window and `key_length` as keys; scores scaled by
 /// 1/√key_length; Gemma 2's layers alternating sliding-first, Gemma 3's five sliding then one full, its sliding
