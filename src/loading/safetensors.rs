@@ -29,6 +29,12 @@ pub fn weight_files(folder: &Path) -> Result<Vec<PathBuf>> {
             .filter_map(|v| v.as_str())
             .map(|f| folder.join(f))
             .collect();
+        if files.is_empty() {
+            return Err(Error::invalid_file(
+                &index_path,
+                "`weight_map` lists no weight files; download the complete model",
+            ));
+        }
         files.sort();
         files.dedup();
         return Ok(files);

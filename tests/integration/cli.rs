@@ -136,9 +136,21 @@ fn quantizes_a_sharded_model_folder_for_transformers() {
         r#"{"model_type": "llama", "hidden_size": 64}"#,
     )
     .unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for shard in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        for name in candle_core::safetensors::load(model.join(shard), &candle_core::Device::Cpu)
+            .unwrap()
+            .keys()
+        {
+            weight_map.insert(name.clone(), shard.into());
+        }
+    }
     std::fs::write(
         model.join("model.safetensors.index.json"),
-        r#"{"metadata": {}, "weight_map": {}}"#,
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
     )
     .unwrap();
     std::fs::write(model.join("tokenizer.json"), "{}").unwrap();
