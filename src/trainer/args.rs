@@ -26,6 +26,17 @@ pub enum IntervalStrategy {
     Epoch,
 }
 
+impl IntervalStrategy {
+    /// The name a config writes (`"no"`, `"steps"`, `"epoch"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            IntervalStrategy::No => "no",
+            IntervalStrategy::Steps => "steps",
+            IntervalStrategy::Epoch => "epoch",
+        }
+    }
+}
+
 named_enum! {
     /// The order micro-batches take (`train_sampling_strategy`).
     pub enum SamplingStrategy ("train_sampling_strategy") {
@@ -94,8 +105,8 @@ pub struct TrainingArguments {
     /// Save every N steps.
     pub save_steps: f64,
     /// Keep at most this many checkpoints (transformers' meaning: unset, 0 or less keeps every one; the newest is
-    /// always kept, and with `metric_for_best_model` the best one too — so a limit of 1 keeps two when the best
-    /// is not the newest).
+    /// always kept, and with `metric_for_best_model` or `load_best_model_at_end` the best one too — so a limit of 1
+    /// keeps two when the best is not the newest, and the best alone at the end).
     pub save_total_limit: Option<i64>,
     /// bf16 autocast.
     pub bf16: bool,
@@ -148,8 +159,21 @@ pub struct TrainingArguments {
     /// exactly (`eval_exact_match`), as `Seq2SeqTrainingArguments.predict_with_generate` with an exact-match metric
     /// (examples without a prompt, such as plain text, are not counted).
     pub predict_with_generate: bool,
-    /// Evaluation metric the early-stopping callback and `best_metric` follow (`eval_loss`).
+    /// The evaluation metric that picks the best checkpoint (`best_model_checkpoint` in `trainer_state.json`, which
+    /// `save_total_limit` keeps and `load_best_model_at_end` loads): `eval_loss` (alias `loss`), the one metric
+    /// computed, lower being better. Unset, no best checkpoint is tracked, unless `load_best_model_at_end` makes it
+    /// `loss` (as transformers).
     pub metric_for_best_model: Option<String>,
+    /// Whether a higher metric is better: transformers derives `false` for a metric whose name ends in `loss`, and
+    /// the only metric here is the evaluation loss, so only `false` (or unset) is accepted.
+    pub greater_is_better: Option<bool>,
+    /// At the end of training, load the best checkpoint's adapter (the lowest `eval_loss` among the evaluations
+    /// that have a checkpoint) back into the model, as transformers' `load_best_model_at_end`: the adapter written
+    /// to `output_dir` (and any evaluation after `train`) is then the best model's, not the last step's. It needs
+    /// evaluations and checkpoints on the same schedule: `eval_strategy` equal to `save_strategy` (not `"no"`),
+    /// and with `"steps"` a `save_steps` that is a round multiple of `eval_steps`. A run whose best evaluation was
+    /// never saved keeps the last step's model, saying so.
+    pub load_best_model_at_end: bool,
     /// Train on the CPU even when a CUDA GPU is there (the default trains on GPU 0 when this build has the `cuda`
     /// feature and a GPU answers).
     pub use_cpu: bool,
@@ -224,6 +248,8 @@ impl Default for TrainingArguments {
             disable_tqdm: false,
             predict_with_generate: false,
             metric_for_best_model: None,
+            greater_is_better: None,
+            load_best_model_at_end: false,
             use_cpu: false,
             max_consecutive_nonfinite_losses: 5,
             use_liger_kernel: true,
@@ -234,6 +260,16 @@ impl Default for TrainingArguments {
         }
     }
 }
+
+/// Why `greater_is_better = true` is refused.
+const GREATER_IS_BETTER: &str = "greater_is_better = true: the only metric for the best model is the evaluation \
+     loss (metric_for_best_model = \"eval_loss\"), where lower is better — transformers would keep the checkpoint \
+     with the highest loss; remove greater_is_better or set it to false";
+
+/// Why `load_best_model_at_end` without evaluations is refused.
+const NO_EVALUATIONS: &str = "load_best_model_at_end = true needs evaluations to pick the best checkpoint, and \
+     eval_strategy is \"no\": set eval_strategy and save_strategy both to \"steps\" (with eval_steps) or both \
+     to \"epoch\", or set load_best_model_at_end = false";
 
 /// The most epochs a run without `max_steps` may ask for: 2^53, beyond which a step count is no longer an exact
 /// float (and a run of even one step per epoch would never end).
@@ -449,6 +485,12 @@ impl TrainingArguments {
                 ));
             }
         }
+        if self.greater_is_better == Some(true) {
+            return bad(GREATER_IS_BETTER.into());
+        }
+        if let Some(problem) = self.load_best_problem() {
+            return bad(problem);
+        }
         if self
             .neftune_noise_alpha
             .is_some_and(|a| a.is_nan() || a < 0.0)
@@ -470,6 +512,99 @@ impl TrainingArguments {
             return bad("ddp_bucket_cap_mb must be a positive number of MiB".into());
         }
         Ok(())
+    }
+
+    /// The metric that picks the best checkpoint: `metric_for_best_model`, or `"loss"` when `load_best_model_at_end`
+    /// leaves it unset (transformers fills it in so); `None` when no best checkpoint is tracked.
+    pub fn best_model_metric(&self) -> Option<&str> {
+        match &self.metric_for_best_model {
+            Some(m) => Some(m),
+            None => self.load_best_model_at_end.then_some("loss"),
+        }
+    }
+
+    /// Why `load_best_model_at_end` cannot work with these strategies and intervals (transformers' checks in
+    /// `TrainingArguments.__post_init__`, and evaluations at all), if it is on and cannot.
+    fn load_best_problem(&self) -> Option<String> {
+        if !self.load_best_model_at_end {
+            return None;
+        }
+        let (eval, save) = (self.eval_strategy, self.save_strategy);
+        if eval == IntervalStrategy::No {
+            return Some(NO_EVALUATIONS.into());
+        }
+        if eval != save {
+            return Some(format!(
+                "load_best_model_at_end = true requires the save and eval strategy to match, but found \
+                 eval_strategy = \"{}\" and save_strategy = \"{}\": set save_strategy = \"{}\", so that every \
+                 checkpoint is saved at an evaluation",
+                eval.name(),
+                save.name(),
+                eval.name()
+            ));
+        }
+        if eval != IntervalStrategy::Steps {
+            return None;
+        }
+        // transformers' rule, to its float arithmetic: step counts must divide, ratios (< 1) divide after scaling
+        // by 10^6, and a ratio with a step count cannot be guaranteed to.
+        let save_steps = self.save_steps;
+        let (eval_steps, eval_key) = match self.eval_steps {
+            Some(e) => (e, "eval_steps"),
+            None => (self.logging_steps, "eval_steps (unset: logging_steps)"),
+        };
+        if save_steps % eval_steps == 0.0 {
+            return None;
+        }
+        if eval_steps < 1.0 || save_steps < 1.0 {
+            if !(eval_steps < 1.0 && save_steps < 1.0) {
+                return Some(format!(
+                    "load_best_model_at_end = true requires save_steps to be a multiple of eval_steps, which \
+                     cannot be guaranteed when mixing a ratio of the run's steps (below 1) and a step count: \
+                     save_steps = {save_steps}, {eval_key} = {eval_steps}; give both as step counts or both as \
+                     ratios"
+                ));
+            }
+            const LARGE_MULTIPLIER: f64 = 1_000_000.0;
+            if (save_steps * LARGE_MULTIPLIER) % (eval_steps * LARGE_MULTIPLIER) == 0.0 {
+                return None;
+            }
+            return Some(format!(
+                "load_best_model_at_end = true requires save_steps to be a multiple of eval_steps, but \
+                 save_steps = {save_steps} is not a multiple of {eval_key} = {eval_steps}: make save_steps a \
+                 multiple of it, so that every checkpoint is saved at an evaluation"
+            ));
+        }
+        let multiple = (save_steps / eval_steps).ceil() * eval_steps;
+        Some(format!(
+            "load_best_model_at_end = true requires save_steps to be a round multiple of eval_steps, but \
+             save_steps = {save_steps} is not a round multiple of {eval_key} = {eval_steps}: set save_steps = \
+             {multiple} (or eval_steps to a divisor of {save_steps}), so that every checkpoint is saved at an \
+             evaluation"
+        ))
+    }
+
+    /// An error unless the save and evaluation intervals this run resolved to (`save`, `eval` steps of `total`)
+    /// keep every checkpoint at an evaluation, as `load_best_model_at_end` needs: ratios that passed
+    /// [`TrainingArguments::validate`] (transformers' check) may still round to steps that do not divide.
+    pub(super) fn check_best_model_intervals(
+        &self,
+        save: usize,
+        eval: usize,
+        total: usize,
+    ) -> Result<()> {
+        let steps = self.eval_strategy == IntervalStrategy::Steps;
+        if !self.load_best_model_at_end || !steps || save % eval == 0 {
+            return Ok(());
+        }
+        Err(Error::InvalidInput(format!(
+            "[training] load_best_model_at_end = true: save_steps = {} and eval_steps = {} come to every {save} and \
+             every {eval} of this run's {total} steps, and {save} is not a multiple of {eval}, so some checkpoints \
+             would have no evaluation: give save_steps and eval_steps as step counts, save_steps a multiple of \
+             eval_steps",
+            self.save_steps,
+            self.eval_steps.unwrap_or(self.logging_steps)
+        )))
     }
 
     /// The order micro-batches take: `group_by_length` (transformers 4.x) or `train_sampling_strategy`.
@@ -595,6 +730,79 @@ mod tests {
         }
         // With max_steps the epochs do not bound the run.
         parse("num_train_epochs = 1e300\nmax_steps = 5").unwrap();
+    }
+
+    /// transformers' `__post_init__` rules for `load_best_model_at_end`, case by case (its texts as a guide), plus
+    /// evaluations at all; `metric_for_best_model` defaults to the loss, and a greater-is-better loss is refused.
+    #[test]
+    fn load_best_model_at_end_follows_transformers_rules() {
+        let best = |rest: &str| parse(&format!("load_best_model_at_end = true\n{rest}"));
+        for (toml, says) in [
+            ("", "needs evaluations to pick the best checkpoint, and eval_strategy is \"no\""),
+            (
+                "eval_strategy = \"steps\"\nsave_strategy = \"epoch\"",
+                "requires the save and eval strategy to match, but found eval_strategy = \"steps\" and \
+                 save_strategy = \"epoch\": set save_strategy = \"steps\"",
+            ),
+            (
+                "eval_strategy = \"epoch\"\nsave_strategy = \"no\"",
+                "eval_strategy = \"epoch\" and save_strategy = \"no\"",
+            ),
+            (
+                "eval_strategy = \"steps\"\neval_steps = 4\nsave_steps = 6",
+                "save_steps = 6 is not a round multiple of eval_steps = 4: set save_steps = 8",
+            ),
+            (
+                "eval_strategy = \"steps\"\nlogging_steps = 4\nsave_steps = 10",
+                "not a round multiple of eval_steps (unset: logging_steps) = 4",
+            ),
+            (
+                "eval_strategy = \"steps\"\neval_steps = 0.1\nsave_steps = 10",
+                "cannot be guaranteed when mixing a ratio",
+            ),
+            (
+                "eval_strategy = \"steps\"\neval_steps = 0.2\nsave_steps = 0.3",
+                "save_steps = 0.3 is not a multiple of eval_steps = 0.2",
+            ),
+            (
+                "eval_strategy = \"epoch\"\nsave_strategy = \"epoch\"\ngreater_is_better = true",
+                "greater_is_better = true",
+            ),
+        ] {
+            let err = best(toml).unwrap_err().to_string();
+            assert!(err.contains("run.toml: [training]") && err.contains(says), "{toml}: {err}");
+        }
+        for accepted in [
+            "eval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 6",
+            "eval_strategy = \"steps\"\nlogging_steps = 5\nsave_steps = 500",
+            "eval_strategy = \"steps\"\neval_steps = 0.1\nsave_steps = 0.3",
+            "eval_strategy = \"steps\"\neval_steps = 0.25\nsave_steps = 0.5",
+            // transformers' first test is the float remainder, which a ratio beside a step count may pass.
+            "eval_strategy = \"steps\"\neval_steps = 0.25\nsave_steps = 2",
+            "eval_strategy = \"epoch\"\nsave_strategy = \"epoch\"\ngreater_is_better = false",
+        ] {
+            let args = best(accepted).unwrap_or_else(|e| panic!("{accepted}: {e}"));
+            assert_eq!(args.best_model_metric(), Some("loss"), "{accepted}");
+        }
+        let epochs = "eval_strategy = \"epoch\"\nsave_strategy = \"epoch\"";
+        let chosen = best(&format!("{epochs}\nmetric_for_best_model = \"eval_loss\""));
+        assert_eq!(chosen.unwrap().best_model_metric(), Some("eval_loss"));
+        // Off, nothing is required of the strategies and no best checkpoint is tracked without a metric.
+        let off = parse("eval_strategy = \"steps\"\nsave_steps = 3\neval_steps = 2").unwrap();
+        assert_eq!(off.best_model_metric(), None);
+        assert!(parse("greater_is_better = true").is_err());
+        // Ratios transformers accepts may still round to intervals that do not divide; the run refuses them.
+        let ratios =
+            best("eval_strategy = \"steps\"\neval_steps = 0.25\nsave_steps = 0.5").unwrap();
+        ratios.check_best_model_intervals(4, 2, 8).unwrap();
+        let err = ratios
+            .check_best_model_intervals(5, 3, 10)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("save_steps = 0.5 and eval_steps = 0.25 come to every 5 and every 3 of this run's 10"),
+            "{err}"
+        );
     }
 
     #[test]

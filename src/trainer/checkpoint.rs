@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 use super::args::{SamplingStrategy, TrainingArguments};
 use super::state::TrainerState;
-use crate::adapter::{read_base_quantization, BASE_QUANTIZATION};
+use crate::adapter::{read_base_quantization, ADAPTER_CONFIG, ADAPTER_WEIGHTS, BASE_QUANTIZATION};
 use crate::data::TokenizedExample;
 use crate::error::{Error, Result};
 use crate::models::LlamaModel;
@@ -147,6 +147,32 @@ impl Manifest {
 /// Checks that every file the manifest of checkpoint `ckpt` lists is there with the recorded size and SHA-256,
 /// and returns the manifest (`None`, with a warning, for a checkpoint written before manifests existed).
 pub fn verify_checkpoint_files(ckpt: &Path) -> Result<Option<Manifest>> {
+    verify_files(
+        ckpt,
+        |_| true,
+        "resume from another checkpoint",
+        "resume from another checkpoint or start a new run",
+    )
+}
+
+/// Checks the adapter files of checkpoint `ckpt` (`adapter_config.json`, `adapter_model.safetensors`) against its
+/// manifest, as [`verify_checkpoint_files`] checks them all: what `load_best_model_at_end` reads back.
+pub fn verify_adapter_files(ckpt: &Path) -> Result<()> {
+    const REMEDY: &str =
+        "the best model cannot be loaded; set load_best_model_at_end = false to keep the last \
+                          step's adapter (the newest checkpoint holds it too)";
+    let adapter = |name: &str| name == ADAPTER_CONFIG || name == ADAPTER_WEIGHTS;
+    verify_files(ckpt, adapter, REMEDY, REMEDY).map(|_| ())
+}
+
+/// The files of checkpoint `ckpt`'s manifest that `checked` selects, each there with its recorded size and
+/// SHA-256; an error names the file with `if_missing` or `if_damaged` as what to do.
+fn verify_files(
+    ckpt: &Path,
+    checked: impl Fn(&str) -> bool,
+    if_missing: &str,
+    if_damaged: &str,
+) -> Result<Option<Manifest>> {
     let path = ckpt.join(MANIFEST);
     if !path.exists() {
         eprintln!(
@@ -156,12 +182,12 @@ pub fn verify_checkpoint_files(ckpt: &Path) -> Result<Option<Manifest>> {
         return Ok(None);
     }
     let manifest: Manifest = crate::files::read_json(&path)?;
-    for (name, recorded) in &manifest.files {
+    for (name, recorded) in manifest.files.iter().filter(|(n, _)| checked(n)) {
         let file = ckpt.join(name);
         if !file.exists() {
             return Err(Error::invalid_file(
                 &file,
-                format!("missing from the checkpoint ({MANIFEST} lists it): resume from another checkpoint"),
+                format!("missing from the checkpoint ({MANIFEST} lists it): {if_missing}"),
             ));
         }
         let found = FileDigest::of(&file)?;
@@ -170,7 +196,7 @@ pub fn verify_checkpoint_files(ckpt: &Path) -> Result<Option<Manifest>> {
                 &file,
                 format!(
                     "damaged: {} bytes with SHA-256 {}, but the checkpoint wrote {} bytes with SHA-256 {}; \
-                     resume from another checkpoint or start a new run",
+                     {if_damaged}",
                     found.bytes, found.sha256, recorded.bytes, recorded.sha256
                 ),
             ));

@@ -3,7 +3,8 @@
 //!
 //! `train` is three parts: `setup` (output folder, schedule, optimizer, resume), one optimizer `step` per
 //! accumulation window (on the `window` module), and what follows a step on schedule (`after_step`: log, evaluate,
-//! callbacks, checkpoint). Data order depends only on (`data_seed`, epoch),
+//! callbacks, checkpoint); after the last step `load_best_model_at_end` loads the best checkpoint's adapter back
+//! before the final one is written. Data order depends only on (`data_seed`, epoch),
 //! and dropout masks and NEFTune noise only on (`seed`, micro-batch index), so a resumed run replays the same
 //! batches, masks and noise as an uninterrupted one.
 
@@ -20,8 +21,8 @@ use super::callbacks::{TrainerCallback, TrainerControl};
 use super::checkpoint::{
     check_base_model, check_base_quantization, latest_checkpoint, read_json,
     remove_partial_checkpoints, rotate_checkpoints, rotate_checkpoints_at_end,
-    verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles, DataPosition,
-    Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
+    verify_adapter_files, verify_checkpoint_files, write_checkpoint, BaseModelId, CheckpointFiles,
+    DataPosition, Manifest, SchedulerState, RNG_STATE, SCHEDULER, TRAINER_STATE,
 };
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
@@ -120,6 +121,8 @@ struct Run {
     _lock: Option<OutputLock>,
     /// Allocations recorded for `memory_snapshot` (stopped when the run ends, however it ends).
     snapshot: Option<Recording>,
+    /// The checkpoint whose adapter `load_best_model_at_end` loaded at the end, once it has.
+    loaded_best: Option<PathBuf>,
 }
 
 impl Run {
@@ -352,7 +355,8 @@ impl Trainer {
     }
 
     /// Trains to the end (resuming from `resume` if given: a `checkpoint-N` folder), saves the final adapter in
-    /// `output_dir` with the log, a loss plot and `train_results.json`, and prints a summary.
+    /// `output_dir` — with `load_best_model_at_end`, the best checkpoint's, loaded back into the model first — with
+    /// the log, a loss plot and `train_results.json`, and prints a summary.
     pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
         let mut run = self.setup(resume)?;
         if run.args.eval_on_start && self.state.global_step == 0 && self.task.has_eval() {
@@ -397,6 +401,10 @@ impl Trainer {
             }
         }
         run.progress.finish();
+        // As transformers: the best model is loaded after the last step, before the final model is saved.
+        if run.args.load_best_model_at_end {
+            run.loaded_best = self.load_best_model(&run.progress)?;
+        }
         if run.writes() {
             save_adapter(
                 &self.model,
@@ -540,6 +548,7 @@ impl Trainer {
             save: TrainingArguments::interval(args.save_steps, total),
             eval: TrainingArguments::interval(args.eval_steps.unwrap_or(args.logging_steps), total),
         };
+        args.check_best_model_intervals(every.save, every.eval, total)?;
         self.state = TrainerState {
             max_steps: total,
             num_train_epochs: args.num_train_epochs,
@@ -590,6 +599,7 @@ impl Trainer {
         self.each_callback(|cb, a, s| cb.on_train_begin(a, s))?;
         Ok(Run {
             snapshot,
+            loaded_best: None,
             _lock: lock,
             base_model,
             progress: if shard.is_main() {
@@ -925,11 +935,12 @@ impl Trainer {
             );
             return Ok(latest_checkpoint(out));
         }
-        // As transformers 5: with metric_for_best_model, the checkpoint of the best evaluation's step once saved.
+        // As transformers 5: with metric_for_best_model (which load_best_model_at_end defaults to the loss), the
+        // checkpoint of the best evaluation's step once saved.
         if let Some(best) = self
             .state
             .best_global_step
-            .filter(|_| self.args.metric_for_best_model.is_some())
+            .filter(|_| self.args.best_model_metric().is_some())
         {
             let dir = out.join(format!("checkpoint-{best}"));
             if best == step || dir.join(TRAINER_STATE).exists() {
@@ -1001,26 +1012,7 @@ impl Trainer {
                 self.state.max_steps
             );
         }
-        let config_path = ckpt.join(ADAPTER_CONFIG);
-        let then = LoraConfig::from_file(&config_path)?;
-        if let Some(now) = self.model.adapter_configs.get(ADAPTER) {
-            check_same_lora(&then, now, &config_path)?;
-        }
-        // Load the checkpoint's adapter next to ours, copy its tensors into our variables, drop it.
-        load_adapter(&mut self.model, ckpt, "__resume")?;
-        let restored: Vec<(String, Var)> = self.model.adapter_parameters("__resume")?;
-        let ours = self.model.adapter_parameters(ADAPTER)?;
-        for ((k, v), (k2, s)) in ours.iter().zip(&restored) {
-            if k != k2 {
-                return Err(Error::invalid_file(
-                    ckpt,
-                    format!("checkpoint tensor `{k2}` does not match `{k}`"),
-                ));
-            }
-            v.set(&s.as_tensor().copy()?)?;
-        }
-        self.model.delete_adapter("__resume")?;
-        self.model.set_adapter(ADAPTER)?;
+        self.copy_adapter_from(ckpt)?;
         if let Task::Preference(task) = &mut self.task {
             if task.config.precompute_ref_log_probs {
                 let (train, eval) = (task.train.len(), task.eval.len());
@@ -1040,7 +1032,100 @@ impl Trainer {
             max_steps: self.state.max_steps,
             ..saved
         };
+        // As transformers: a best checkpoint removed since is forgotten (the run goes on without it).
+        if let Some(best) = &self.state.best_model_checkpoint {
+            if !Path::new(best).is_dir() {
+                eprintln!(
+                    "warning: the best checkpoint {best} recorded in the resumed state does not exist anymore; \
+                     ignoring it for this run"
+                );
+                self.state.best_model_checkpoint = None;
+            }
+        }
         Ok(())
+    }
+
+    /// Sets the trained adapter's weights to checkpoint `ckpt`'s (its PEFT adapter files), after checking that it
+    /// has this run's LoRA settings.
+    fn copy_adapter_from(&mut self, ckpt: &Path) -> Result<()> {
+        const LOADED: &str = "__checkpoint";
+        let config_path = ckpt.join(ADAPTER_CONFIG);
+        let then = LoraConfig::from_file(&config_path)?;
+        if let Some(now) = self.model.adapter_configs.get(ADAPTER) {
+            check_same_lora(&then, now, &config_path)?;
+        }
+        // Load the checkpoint's adapter next to ours, copy its tensors into our variables, drop it.
+        load_adapter(&mut self.model, ckpt, LOADED)?;
+        let restored: Vec<(String, Var)> = self.model.adapter_parameters(LOADED)?;
+        let ours = self.model.adapter_parameters(ADAPTER)?;
+        for ((k, v), (k2, s)) in ours.iter().zip(&restored) {
+            if k != k2 {
+                return Err(Error::invalid_file(
+                    ckpt,
+                    format!("checkpoint tensor `{k2}` does not match `{k}`"),
+                ));
+            }
+            v.set(&s.as_tensor().copy()?)?;
+        }
+        self.model.delete_adapter(LOADED)?;
+        self.model.set_adapter(ADAPTER)
+    }
+
+    /// `load_best_model_at_end`, as transformers' `_load_best_model`: the adapter of the best checkpoint
+    /// (`best_model_checkpoint`) back into the model, announced with its score; returns that checkpoint. Without
+    /// one — no evaluation was saved, or its folder is gone — the last step's model stays, with a note saying why.
+    fn load_best_model(&mut self, progress: &Progress) -> Result<Option<PathBuf>> {
+        let step = self.state.global_step;
+        let Some(best) = self.state.best_model_checkpoint.clone().map(PathBuf::from) else {
+            let why = match (self.state.best_global_step, self.state.best_metric) {
+                (Some(at), Some(loss)) => {
+                    format!("the best evaluation, eval_loss {loss} at step {at}, has no checkpoint")
+                }
+                _ => "no evaluation ran".to_string(),
+            };
+            progress.println(&format!(
+                "load_best_model_at_end: no best checkpoint to load ({why}); keeping the model of the last step, \
+                 {step}"
+            ));
+            return Ok(None);
+        };
+        if !best.is_dir() {
+            progress.println(&format!(
+                "warning: load_best_model_at_end: could not locate the best model at {} (it was removed); keeping \
+                 the model of the last step, {step}",
+                best.display()
+            ));
+            return Ok(None);
+        }
+        // The checkpoint's own score: a best evaluation after it that has no checkpoint is not this one's.
+        let saved_at: Option<usize> = best
+            .file_name()
+            .and_then(|n| n.to_str()?.strip_prefix("checkpoint-")?.parse().ok());
+        let score = self
+            .state
+            .log_history
+            .iter()
+            .rev()
+            .find(|e| Some(e.step) == saved_at && e.eval_loss.is_some())
+            .and_then(|e| e.eval_loss)
+            .or(self.state.best_metric);
+        let shown = score.map_or("unknown".into(), |s| s.to_string());
+        progress.println(&format!(
+            "Loading best model from {} (score: {shown}).",
+            best.display()
+        ));
+        if let (Some(at), Some(loss)) = (self.state.best_global_step, self.state.best_metric) {
+            if saved_at.is_some_and(|s| s != at) {
+                progress.println(&format!(
+                    "note: the best evaluation, eval_loss {loss} at step {at}, has no checkpoint; {} holds the best \
+                     one saved",
+                    best.display()
+                ));
+            }
+        }
+        verify_adapter_files(&best)?;
+        self.copy_adapter_from(&best)?;
+        Ok(Some(best))
     }
 
     /// The run's result: `train_results.json`, the loss plot and the printed summary.
@@ -1096,9 +1181,13 @@ impl Trainer {
         if let Some(peak) = memory.summary() {
             eprintln!("{peak}");
         }
+        let from_best = match &run.loaded_best {
+            Some(best) => format!(" (the best model's, from {})", best.display()),
+            None => String::new(),
+        };
         let mut files = vec![
             format!(
-                "adapter: {}",
+                "adapter: {}{from_best}",
                 out.join("adapter_model.safetensors").display()
             ),
             format!("log: {}", out.join(LOG_FILE).display()),

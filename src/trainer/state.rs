@@ -80,8 +80,9 @@ pub struct TrainerState {
     pub best_metric: Option<f64>,
     /// Step of the best metric.
     pub best_global_step: Option<usize>,
-    /// The checkpoint of the best metric's step, once saved (with `metric_for_best_model`, as transformers 5);
-    /// `save_total_limit` never removes it.
+    /// The checkpoint of the best metric's step, once saved (with `metric_for_best_model` or
+    /// `load_best_model_at_end`, as transformers 5); `save_total_limit` never removes it, and
+    /// `load_best_model_at_end` loads it at the end.
     pub best_model_checkpoint: Option<String>,
     /// Always true (one process).
     pub is_world_process_zero: bool,

@@ -913,6 +913,88 @@ fn cases(dir: &Path) -> Vec<Case> {
             1,
             "early_stopping_patience = 2 needs evaluations, and [training] eval_strategy is \"no\"",
         ),
+        // load_best_model_at_end: transformers' rules (matching strategies, save_steps a round multiple of
+        // eval_steps), evaluations at all, and a loss that is never greater-is-better.
+        case(
+            early(&["training.load_best_model_at_end=true"]),
+            1,
+            "load_best_model_at_end = true needs evaluations to pick the best checkpoint, and eval_strategy is \"no\"",
+        ),
+        case(
+            early(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"steps\"",
+            ]),
+            1,
+            "requires the save and eval strategy to match, but found eval_strategy = \"steps\" and save_strategy",
+        ),
+        case(
+            early(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"steps\"",
+                "training.save_strategy=\"steps\"",
+                "training.eval_steps=2",
+                "training.save_steps=3",
+            ]),
+            1,
+            "save_steps = 3 is not a round multiple of eval_steps = 2: set save_steps = 4",
+        ),
+        case(
+            early(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"steps\"",
+                "training.save_strategy=\"steps\"",
+                "training.eval_steps=0.3",
+                "training.save_steps=2",
+            ]),
+            1,
+            "cannot be guaranteed when mixing a ratio of the run's steps (below 1) and a step count",
+        ),
+        case(
+            early(&["training.greater_is_better=true"]),
+            1,
+            "greater_is_better = true: the only metric for the best model is the evaluation loss",
+        ),
+        // Ratios transformers accepts that this run's 10 steps round to 5 and 3: refused when the run starts.
+        case(
+            train(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"steps\"",
+                "training.save_strategy=\"steps\"",
+                "training.eval_steps=0.25",
+                "training.save_steps=0.5",
+                "training.max_steps=10",
+                "data.eval_split=0.25",
+            ]),
+            1,
+            "come to every 5 and every 3 of this run's 10 steps",
+        ),
+        // Accepted forms: steps (ratios that divide) and epochs; a run that never evaluated keeps its last model.
+        case(
+            train(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"steps\"",
+                "training.save_strategy=\"steps\"",
+                "training.eval_steps=0.25",
+                "training.save_steps=0.5",
+                "training.max_steps=4",
+                "training.metric_for_best_model=\"eval_loss\"",
+                "training.greater_is_better=false",
+                "data.eval_split=0.25",
+            ]),
+            0,
+            "Loading best model from",
+        ),
+        case(
+            train(&[
+                "training.load_best_model_at_end=true",
+                "training.eval_strategy=\"epoch\"",
+                "training.save_strategy=\"epoch\"",
+                "data.eval_split=0.25",
+            ]),
+            0,
+            "no best checkpoint to load (no evaluation ran); keeping the model of the last step, 1",
+        ),
         case(
             early(&["training.per_device_train_batch_size=0"]),
             1,

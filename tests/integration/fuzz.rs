@@ -1741,6 +1741,8 @@ const TRAINING_KEYS: &[&str] = &[
     "dataloader_drop_last",
     "disable_tqdm",
     "metric_for_best_model",
+    "greater_is_better",
+    "load_best_model_at_end",
     "use_cpu",
     "max_consecutive_nonfinite_losses",
     "use_liger_kernel",
@@ -1923,6 +1925,8 @@ fn kind_of(key: &str) -> Kind {
         | "reference_free"
         | "precompute_ref_log_probs"
         | "disable_dropout"
+        | "greater_is_better"
+        | "load_best_model_at_end"
         | "eval_on_start" => Kind::Bool,
         "lr_scheduler_type" => Kind::Choice(&[
             "linear",

@@ -1078,3 +1078,109 @@ fn save_total_limit_keeps_the_best_checkpoint_as_transformers() {
     assert_eq!(seen, [vec![1], vec![2], vec![3], vec![4]]);
     assert_eq!((at_end, best), (vec![4], None));
 }
+
+/// The tensors of the adapter in folder `dir`, exactly (as f32: every saved dtype converts without rounding).
+pub(crate) fn adapter_tensors(dir: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| {
+            let values = t.to_dtype(candle_core::DType::F32).unwrap();
+            (k, values.flatten_all().unwrap().to_vec1().unwrap())
+        })
+        .collect()
+}
+
+/// `load_best_model_at_end` as transformers 5: at a learning rate of 0.2 the tiny run's evaluation loss is lowest
+/// at step 4 (4.59; 4.98 at steps 6 and 8), so the adapter written to `output_dir` is checkpoint-4's, tensor for
+/// tensor, not the last step's, announced as transformers logs it with the checkpoint's score. A run resumed from
+/// checkpoint-6 (whose state records the best checkpoint) loads it at its end too.
+#[test]
+fn load_best_model_at_end_writes_the_best_checkpoints_adapter() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(
+        dir.path(),
+        "eval_split = 0.25\n",
+        "max_steps = 8\nlearning_rate = 0.2\nlr_scheduler_type = \"constant\"\nlogging_steps = 1\n\
+         eval_strategy = \"steps\"\neval_steps = 2\nsave_steps = 2\nload_best_model_at_end = true\n",
+    );
+    let out = dir.path().join("out");
+    let (ok, text) = run_train(&config, &[]);
+    assert!(ok, "{text}");
+    // The evaluations: lowest at step 4, and the last step's worse.
+    let evals: Vec<(u64, f64)> = std::fs::read_to_string(out.join("log.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?)))
+        .collect();
+    let steps: Vec<u64> = evals.iter().map(|(s, _)| *s).collect();
+    assert_eq!(steps, [2, 4, 6, 8], "{evals:?}");
+    let best = *evals.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap();
+    assert_eq!(best.0, 4, "the best evaluation is not the last: {evals:?}");
+    let best_dir = out.join("checkpoint-4");
+    let line = format!(
+        "Loading best model from {} (score: {}).",
+        best_dir.display(),
+        best.1
+    );
+    assert!(text.contains(&line), "{line}\n{text}");
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("checkpoint-8/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        state["best_model_checkpoint"].as_str(),
+        Some(best_dir.to_str().unwrap())
+    );
+    let (last, best_adapter) = (
+        adapter_tensors(&out.join("checkpoint-8")),
+        adapter_tensors(&best_dir),
+    );
+    assert_ne!(best_adapter, last, "the best and the last adapters differ");
+    assert!(
+        adapter_tensors(&out) == best_adapter,
+        "output_dir holds the best adapter"
+    );
+
+    // Resumed after the best checkpoint: the resumed run ends with the best adapter as well.
+    std::fs::remove_dir_all(out.join("checkpoint-8")).unwrap();
+    std::fs::remove_file(out.join("adapter_model.safetensors")).unwrap();
+    let (ok, text) = run_train(&config, &["--resume"]);
+    assert!(ok && text.contains(&line), "{text}");
+    assert_eq!(adapter_tensors(&out.join("checkpoint-8")), last);
+    assert!(
+        adapter_tensors(&out) == best_adapter,
+        "resumed: output_dir holds the best adapter"
+    );
+
+    // A damaged best adapter (its manifest's SHA-256) is an error naming it, not a silent last model.
+    let weights = best_dir.join("adapter_model.safetensors");
+    let good = std::fs::read(&weights).unwrap();
+    let mut bad = good.clone();
+    let middle = bad.len() - 8;
+    bad[middle] ^= 1;
+    std::fs::write(&weights, bad).unwrap();
+    std::fs::remove_dir_all(out.join("checkpoint-8")).unwrap();
+    let (ok, text) = run_train(&config, &["--resume"]);
+    assert!(
+        !ok && text.contains("adapter_model.safetensors") && text.contains("damaged"),
+        "{text}"
+    );
+    std::fs::write(&weights, good).unwrap();
+
+    // The best checkpoint removed: forgotten on resume (as transformers), and the last model is kept, saying why.
+    std::fs::remove_dir_all(&best_dir).unwrap();
+    let _ = std::fs::remove_dir_all(out.join("checkpoint-8"));
+    let (ok, text) = run_train(&config, &["--resume"]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("recorded in the resumed state does not exist anymore")
+            && text.contains(&format!(
+                "no best checkpoint to load (the best evaluation, eval_loss {} at step 4, has no checkpoint)",
+                best.1
+            )),
+        "{text}"
+    );
+    assert_eq!(adapter_tensors(&out), last);
+}
