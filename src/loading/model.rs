@@ -490,11 +490,12 @@ impl Weights {
             (Weights::Gguf(g), Some(l)) => g.0.unread(&format!("blk.{l}.")),
             (Weights::Gguf(g), None) => g.0.unread(""),
         };
-        unread.retain(|n| {
-            !n.ends_with(".rotary_emb.inv_freq")
-                && !n.ends_with(".attn_rot_embd")
-                && !(cfg.tie_word_embeddings && n == "lm_head.weight")
-        });
+        let ignored = |n: &str| {
+            n.ends_with(".rotary_emb.inv_freq")
+                || n.ends_with(".attn_rot_embd")
+                || (cfg.tie_word_embeddings && n == "lm_head.weight")
+        };
+        unread.retain(|n| !ignored(n));
         unread
     }
 
