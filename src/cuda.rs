@@ -64,14 +64,11 @@ fn minimum_driver(cuda: i32) -> &'static str {
     }
 }
 
-/// Checks at start that `device` can run this build's kernels: its driver compiles PTX of the build's toolkit,
-/// and its compute capability is at least the build's target. The error says what to update or rebuild, instead of
-/// a failure at the first kernel.
+/// Checks at start that `device`'s driver compiles PTX of the build's toolkit (its compute capability against the
+/// build's target: `precision::check_gpu_capability`). The error says what to update or rebuild, instead of a
+/// failure at the first kernel.
 pub fn check_device(device: &CudaDevice) -> Result<()> {
     let context = device.cuda_stream().context().clone();
-    let (major, minor) = context
-        .compute_capability()
-        .map_err(candle_core::Error::wrap)?;
     let name = context.name().unwrap_or_else(|_| "?".into());
     let ordinal = context.ordinal();
     let mut driver = 0;
@@ -88,17 +85,6 @@ pub fn check_device(device: &CudaDevice) -> Result<()> {
             driver / 1000,
             driver % 1000 / 10,
             minimum_driver(needed),
-        );
-    }
-    let capability = major * 10 + minor;
-    let target: i32 = BUILD_COMPUTE_CAP.parse().unwrap_or(0);
-    if capability < target {
-        candle_core::bail!(
-            "GPU {ordinal} ({name}) has compute capability {major}.{minor}, but this build has kernels for compute \
-             {}.{} and later only: rebuild with CUDA_COMPUTE_CAP={capability} (scripts/build-cuda.sh; README, \
-             \"GPU builds\")",
-            target / 10,
-            target % 10,
         );
     }
     Ok(())

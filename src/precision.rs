@@ -92,10 +92,12 @@ impl Precision {
             check_gpu_dtype(gpu, compute_dtype)?;
         }
         if device.is_cpu() && compute_dtype != DType::F32 {
+            // The flag that asked for it (on the CPU only the flags pick a half-precision dtype).
+            let flag = if fp16 { "fp16" } else { "bf16" };
             CPU_BF16_NOTE.call_once(|| {
                 eprintln!(
                     "note: {compute_dtype:?} compute on CPU is correct but not faster than f32 (Candle widens \
-                     half-precision matmuls to f32 on CPU); set bf16 = false for the fastest CPU run"
+                     half-precision matmuls to f32 on CPU); set {flag} = false for the fastest CPU run"
                 )
             });
         }
@@ -109,7 +111,9 @@ impl Precision {
 /// or float32.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decision is unit-tested in every build
 pub(crate) fn gpu_dtype_problem(dtype: DType, device: u32, build: u32) -> Option<String> {
-    const FP16: &str = "train in float16 instead (fp16 = true, bf16 = false, bnb_4bit_compute_dtype = \"float16\")";
+    const FP16: &str =
+        "train in float16 instead ([training] fp16 = true, bf16 = false; [model.quantization] \
+                        bnb_4bit_compute_dtype = \"float16\")";
     if dtype != DType::BF16 {
         None
     } else if device < 80 {
@@ -127,6 +131,31 @@ pub(crate) fn gpu_dtype_problem(dtype: DType, device: u32, build: u32) -> Option
         ))
     } else {
         None
+    }
+}
+
+/// Why a GPU of compute capability `device` (major · 10 + minor) cannot run kernels built for compute `build`, or
+/// `None` when it can: PTX runs on its target generation and later ones, so a build for the GPU's own capability
+/// runs there — from compute 7.0 on, as the attention kernels use tensor cores (WMMA), which older GPUs lack and
+/// which no build for them compiles.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the decision is unit-tested in every build
+pub(crate) fn gpu_capability_problem(device: u32, build: u32) -> Option<String> {
+    let (major, minor) = (device / 10, device % 10);
+    if device >= build {
+        None
+    } else if device < 70 {
+        Some(format!(
+            "compute capability {major}.{minor}: this crate's GPU kernels need tensor cores, from compute 7.0 on \
+             (V100, T4 and newer), and no build targets older GPUs; train on the CPU ([training] use_cpu = true) or \
+             on a newer GPU"
+        ))
+    } else {
+        Some(format!(
+            "compute capability {major}.{minor}, but this build has kernels for compute {}.{} and later only: \
+             rebuild with CUDA_COMPUTE_CAP={device} (scripts/build-cuda.sh; README, \"GPU builds\")",
+            build / 10,
+            build % 10
+        ))
     }
 }
 
@@ -160,6 +189,25 @@ fn check_gpu_dtype(gpu: &candle_core::CudaDevice, dtype: DType) -> Result<()> {
     }
 }
 
+/// Whether `gpu` runs this build's kernels ([`gpu_capability_problem`]); an error that says what to build or use
+/// instead otherwise.
+#[cfg(feature = "cuda")]
+pub(crate) fn check_gpu_capability(gpu: &candle_core::CudaDevice) -> Result<()> {
+    let context = gpu.cuda_stream().context().clone();
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(candle_core::Error::wrap)?;
+    let build = crate::cuda::BUILD_COMPUTE_CAP.parse().unwrap_or(0);
+    match gpu_capability_problem((major * 10 + minor) as u32, build) {
+        Some(problem) => Err(Error::InvalidInput(format!(
+            "GPU {} ({}): {problem}",
+            context.ordinal(),
+            context.name().unwrap_or_else(|_| "?".into())
+        ))),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +224,22 @@ mod tests {
         assert!(
             t4_build.contains("compute 7.5") && t4_build.contains("fp16 = true"),
             "{t4_build}"
+        );
+    }
+
+    #[test]
+    fn a_gpu_older_than_the_build_is_told_a_build_that_compiles_for_it() {
+        assert_eq!(gpu_capability_problem(80, 80), None);
+        assert_eq!(gpu_capability_problem(90, 80), None);
+        assert_eq!(gpu_capability_problem(75, 75), None);
+        // A V100 under the default build: PTX for 7.0 runs there (7.5's, the T4 build's, does not).
+        let v100 = gpu_capability_problem(70, 80).unwrap();
+        assert!(v100.contains("rebuild with CUDA_COMPUTE_CAP=70"), "{v100}");
+        // A P100: no CUDA_COMPUTE_CAP compiles the tensor-core kernels for compute 6.0, so no rebuild is advised.
+        let p100 = gpu_capability_problem(60, 80).unwrap();
+        assert!(
+            !p100.contains("CUDA_COMPUTE_CAP") && p100.contains("use_cpu = true"),
+            "{p100}"
         );
     }
 

@@ -209,7 +209,8 @@ pub fn save_adapter(
         if let Some((at, value)) = first_non_finite(&t)? {
             return Err(Error::InvalidInput(format!(
                 "adapter `{name}` holds {value} in `{key}` (element {at}): training diverged, so it is not saved \
-                 to {}; lower learning_rate (or max_grad_norm) and train again from the last checkpoint",
+                 to {}; lower learning_rate (or clip harder: a smaller max_grad_norm, which 0 turns off) and train \
+                 again from the last checkpoint",
                 dir.display()
             )));
         }

@@ -26,6 +26,69 @@ pub struct AdapterSlot {
     pub alpha: f64,
 }
 
+/// Why `config` selects no module of `model`, and what would: the linear modules `target_modules` can name
+/// (a mixture's router and experts are parameters to PEFT, named apart with the `target_parameters` that adapt
+/// them), or `"all-linear"`.
+fn no_target_message(model: &LlamaModel, config: &LoraConfig) -> String {
+    let arch = model.config().architecture;
+    let layer = "model.layers.0";
+    let layer_linears = model.config().layer_linears(0);
+    let mut names: Vec<&str> = Vec::new();
+    for (n, _) in &layer_linears {
+        let short = n.rsplit('.').next().unwrap_or(n);
+        if parameter_of(&format!("{layer}.{n}")).is_none() && !names.contains(&short) {
+            names.push(short);
+        }
+    }
+    let targets = match &config.target_modules {
+        Some(t) => json(t),
+        None => match arch.default_lora_targets() {
+            Some(d) => format!(
+                "not set (so PEFT's default for {}: {})",
+                arch.model_type(),
+                json(&d.to_vec())
+            ),
+            None => format!(
+                "not set (PEFT has no default for {}: set it)",
+                arch.model_type()
+            ),
+        },
+    };
+    let excluded = match &config.exclude_modules {
+        Some(e) => format!(" (exclude_modules {})", json(e)),
+        None => String::new(),
+    };
+    let experts = if arch.is_moe() {
+        // PEFT adapts parameters without dropout, so the advice is whole only with lora_dropout = 0.
+        let dropout = match config.lora_dropout {
+            d if d != 0.0 => " and lora_dropout = 0",
+            _ => "",
+        };
+        format!(
+            " (the router and the experts are parameters to PEFT: target them with target_parameters = \
+             [\"{}.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]{dropout})",
+            arch.router_name()
+        )
+    } else {
+        String::new()
+    };
+    let example = layer_linears
+        .iter()
+        .map(|(n, _)| n)
+        .find(|n| parameter_of(&format!("{layer}.{n}")).is_none())
+        .map_or(String::new(), |n| format!(" (e.g. {layer}.{n})"));
+    format!(
+        "target_modules {targets}{excluded} match no module of this model; its linear modules are {}{example}\
+         {experts}; or use \"all-linear\"",
+        names.join(", ")
+    )
+}
+
+/// `value` as JSON, as `adapter_config.json` writes it (`["q_proj", "v_proj"]`, `"all-linear"`).
+fn json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
 /// PEFT's tensor names for a module's adapter.
 pub fn peft_key(module: &str, part: &str) -> String {
     format!("base_model.model.{module}.{part}")
@@ -115,40 +178,7 @@ impl Adapters for LlamaModel {
             }
         }
         if slots.is_empty() {
-            let arch = self.config().architecture;
-            let layer_linears = self.config().layer_linears(0);
-            let mut names: Vec<&str> = layer_linears
-                .iter()
-                .filter(|(n, _)| parameter_of(n).is_none())
-                .filter_map(|(n, _)| n.rsplit('.').next())
-                .collect();
-            names.dedup();
-            let targets = match &config.target_modules {
-                Some(t) => format!("{t:?}"),
-                None => match arch.default_lora_targets() {
-                    Some(d) => format!(
-                        "not set (so PEFT's default for {}: {d:?})",
-                        arch.model_type()
-                    ),
-                    None => format!(
-                        "not set (PEFT has no default for {}: set it)",
-                        arch.model_type()
-                    ),
-                },
-            };
-            let experts = if arch.is_moe() {
-                " (the router and the experts are parameters to PEFT: target them with target_parameters = \
-                 [\"mlp.gate.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"])"
-            } else {
-                ""
-            };
-            return Err(Error::InvalidInput(format!(
-                "target_modules {targets} (exclude_modules {:?}) match no module of this model; its linear modules \
-                 are {} (e.g. model.layers.0.{}){experts}; or use \"all-linear\"",
-                config.exclude_modules,
-                names.join(", "),
-                layer_linears[0].0,
-            )));
+            return Err(Error::InvalidInput(no_target_message(self, config)));
         }
         Ok(slots)
     }

@@ -553,7 +553,8 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     let loaded = args.model.load()?;
     let tokenizer = loaded.tokenizer()?;
     let dataset = Dataset::from_read(&args.data, &examples, &read, tokenizer, &data)?;
-    dataset.check_learnable(&args.data.display().to_string())?;
+    let learn_all = (!args.all_tokens).then_some("--all-tokens");
+    dataset.check_learnable(&args.data.display().to_string(), learn_all)?;
     let report = evaluate(&loaded.model, &dataset.rows, args.batch_size)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

@@ -72,6 +72,21 @@ impl DataConfig {
         Ok(())
     }
 
+    /// How this config would put the loss on every token, as [`Dataset::check_learnable`] says it: the keys that
+    /// mask tokens now (`completion_only_loss`, `assistant_only_loss`), each `= false`, named after `section`
+    /// (`"[data] "` for a run config); `None` when no key masks any.
+    pub fn learn_all_keys(&self, section: &str) -> Option<String> {
+        let keys: Vec<&str> = [
+            ("completion_only_loss = false", self.completion_only_loss),
+            ("assistant_only_loss = false", self.assistant_only_loss),
+        ]
+        .iter()
+        .filter(|(_, on)| *on)
+        .map(|(key, _)| *key)
+        .collect();
+        (!keys.is_empty()).then(|| format!("{section}{}", keys.join(" and ")))
+    }
+
     /// Whether every token of `example` carries the loss (not only its completion).
     pub fn all_tokens(&self, example: &Example) -> bool {
         match example {
@@ -242,15 +257,23 @@ impl Dataset {
     }
 
     /// An error when no token carries the loss — every label masked, or every row a single token — saying how many
-    /// rows had nothing to learn and why that happens; `what` names the set ("the training set", a file).
-    pub fn check_learnable(&self, what: &str) -> Result<()> {
+    /// rows had nothing to learn and why that happens; `what` names the set ("the training set", a file), and
+    /// `learn_all` how the caller would put the loss on every token (a config's keys, a command's flag), `None`
+    /// when it does already.
+    pub fn check_learnable(&self, what: &str, learn_all: Option<&str>) -> Result<()> {
         if self.learned_tokens() > 0 {
             return Ok(());
         }
+        let fixes = match learn_all {
+            Some(learn_all) => format!(
+                "check that the answers are not empty and that the prompts are shorter than the maximum length, or \
+                 put the loss on every token ({learn_all})"
+            ),
+            None => "give examples of at least two tokens".to_string(),
+        };
         Err(Error::InvalidInput(format!(
             "{what}: none of its {} rows has a token to learn (every label is -100, or the row is a single token): \
-             with completion_only_loss, check that the answers are not empty and that the prompts fit in \
-             max_length, or train on every token",
+             {fixes}",
             self.rows.len()
         )))
     }

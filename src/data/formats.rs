@@ -232,10 +232,12 @@ pub fn read_jsonl(
             }
             Err(reason) if skip_bad_lines => report.skipped.push((line_no, reason)),
             Err(reason) => {
+                // A run config and `qlora eval` both read data here: named in the words of each.
                 return Err(Error::InvalidInput(format!(
-                    "{}:{line_no}: {reason} (fix the line, or skip bad lines with skip_bad_lines)",
+                    "{}:{line_no}: {reason} (fix the line, or skip bad lines: [data] skip_bad_lines = true, \
+                     --skip-bad-lines for qlora eval)",
                     path.display()
-                )))
+                )));
             }
         }
     }
@@ -311,8 +313,9 @@ impl Example {
             Example::Chat(messages) => {
                 if tokenizer.chat_template.is_none() {
                     return Err(Error::InvalidInput(
-                        "chat examples (`messages`) need the model's chat template, and this model has none: \
-                         use a model with one, or write the data as prompt/completion or plain text"
+                        "chat examples (`messages`, `conversations`) need the model's chat template, and this model \
+                         has none: use a model with one, or write the data as instructions \
+                         ({\"instruction\", \"output\"}) or plain text ({\"text\"})"
                             .into(),
                     ));
                 }

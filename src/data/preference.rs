@@ -254,11 +254,25 @@ impl PreferenceDataset {
             .ok_or_else(|| Error::InvalidInput("the data config names no train_file".into()))?;
         let mut train = Self::from_jsonl(train_file, tokenizer, config, truncation)?;
         if train.is_empty() {
+            // Only `keep_start` drops a pair for its prompt: with `keep_end` the completions were empty.
+            let (why, fix) = match truncation {
+                TruncationMode::KeepStart => (
+                    format!(
+                        "no completion token left: the prompt alone fills [data] max_length = {}, or the \
+                         completions are empty",
+                        config.max_length
+                    ),
+                    "raise [data] max_length above the prompts' length, or set [dpo] truncation_mode = \
+                     \"keep_end\" (which TRL deprecates) to cut the prompts' start instead",
+                ),
+                TruncationMode::KeepEnd => (
+                    "every pair has an empty completion".to_string(),
+                    "give each pair a chosen and a rejected answer",
+                ),
+            };
             return Err(Error::InvalidInput(format!(
-                "{}: every pair was dropped (no completion token left: the prompt alone fills max_length = {}, or \
-                 the completions are empty): raise max_length, or use truncation_mode = \"keep_end\"",
-                train_file.display(),
-                config.max_length
+                "{}: every pair was dropped ({why}): {fix}",
+                train_file.display()
             )));
         }
         let eval = match (&config.eval_file, config.eval_split) {

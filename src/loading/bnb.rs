@@ -371,9 +371,9 @@ fn refuse_gguf(input: &Path) -> Result<()> {
     Err(Error::invalid_file(
         input,
         "this is a GGUF file, whose weights are already quantized (llama.cpp's formats), not safetensors: train, \
-         evaluate or generate on it directly (`--model` / `name_or_path` = the .gguf file; its linear weights are \
-         quantized to NF4 on load), or quantize the model's Hugging Face folder (config.json + *.safetensors) \
-         instead",
+         evaluate or generate on it directly (`--model` / `name_or_path` = the .gguf file; its weights are read \
+         as floats, and its linear weights quantized to NF4 on load with `--quantize nf4` / `load_in_4bit`), or \
+         quantize the model's Hugging Face folder (config.json + *.safetensors) instead",
     ))
 }
 

@@ -53,13 +53,28 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// The tokenizer, or an error saying the model folder lacks one.
     pub fn tokenizer(&self) -> Result<&TextTokenizer> {
-        self.tokenizer.as_ref().ok_or_else(|| {
-            Error::Model(format!(
-                "{} has no tokenizer.json; copy the tokenizer files into the model folder",
-                self.source
-            ))
-        })
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| no_tokenizer(&self.source))
     }
+}
+
+/// The error for model `spec` (as [`load_model`] takes it) without a tokenizer, saying where one goes: a folder's
+/// `tokenizer.json`, or a GGUF file's own metadata (a file beside it is not read).
+pub fn no_tokenizer(spec: &str) -> Error {
+    let is_gguf = Path::new(spec)
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    Error::Model(match is_gguf {
+        true => format!(
+            "{spec} has no tokenizer in its metadata (`tokenizer.ggml.*`); use a GGUF file written with its \
+             tokenizer (llama.cpp's converter writes one), or the model's Hugging Face folder"
+        ),
+        false => format!(
+            "{spec} has no tokenizer.json; copy the tokenizer files (tokenizer.json, tokenizer_config.json) into \
+             the model folder"
+        ),
+    })
 }
 
 /// Tensors by Hugging Face name from either file kind.

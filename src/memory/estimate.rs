@@ -92,7 +92,8 @@ impl EstimateArgs {
         }
         if self.world_size > 1 && self.device == DeviceKind::Cpu {
             return bad(format!(
-                "world_size {}: data-parallel training runs on GPUs (one per rank); estimate it with device cuda",
+                "world_size {}: data-parallel training runs on GPUs (one per rank); estimate it for device cuda \
+                 (`--device cuda`)",
                 self.world_size
             ));
         }

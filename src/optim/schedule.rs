@@ -81,6 +81,20 @@ fn kwargs_of(kind: SchedulerType) -> &'static [(&'static str, Kwarg)] {
     }
 }
 
+/// A valid `lr_scheduler_kwargs` table for schedule `kind`, in TOML (the keys it needs, at transformers'
+/// defaults where there is one), for messages; `None` for a schedule that takes no keyword arguments.
+fn example_kwargs(kind: SchedulerType) -> Option<&'static str> {
+    match kind {
+        SchedulerType::Cosine => Some("{ num_cycles = 0.5 }"),
+        SchedulerType::CosineWithRestarts => Some("{ num_cycles = 1 }"),
+        SchedulerType::Polynomial => Some("{ lr_end = 1e-7, power = 1.0 }"),
+        SchedulerType::InverseSqrt => Some("{ timescale = 10000 }"),
+        SchedulerType::CosineWithMinLr => Some("{ min_lr_rate = 0.1 }"),
+        SchedulerType::WarmupStableDecay => Some("{ num_decay_steps = 100 }"),
+        SchedulerType::Linear | SchedulerType::Constant | SchedulerType::ConstantWithWarmup => None,
+    }
+}
+
 /// Checks `lr_scheduler_kwargs` for schedule `kind` at learning rate `base_lr` — a table whose every key the
 /// schedule takes (transformers' schedule functions raise a `TypeError` on any other), holding a value of its
 /// type, with the keys a schedule needs — and returns it. Needs no model or data, so a run checks it before
@@ -100,9 +114,10 @@ pub fn check_kwargs(
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(m)) => m.clone(),
         Some(other) => {
-            return bad(format!(
-                " = {other}: must be a table, e.g. {{ num_cycles = 1 }}"
-            ))
+            return bad(match example_kwargs(kind) {
+                Some(example) => format!(" = {other}: must be a table, e.g. {example}"),
+                None => format!(" = {other}: this schedule takes none; remove lr_scheduler_kwargs"),
+            })
         }
     };
     let takes = kwargs_of(kind);
@@ -318,6 +333,25 @@ impl Schedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_example_a_wrong_kwargs_value_gives_is_one_the_schedule_takes() {
+        for &kind in SchedulerType::ALL {
+            let err = check_kwargs(kind, 1e-3, Some(&serde_json::json!(5)))
+                .unwrap_err()
+                .to_string();
+            match example_kwargs(kind) {
+                // The example, read as the config reads TOML, is accepted.
+                Some(example) => {
+                    let table: toml::Table = format!("kwargs = {example}").parse().unwrap();
+                    let kwargs = serde_json::to_value(&table["kwargs"]).unwrap();
+                    assert!(err.contains(example), "{kind}: {err}");
+                    check_kwargs(kind, 1e-3, Some(&kwargs)).unwrap();
+                }
+                None => assert!(err.contains("remove lr_scheduler_kwargs"), "{kind}: {err}"),
+            }
+        }
+    }
 
     #[test]
     fn bad_kwargs_are_clear_errors() {

@@ -348,7 +348,10 @@ impl TrainingArguments {
         match candle_core::Device::new_cuda(ordinal) {
             Ok(device) => {
                 #[cfg(feature = "cuda")]
-                crate::cuda::check_device(device.as_cuda_device()?)?;
+                {
+                    crate::cuda::check_device(device.as_cuda_device()?)?;
+                    crate::precision::check_gpu_capability(device.as_cuda_device()?)?;
+                }
                 Ok(device)
             }
             Err(e) => {
@@ -423,15 +426,19 @@ impl TrainingArguments {
                 self.max_steps
             ));
         }
+        // With max_steps the epochs are ignored, as transformers ignores them: any count, unbounded too.
+        if self.max_steps > 0 && (self.num_train_epochs.is_nan() || self.num_train_epochs < 0.0) {
+            return bad(format!(
+                "`num_train_epochs` = {}: must be 0 or more",
+                self.num_train_epochs
+            ));
+        }
         // Every number a finite value in its range (PyTorch's for the optimizer's), named with the range.
-        let epochs = if self.max_steps > 0 {
-            Range::NonNegative
-        } else {
-            Range::Positive
-        };
-        let mut numbers = vec![
-            ("learning_rate", self.learning_rate, Range::NonNegative),
-            ("num_train_epochs", self.num_train_epochs, epochs),
+        let mut numbers = vec![("learning_rate", self.learning_rate, Range::NonNegative)];
+        if self.max_steps <= 0 {
+            numbers.push(("num_train_epochs", self.num_train_epochs, Range::Positive));
+        }
+        numbers.extend([
             ("warmup_steps", self.warmup_steps, Range::NonNegative),
             ("warmup_ratio", self.warmup_ratio, Range::Fraction),
             ("weight_decay", self.weight_decay, Range::NonNegative),
@@ -441,7 +448,7 @@ impl TrainingArguments {
             ("adam_epsilon", self.adam_epsilon, Range::NonNegative),
             ("logging_steps", self.logging_steps, Range::Steps),
             ("save_steps", self.save_steps, Range::Steps),
-        ];
+        ]);
         if let Some(e) = self.eval_steps {
             numbers.push(("eval_steps", e, Range::Steps));
         }
@@ -637,6 +644,19 @@ impl TrainingArguments {
         (self.num_train_epochs * per_epoch as f64).ceil() as usize
     }
 
+    /// The epochs a run of `batches_per_epoch` micro-batches per epoch goes through, as transformers counts them
+    /// for `trainer_state.json`: those `max_steps` reaches when it is set (the epochs asked for are ignored then),
+    /// otherwise `num_train_epochs` rounded up.
+    pub fn epochs(&self, batches_per_epoch: usize) -> usize {
+        if self.max_steps > 0 {
+            let per_epoch = batches_per_epoch
+                .div_ceil(self.gradient_accumulation_steps)
+                .max(1);
+            return (self.max_steps as usize).div_ceil(per_epoch);
+        }
+        self.num_train_epochs.ceil() as usize
+    }
+
     /// A step interval that may be given as a ratio (< 1) of `total`.
     pub fn interval(value: f64, total: usize) -> usize {
         if value < 1.0 {
@@ -728,8 +748,18 @@ mod tests {
             let err = parse(toml).unwrap_err().to_string();
             assert!(err.contains("run.toml: [training]") && err.contains(says), "{toml}: {err}");
         }
-        // With max_steps the epochs do not bound the run.
+        // With max_steps the epochs do not bound the run (transformers ignores them): even unbounded ones, as the
+        // error for them without max_steps advises.
         parse("num_train_epochs = 1e300\nmax_steps = 5").unwrap();
+        let a = parse("num_train_epochs = inf\nmax_steps = 5").unwrap();
+        assert_eq!(a.epochs(2), 3);
+        let err = parse("num_train_epochs = nan\nmax_steps = 5")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`num_train_epochs` = NaN: must be 0 or more"),
+            "{err}"
+        );
     }
 
     /// transformers' `__post_init__` rules for `load_best_model_at_end`, case by case (its texts as a guide), plus

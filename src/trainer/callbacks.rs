@@ -204,7 +204,7 @@ impl TrainerCallback for MemoryMonitorCallback {
 
     fn on_step_end(
         &mut self,
-        _args: &TrainingArguments,
+        args: &TrainingArguments,
         state: &TrainerState,
         _control: &mut TrainerControl,
     ) -> Result<()> {
@@ -234,14 +234,14 @@ impl TrainerCallback for MemoryMonitorCallback {
         if let (Some(used), Some(total)) = (used, total) {
             if !self.warned && used as f64 > self.warn_fraction * total as f64 {
                 self.warned = true;
+                // The same fixes as the out-of-memory report, without those the run has made already.
                 eprintln!(
-                    "warning: step {}: {what} {} of {} memory ({:.0}%); lower per_device_train_batch_size \
-                     (raise gradient_accumulation_steps), turn on gradient_checkpointing, use an 8-bit optimizer, or \
-                     shorten max_length",
+                    "warning: step {}: {what} {} of {} memory ({:.0}%); to use less: {}",
                     state.global_step,
                     human_bytes(used),
                     human_bytes(total),
-                    100.0 * used as f64 / total as f64
+                    100.0 * used as f64 / total as f64,
+                    super::oom::memory_fixes(args, None).join("; ")
                 );
             }
         }

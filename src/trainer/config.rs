@@ -181,25 +181,168 @@ pub(crate) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
     }
 }
 
-/// The valid name closest to `key`, if any is reasonably close.
-fn closest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
-    candidates
+/// How plausibly `candidate` is the key meant by `key`, higher being closer; `None` when it is not a plausible
+/// slip: a typo (one edit, two in a longer key; digits unchanged, as `load_in_8bit` is no `load_in_4bit`), or the
+/// same words with at most one word more or fewer, each word equal, one typo off or shortened (`num_epochs` →
+/// `num_train_epochs`, `max_seq_len` → `max_length`, `evaluation_strategy` → `eval_strategy`). A word swapped for
+/// another is another setting (`eval_accumulation_steps` is no `gradient_accumulation_steps`), and so is a single
+/// shared word (`rank` is no `rank_pattern`).
+fn plausibility(key: &str, candidate: &str) -> Option<f64> {
+    let digits = |s: &str| s.chars().filter(char::is_ascii_digit).collect::<String>();
+    let same_digits = |a: &str, b: &str| digits(a) == digits(b);
+    let distance = strsim::damerau_levenshtein(key, candidate);
+    let (short, long) = (
+        key.len().min(candidate.len()),
+        key.len().max(candidate.len()),
+    );
+    let typos = if long <= 5 { 1 } else { 2 };
+    if short >= 3 && distance <= typos && same_digits(key, candidate) {
+        return Some(2.0 - distance as f64 / long as f64);
+    }
+    let word_match = |a: &str, b: &str| {
+        let (short, long) = if a.len() <= b.len() { (a, b) } else { (b, a) };
+        a == b
+            || (short.len() >= 4 && strsim::damerau_levenshtein(a, b) <= 1 && same_digits(a, b))
+            || (short.len() >= 3 && long.starts_with(short))
+    };
+    let (words, theirs): (Vec<&str>, Vec<&str>) =
+        (key.split('_').collect(), candidate.split('_').collect());
+    let mut used = vec![false; theirs.len()];
+    let (mut matched, mut ours_len, mut theirs_len) = (0, 0, 0);
+    for w in &words {
+        if let Some(i) = (0..theirs.len()).find(|&i| !used[i] && word_match(w, theirs[i])) {
+            used[i] = true;
+            matched += 1;
+            ours_len += w.len();
+            theirs_len += theirs[i].len();
+        }
+    }
+    let (extra, missing) = (words.len() - matched, theirs.len() - matched);
+    let letters = |ws: &[&str]| ws.iter().map(|w| w.len()).sum::<usize>().max(1) as f64;
+    let (ours, theirs) = (
+        ours_len as f64 / letters(&words),
+        theirs_len as f64 / letters(&theirs),
+    );
+    (matched >= 2
+        && extra.max(missing) <= 1
+        && extra.min(missing) == 0
+        && ours >= 0.65
+        && theirs >= 0.6)
+        .then_some(ours.min(theirs))
+}
+
+/// The valid names `key` plausibly meant (see [`plausibility`]): the closest, and any about as close.
+fn closest<'a>(key: &str, candidates: &[&'a str]) -> Vec<&'a str> {
+    let scored: Vec<(f64, &str)> = candidates
         .iter()
-        .map(|c| (strsim::jaro_winkler(key, c), *c))
-        .filter(|(score, _)| *score > 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .filter_map(|c| plausibility(key, c).map(|p| (p, *c)))
+        .collect();
+    let best = scored.iter().map(|(p, _)| *p).fold(f64::MIN, f64::max);
+    scored
+        .into_iter()
+        .filter(|(p, _)| *p >= best - 0.05)
         .map(|(_, c)| c)
+        .collect()
+}
+
+/// "`a`", "`a` or `b`", … for a suggestion.
+fn either(names: &[String]) -> String {
+    names.join(" or ")
 }
 
 /// An error for unknown `key` in `section` of `path`, suggesting the closest of `candidates`.
 fn unknown_key(path: &str, section: &str, key: &str, candidates: &[&str]) -> Error {
-    let hint = match closest(key, candidates) {
-        Some(c) => format!("did you mean `{c}`?"),
-        None => format!("valid keys: {}", candidates.join(", ")),
+    let close: Vec<String> = closest(key, candidates)
+        .iter()
+        .map(|c| format!("`{c}`"))
+        .collect();
+    let hint = match close.is_empty() {
+        false => format!("did you mean {}?", either(&close)),
+        true => format!("valid keys: {}", candidates.join(", ")),
     };
     Error::InvalidInput(format!(
         "{path}: unknown key `{key}` in [{section}]; {hint}"
     ))
+}
+
+/// The keys of each section of a run config, `model.quantization` (a table inside `[model]`) apart.
+fn section_keys() -> [(&'static str, Vec<&'static str>); 7] {
+    let lora = [field_names::<LoraConfig>(), LORA_EXTRA_KEYS].concat();
+    [
+        ("model", field_names::<ModelSection>().to_vec()),
+        (
+            "model.quantization",
+            field_names::<QuantizationSection>().to_vec(),
+        ),
+        ("lora", lora),
+        ("data", field_names::<DataConfig>().to_vec()),
+        ("training", field_names::<TrainingArguments>().to_vec()),
+        ("callbacks", field_names::<CallbackSection>().to_vec()),
+        ("dpo", field_names::<DpoConfig>().to_vec()),
+    ]
+}
+
+/// An error for the first key of `root` that its section does not have (a key before the first header is in no
+/// section). A key another section has is named with that section — where it belongs; otherwise the closest key
+/// of its own section is suggested, else a close one of another section, else the valid keys are listed.
+fn check_section_keys(root: &toml::Table, path: &str) -> Result<()> {
+    let sections = section_keys();
+    let in_other = |section: &str, key: &str| -> Vec<String> {
+        sections
+            .iter()
+            .filter(|(name, keys)| *name != section && keys.contains(&key))
+            .map(|(name, _)| format!("[{name}]"))
+            .collect()
+    };
+    let error = |section: &str, key: &str, own: &[&str]| -> Error {
+        let shown = if section.is_empty() {
+            "top level"
+        } else {
+            section
+        };
+        let homes = in_other(section, key);
+        if let Some(home) = homes.first() {
+            let dotted = home.trim_matches(['[', ']']);
+            return Error::InvalidInput(format!(
+                "{path}: unknown key `{key}` in [{shown}]; it belongs in {} (`{dotted}.{key}`)",
+                either(&homes)
+            ));
+        }
+        if !closest(key, own).is_empty() || section.is_empty() {
+            return unknown_key(path, shown, key, own);
+        }
+        let elsewhere: Vec<String> = sections
+            .iter()
+            .filter(|(name, _)| *name != section)
+            .flat_map(|(name, keys)| {
+                closest(key, keys)
+                    .into_iter()
+                    .map(move |k| format!("[{name}] `{k}`"))
+            })
+            .collect();
+        match elsewhere.is_empty() {
+            true => unknown_key(path, shown, key, own),
+            false => Error::InvalidInput(format!(
+                "{path}: unknown key `{key}` in [{shown}]; did you mean {}?",
+                either(&elsewhere)
+            )),
+        }
+    };
+    if let Some(key) = root.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
+        return Err(error("", key, SECTIONS));
+    }
+    for (name, keys) in &sections {
+        let table = match name.split_once('.') {
+            Some((outer, inner)) => root.get(outer).and_then(|t| t.get(inner)),
+            None => root.get(*name),
+        };
+        if let Some(toml::Value::Table(table)) = table {
+            if let Some(key) = table.keys().find(|k| !keys.contains(&k.as_str())) {
+                return Err(error(name, key, keys));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// An error for the first key of `table` that is neither a field of `T` nor one of `extra_keys`, suggesting the
@@ -390,9 +533,7 @@ impl RunConfig {
     /// against its folder.
     pub fn from_table(root: &toml::Table, path: &Path) -> Result<Self> {
         let p = path.display().to_string();
-        if let Some(key) = root.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
-            return Err(unknown_key(&p, "top level", key, SECTIONS));
-        }
+        check_section_keys(root, &p)?;
         let required = |name: &str| {
             root.get(name)
                 .ok_or_else(|| Error::InvalidInput(format!("{p}: the [{name}] section is missing")))
@@ -594,6 +735,86 @@ optim = "paged_adamw_8bit"
             .unwrap_err()
             .to_string()
             .contains("train_file"));
+    }
+
+    #[test]
+    fn a_key_of_another_section_is_sent_there_and_only_plausible_slips_are_suggested() {
+        let (_d, p) = write(RECIPE);
+        let err = |set: &str| {
+            RunConfig::load(&p, &[set.to_string()])
+                .unwrap_err()
+                .to_string()
+        };
+        // A key in the wrong section: where it belongs, never a look-alike of this section (`max_steps`).
+        for (set, says) in [
+            (
+                "training.max_length=64",
+                "in [training]; it belongs in [data] (`data.max_length`)",
+            ),
+            (
+                "training.eval_split=0.1",
+                "it belongs in [data] (`data.eval_split`)",
+            ),
+            ("training.memory_monitor=false", "it belongs in [callbacks]"),
+            ("training.beta=0.1", "it belongs in [dpo]"),
+            (
+                "model.load_in_4bit=true",
+                "in [model]; it belongs in [model.quantization]",
+            ),
+            ("lora.learning_rate=1e-4", "it belongs in [training]"),
+            (
+                "training.max_seq_len=64",
+                "did you mean [data] `max_length`?",
+            ),
+        ] {
+            let e = err(set);
+            assert!(e.contains(says), "{set}: {e}");
+        }
+        let (_d, top) = write(&format!("learning_rate = 1e-4\n{RECIPE}"));
+        let e = RunConfig::load(&top, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("`learning_rate` in [top level]; it belongs in [training]"),
+            "{e}"
+        );
+
+        // Typos and near names are suggested; other settings of transformers, PEFT or TRL that share a word with
+        // one of ours are not passed off as it.
+        let training = field_names::<TrainingArguments>();
+        for (key, meant) in [
+            ("learning_rat", &["learning_rate"][..]),
+            ("learningrate", &["learning_rate"]),
+            ("evaluation_strategy", &["eval_strategy"]),
+            ("lr_scheduler", &["lr_scheduler_type"]),
+            ("num_epochs", &["num_train_epochs"]),
+            ("grad_accum_steps", &["gradient_accumulation_steps"]),
+            ("gradient_checkpointing_enable", &["gradient_checkpointing"]),
+            ("bf_16", &["bf16"]),
+            (
+                "per_device_batch_size",
+                &["per_device_train_batch_size", "per_device_eval_batch_size"],
+            ),
+            ("max_length", &[]),
+            ("eval_split", &[]),
+            ("eval_accumulation_steps", &[]),
+            ("save_safetensors", &[]),
+            ("save_only_model", &[]),
+            ("logging_dir", &[]),
+            ("dataloader_num_workers", &[]),
+            ("optim_args", &[]),
+            ("fp16_full_eval", &[]),
+            ("lr", &[]),
+        ] {
+            assert_eq!(closest(key, training), meant, "{key}");
+        }
+        let lora = field_names::<LoraConfig>();
+        assert_eq!(closest("rank", lora), Vec::<&str>::new());
+        assert_eq!(closest("lora_droput", lora), ["lora_dropout"]);
+        let quantization = field_names::<QuantizationSection>();
+        assert_eq!(closest("load_in_8bit", quantization), Vec::<&str>::new());
+        assert_eq!(
+            closest("bnb_4bit_quant", quantization),
+            ["bnb_4bit_quant_type"]
+        );
     }
 
     #[test]

@@ -10,7 +10,8 @@ use super::run::ADAPTER;
 use super::run::{prepare_output_dir, start_memory_snapshot, Prepared, Trainer};
 use crate::adapter::load_adapter;
 use crate::data::{Dataset, PreferenceDataset};
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::loading::model::no_tokenizer;
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
 use crate::memory::{human_bytes, process_memory};
 use crate::models::TextTokenizer;
@@ -41,7 +42,10 @@ impl Data {
         let task = match &config.dpo {
             None => {
                 let (train, eval) = Dataset::train_and_eval(tokenizer, data)?;
-                train.check_learnable("the training set")?;
+                train.check_learnable(
+                    "the training set",
+                    data.learn_all_keys("[data] ").as_deref(),
+                )?;
                 let mut notes = match &data.eval_file {
                     Some(_) => {
                         let mut notes =
@@ -103,11 +107,9 @@ impl Trainer {
         let args = &config.training;
         let model_name = &config.model.name_or_path;
         let revision = config.model.revision.as_deref();
-        let tokenizer = load_tokenizer(model_name, revision)?.ok_or_else(|| {
-            Error::Model(format!(
-                "`{model_name}` has no tokenizer (tokenizer.json); training needs one to read the data"
-            ))
-        })?;
+        // Training needs one to read the data.
+        let tokenizer =
+            load_tokenizer(model_name, revision)?.ok_or_else(|| no_tokenizer(model_name))?;
         let task = Data::read(config, &tokenizer)?;
         let facts = match &task {
             Data::Supervised(train, eval, _) => DataFacts::supervised(train, eval),

@@ -63,15 +63,19 @@ pub(crate) fn check_before_loading(config: &RunConfig, facts: &DataFacts) -> Res
     let p = config.path.display();
     let args = &config.training;
     if let Some(asked) = evaluation_without_data(args, facts) {
-        let split = match config.data.eval_split {
-            Some(split) if config.data.eval_file.is_none() => {
-                format!(" ([data] eval_split = {split} holds none of the examples)")
-            }
-            _ => String::new(),
+        let (split, larger) = match config.data.eval_split {
+            Some(split) if config.data.eval_file.is_none() => (
+                format!(" ([data] eval_split = {split} holds none of the examples)"),
+                "a larger eval_split",
+            ),
+            _ => (
+                String::new(),
+                "eval_split, the share of the training examples held out",
+            ),
         };
         return Err(Error::InvalidInput(format!(
             "{p}: [training] {asked} asks for evaluations, but the run has no evaluation data{split}: add \
-             [data] eval_file (or a larger eval_split), or set eval_strategy = \"no\" and eval_on_start = false"
+             [data] eval_file (or {larger}), or set eval_strategy = \"no\" and eval_on_start = false"
         )));
     }
     check_output_dir(&config.training.output_dir, &p.to_string())?;

@@ -159,7 +159,13 @@ impl Trainer {
         if train.is_empty() {
             return Err(Error::InvalidInput("the training set is empty".into()));
         }
-        train.check_learnable("the training set")?;
+        // The data config that labelled the rows is the caller's: named by its fields.
+        train.check_learnable(
+            "the training set",
+            Some(
+                "DataConfig's completion_only_loss and assistant_only_loss = false when tokenizing",
+            ),
+        )?;
         Self::with_task(model, args, lora, Task::LanguageModeling { train, eval })
     }
 
@@ -551,7 +557,7 @@ impl Trainer {
         args.check_best_model_intervals(every.save, every.eval, total)?;
         self.state = TrainerState {
             max_steps: total,
-            num_train_epochs: args.num_train_epochs,
+            num_train_epochs: args.epochs(plan.batches_per_epoch) as f64,
             logging_steps: every.log,
             eval_steps: every.eval,
             save_steps: every.save,
@@ -807,9 +813,9 @@ impl Trainer {
         let limit = args.max_consecutive_nonfinite_losses;
         if limit > 0 && self.state.consecutive_nonfinite_losses >= limit {
             return Err(Error::Diverged(format!(
-                "the loss was not finite for {limit} steps in a row (last at step {step}); lower \
-                 learning_rate, set max_grad_norm, use bf16 instead of fp16, or check the data \
-                 (max_consecutive_nonfinite_losses sets this limit)"
+                "the loss was not finite for {limit} steps in a row (last at step {step}); {} \
+                 (max_consecutive_nonfinite_losses sets this limit)",
+                divergence_fixes(args)
             )));
         }
         let evaluate_now = match args.eval_strategy {
@@ -1208,6 +1214,27 @@ impl Trainer {
     }
 }
 
+/// What may stop a run's loss from going non-finite, of what `args` does not do already: a lower learning rate,
+/// clipping (when `max_grad_norm` = 0 turns it off), bf16 in place of fp16 (whose range overflows), the data.
+fn divergence_fixes(args: &TrainingArguments) -> String {
+    let mut fixes = vec![format!(
+        "lower learning_rate (now {:e})",
+        args.learning_rate
+    )];
+    if args.max_grad_norm == 0.0 {
+        fixes.push("set max_grad_norm = 1.0 (clipping is off)".into());
+    }
+    if args.fp16 {
+        fixes.push("use bf16 = true instead of fp16 (float16 overflows)".into());
+    }
+    fixes.push("check the data".into());
+    let last = fixes.pop().unwrap_or_default();
+    match fixes.is_empty() {
+        true => last,
+        false => format!("{}, or {last}", fixes.join(", ")),
+    }
+}
+
 /// What `memory_snapshot` records on `device`: the CPU heap (counted by the tracking allocator) or a CUDA device's
 /// pool; an error says why it cannot.
 fn snapshot_source(device: &Device) -> Result<Source> {
@@ -1311,9 +1338,15 @@ pub(super) fn prepare_output_dir(
         .collect();
     if !resuming && !earlier.is_empty() {
         if !args.overwrite_output_dir {
+            // Resuming is a way out only where there is a checkpoint to resume from (a finished run without one
+            // left its adapter alone).
+            let resume = match latest_checkpoint(out) {
+                Some(_) => "resume it (resume_from_checkpoint, or --resume), ",
+                None => "",
+            };
             return Err(Error::WouldOverwrite(format!(
-                "`{}` holds the output of an earlier run ({}); resume it (resume_from_checkpoint, or --resume), set overwrite_output_dir = \
-                 true to replace it, or pick another output_dir",
+                "`{}` holds the output of an earlier run ({}); {resume}set overwrite_output_dir = true to replace \
+                 it, or pick another output_dir",
                 out.display(),
                 earlier[0].file_name().unwrap_or_default().to_string_lossy()
             )));
@@ -1331,4 +1364,26 @@ pub(super) fn prepare_output_dir(
     // Files a killed run was writing (the folder is ours now: no one else writes into it).
     sweep_abandoned(out, None)?;
     Ok(Some(lock))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn divergence_advice_names_only_what_the_run_does_not_do_already() {
+        // transformers' defaults: clipping at 1.0, float32 — only the learning rate and the data are left.
+        let fixes = divergence_fixes(&TrainingArguments::default());
+        assert_eq!(fixes, "lower learning_rate (now 5e-5), or check the data");
+        let fixes = divergence_fixes(&TrainingArguments {
+            max_grad_norm: 0.0,
+            fp16: true,
+            ..Default::default()
+        });
+        assert!(
+            fixes.contains("set max_grad_norm = 1.0")
+                && fixes.contains("use bf16 = true instead of fp16"),
+            "{fixes}"
+        );
+    }
 }

@@ -1,11 +1,13 @@
 //! What a user types wrong, through the `qlora` command: each case is an input, the exit code it must give and a
-//! phrase its message must contain — and no case may panic. Add a row for every bad input found.
+//! phrase its message must contain — and no case may panic. A case whose message says what to do carries that
+//! advice, applied (`fixed_by`…): the command with it must get past the error. Add a row for every bad input found.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
 use candle_core::{Device, Tensor};
+use candle_qlora::trainer::config::RunConfig;
 use serde_json::json;
 
 use crate::common::data_path;
@@ -19,6 +21,50 @@ struct Case {
     exit: i32,
     /// A phrase of its output.
     says: &'static str,
+    /// The message's advice applied: the command's arguments with it. That command must no longer say `says` and
+    /// must succeed — or stop later, at [`Fix::then`], or at the unreadable weights of the `early` runs (every check
+    /// before them passed).
+    fix: Option<Fix>,
+}
+
+/// A case's advice, applied.
+struct Fix {
+    /// The command with the advice applied.
+    args: Vec<String>,
+    /// A phrase of a later check the advice leads to, where the fixed command may stop instead of succeeding.
+    then: Option<&'static str>,
+}
+
+/// What the `early` runs print once every check before the weights passed: their weights are not safetensors.
+const REACHED_THE_WEIGHTS: &str = "model.safetensors`: not a valid safetensors file";
+
+impl Case {
+    /// The advice is these `--set` overrides, added to the command.
+    fn fixed_by(self, sets: &[&str]) -> Self {
+        let flags: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
+        self.fixed_with(&flags)
+    }
+
+    /// The advice is these arguments, added to the command.
+    fn fixed_with(self, extra: &[&str]) -> Self {
+        let mut args = self.args.clone();
+        args.extend(extra.iter().map(|a| a.to_string()));
+        self.fixed_as(args)
+    }
+
+    /// The advice turns the command into `args`.
+    fn fixed_as(mut self, args: Vec<String>) -> Self {
+        self.fix = Some(Fix { args, then: None });
+        self
+    }
+
+    /// The fixed command may stop at the later check that says `phrase`.
+    fn then(mut self, phrase: &'static str) -> Self {
+        if let Some(fix) = &mut self.fix {
+            fix.then = Some(phrase);
+        }
+        self
+    }
 }
 
 /// Input files beside the tiny config: an empty example among good ones, and completion data whose answers are
@@ -57,6 +103,16 @@ fn write_inputs(dir: &Path) {
         std::fs::copy(data_path("models/tiny-llama").join(f), unreadable.join(f)).unwrap();
     }
     std::fs::write(unreadable.join("model.safetensors"), "not weights").unwrap();
+    // Preference pairs whose prompts are longer than 3 tokens.
+    std::fs::write(
+        dir.join("long_prompts.jsonl"),
+        "{\"prompt\": \"t5 t6 t7 t8 t9\", \"chosen\": \" t10\", \"rejected\": \" t11\"}\n\
+         {\"prompt\": \"t5 t6 t7 t8 t12\", \"chosen\": \" t13 t14\", \"rejected\": \" t15\"}\n",
+    )
+    .unwrap();
+    // The output folder of a finished run that saved no checkpoint: its adapter alone.
+    std::fs::create_dir_all(dir.join("finished")).unwrap();
+    std::fs::write(dir.join("finished/adapter_model.safetensors"), "an adapter").unwrap();
     write_foreign_adapter(&dir.join("foreign_adapter"));
     write_nan_adapter(&dir.join("nan_adapter"));
     write_nan_model(&dir.join("nan_model"));
@@ -293,6 +349,11 @@ fn write_changed_models(out: &Path) {
             }),
         ),
         (
+            "no-head-tied",
+            json!({"tie_word_embeddings": true}),
+            Box::new(no_head),
+        ),
+        (
             "token-not-text",
             json!({}),
             Box::new(file("tokenizer_config.json", r#"{"eos_token": 7}"#.into())),
@@ -396,7 +457,12 @@ fn cases(dir: &Path) -> Vec<Case> {
     let generate = |extra: &[&str]| on_model("generate", extra);
     let eval = |extra: &[&str]| on_model("eval", extra);
     let estimate = |extra: &[&str]| on_model("estimate", extra);
-    let case = |args: Vec<String>, exit: i32, says: &'static str| Case { args, exit, says };
+    let case = |args: Vec<String>, exit: i32, says: &'static str| Case {
+        args,
+        exit,
+        says,
+        fix: None,
+    };
     // A checkpoint of a run on instruction data; `resume_changed(sets)` resumes it with `sets` changed.
     let checkpoint = write_checkpoint(dir, &config);
     let resume_changed = |sets: &[&str]| {
@@ -405,6 +471,12 @@ fn cases(dir: &Path) -> Vec<Case> {
         args
     };
     let changed = |name: &str| dir.join("changed").join(name).display().to_string();
+    let moe = |name: &str| {
+        format!(
+            "model.name_or_path={:?}",
+            data_path(&format!("models/{name}")).display().to_string()
+        )
+    };
     let estimate_of = |name: &str| strings(&["estimate", "--model", &changed(name)]);
     let generate_on = |name: &str| {
         strings(&[
@@ -427,6 +499,11 @@ fn cases(dir: &Path) -> Vec<Case> {
         ])
     };
     let long_prompt: String = (0..250).map(|i| format!("t{} ", i % 100 + 3)).collect();
+    // The tiny Llama's tokens with a chat template and an `eos_token` (tokenizer_config.json).
+    let with_template = format!(
+        "model.name_or_path={:?}",
+        data_path("dpo/tiny-llama-chat").display().to_string()
+    );
     // The run's checks come before the weights load: these runs name a model whose weights cannot be read, so a
     // check made after the load would say so instead of the phrase.
     write_run_check_inputs(dir);
@@ -504,8 +581,11 @@ fn cases(dir: &Path) -> Vec<Case> {
                 "data.completion_only_loss=true",
             ]),
             1,
-            "has a token to learn",
-        ),
+            "has a token to learn (every label is -100, or the row is a single token): check that the answers are \
+             not empty and that the prompts are shorter than the maximum length, or put the loss on every token \
+             ([data] completion_only_loss = false)",
+        )
+        .fixed_by(&["data.completion_only_loss=false"]),
         // An empty example is dropped with a note, and the run goes on.
         case(
             train(&[&format!("data.train_file={:?}", file("with_empty.jsonl"))]),
@@ -515,8 +595,11 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             eval(&["--data", &file("no_answers.jsonl")]),
             1,
-            "has a token to learn",
-        ),
+            "has a token to learn (every label is -100, or the row is a single token): check that the answers are \
+             not empty and that the prompts are shorter than the maximum length, or put the loss on every token \
+             (--all-tokens)",
+        )
+        .fixed_with(&["--all-tokens"]),
         case(
             eval(&["--data", &file("with_empty.jsonl"), "--max-length", "0"]),
             1,
@@ -563,8 +646,15 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             train(&[&format!("data.train_file={:?}", file("latin1.jsonl"))]),
             1,
-            "latin1.jsonl:2: not valid UTF-8",
-        ),
+            "save the file as UTF-8 (fix the line, or skip bad lines: [data] skip_bad_lines = true",
+        )
+        .fixed_by(&["data.skip_bad_lines=true"]),
+        case(
+            eval(&["--data", &file("latin1.jsonl")]),
+            1,
+            "--skip-bad-lines for qlora eval)",
+        )
+        .fixed_with(&["--skip-bad-lines"]),
         case(
             train(&[
                 &format!("data.train_file={:?}", file("latin1.jsonl")),
@@ -576,9 +666,12 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             train(&[&format!("data.train_file={:?}", file("chat.jsonl"))]),
             1,
-            "need the model's chat template, and this model has none",
-        ),
-        case(generate(&["--prompt", "t3", "--chat"]), 1, "drop --chat"),
+            "need the model's chat template, and this model has none: use a model with one, or write the data as \
+             instructions ({\"instruction\", \"output\"}) or plain text ({\"text\"})",
+        )
+        .fixed_by(&[&with_template]),
+        case(generate(&["--prompt", "t3", "--chat"]), 1, "drop --chat")
+            .fixed_as(generate(&["--prompt", "t3", "--max-new-tokens", "1"])),
         // DPO: pairs without [dpo], supervised data with it, and [dpo]'s own mistakes.
         case(
             train(&[&format!(
@@ -587,7 +680,9 @@ fn cases(dir: &Path) -> Vec<Case> {
             )]),
             1,
             "is DPO's data: add a [dpo] section",
-        ),
+        )
+        .fixed_by(&["dpo.beta=0.1"])
+        .then("has no EOS token"),
         case(train(&["dpo.beta=0.1"]), 1, ":1: `chosen` is missing"),
         case(
             train(&[
@@ -606,13 +701,17 @@ fn cases(dir: &Path) -> Vec<Case> {
                 ),
             ]),
             1,
-            "has no EOS token",
-        ),
+            "has no EOS token, which DPO appends to text completions: set eos_token in tokenizer_config.json",
+        )
+        // The same model with an `eos_token` in its tokenizer_config.json.
+        .fixed_by(&[&with_template]),
         case(
             train(&["dpo.bta=0.1"]),
             1,
             "unknown key `bta` in [dpo]; did you mean `beta`?",
-        ),
+        )
+        .fixed_as(train(&["dpo.beta=0.1"]))
+        .then(":1: `chosen` is missing"),
         case(
             train(&["dpo.loss_type=\"exo\""]),
             1,
@@ -626,13 +725,30 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             train(&["dpo.beta=0.1", "data.packing=true"]),
             1,
-            "packing = true: DPO runs",
-        ),
+            "packing = true: DPO runs each pair's sequences whole (TRL has no packing for DPO); remove packing",
+        )
+        .fixed_by(&["data.packing=false"])
+        .then(":1: `chosen` is missing"),
         case(
             train(&["dpo.beta=0.1", "training.predict_with_generate=true"]),
             1,
             "predict_with_generate = true: it answers supervised examples",
-        ),
+        )
+        .fixed_by(&["training.predict_with_generate=false"])
+        .then(":1: `chosen` is missing"),
+        // Every pair's prompt fills max_length: the fix keeps the prompts' end.
+        case(
+            train(&[
+                "dpo.beta=0.1",
+                &format!("data.train_file={:?}", file("long_prompts.jsonl")),
+                "data.max_length=3",
+                &with_template,
+            ]),
+            1,
+            "the prompt alone fills [data] max_length = 3, or the completions are empty): raise [data] max_length \
+             above the prompts' length, or set [dpo] truncation_mode = \"keep_end\"",
+        )
+        .fixed_by(&["dpo.truncation_mode=\"keep_end\""]),
         case(
             estimate(&["--dpo", "--batch", "2", "--seq", "64"]),
             0,
@@ -642,7 +758,8 @@ fn cases(dir: &Path) -> Vec<Case> {
             train(&["training.report_to=wandb"]),
             1,
             "report_to = \"wandb\" is not supported: use none, tensorboard, all",
-        ),
+        )
+        .fixed_by(&["training.report_to=\"none\""]),
         case(
             train(&["training.report_to=[\"tensorboard\", \"mlflow\"]"]),
             1,
@@ -723,7 +840,14 @@ fn cases(dir: &Path) -> Vec<Case> {
             "`model.layers.1.input_layernorm.weight` in",
         ),
         case(generate_on("fewer-layers"), 1, "set num_hidden_layers = 2"),
-        case(generate_on("no-head"), 1, "`lm_head.weight` is missing from"),
+        case(
+            generate_on("no-head"),
+            1,
+            "Use the complete model files, or set `\"tie_word_embeddings\": true` if the model's head is its \
+             embedding matrix",
+        )
+        // The same folder with the key set in its config.json.
+        .fixed_as(generate_on("no-head-tied")),
         case(
             generate_on("layer-bias"),
             1,
@@ -770,6 +894,31 @@ fn cases(dir: &Path) -> Vec<Case> {
             quantize_of(&data_path("models/tiny-qwen3/model.gguf").display().to_string()),
             1,
             "this is a GGUF file, whose weights are already quantized",
+        )
+        .fixed_as(strings(&[
+            "generate",
+            "--model",
+            &data_path("models/tiny-qwen3/model.gguf").display().to_string(),
+            "--quantize",
+            "nf4",
+            "--prompt",
+            "t3",
+            "--max-new-tokens",
+            "1",
+        ]))
+        // Loaded and quantized on load; this tiny file then lacks a tokenizer (its own error, below).
+        .then("(2 layers, 0.1 MiB of weights; nf4 base"),
+        case(
+            strings(&[
+                "generate",
+                "--model",
+                &data_path("models/tiny-qwen3/model.gguf").display().to_string(),
+                "--prompt",
+                "t3",
+            ]),
+            1,
+            "model.gguf has no tokenizer in its metadata (`tokenizer.ggml.*`); use a GGUF file written with its \
+             tokenizer",
         ),
         // Data: a byte order mark is read as datasets reads it; the line of a conversation its template refuses;
         // a file whose every line or example was skipped.
@@ -814,8 +963,9 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             estimate(&["--world-size", "2"]),
             1,
-            "data-parallel training runs on GPUs",
-        ),
+            "data-parallel training runs on GPUs (one per rank); estimate it for device cuda (`--device cuda`)",
+        )
+        .fixed_with(&["--device", "cuda"]),
         case(
             estimate(&["--batch", "10000000", "--seq", "10000000"]),
             1,
@@ -859,7 +1009,8 @@ fn cases(dir: &Path) -> Vec<Case> {
             resume_changed(&["model.quantization.bnb_4bit_quant_type=\"fp4\""]),
             1,
             "the checkpoint was trained on a nf4 base",
-        ),
+        )
+        .fixed_by(&["training.ignore_base_model_mismatch=true"]),
         // A folder a run is writing into (its lock held, see the test) is replaced by no command.
         case(
             strings(&[
@@ -896,23 +1047,29 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             early(&["training.eval_strategy=\"steps\""]),
             1,
-            "eval_strategy = \"steps\" asks for evaluations, but the run has no evaluation data",
-        ),
+            "eval_strategy = \"steps\" asks for evaluations, but the run has no evaluation data: add [data] eval_file \
+             (or eval_split, the share of the training examples held out)",
+        )
+        .fixed_by(&["data.eval_split=0.25"]),
         case(
             early(&["training.eval_strategy=\"epoch\"", "data.eval_split=0"]),
             1,
-            "no evaluation data ([data] eval_split = 0 holds none",
-        ),
+            "no evaluation data ([data] eval_split = 0 holds none of the examples): add [data] eval_file (or a \
+             larger eval_split)",
+        )
+        .fixed_by(&["data.eval_split=0.25"]),
         case(
             early(&["training.eval_on_start=true"]),
             1,
             "eval_on_start = true asks for evaluations",
-        ),
+        )
+        .fixed_by(&["training.eval_on_start=false"]),
         case(
             early(&["callbacks.early_stopping_patience=2"]),
             1,
             "early_stopping_patience = 2 needs evaluations, and [training] eval_strategy is \"no\"",
-        ),
+        )
+        .fixed_by(&["training.eval_strategy=\"steps\"", "data.eval_split=0.25"]),
         // load_best_model_at_end: transformers' rules (matching strategies, save_steps a round multiple of
         // eval_steps), evaluations at all, and a loss that is never greater-is-better.
         case(
@@ -1037,7 +1194,8 @@ fn cases(dir: &Path) -> Vec<Case> {
             early(&["training.num_train_epochs=inf", "training.max_steps=0"]),
             1,
             "`num_train_epochs` = inf with max_steps = 0: the run would never end",
-        ),
+        )
+        .fixed_by(&["training.max_steps=1"]),
         case(
             early(&["training.num_train_epochs=1e300", "training.max_steps=0"]),
             1,
@@ -1048,12 +1206,15 @@ fn cases(dir: &Path) -> Vec<Case> {
             early(&["training.learning_rate=1e-3x"]),
             1,
             "--set `training.learning_rate=1e-3x`: `1e-3x` is not a TOML value, and the key takes no string",
-        ),
+        )
+        .fixed_as(early(&["training.learning_rate=1e-3"])),
         case(
             early(&["training.output_dir=[runs"]),
             1,
             "--set `training.output_dir=[runs`: `[runs` is not a valid TOML value",
-        ),
+        )
+        // Quoted whole (the shell's key='"…"'): a string.
+        .fixed_as(early(&["training.output_dir=\"[runs\""])),
         case(
             early(&["training.seed=99999999999999999999"]),
             1,
@@ -1102,7 +1263,8 @@ fn cases(dir: &Path) -> Vec<Case> {
             early(&[&format!("data.train_file={:?}", file("long.jsonl"))]),
             1,
             "the training set has 4 example(s) longer than the model's context of 256 positions",
-        ),
+        )
+        .fixed_by(&["data.max_length=256"]),
         case(
             train(&[
                 &format!("data.train_file={:?}", file("long.jsonl")),
@@ -1111,6 +1273,99 @@ fn cases(dir: &Path) -> Vec<Case> {
             0,
             "4 examples truncated to 256 tokens",
         ),
+        // Advice that depends on what the run does already: the flag that is on, only the fixes not yet made.
+        case(
+            train(&["training.fp16=true"]),
+            0,
+            "set fp16 = false for the fastest CPU run",
+        )
+        .fixed_by(&["training.fp16=false"]),
+        case(
+            train(&[
+                "callbacks.memory_warn_fraction=0.00001",
+                "training.gradient_checkpointing=true",
+                "training.optim=\"paged_adamw_8bit\"",
+                "training.per_device_train_batch_size=1",
+            ]),
+            0,
+            "; to use less: a shorter [data] max_length",
+        ),
+        case(
+            train(&[
+                "training.learning_rate=1e30",
+                "training.lr_scheduler_type=\"constant\"",
+                "training.max_steps=4",
+                "training.max_consecutive_nonfinite_losses=1",
+            ]),
+            1,
+            "lower learning_rate (now 1e30), or check the data",
+        )
+        .fixed_by(&["training.learning_rate=1e-4"]),
+        case(
+            strings(&[
+                "train",
+                "--config",
+                &config.display().to_string(),
+                "--set",
+                &format!("training.output_dir={:?}", file("finished")),
+            ]),
+            1,
+            "holds the output of an earlier run (adapter_model.safetensors); set overwrite_output_dir = true",
+        )
+        .fixed_by(&["training.overwrite_output_dir=true"]),
+        // A mixture's router and experts: parameters of each family's names, never listed as modules.
+        case(
+            train(&[&moe("tiny-gpt-oss"), "lora.target_modules=[\"router\"]"]),
+            1,
+            "its linear modules are q_proj, k_proj, v_proj, o_proj (e.g. model.layers.0.self_attn.q_proj) (the \
+             router and the experts are parameters to PEFT: target them with target_parameters = \
+             [\"mlp.router.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"] and lora_dropout = 0)",
+        )
+        .fixed_by(&[
+            "lora.target_parameters=[\"mlp.router.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
+            "lora.lora_dropout=0",
+        ]),
+        case(
+            train(&[&moe("tiny-mixtral"), "lora.target_modules=[\"gate\"]"]),
+            1,
+            "target_parameters = [\"mlp.gate.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
+        )
+        .fixed_by(&[
+            "lora.target_parameters=[\"mlp.gate.weight\", \"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]",
+            "lora.lora_dropout=0",
+        ]),
+        // The example of a table is one the schedule takes.
+        case(
+            early(&[
+                "training.lr_scheduler_type=\"polynomial\"",
+                "training.lr_scheduler_kwargs=5",
+            ]),
+            1,
+            "lr_scheduler_kwargs = 5: must be a table, e.g. { lr_end = 1e-7, power = 1.0 }",
+        )
+        .fixed_as(early(&[
+            "training.lr_scheduler_type=\"polynomial\"",
+            "training.lr_scheduler_kwargs={ lr_end = 1e-7, power = 1.0 }",
+        ])),
+        // A key in the wrong section is sent where it belongs, not to a look-alike of its section.
+        case(
+            train(&["training.max_length=64"]),
+            1,
+            "unknown key `max_length` in [training]; it belongs in [data] (`data.max_length`)",
+        )
+        .fixed_as(train(&["data.max_length=64"])),
+        case(
+            train(&["model.load_in_4bit=true"]),
+            1,
+            "it belongs in [model.quantization] (`model.quantization.load_in_4bit`)",
+        )
+        .fixed_as(train(&["model.quantization.load_in_4bit=true"])),
+        case(
+            train(&["training.max_seq_len=64"]),
+            1,
+            "unknown key `max_seq_len` in [training]; did you mean [data] `max_length`?",
+        )
+        .fixed_as(train(&["data.max_length=64"])),
     ]
 }
 
@@ -1124,27 +1379,51 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
     std::fs::create_dir(&running).unwrap();
     std::fs::write(running.join("adapter_model.safetensors"), "a run's").unwrap();
     let _running = candle_qlora::files::lock::OutputLock::acquire(&running).unwrap();
-    let mut failures = vec![];
-    for case in cases(dir.path()) {
+    let run = |args: &[String]| {
         let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
-            .args(&case.args)
+            .args(args)
             .current_dir(dir.path())
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
             + &String::from_utf8_lossy(&out.stderr);
-        let code = out.status.code().unwrap_or(-1);
+        (out.status.code().unwrap_or(-1), text)
+    };
+    let shown = |args: &[String]| {
+        args.iter()
+            .map(|a| a.chars().take(60).collect::<String>())
+            .collect::<Vec<_>>()
+    };
+    let last_lines = |text: &str| text.lines().rev().take(4).collect::<Vec<_>>().join("\n");
+    let mut failures = vec![];
+    for case in cases(dir.path()) {
+        let (code, text) = run(&case.args);
         if code != case.exit || !text.contains(case.says) || text.contains("panicked") {
             failures.push(format!(
                 "qlora {:?}\n  exit {code} (want {}), want the phrase {:?}; said:\n{}",
-                case.args
-                    .iter()
-                    .map(|a| a.chars().take(60).collect::<String>())
-                    .collect::<Vec<_>>(),
+                shown(&case.args),
                 case.exit,
                 case.says,
-                text.lines().rev().take(4).collect::<Vec<_>>().join("\n")
+                last_lines(&text)
             ));
+        }
+        // The advice, followed: past the error, to success or to a later stage.
+        if let Some(fix) = &case.fix {
+            let (code, text) = run(&fix.args);
+            let later = [fix.then, Some(REACHED_THE_WEIGHTS)]
+                .iter()
+                .flatten()
+                .any(|p| text.contains(p));
+            if text.contains(case.says) || text.contains("panicked") || (code != 0 && !later) {
+                failures.push(format!(
+                    "the advice of {:?}, followed — qlora {:?}\n  exit {code} (want 0{}), and the phrase must be \
+                     gone; said:\n{}",
+                    case.says,
+                    shown(&fix.args),
+                    fix.then.map_or(String::new(), |t| format!(" or {t:?}")),
+                    last_lines(&text)
+                ));
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
@@ -1152,4 +1431,99 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
         std::fs::read_to_string(running.join("adapter_model.safetensors")).unwrap(),
         "a run's"
     );
+}
+
+/// The `.rs` files under `dir`, recursively.
+fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The config keys and command flags that messages name exist: in the code of `src/` (comments aside), every
+/// `[section] key` is a key of that section, every `set key = …` / `use key = …` a key of some section, and every
+/// `--flag` one of the command's (or cargo's). A key or flag renamed or moved while a message still names it fails
+/// here.
+#[test]
+fn messages_name_config_keys_and_flags_that_exist() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_config(dir.path(), "", "");
+    let sections = [
+        "model.quantization",
+        "model",
+        "lora",
+        "data",
+        "training",
+        "callbacks",
+        "dpo",
+    ];
+    // A key is one when setting it is no "unknown key" (a value of the wrong type is another error).
+    let is_key = |section: &str, key: &str| {
+        RunConfig::load(&config, &[format!("{section}.{key}=0")])
+            .err()
+            .is_none_or(|e| !e.to_string().contains("unknown key"))
+    };
+    let help: String = ["quantize", "eval", "generate", "merge", "train", "estimate"]
+        .iter()
+        .map(|sub| {
+            let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
+                .args([sub, "--help"])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        })
+        .collect();
+    let flags: Vec<&str> = regex::Regex::new(r"--[a-z][a-z0-9-]*")
+        .unwrap()
+        .find_iter(&help)
+        .map(|m| m.as_str())
+        .chain(["--release", "--features"]) // cargo's, in the build advice
+        .collect();
+    let keyed = regex::Regex::new(&format!(
+        r#"\[({})\] `?([a-z_][a-z0-9_]*)`?(?: =| \(|`|,|\)|:|;|"|\\|$)"#,
+        sections.join("|").replace('.', r"\.")
+    ))
+    .unwrap();
+    let assigned = regex::Regex::new(r"\b(?:set|use) `?([a-z][a-z0-9_]*)`? = ").unwrap();
+    let flag = regex::Regex::new(r"(?:^|[^A-Za-z0-9_-])(--[a-z][a-z0-9-]*[a-z0-9])").unwrap();
+    let mut files = vec![];
+    rust_files(&crate::common::repo_root().join("src"), &mut files);
+    let (mut checked, mut wrong) = (0, vec![]);
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("//") {
+                continue;
+            }
+            let at = format!("{}:{}", file.display(), n + 1);
+            for c in keyed.captures_iter(line) {
+                checked += 1;
+                if !is_key(&c[1], &c[2]) {
+                    wrong.push(format!("{at}: `{}` is no key of [{}]", &c[2], &c[1]));
+                }
+            }
+            for c in assigned.captures_iter(line) {
+                checked += 1;
+                if !sections.iter().any(|s| is_key(s, &c[1])) {
+                    wrong.push(format!("{at}: `{}` is no key of any section", &c[1]));
+                }
+            }
+            for c in flag.captures_iter(line) {
+                checked += 1;
+                if !flags.contains(&&c[1]) {
+                    wrong.push(format!("{at}: `{}` is no flag of the command", &c[1]));
+                }
+            }
+        }
+    }
+    assert!(
+        checked > 30,
+        "only {checked} keys and flags found: the patterns went stale"
+    );
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }

@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
+use candle_qlora::adapter::Adapters;
 use candle_qlora::adapter::{
     load_adapter, merge_to_folder, save_adapter, MergeOptions, ADAPTER_WEIGHTS,
 };
 use candle_qlora::loading::{load_model, LoadOptions};
-use candle_qlora::lora::{LoraAdapter, LoraLinear};
+use candle_qlora::lora::{LoraAdapter, LoraConfig, LoraLinear, TargetModules};
 use candle_qlora::models::{
     load_balancing_loss, Checkpointing, GateUpProjections, LlamaModel, Mlp, Positions,
     RouterLogits, SharedExpert, SparseMoe,
@@ -403,6 +404,70 @@ fn peft_expert_adapters_load_save_and_merge() {
             d <= 1e-4,
             "{name}: merged logits differ from PEFT's merge by {d}"
         );
+    }
+}
+
+/// Target modules that match nothing in a mixture get advice that works: the linear modules it lists are ones
+/// `target_modules` adapts (never the router or the experts, parameters to PEFT), and the `target_parameters` it
+/// gives — with the family's router name (gpt-oss: `mlp.router`) — adapt the router and the experts of every
+/// sparse layer.
+#[test]
+fn the_advice_for_targets_that_match_nothing_adapts_what_it_names() {
+    for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
+        let model = load_moe(name, None);
+        let config = |targets: &[&str], parameters: Option<Vec<String>>| LoraConfig {
+            target_modules: Some(TargetModules::List(
+                targets.iter().map(|t| t.to_string()).collect(),
+            )),
+            target_parameters: parameters,
+            ..Default::default()
+        };
+        let err = model
+            .adapter_slots(&config(&["nothing"], None))
+            .unwrap_err()
+            .to_string();
+        // Each listed module, alone, is adapted.
+        let listed = err
+            .split("its linear modules are ")
+            .nth(1)
+            .and_then(|rest| rest.split(" (e.g.").next())
+            .unwrap_or_else(|| panic!("{name}: no module list in {err}"));
+        for module in listed.split(", ") {
+            let slots = model.adapter_slots(&config(&[module], None));
+            assert!(
+                slots.is_ok_and(|s| !s.is_empty()),
+                "{name}: `{module}` is listed but adapts nothing: {err}"
+            );
+        }
+        // The advised parameters adapt the router and both expert projections of every sparse layer.
+        let advised = err
+            .split("target_parameters = ")
+            .nth(1)
+            .and_then(|rest| rest.split(']').next())
+            .unwrap_or_else(|| panic!("{name}: no target_parameters in {err}"));
+        let parameters: Vec<String> = serde_json::from_str(&format!("{advised}]")).unwrap();
+        let slots = model
+            .adapter_slots(&config(&["nothing"], Some(parameters)))
+            .unwrap();
+        let router = match name {
+            GPT_OSS => "mlp.router",
+            _ => "mlp.gate",
+        };
+        let moe = model.config().moe.clone().unwrap();
+        let sparse = (0..model.config().num_hidden_layers).filter(|&l| moe.sparse_layers[l]);
+        for layer in sparse {
+            for part in [
+                router,
+                "mlp.experts.0.gate_up_proj",
+                "mlp.experts.0.down_proj",
+            ] {
+                let module = format!("model.layers.{layer}.{part}");
+                assert!(
+                    slots.iter().any(|s| s.module == module),
+                    "{name}: the advice {advised}] leaves `{module}` out"
+                );
+            }
+        }
     }
 }
 

@@ -774,6 +774,12 @@ fn callbacks_divergence_and_output_dir_rules() {
         err.contains("overwrite_output_dir") && err.contains("checkpoint-"),
         "{err}"
     );
+    // It holds a checkpoint, so resuming is among the ways out (a folder without one is not told to resume:
+    // `bad_inputs.rs`).
+    assert!(
+        err.contains("resume it (resume_from_checkpoint, or --resume)"),
+        "{err}"
+    );
     let mut t = trainer_with(&out, |a| a.overwrite_output_dir = true, vec![]);
     t.train(None).unwrap();
     // The old checkpoint-2 is gone (the new run's was rotated away by save_total_limit = 2).

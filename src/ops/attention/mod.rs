@@ -496,7 +496,8 @@ impl CausalAttention {
         if !q.device().is_cpu() && scores > u32::MAX as usize {
             candle_core::bail!(
                 "attention scores of this micro-batch ({} × {} heads × {} queries × {} keys) exceed the 2³² elements \
-                 a GPU kernel can address; lower per_device_train_batch_size (raise gradient_accumulation_steps)",
+                 a GPU kernel can address; lower per_device_train_batch_size (raise gradient_accumulation_steps), \
+                 or per_device_eval_batch_size when evaluating (`--batch-size` for qlora eval)",
                 dims.b,
                 dims.hkv * dims.g,
                 QUERY_BLOCK.min(dims.t),
