@@ -1,13 +1,14 @@
 //! GGUF files: tensors dequantized one at a time under their Hugging Face names, q/k weights un-permuted back to
 //! the HF layout (llama.cpp permutes them for its interleaved RoPE), and the model config from the metadata.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 
+use super::read_names::ReadNames;
 use crate::error::{Error, Result};
 use crate::ops::rope::LongRopeScaling;
 
@@ -19,7 +20,7 @@ pub struct GgufFile {
     /// `general.architecture` (empty when missing).
     arch: String,
     /// The llama.cpp names of the tensors read so far, so what a model leaves unread can be reported.
-    read: Mutex<HashSet<String>>,
+    read: ReadNames,
 }
 
 /// The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (`general.architecture`:
@@ -95,7 +96,7 @@ impl GgufFile {
             content,
             file: Mutex::new(file),
             arch,
-            read: Mutex::new(HashSet::new()),
+            read: ReadNames::default(),
         })
     }
 
@@ -217,27 +218,13 @@ impl GgufFile {
 
     /// The tensors (by llama.cpp name) starting with `prefix` that nothing has read yet, sorted.
     pub fn unread(&self, prefix: &str) -> Vec<String> {
-        let read = self
-            .read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut unread: Vec<String> = self
-            .content
-            .tensor_infos
-            .keys()
-            .filter(|n| n.starts_with(prefix) && !read.contains(*n))
-            .cloned()
-            .collect();
-        unread.sort();
-        unread
+        let stored = self.content.tensor_infos.keys().map(String::as_str);
+        self.read.unread(stored, prefix)
     }
 
     /// Reads and dequantizes (to f32) the tensor llama.cpp names `name`.
     fn read(&self, name: &str) -> Result<Tensor> {
-        self.read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(name.to_string());
+        self.read.mark(name);
         let info = self.content.tensor_infos.get(name).ok_or_else(|| {
             Error::invalid_file(&self.path, format!("tensor `{name}` is missing"))
         })?;

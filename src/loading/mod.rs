@@ -3,13 +3,15 @@
 //! - [`model`]: [`load_model`] — a model and its tokenizer from a folder, a `.gguf` file or a Hub id, quantized on
 //!   load; [`load_model_config`] reads only the configuration.
 //! - [`source`]: what a `--model` argument names; [`hub`]: Hub downloads and the offline cache.
-//! - [`safetensors`]: a model folder's (sharded) safetensors weights; [`gguf`]: GGUF weights and metadata.
+//! - [`safetensors`]: a model folder's (sharded) safetensors weights; [`gguf`]: GGUF weights and metadata;
+//!   [`read_names`]: which of their tensors a model has read.
 //! - [`bnb`]: bitsandbytes' 4-bit checkpoint layout (`*-bnb-4bit` models) and quantizing files and model folders.
 
 pub mod bnb;
 pub mod gguf;
 pub mod hub;
 pub mod model;
+pub mod read_names;
 pub mod safetensors;
 pub mod source;
 

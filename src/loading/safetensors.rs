@@ -1,9 +1,9 @@
 //! The safetensors weights of a model folder: one file or shards, memory-mapped, read one tensor at a time.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
+use super::read_names::ReadNames;
 use crate::error::{Error, Result};
 use crate::files::{read_json, MappedSafetensors};
 
@@ -84,7 +84,7 @@ pub struct ShardedSafetensors {
     files: Vec<MappedSafetensors>,
     index: HashMap<String, usize>,
     folder: PathBuf,
-    read: Mutex<HashSet<String>>,
+    read: ReadNames,
 }
 
 impl ShardedSafetensors {
@@ -114,7 +114,7 @@ impl ShardedSafetensors {
             files,
             index,
             folder: folder.to_path_buf(),
-            read: Mutex::new(HashSet::new()),
+            read: ReadNames::default(),
         })
     }
 
@@ -135,24 +135,11 @@ impl ShardedSafetensors {
 
     /// Records that the model has read tensor `name`.
     pub fn mark_read(&self, name: &str) {
-        self.read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(name.to_string());
+        self.read.mark(name);
     }
 
     /// The tensors starting with `prefix` that no [`mark_read`](Self::mark_read) has named, sorted.
     pub fn unread(&self, prefix: &str) -> Vec<String> {
-        let read = self
-            .read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut unread: Vec<String> = self
-            .names()
-            .filter(|n| n.starts_with(prefix) && !read.contains(*n))
-            .map(str::to_string)
-            .collect();
-        unread.sort();
-        unread
+        self.read.unread(self.names(), prefix)
     }
 }
