@@ -429,19 +429,27 @@ fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
 }
 
 impl Weights {
-    /// The layer-numbered tensor (`model.layers.{l}.…`, GGUF's `blk.{l}.…`) of the lowest layer at or beyond
-    /// `layers`, with the number of layers the weights hold.
+    /// How the files name layer `l`'s tensors: `model.layers.{l}.…`, GGUF's `blk.{l}.…`.
+    fn layer_prefix(&self) -> &'static str {
+        match self {
+            Weights::Safetensors(_) => "model.layers.",
+            Weights::Gguf(_) => "blk.",
+        }
+    }
+
+    /// The layer-numbered tensor of the lowest layer at or beyond `layers`, with the number of layers the weights
+    /// hold.
     fn beyond_layers(&self, layers: usize) -> Option<(String, usize)> {
-        let (prefix, names): (&str, Vec<&str>) = match self {
-            Weights::Safetensors(s) => ("model.layers.", s.names().collect()),
-            Weights::Gguf(g) => (
-                "blk.",
+        let prefix = self.layer_prefix();
+        let names: Vec<&str> = match self {
+            Weights::Safetensors(s) => s.names().collect(),
+            Weights::Gguf(g) => {
                 g.0.content()
                     .tensor_infos
                     .keys()
                     .map(String::as_str)
-                    .collect(),
-            ),
+                    .collect()
+            }
         };
         let layer_of = |name: &str| -> Option<usize> {
             name.strip_prefix(prefix)?.split('.').next()?.parse().ok()
@@ -499,11 +507,10 @@ impl Weights {
     /// GGUF's `attn_rot_embd`), which they recompute, and a tied model's stored `lm_head.weight` (its head is the
     /// embedding matrix).
     fn unread(&self, layer: Option<usize>, cfg: &ModelConfig) -> Vec<String> {
-        let mut unread = match (self, layer) {
-            (Weights::Safetensors(s), Some(l)) => s.unread(&format!("model.layers.{l}.")),
-            (Weights::Safetensors(s), None) => s.unread(""),
-            (Weights::Gguf(g), Some(l)) => g.0.unread(&format!("blk.{l}.")),
-            (Weights::Gguf(g), None) => g.0.unread(""),
+        let prefix = layer.map_or(String::new(), |l| format!("{}{l}.", self.layer_prefix()));
+        let mut unread = match self {
+            Weights::Safetensors(s) => s.unread(&prefix),
+            Weights::Gguf(g) => g.0.unread(&prefix),
         };
         let ignored = |n: &str| {
             n.ends_with(".rotary_emb.inv_freq")

@@ -37,6 +37,15 @@ pub fn weight_files(folder: &Path) -> Result<Vec<PathBuf>> {
         }
         files.sort();
         files.dedup();
+        if let Some(missing) = files.iter().find(|f| !f.exists()) {
+            return Err(Error::invalid_file(
+                &index_path,
+                format!(
+                    "lists shard `{}`, which is missing; download the complete model",
+                    missing.display()
+                ),
+            ));
+        }
         return Ok(files);
     }
     let single = folder.join(SINGLE_FILE);
@@ -90,20 +99,10 @@ pub struct ShardedSafetensors {
 impl ShardedSafetensors {
     /// Opens the weights of a Hugging Face model folder (the files [`weight_files`] names).
     pub fn open_folder(folder: &Path) -> Result<Self> {
-        let index_path = folder.join(INDEX_FILE);
         let paths = weight_files(folder)?;
         let mut files = Vec::with_capacity(paths.len());
         let mut index = HashMap::new();
         for (i, p) in paths.iter().enumerate() {
-            if !p.exists() {
-                return Err(Error::invalid_file(
-                    &index_path,
-                    format!(
-                        "lists shard `{}`, which is missing; download the complete model",
-                        p.display()
-                    ),
-                ));
-            }
             let f = MappedSafetensors::open(p)?;
             for name in f.tensors()?.names() {
                 index.insert(name.to_string(), i);

@@ -638,10 +638,14 @@ impl TrainingArguments {
         if self.max_steps > 0 {
             return self.max_steps as usize;
         }
-        let per_epoch = batches_per_epoch
+        (self.num_train_epochs * self.steps_per_epoch(batches_per_epoch) as f64).ceil() as usize
+    }
+
+    /// Optimizer steps per epoch of `batches_per_epoch` micro-batches (a partial last window counts), at least one.
+    fn steps_per_epoch(&self, batches_per_epoch: usize) -> usize {
+        batches_per_epoch
             .div_ceil(self.gradient_accumulation_steps)
-            .max(1);
-        (self.num_train_epochs * per_epoch as f64).ceil() as usize
+            .max(1)
     }
 
     /// The epochs a run of `batches_per_epoch` micro-batches per epoch goes through, as transformers counts them
@@ -649,10 +653,7 @@ impl TrainingArguments {
     /// otherwise `num_train_epochs` rounded up.
     pub fn epochs(&self, batches_per_epoch: usize) -> usize {
         if self.max_steps > 0 {
-            let per_epoch = batches_per_epoch
-                .div_ceil(self.gradient_accumulation_steps)
-                .max(1);
-            return (self.max_steps as usize).div_ceil(per_epoch);
+            return (self.max_steps as usize).div_ceil(self.steps_per_epoch(batches_per_epoch));
         }
         self.num_train_epochs.ceil() as usize
     }
