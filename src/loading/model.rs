@@ -19,6 +19,7 @@ use crate::models::config::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
 use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};
+use crate::precision::master_dtype;
 use crate::quant::mxfp4::{dequantize_mxfp4, MXFP4_BLOCK};
 use crate::quant::{Nf4Tensor, QuantConfig};
 
@@ -568,8 +569,10 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
         Weights::Gguf(_) => 0.0,
         Weights::Safetensors(_) => arch.norm_weight_offset(),
     };
+    // Norms are float32 (`1 + w` rounded to float32, as transformers computes it), float64 for a float64 model.
+    let norm_dtype = master_dtype(opts.compute_dtype);
     let norm = |name: &str, width: usize| -> Result<Tensor> {
-        let w = weights.dense(name, &[width])?.to_dtype(DType::F32)?;
+        let w = weights.dense(name, &[width])?.to_dtype(norm_dtype)?;
         Ok(if offset != 0.0 { (w + offset)? } else { w })
     };
     let embed = weights.dense("model.embed_tokens.weight", &[v, h])?;

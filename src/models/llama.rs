@@ -18,6 +18,7 @@ use crate::ops::{
     self, attention, rms_norm, rope, split_heads, AttentionSinks, AttentionSpec, FrozenLinear,
     FrozenWeight, GradSink, Pass, RopeTables, Segments,
 };
+use crate::precision::master_dtype;
 
 pub use super::mlp::Linear;
 
@@ -462,9 +463,20 @@ pub enum Positions {
 
 /// The model's RoPE tables on `device`: of its (full-attention) layers, and of its sliding-window layers where
 /// those have their own base.
-fn rope_tables(config: &ModelConfig, device: &Device) -> Result<(RopeTables, Option<RopeTables>)> {
+/// The RoPE tables of `config` for a model computing in `compute_dtype`: float64 from end to end for a float64
+/// model, else float32 as transformers forms them.
+fn rope_tables(
+    config: &ModelConfig,
+    device: &Device,
+    compute_dtype: DType,
+) -> Result<(RopeTables, Option<RopeTables>)> {
+    let build = if compute_dtype == DType::F64 {
+        RopeTables::new_f64
+    } else {
+        RopeTables::new
+    };
     let tables = |theta, scaling| {
-        RopeTables::new(
+        build(
             config.rotary_dim,
             config.max_position_embeddings,
             theta,
@@ -600,7 +612,7 @@ impl LlamaModel {
         } else {
             (embed_tokens, lm_head)
         };
-        let (rope, sliding_rope) = rope_tables(&config, embed_tokens.device())?;
+        let (rope, sliding_rope) = rope_tables(&config, embed_tokens.device(), compute_dtype)?;
         let fused = config.architecture.has_fused_projections();
         let layers = layers
             .into_iter()
@@ -751,7 +763,7 @@ impl LlamaModel {
             .iter()
             .map(|l| Ok(Arc::new(l.map(|t| t.to_device(device), linear)?)))
             .collect::<Result<Vec<_>>>()?;
-        let (rope, sliding_rope) = rope_tables(&self.config, device)?;
+        let (rope, sliding_rope) = rope_tables(&self.config, device, self.compute_dtype)?;
         Ok(LlamaModel {
             embed_tokens,
             layers,
@@ -779,9 +791,13 @@ impl LlamaModel {
     }
 
     /// Sets the activation / matmul dtype (weights stay as stored, or as [`LlamaModel::new`] converted them; each
-    /// op converts them).
-    pub fn set_compute_dtype(&mut self, dtype: DType) {
+    /// op converts them). Into or out of float64, the RoPE tables are rebuilt in the new precision.
+    pub fn set_compute_dtype(&mut self, dtype: DType) -> Result<()> {
+        if (dtype == DType::F64) != (self.compute_dtype == DType::F64) {
+            (self.rope, self.sliding_rope) = rope_tables(&self.config, self.device(), dtype)?;
+        }
         self.compute_dtype = dtype;
+        Ok(())
     }
 
     fn active_saved(&self) -> Option<&SavedModules> {
@@ -806,7 +822,11 @@ impl LlamaModel {
         let rows = ops::embedding(ids, self.embedding_table())?.to_dtype(self.compute_dtype)?;
         match self.config.embedding_multiplier() {
             Some(m) => {
-                let m = Tensor::new(m as f32, rows.device())?.to_dtype(rows.dtype())?;
+                // transformers rounds it to float32 first, unless the model computes in float64.
+                let m = match rows.dtype() {
+                    DType::F64 => Tensor::new(m, rows.device())?,
+                    dtype => Tensor::new(m as f32, rows.device())?.to_dtype(dtype)?,
+                };
                 rows.broadcast_mul(&m)
             }
             None => Ok(rows),
@@ -824,17 +844,18 @@ impl LlamaModel {
         }
     }
 
-    /// Float32 logits of final hidden states `[..., hidden]`.
-    /// (Soft-capped, in Gemma 2) float32 logits of final hidden states `[..., hidden]`. A decoding step multiplies by
-    /// a bf16 head as stored (see [`FrozenLinear`]'s inference mode) instead of converting it per token.
+    /// (Soft-capped, in Gemma 2) logits of final hidden states `[..., hidden]`, in float32 (float64 for a float64
+    /// model). A decoding step multiplies by a bf16 head as stored (see [`FrozenLinear`]'s inference mode) instead
+    /// of converting it per token.
     fn head_logits(&self, h: &Tensor) -> Result<Tensor> {
         let w = self.head_weight()?;
-        let h = h.to_dtype(DType::F32)?;
+        let dtype = master_dtype(self.compute_dtype);
+        let h = h.to_dtype(dtype)?;
         let logits = if InferenceMode::is_active() {
             let head = Arc::new(FrozenLinear::new(FrozenWeight::Dense(w), None));
             ops::frozen_linear(&h, &head)?
         } else {
-            h.broadcast_matmul(&w.to_dtype(DType::F32)?.t()?)?
+            h.broadcast_matmul(&w.to_dtype(dtype)?.t()?)?
         };
         match self.config.final_logit_softcapping {
             Some(cap) => ops::softcap(&logits, cap),
@@ -924,7 +945,8 @@ impl LlamaModel {
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
     }
 
-    /// Float32 logits `[batch, seq, vocab]` of every position (for evaluation and parity checks).
+    /// Logits `[batch, seq, vocab]` of every position (for evaluation and parity checks), float32 (float64 for a
+    /// float64 model).
     pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
         let h = self.forward_embeds(
             &self.embed(ids)?,
@@ -952,7 +974,8 @@ impl LlamaModel {
     pub fn loss_from_hidden(&self, hidden: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
         let (b, t, hdim) = hidden.dims3()?;
         if t < 2 {
-            return Ok((Tensor::zeros((), DType::F32, hidden.device())?, 0));
+            let dtype = master_dtype(self.compute_dtype);
+            return Ok((Tensor::zeros((), dtype, hidden.device())?, 0));
         }
         let h = hidden.reshape((b * t, hdim))?;
         let l = shifted_labels(labels)?.flatten_all()?;
@@ -964,14 +987,16 @@ impl LlamaModel {
         )
     }
 
-    /// The log-probability of each row's labelled tokens, summed per row: `[batch]` float32, differentiable
+    /// The log-probability of each row's labelled tokens, summed per row: `[batch]` float32 (float64 for a float64
+    /// model), differentiable
     /// (`log p(label_{t+1} | ..t)` for every label that is not −100, as [`LlamaModel::loss_from_hidden`] shifts them).
     /// DPO's sequence log-probabilities. Each row goes through the fused head + cross-entropy op on its own, so no
     /// `[tokens, vocab]` logits exist.
     pub fn sequence_logps(&self, hidden: &Tensor, labels: &Tensor) -> Result<Tensor> {
         let (b, t, _) = hidden.dims3()?;
+        let dtype = master_dtype(self.compute_dtype);
         if t < 2 {
-            return Tensor::zeros(b, DType::F32, hidden.device());
+            return Tensor::zeros(b, dtype, hidden.device());
         }
         let head = self.head_weight()?;
         let shifted = shifted_labels(labels)?;
@@ -983,7 +1008,7 @@ impl LlamaModel {
                     &shifted.get(row)?,
                     self.config.final_logit_softcapping,
                 )?;
-                nll.neg()?.to_dtype(DType::F32)
+                nll.neg()?.to_dtype(dtype)
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&rows, 0)

@@ -92,9 +92,9 @@ impl YarnRopeScaling {
         }
     }
 
-    /// The inverse frequencies of `rotary_dim` dimensions with base `theta`, in float32 as transformers computes
-    /// them.
-    fn frequencies(&self, rotary_dim: usize, theta: f64) -> Vec<f64> {
+    /// The inverse frequencies of `rotary_dim` dimensions with base `theta`: in float32 as transformers computes
+    /// them, or (`exact`) in float64 throughout.
+    fn frequencies(&self, rotary_dim: usize, theta: f64, exact: bool) -> Vec<f64> {
         let dim = rotary_dim as f64;
         let correction = |rotations: f64| {
             let max = self.original_max_position_embeddings as f64;
@@ -107,6 +107,16 @@ impl YarnRopeScaling {
         let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
         if low == high {
             high += 0.001; // transformers' guard against a zero-width ramp
+        }
+        if exact {
+            return (0..rotary_dim / 2)
+                .map(|i| {
+                    let pos = theta.powf((2 * i) as f64 / dim);
+                    let (extrapolated, interpolated) = (1.0 / pos, 1.0 / (self.factor * pos));
+                    let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    interpolated * (1.0 - keep) + extrapolated * keep
+                })
+                .collect();
         }
         // The ramp as transformers forms it: a float32 range minus `low`, over `high − low` taken in float64.
         let (low, width) = (low as f32, (high - low) as f32);
@@ -140,7 +150,8 @@ pub enum RopeScaling {
     Yarn(YarnRopeScaling),
 }
 
-/// Precomputed cos/sin for every position, `[max_positions, rotary_dim]` in float32.
+/// Precomputed cos/sin for every position, `[max_positions, rotary_dim]`: in float32, formed as transformers forms
+/// them (float32 frequencies and angles), or — for a model computing in float64 — in float64 from end to end.
 #[derive(Clone, Debug)]
 pub struct RopeTables {
     cos: Tensor,
@@ -150,41 +161,51 @@ pub struct RopeTables {
 }
 
 /// transformers' `inv_freq` for `rotary_dim` rotated dimensions, scaled by `scaling` (LongRoPE: its short
-/// factors).
+/// factors), rounded to float32 where transformers computes in float32.
 pub fn inverse_frequencies(
     rotary_dim: usize,
     theta: f64,
     scaling: Option<&RopeScaling>,
 ) -> Vec<f64> {
-    frequencies(rotary_dim, theta, scaling, false)
+    frequencies(rotary_dim, theta, scaling, false, false)
 }
 
-/// [`inverse_frequencies`], with LongRoPE's long factors when `long`.
+/// [`inverse_frequencies`] in float64 throughout (no float32 step), as a float64 model's tables use them.
+pub fn inverse_frequencies_f64(
+    rotary_dim: usize,
+    theta: f64,
+    scaling: Option<&RopeScaling>,
+) -> Vec<f64> {
+    frequencies(rotary_dim, theta, scaling, false, true)
+}
+
+/// [`inverse_frequencies`], with LongRoPE's long factors when `long`; in float64 throughout when `exact`.
 fn frequencies(
     rotary_dim: usize,
     theta: f64,
     scaling: Option<&RopeScaling>,
     long: bool,
+    exact: bool,
 ) -> Vec<f64> {
     if let Some(RopeScaling::Yarn(yarn)) = scaling {
-        return yarn.frequencies(rotary_dim, theta);
+        return yarn.frequencies(rotary_dim, theta, exact);
     }
+    // transformers computes inv_freq in float32; a float64 model keeps every digit.
+    let round = |x: f64| if exact { x } else { x as f32 as f64 };
     (0..rotary_dim / 2)
         .map(|i| {
-            let inv = 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64);
-            // transformers computes inv_freq in float32.
-            let inv = inv as f32 as f64;
+            let inv = round(1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64));
             match scaling {
                 // YaRN's frequencies are computed apart (above).
                 None | Some(RopeScaling::Yarn(_)) => inv,
-                Some(RopeScaling::Linear { factor }) => (inv / factor) as f32 as f64,
+                Some(RopeScaling::Linear { factor }) => round(inv / factor),
                 Some(RopeScaling::LongRope(s)) => {
                     let factors = if long {
                         &s.long_factor
                     } else {
                         &s.short_factor
                     };
-                    (inv / factors[i] as f32 as f64) as f32 as f64
+                    round(inv / round(factors[i]))
                 }
                 Some(RopeScaling::Llama3(s)) => llama3_scaled(inv, s),
             }
@@ -212,35 +233,59 @@ fn llama3_scaled(inv: f64, s: &Llama3RopeScaling) -> f64 {
     }
 }
 
-/// cos/sin tables `[max_positions, 2·inv.len()]` of frequencies `inv`, times `multiplier`.
+/// cos/sin tables `[max_positions, 2·inv.len()]` of frequencies `inv`, times `multiplier`: float32 tables of
+/// float32 angles, or (`exact`) float64 tables of float64 angles.
 fn tables(
     inv: &[f64],
     max_positions: usize,
     multiplier: f64,
     device: &Device,
+    exact: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let dim = 2 * inv.len();
-    let mut cos = Vec::with_capacity(max_positions * dim);
-    let mut sin = Vec::with_capacity(max_positions * dim);
-    for p in 0..max_positions {
-        // Angles as transformers forms them: float32 position times float32 frequency.
-        let angles: Vec<f64> = inv
-            .iter()
-            .map(|f| ((p as f32) * (*f as f32)) as f64)
-            .collect();
-        for _ in 0..2 {
-            cos.extend(angles.iter().map(|a| a.cos() as f32 * multiplier as f32));
-            sin.extend(angles.iter().map(|a| a.sin() as f32 * multiplier as f32));
-        }
+    if exact {
+        let angle = |p: usize, f: f64| p as f64 * f;
+        return Ok((
+            table_of(inv, max_positions, device, |p, f| {
+                angle(p, f).cos() * multiplier
+            })?,
+            table_of(inv, max_positions, device, |p, f| {
+                angle(p, f).sin() * multiplier
+            })?,
+        ));
     }
+    // Angles as transformers forms them: float32 position times float32 frequency.
+    let angle = |p: usize, f: f64| ((p as f32) * (f as f32)) as f64;
+    let m = multiplier as f32;
     Ok((
-        Tensor::from_vec(cos, (max_positions, dim), device)?,
-        Tensor::from_vec(sin, (max_positions, dim), device)?,
+        table_of(inv, max_positions, device, |p, f| {
+            angle(p, f).cos() as f32 * m
+        })?,
+        table_of(inv, max_positions, device, |p, f| {
+            angle(p, f).sin() as f32 * m
+        })?,
     ))
 }
 
+/// The `[max_positions, 2·inv.len()]` table of `entry(position, frequency)`, each frequency's column twice (the
+/// half-split layout).
+fn table_of<T: candle_core::WithDType>(
+    inv: &[f64],
+    max_positions: usize,
+    device: &Device,
+    entry: impl Fn(usize, f64) -> T,
+) -> Result<Tensor> {
+    let dim = 2 * inv.len();
+    let mut out = Vec::with_capacity(max_positions * dim);
+    for p in 0..max_positions {
+        for _ in 0..2 {
+            out.extend(inv.iter().map(|f| entry(p, *f)));
+        }
+    }
+    Tensor::from_vec(out, (max_positions, dim), device)
+}
+
 impl RopeTables {
-    /// Tables for positions `0..max_positions` of `rotary_dim` rotated dimensions.
+    /// Float32 tables for positions `0..max_positions` of `rotary_dim` rotated dimensions.
     pub fn new(
         rotary_dim: usize,
         max_positions: usize,
@@ -248,17 +293,42 @@ impl RopeTables {
         scaling: Option<&RopeScaling>,
         device: &Device,
     ) -> Result<Self> {
+        Self::build(rotary_dim, max_positions, theta, scaling, device, false)
+    }
+
+    /// [`RopeTables::new`] in float64 from end to end (frequencies, angles, cos/sin), for a model computing in
+    /// float64.
+    pub fn new_f64(
+        rotary_dim: usize,
+        max_positions: usize,
+        theta: f64,
+        scaling: Option<&RopeScaling>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::build(rotary_dim, max_positions, theta, scaling, device, true)
+    }
+
+    fn build(
+        rotary_dim: usize,
+        max_positions: usize,
+        theta: f64,
+        scaling: Option<&RopeScaling>,
+        device: &Device,
+        exact: bool,
+    ) -> Result<Self> {
         let multiplier = match scaling {
             Some(RopeScaling::LongRope(s)) => s.attention_factor,
             Some(RopeScaling::Yarn(s)) => s.attention_factor,
             _ => 1.0,
         };
-        let inv = frequencies(rotary_dim, theta, scaling, false);
-        let (cos, sin) = tables(&inv, max_positions, multiplier, device)?;
+        let of = |long| {
+            let inv = frequencies(rotary_dim, theta, scaling, long, exact);
+            tables(&inv, max_positions, multiplier, device, exact)
+        };
+        let (cos, sin) = of(false)?;
         let long = match scaling {
             Some(RopeScaling::LongRope(s)) => {
-                let inv = frequencies(rotary_dim, theta, scaling, true);
-                let (c, s_) = tables(&inv, max_positions, multiplier, device)?;
+                let (c, s_) = of(true)?;
                 Some((c, s_, s.original_max_position_embeddings))
             }
             _ => None,

@@ -120,7 +120,7 @@ fn host_moments(state: &ParamState) -> Option<Moments<&[f32], &[u8]>> {
             absmax1: &s.absmax1,
             absmax2: &s.absmax2,
         },
-        ParamState::Sgd(_) => return None,
+        ParamState::Adam64 { .. } | ParamState::Sgd(_) => return None,
     })
 }
 

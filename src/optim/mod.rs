@@ -2,7 +2,7 @@
 //!
 //! | `optim` | state | semantics |
 //! |---|---|---|
-//! | `adamw_torch` (`adamw_torch_fused`) | f32 m, v | `torch.optim.AdamW`: decay before the update |
+//! | `adamw_torch` (`adamw_torch_fused`) | f32 m, v (f64 for float64 parameters) | `torch.optim.AdamW`: decay before the update |
 //! | `adamw_8bit` (`adamw_bnb_8bit`), `paged_adamw_8bit` | 8-bit m, v + absmax per 256 | bitsandbytes CUDA kernel: decay after the update, NaN/Inf gradient resets the element; tensors < `min_8bit_size` (4096) keep f32 state (the 32-bit kernel) |
 //! | `paged_adamw_32bit` | f32 m, v | bitsandbytes' 32-bit kernel |
 //! | `sgd` | f32 momentum | `torch.optim.SGD` |
@@ -132,6 +132,13 @@ pub enum ParamState {
         /// Second moment.
         v: Vec<f32>,
     },
+    /// Float64 moments: AdamW torch on float64 parameters.
+    Adam64 {
+        /// First moment.
+        m: Vec<f64>,
+        /// Second moment.
+        v: Vec<f64>,
+    },
     /// bitsandbytes 8-bit moments.
     Adam8(Adam8bitState),
     /// SGD momentum buffer.
@@ -143,27 +150,39 @@ impl ParamState {
     fn bytes(&self) -> usize {
         match self {
             ParamState::Adam32 { m, v } => 4 * (m.len() + v.len()),
+            ParamState::Adam64 { m, v } => 8 * (m.len() + v.len()),
             ParamState::Adam8(st) => st.size_in_bytes(),
             ParamState::Sgd(b) => b.as_ref().map(|b| 4 * b.len()).unwrap_or(0),
         }
     }
 }
 
-/// Which state a parameter of `n` elements gets under `config`.
+/// Which state a parameter gets under `config`.
 #[derive(Clone, Copy, PartialEq)]
 enum StateKind {
     Adam32,
+    Adam64,
     Adam8,
     Sgd,
 }
 
 impl StateKind {
-    fn of(config: &OptimizerConfig, n: usize) -> Self {
-        match config.name {
-            OptimizerName::Sgd => StateKind::Sgd,
-            name if name.is_8bit() && n >= config.min_8bit_size => StateKind::Adam8,
-            _ => StateKind::Adam32,
+    /// The state of parameter `name`, `var`: float64 parameters (a float64 model's) train with AdamW torch only.
+    fn of(config: &OptimizerConfig, name: &str, var: &Var) -> Result<Self> {
+        if var.dtype() == DType::F64 {
+            return match config.name {
+                OptimizerName::AdamWTorch => Ok(StateKind::Adam64),
+                other => Err(Error::InvalidInput(format!(
+                    "`{name}` is float64 (a model loaded with compute dtype float64): float64 parameters train \
+                     with optim = \"adamw_torch\", not `{other}`"
+                ))),
+            };
         }
+        Ok(match config.name {
+            OptimizerName::Sgd => StateKind::Sgd,
+            name if name.is_8bit() && var.elem_count() >= config.min_8bit_size => StateKind::Adam8,
+            _ => StateKind::Adam32,
+        })
     }
 
     /// The initial (zero) state for `n` elements.
@@ -175,8 +194,31 @@ impl StateKind {
                 m: vec![0.0; n],
                 v: vec![0.0; n],
             },
+            StateKind::Adam64 => ParamState::Adam64 {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            },
         }
     }
+}
+
+/// Runs `update(p, g)` on host copies of parameter `var` and its gradient `g` in float type `T`, and writes the
+/// parameter back.
+fn on_host<T: candle_core::WithDType>(
+    var: &Var,
+    g: &Tensor,
+    update: impl FnOnce(&mut [T], &[T]),
+) -> Result<()> {
+    let g: Vec<T> = g.to_dtype(T::DTYPE)?.flatten_all()?.to_vec1()?;
+    let mut p: Vec<T> = var
+        .as_tensor()
+        .to_dtype(T::DTYPE)?
+        .flatten_all()?
+        .to_vec1()?;
+    update(&mut p, &g);
+    let t = Tensor::from_vec(p, var.dims(), var.device())?.to_dtype(var.dtype())?;
+    var.set(&t)?;
+    Ok(())
 }
 
 /// Where a parameter's state lives.
@@ -235,7 +277,8 @@ impl Optimizer {
             .into_iter()
             .map(|(name, var)| {
                 let n = var.elem_count();
-                let state = Placed::new(StateKind::of(&config, n).zeros(n), &var, paged)?;
+                let kind = StateKind::of(&config, &name, &var)?;
+                let state = Placed::new(kind.zeros(n), &var, paged)?;
                 let weight_decay = if decays(&name) {
                     config.weight_decay
                 } else {
@@ -279,57 +322,49 @@ impl Optimizer {
                     continue;
                 }
             };
-            let g: Vec<f32> = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-            let mut p: Vec<f32> = slot
-                .var
-                .as_tensor()
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?;
+            let (step, betas, eps) = (self.step, (c.beta1, c.beta2), c.eps);
             match (state, c.name) {
                 (ParamState::Adam32 { m, v }, OptimizerName::AdamWTorch) => {
-                    adamw::adamw_torch_update(
-                        &mut p,
-                        &g,
+                    on_host(&slot.var, g, |p, g| {
+                        adamw::adamw_torch_update::<f32>(p, g, m, v, step, lr, betas, eps, wd)
+                    })
+                }
+                (ParamState::Adam64 { m, v }, _) => on_host(&slot.var, g, |p, g| {
+                    adamw::adamw_torch_update::<f64>(p, g, m, v, step, lr, betas, eps, wd)
+                }),
+                (ParamState::Adam32 { m, v }, _) => on_host(&slot.var, g, |p, g| {
+                    adamw::adamw_bnb32_update(
+                        p,
+                        g,
                         m,
                         v,
-                        self.step,
-                        lr,
-                        (c.beta1, c.beta2),
-                        c.eps,
-                        wd,
+                        step,
+                        lr as f32,
+                        (c.beta1 as f32, c.beta2 as f32),
+                        c.eps as f32,
+                        wd as f32,
                     )
-                }
-                (ParamState::Adam32 { m, v }, _) => adamw::adamw_bnb32_update(
-                    &mut p,
-                    &g,
-                    m,
-                    v,
-                    self.step,
-                    lr as f32,
-                    (c.beta1 as f32, c.beta2 as f32),
-                    c.eps as f32,
-                    wd as f32,
-                ),
-                (ParamState::Adam8(state), _) => adamw8bit::adamw8bit_update(
-                    &mut p,
-                    &g,
-                    state,
-                    &Adam8bitStep {
-                        step: self.step,
-                        lr: lr as f32,
-                        betas: (c.beta1 as f32, c.beta2 as f32),
-                        eps: c.eps as f32,
-                        weight_decay: wd as f32,
-                        qmap1: &q1,
-                        qmap2: &q2,
-                    },
-                ),
-                (ParamState::Sgd(buf), _) => sgd::sgd_update(&mut p, &g, buf, lr, c.momentum, wd),
-            }
-            let t = Tensor::from_vec(p, slot.var.dims(), slot.var.device())?
-                .to_dtype(slot.var.dtype())?;
-            slot.var.set(&t)?;
+                }),
+                (ParamState::Adam8(state), _) => on_host(&slot.var, g, |p, g| {
+                    adamw8bit::adamw8bit_update(
+                        p,
+                        g,
+                        state,
+                        &Adam8bitStep {
+                            step,
+                            lr: lr as f32,
+                            betas: (c.beta1 as f32, c.beta2 as f32),
+                            eps: c.eps as f32,
+                            weight_decay: wd as f32,
+                            qmap1: &q1,
+                            qmap2: &q2,
+                        },
+                    )
+                }),
+                (ParamState::Sgd(buf), _) => on_host(&slot.var, g, |p, g| {
+                    sgd::sgd_update(p, g, buf, lr, c.momentum, wd)
+                }),
+            }?;
         }
         Ok(())
     }
@@ -374,6 +409,7 @@ impl Optimizer {
         for s in &self.slots {
             let finite = match &*s.host_state()? {
                 ParamState::Adam32 { m, v } => m.iter().chain(v).all(|x| x.is_finite()),
+                ParamState::Adam64 { m, v } => m.iter().chain(v).all(|x| x.is_finite()),
                 ParamState::Adam8(st) => {
                     st.absmax1.iter().chain(&st.absmax2).all(|x| x.is_finite())
                 }
@@ -409,6 +445,11 @@ impl Optimizer {
                 ParamState::Adam32 { m, v } => {
                     tensors.push((format!("{}.exp_avg", s.name), f(m)));
                     tensors.push((format!("{}.exp_avg_sq", s.name), f(v)));
+                }
+                ParamState::Adam64 { m, v } => {
+                    let d = |v: &[f64]| RawTensor::from_tensor(&Tensor::new(v, &Device::Cpu)?);
+                    tensors.push((format!("{}.exp_avg", s.name), d(m)?));
+                    tensors.push((format!("{}.exp_avg_sq", s.name), d(v)?));
                 }
                 ParamState::Adam8(st) => {
                     tensors.push((format!("{}.state1", s.name), u(&st.state1)));
@@ -458,39 +499,44 @@ impl Optimizer {
             .map_err(|e| Error::invalid_file(&path, format!("{e} (truncated?)")))?
             .into_iter()
             .collect();
-        let get_f = |k: String, n: usize| -> Result<Vec<f32>> {
+        fn get<T: candle_core::WithDType>(
+            tensors: &BTreeMap<String, Tensor>,
+            path: &Path,
+            k: String,
+            n: usize,
+        ) -> Result<Vec<T>> {
             let t = tensors
                 .get(&k)
-                .ok_or_else(|| Error::invalid_file(&path, format!("`{k}` is missing")))?;
-            let v: Vec<f32> = t.to_vec1()?;
+                .ok_or_else(|| Error::invalid_file(path, format!("`{k}` is missing")))?;
+            if t.dtype() != T::DTYPE {
+                return Err(Error::invalid_file(
+                    path,
+                    format!("`{k}` is {:?}, expected {:?}", t.dtype(), T::DTYPE),
+                ));
+            }
+            let v: Vec<T> = t.to_vec1()?;
             if v.len() != n {
                 return Err(Error::invalid_file(
-                    &path,
+                    path,
                     format!("`{k}` has {} values, expected {n}", v.len()),
                 ));
             }
             Ok(v)
-        };
-        let get_u = |k: String, n: usize| -> Result<Vec<u8>> {
-            let t = tensors
-                .get(&k)
-                .ok_or_else(|| Error::invalid_file(&path, format!("`{k}` is missing")))?;
-            let v: Vec<u8> = t.to_vec1()?;
-            if v.len() != n {
-                return Err(Error::invalid_file(
-                    &path,
-                    format!("`{k}` has {} values, expected {n}", v.len()),
-                ));
-            }
-            Ok(v)
-        };
+        }
+        let get_f = |k: String, n: usize| get::<f32>(&tensors, &path, k, n);
+        let get_d = |k: String, n: usize| get::<f64>(&tensors, &path, k, n);
+        let get_u = |k: String, n: usize| get::<u8>(&tensors, &path, k, n);
         let mut restored = Vec::with_capacity(self.slots.len());
         for s in &self.slots {
             let n = s.var.elem_count();
-            restored.push(match StateKind::of(&self.config, n) {
+            restored.push(match StateKind::of(&self.config, &s.name, &s.var)? {
                 StateKind::Adam32 => ParamState::Adam32 {
                     m: get_f(format!("{}.exp_avg", s.name), n)?,
                     v: get_f(format!("{}.exp_avg_sq", s.name), n)?,
+                },
+                StateKind::Adam64 => ParamState::Adam64 {
+                    m: get_d(format!("{}.exp_avg", s.name), n)?,
+                    v: get_d(format!("{}.exp_avg_sq", s.name), n)?,
                 },
                 StateKind::Adam8 => ParamState::Adam8(Adam8bitState {
                     state1: get_u(format!("{}.state1", s.name), n)?,

@@ -234,7 +234,7 @@ impl Trainer {
         crate::cuda::set_fused_kernels(args.use_liger_kernel);
         if args.bf16 || args.fp16 {
             let precision = Precision::from_flags(args.bf16, args.fp16, None, model.device())?;
-            model.set_compute_dtype(precision.compute_dtype);
+            model.set_compute_dtype(precision.compute_dtype)?;
         }
         if !model.adapter_names().iter().any(|n| n == ADAPTER) {
             model.add_adapter(ADAPTER, lora, args.seed)?;
@@ -974,7 +974,7 @@ impl Trainer {
                 if let Task::Preference(task) = &self.task {
                     if let Some(train) = &task.train_reference {
                         let eval = task.eval_reference.as_deref().unwrap_or_default();
-                        save_reference(tmp, train, eval)?;
+                        save_reference(tmp, train, eval, &self.model)?;
                     }
                 }
                 optimizer.save(tmp)

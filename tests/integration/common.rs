@@ -115,6 +115,75 @@ pub fn test_model() -> Option<PathBuf> {
     None
 }
 
+/// How far a float64 result of ours may be from a float64 reference (transformers, PEFT, TRL run in float64 from end
+/// to end by the golden scripts), relative to the larger of 1 and the reference's largest magnitude. Both sides then
+/// round only at float64's 2⁻⁵³ per operation, in their own orders: over the few thousand operations behind a tiny
+/// model's logit that stays below 1e-13 of the values' magnitude, on any CPU and with any matrix kernels. 1e-9
+/// leaves four orders of magnitude for it, and is far below any real difference (a misplaced term, scale or mask
+/// moves these values by 1e-4 or more).
+pub const F64_TOLERANCE: f64 = 1e-9;
+
+/// Asserts that `got` equals the float64 reference `expected` to [`F64_TOLERANCE`], naming `what`.
+pub fn assert_f64_close(what: &str, got: &candle_core::Tensor, expected: &candle_core::Tensor) {
+    assert_eq!(got.dims(), expected.dims(), "{what}: shapes differ");
+    let scale = max_abs(expected).max(1.0);
+    let d = max_abs_diff(got, expected);
+    assert!(
+        d <= F64_TOLERANCE * scale,
+        "{what}: differs from the float64 reference by {d:.3e}, beyond {F64_TOLERANCE:e} × {scale:.3} (both sides \
+         float64: only rounding in other operation orders, ~1e-13, is allowed for)"
+    );
+}
+
+/// [`assert_f64_close`] for one number.
+pub fn assert_f64_scalar_close(what: &str, got: f64, expected: f64) {
+    let t = |x: f64| candle_core::Tensor::new(&[x], &candle_core::Device::Cpu).unwrap();
+    assert_f64_close(what, &t(got), &t(expected));
+}
+
+/// float32's unit roundoff, 2⁻²⁴: the largest relative error of one rounded operation.
+pub const F32_UNIT_ROUNDOFF: f64 = 1.0 / 16_777_216.0;
+
+/// The worst-case distance of a float32 result from the exact one, for a value of magnitude up to `magnitude`
+/// computed through `terms` rounded additions in all along its chain of dependent sums (each of the n terms of a
+/// length-n dot product, reduction or softmax adds one): the classical first-order bound γₙ·|x| ≈ n·u·|x| of
+/// recursive summation. It holds for any order of the sums, so for any CPU's matrix kernels (AVX2 and AVX-512
+/// kernels sum in other orders and blocks, which is all that differs between machines).
+pub fn float32_bound(terms: usize, magnitude: f64) -> f64 {
+    terms as f64 * F32_UNIT_ROUNDOFF * magnitude.max(1.0)
+}
+
+/// The rounded additions along the longest chain from a token's embedding to a logit of a decoder with `config`'s
+/// shapes over `seq` positions (for [`float32_bound`]): per layer the input norm (hidden), the q/k/v projections
+/// (hidden), the scores (head_dim), the softmax and its weighted sum (seq each), the output projection (the
+/// attention width), the MLP's norm (hidden), gate/up (hidden) and down (intermediate) projections — a mixture of
+/// experts adds the router (hidden) and the sum over experts — then the final norm and the head (hidden each).
+pub fn decoder_chain_terms(config: &candle_qlora::models::ModelConfig, seq: usize) -> usize {
+    let (hidden, head_dim) = (config.hidden_size, config.head_dim);
+    let (mut intermediate, mut experts) = (config.intermediate_size, 0);
+    if let Some(m) = &config.moe {
+        let shared = m.shared_expert_intermediate_size.unwrap_or(0);
+        intermediate = intermediate.max(m.moe_intermediate_size).max(shared);
+        experts = hidden + m.num_experts_per_tok + 1;
+    }
+    let layer = 4 * hidden + head_dim + 2 * seq + config.q_width() + intermediate + experts;
+    config.num_hidden_layers * layer + 2 * hidden
+}
+
+/// Largest magnitude in a tensor (as f64).
+pub fn max_abs(t: &candle_core::Tensor) -> f64 {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
 /// Largest absolute difference between two tensors (as f64).
 pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
     let a = a.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
@@ -133,7 +202,7 @@ pub fn max_abs_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f64 {
 pub fn text_loss(
     model: &candle_qlora::models::LlamaModel,
     ids: &candle_core::Tensor,
-) -> (f32, usize) {
+) -> (f64, usize) {
     use candle_qlora::models::{Checkpointing, Positions};
     let labels = ids.to_dtype(DType::I64).unwrap();
     let (sum, n) = model
@@ -144,7 +213,13 @@ pub fn text_loss(
             &Checkpointing::default(),
         )
         .unwrap();
-    (sum.to_scalar::<f32>().unwrap(), n)
+    (
+        sum.to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap(),
+        n,
+    )
 }
 
 /// The mean causal-LM loss (a differentiable scalar) of input embeddings `embeds` with labels `ids`, with or

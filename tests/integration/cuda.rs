@@ -647,7 +647,7 @@ fn mixture_of_experts_models_on_the_gpu_match_transformers() {
 
         let nf4_loss = |device: &Device, dtype: DType| {
             let mut model = load(Some(QuantConfig::nf4()), device);
-            model.set_compute_dtype(dtype);
+            model.set_compute_dtype(dtype).unwrap();
             let ids = ids.to_device(device).unwrap();
             let embeds = model.embed(&ids).unwrap();
             let (loss, _) = moe_loss(&model, &embeds, &ids, true);

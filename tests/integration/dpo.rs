@@ -3,6 +3,7 @@
 //! `loss_type`, RPO, the precomputed and the uniform reference, starting from a PEFT adapter with non-zero B whose
 //! frozen copy is the reference.
 
+use candle_core::DType;
 use candle_qlora::adapter::load_adapter;
 use candle_qlora::data::{DataConfig, PreferenceDataset, TruncationMode};
 use candle_qlora::loading::{load_model, load_tokenizer, LoadOptions};
@@ -133,14 +134,36 @@ fn trainer(
     file: &str,
     edit: impl Fn(&mut TrainingArguments),
 ) -> Trainer {
-    let mut model = load_model(&model_dir(), None, &LoadOptions::default())
-        .unwrap()
-        .model;
+    trainer_in(DType::F32, out, dpo, file, edit)
+}
+
+/// [`trainer`] with the model computing in `dtype`.
+fn trainer_in(
+    dtype: DType,
+    out: &std::path::Path,
+    dpo: DpoConfig,
+    file: &str,
+    edit: impl Fn(&mut TrainingArguments),
+) -> Trainer {
+    let options = LoadOptions {
+        compute_dtype: dtype,
+        ..Default::default()
+    };
+    let mut model = load_model(&model_dir(), None, &options).unwrap().model;
     let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
     let mut args = golden_args(out);
     edit(&mut args);
     Trainer::new_dpo(model, args, &lora, dpo, pairs(file), pairs(file)).unwrap()
 }
+
+/// How far our DPO steps may be from TRL's, relative to `1 + |value|`. Both sides compute in float64 from end to end
+/// (`scripts/golden_dpo.py`: TRL with the steps transformers keeps in float32 widened too), so what remains is float64
+/// rounding in other operation orders: ~1e-16 per operation, grown over three optimizer steps to ~1e-13 at most.
+/// 1e-9 leaves four orders of magnitude for that and stays far below any real difference (a wrong term of a loss
+/// moves it by 1e-4 or more). Float32 could not give a bound that holds: AdamW's first steps divide each gradient
+/// entry by its own magnitude, so float32 noise in near-zero entries becomes full-size updates that depend on the
+/// CPU's matrix kernels — TRL's own float32 run is 2.3e-4 away from its float64 one in IPO's second gradient norm.
+const TRL_TOLERANCE: f64 = 1e-9;
 
 #[test]
 fn dpo_steps_equal_trl_for_every_loss_type_rpo_and_each_reference() {
@@ -151,7 +174,8 @@ fn dpo_steps_equal_trl_for_every_loss_type_rpo_and_each_reference() {
     for (name, case) in g["cases"].as_object().unwrap() {
         let dir = tempfile::tempdir().unwrap();
         let dpo = dpo_config(name, &case["settings"]);
-        let mut t = trainer(dir.path(), dpo, case["data"].as_str().unwrap(), |_| {});
+        let data = case["data"].as_str().unwrap();
+        let mut t = trainer_in(DType::F64, dir.path(), dpo, data, |_| {});
         let out = t.train(None).unwrap();
         let train: Vec<_> = out
             .log_history
@@ -168,26 +192,32 @@ fn dpo_steps_equal_trl_for_every_loss_type_rpo_and_each_reference() {
             let mut check = |what: &str, got: f64| {
                 let expected = want[what].as_f64().unwrap();
                 let err = (got - expected).abs() / (1.0 + expected.abs());
+                let line = format!("{name} step {} {what}: ours {got}, TRL {expected}", k + 1);
                 if err > worst.0 {
-                    worst = (
-                        err,
-                        format!("{name} step {} {what}: ours {got}, TRL {expected}", k + 1),
-                    );
+                    worst = (err, line.clone());
                 }
-                if err >= 2e-4 {
-                    failures.push(format!(
-                        "{name} step {} {what}: ours {got}, TRL {expected}",
-                        k + 1
-                    ));
+                if err >= TRL_TOLERANCE {
+                    failures.push(format!("{line} (relative {err:.2e})"));
                 }
             };
             check("loss", train[k].loss.unwrap());
             check("grad_norm", train[k].grad_norm.unwrap());
             check("eval_loss", eval[k].eval_loss.unwrap());
-            for n in names {
-                check(n, train[k].metrics[n]);
-                let e = format!("eval_{n}");
-                check(&e, eval[k].metrics[&e]);
+            for (prefix, metrics) in [("", &train[k].metrics), ("eval_", &eval[k].metrics)] {
+                for n in names {
+                    let key = format!("{prefix}{n}");
+                    // Where the policy still equals the reference (the first step, before any update), every
+                    // pair's margin is zero up to rounding, and "chosen above rejected" counts rounding noise on
+                    // either side: the accuracy is a tie, not a result.
+                    let rewards =
+                        |side: &str| want[format!("{prefix}rewards/{side}")].as_f64().unwrap();
+                    let tie =
+                        rewards("chosen").abs().max(rewards("rejected").abs()) < TRL_TOLERANCE;
+                    if n == "rewards/accuracies" && tie {
+                        continue;
+                    }
+                    check(&key, metrics[&key]);
+                }
             }
         }
     }
@@ -197,7 +227,8 @@ fn dpo_steps_equal_trl_for_every_loss_type_rpo_and_each_reference() {
     );
     assert!(
         failures.is_empty(),
-        "{} differences:\n{}",
+        "{} differences beyond {TRL_TOLERANCE:e} relative to 1 + |TRL's value| (both sides float64: the bound covers \
+         float64 rounding in other operation orders over three steps, see TRL_TOLERANCE):\n{}",
         failures.len(),
         failures.join("\n")
     );

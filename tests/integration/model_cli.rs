@@ -65,7 +65,7 @@ fn eval_reports_the_token_level_mean_over_the_file() {
             .unsqueeze(0)
             .unwrap();
         let (s, _) = crate::common::text_loss(&model, &t);
-        total += s as f64;
+        total += s;
     }
     let loss = report["loss"].as_f64().unwrap();
     assert!(

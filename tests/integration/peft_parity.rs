@@ -477,7 +477,7 @@ fn smollm2_adapter_round_trip_and_merged_generation() {
         .unwrap();
     let loss = |m: &LlamaModel| {
         let (s, n) = crate::common::text_loss(m, &ids);
-        s / n as f32
+        s / n as f64
     };
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("adapter");

@@ -57,7 +57,7 @@ pub struct CompletionTokens {
     pub predicted: Vec<usize>,
 }
 
-/// The loss of a batch of `n` pairs (a float32 scalar, differentiable through `policy`) and its metrics (a
+/// The loss of a batch of `n` pairs (a scalar in `policy`'s dtype, differentiable through it) and its metrics (a
 /// float64 `[6]` tensor, [`METRICS`]), from the sequence log-probabilities `[2n]` of the chosen rows then the
 /// rejected rows under the policy and the reference.
 pub fn preference_loss(
@@ -80,7 +80,7 @@ pub fn preference_loss(
             .iter()
             .map(|&c| if clamp { c.max(1) } else { c } as f32)
             .collect();
-        Ok(Tensor::from_vec(v, counts.len(), device)?)
+        Ok(Tensor::from_vec(v, counts.len(), device)?.to_dtype(policy.dtype())?)
     };
     let mut loss: Option<Tensor> = None;
     for (kind, weight) in config.weighted_losses() {

@@ -31,9 +31,9 @@ pub(super) struct PreferenceTask {
     pub eval: PreferenceDataset,
     pub reference: Reference,
     /// The training pairs' reference log-probabilities, when precomputed.
-    pub train_reference: Option<Vec<[f32; 2]>>,
+    pub train_reference: Option<Vec<[f64; 2]>>,
     /// The evaluation pairs' reference log-probabilities, computed once (the reference does not change).
-    pub eval_reference: Option<Vec<[f32; 2]>>,
+    pub eval_reference: Option<Vec<[f64; 2]>>,
 }
 
 /// The evaluation of a preference set: the mean loss (each batch weighted by its pairs, as transformers averages
@@ -56,7 +56,7 @@ impl PreferenceTask {
         if let Some(values) = &self.train_reference {
             return mine
                 .iter()
-                .map(|b| stored_logps(values, b, model.device()))
+                .map(|b| stored_logps(values, b, model))
                 .collect();
         }
         let batches: Vec<Vec<&PreferencePair>> = mine
@@ -118,7 +118,7 @@ impl PreferenceTask {
         let mut sums = vec![0.0; METRICS.len() + 3];
         for batch in shard.share(indices.chunks(batch_size.max(1))) {
             let pairs: Vec<&PreferencePair> = batch.iter().map(|i| &self.eval.pairs[*i]).collect();
-            let reference = stored_logps(values, batch, model.device())?;
+            let reference = stored_logps(values, batch, model)?;
             let (loss, metrics) = window::evaluate_pairs(model, &self.config, &pairs, &reference)?;
             sums[0] += loss * batch.len() as f64;
             sums[1] += batch.len() as f64;

@@ -12,6 +12,7 @@ use crate::data::{chosen_then_rejected, collate, PreferencePair};
 use crate::error::{Error, Result};
 use crate::files::{write_safetensors, MappedSafetensors, RawTensor};
 use crate::models::{Checkpointing, LlamaModel};
+use crate::precision::master_dtype;
 
 /// The name of the frozen copy of the starting adapter.
 pub const REFERENCE_ADAPTER: &str = "reference";
@@ -31,7 +32,7 @@ pub enum Reference {
 }
 
 /// Sequence log-probabilities of `pairs` under the model as it is (chosen rows then rejected rows, `[2n]`
-/// float32, detached). Layers run checkpointed, so a pass through trainable adapters keeps no more than a training
+/// float32 — float64 for a float64 model —, detached). Layers run checkpointed, so a pass through trainable adapters keeps no more than a training
 /// forward does.
 pub fn pair_logps(model: &LlamaModel, pairs: &[&PreferencePair]) -> Result<Tensor> {
     let rows = chosen_then_rejected(pairs);
@@ -59,7 +60,13 @@ impl Reference {
             Reference::Uniform => {
                 return batches
                     .iter()
-                    .map(|b| Ok(Tensor::zeros(2 * b.len(), DType::F32, model.device())?))
+                    .map(|b| {
+                        Ok(Tensor::zeros(
+                            2 * b.len(),
+                            logps_dtype(model),
+                            model.device(),
+                        )?)
+                    })
                     .collect()
             }
             Reference::Base => model.disable_adapters(),
@@ -78,14 +85,14 @@ impl Reference {
         trained: &str,
         pairs: &[PreferencePair],
         batch_size: usize,
-    ) -> Result<Vec<[f32; 2]>> {
+    ) -> Result<Vec<[f64; 2]>> {
         let batches: Vec<Vec<&PreferencePair>> = pairs
             .chunks(batch_size.max(1))
             .map(|c| c.iter().collect())
             .collect();
         let mut values = Vec::with_capacity(pairs.len());
         for (batch, logps) in batches.iter().zip(self.logps(model, trained, &batches)?) {
-            let v: Vec<f32> = logps.to_vec1()?;
+            let v: Vec<f64> = logps.to_dtype(DType::F64)?.to_vec1()?;
             let n = batch.len();
             values.extend((0..n).map(|i| [v[i], v[n + i]]));
         }
@@ -93,19 +100,33 @@ impl Reference {
     }
 }
 
-/// `[2n]` log-probabilities (chosen then rejected) of the pairs at `indices` from precomputed `values`.
-pub fn stored_logps(values: &[[f32; 2]], indices: &[usize], device: &Device) -> Result<Tensor> {
-    let v: Vec<f32> = (0..2)
-        .flat_map(|side| indices.iter().map(move |&i| values[i][side]))
-        .collect();
-    Ok(Tensor::from_vec(v, 2 * indices.len(), device)?)
+/// The dtype of `model`'s sequence log-probabilities (see [`pair_logps`]).
+fn logps_dtype(model: &LlamaModel) -> DType {
+    master_dtype(model.compute_dtype())
 }
 
-/// Writes precomputed reference log-probabilities (`train`, and `eval` when there are evaluation pairs) into `dir`.
-pub fn save_reference(dir: &Path, train: &[[f32; 2]], eval: &[[f32; 2]]) -> Result<()> {
-    let tensor = |values: &[[f32; 2]]| -> Result<RawTensor<'static>> {
-        let flat: Vec<f32> = values.iter().flatten().copied().collect();
-        RawTensor::from_tensor(&Tensor::from_vec(flat, (values.len(), 2), &Device::Cpu)?)
+/// `[2n]` log-probabilities (chosen then rejected) of the pairs at `indices` from precomputed `values`, on
+/// `model`'s device in the dtype of its log-probabilities.
+pub fn stored_logps(values: &[[f64; 2]], indices: &[usize], model: &LlamaModel) -> Result<Tensor> {
+    let v: Vec<f64> = (0..2)
+        .flat_map(|side| indices.iter().map(move |&i| values[i][side]))
+        .collect();
+    let t = Tensor::from_vec(v, 2 * indices.len(), model.device())?;
+    Ok(t.to_dtype(logps_dtype(model))?)
+}
+
+/// Writes precomputed reference log-probabilities (`train`, and `eval` when there are evaluation pairs) into `dir`,
+/// in the dtype of `model`'s log-probabilities (which holds them exactly).
+pub fn save_reference(
+    dir: &Path,
+    train: &[[f64; 2]],
+    eval: &[[f64; 2]],
+    model: &LlamaModel,
+) -> Result<()> {
+    let tensor = |values: &[[f64; 2]]| -> Result<RawTensor<'static>> {
+        let flat: Vec<f64> = values.iter().flatten().copied().collect();
+        let t = Tensor::from_vec(flat, (values.len(), 2), &Device::Cpu)?;
+        RawTensor::from_tensor(&t.to_dtype(logps_dtype(model))?)
     };
     let mut tensors = vec![("train".to_string(), tensor(train)?)];
     if !eval.is_empty() {
@@ -115,7 +136,7 @@ pub fn save_reference(dir: &Path, train: &[[f32; 2]], eval: &[[f32; 2]]) -> Resu
 }
 
 /// Precomputed `[chosen, rejected]` reference log-probabilities of the training pairs and of the evaluation pairs.
-pub type StoredReference = (Vec<[f32; 2]>, Vec<[f32; 2]>);
+pub type StoredReference = (Vec<[f64; 2]>, Vec<[f64; 2]>);
 
 /// Reads what [`save_reference`] wrote in checkpoint `dir`, checked against the run's `train` and `eval` pair
 /// counts; `None` when the checkpoint has no such file.
@@ -126,7 +147,7 @@ pub fn load_reference(dir: &Path, train: usize, eval: usize) -> Result<Option<St
     }
     let file = MappedSafetensors::open(&path)?;
     let st = file.tensors()?;
-    let read = |key: &str, expected: usize| -> Result<Vec<[f32; 2]>> {
+    let read = |key: &str, expected: usize| -> Result<Vec<[f64; 2]>> {
         if expected == 0 {
             return Ok(vec![]);
         }
@@ -135,7 +156,7 @@ pub fn load_reference(dir: &Path, train: usize, eval: usize) -> Result<Option<St
             .map_err(|_| Error::invalid_file(&path, format!("no `{key}` tensor")))?;
         let t = candle_core::safetensors::Load::load(&view, &Device::Cpu)
             .map_err(|e| Error::invalid_file(&path, format!("`{key}`: {e}")))?;
-        let values: Vec<Vec<f32>> = t.to_dtype(DType::F32)?.to_vec2()?;
+        let values: Vec<Vec<f64>> = t.to_dtype(DType::F64)?.to_vec2()?;
         if values.len() != expected {
             return Err(Error::invalid_file(
                 &path,
