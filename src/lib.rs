@@ -146,10 +146,12 @@ pub mod trainer;
 
 pub use error::{Error, Result};
 
-/// The pages of `docs/`, compiled under `cargo test --doc` so that every Rust example in them builds
+/// The README and the pages of `docs/`, compiled under `cargo test --doc` so that every Rust example in them builds
 /// (and runs, unless marked `no_run`) against the crate as it is.
 #[cfg(doctest)]
 mod doc_pages {
+    #[doc = include_str!("../README.md")]
+    pub struct Readme;
     #[doc = include_str!("../docs/README.md")]
     pub struct DocsIndex;
     #[doc = include_str!("../docs/training.md")]
