@@ -81,7 +81,7 @@ pub fn check_device(device: &CudaDevice) -> Result<()> {
         candle_core::bail!(
             "GPU {ordinal} ({name}): its NVIDIA driver supports CUDA {}.{}, but this build's kernels are PTX from CUDA \
              {BUILD_TOOLKIT}, which needs a driver for CUDA {BUILD_TOOLKIT} or newer (NVIDIA driver {} or later): \
-             update the driver, or build with an older CUDA toolkit (README, \"GPU builds\")",
+             update the driver, or build with an older CUDA toolkit (docs/gpu.md, \"GPU builds\")",
             driver / 1000,
             driver % 1000 / 10,
             minimum_driver(needed),

@@ -146,6 +146,44 @@ pub mod trainer;
 
 pub use error::{Error, Result};
 
+/// The README and the pages of `docs/`, compiled under `cargo test --doc` so that every Rust example in them builds
+/// (and runs, unless marked `no_run`) against the crate as it is.
+#[cfg(doctest)]
+mod doc_pages {
+    #[doc = include_str!("../README.md")]
+    pub struct Readme;
+    #[doc = include_str!("../docs/README.md")]
+    pub struct DocsIndex;
+    #[doc = include_str!("../docs/training.md")]
+    pub struct Training;
+    #[doc = include_str!("../docs/data.md")]
+    pub struct Data;
+    #[doc = include_str!("../docs/adapters.md")]
+    pub struct Adapters;
+    #[doc = include_str!("../docs/models.md")]
+    pub struct Models;
+    #[doc = include_str!("../docs/quantization.md")]
+    pub struct Quantization;
+    #[doc = include_str!("../docs/memory.md")]
+    pub struct Memory;
+    #[doc = include_str!("../docs/gpu.md")]
+    pub struct Gpu;
+    #[doc = include_str!("../docs/multi-gpu.md")]
+    pub struct MultiGpu;
+    #[doc = include_str!("../docs/moe.md")]
+    pub struct Moe;
+    #[doc = include_str!("../docs/dpo.md")]
+    pub struct Dpo;
+    #[doc = include_str!("../docs/reliability.md")]
+    pub struct Reliability;
+    #[doc = include_str!("../docs/cli.md")]
+    pub struct Cli;
+    #[doc = include_str!("../docs/correctness.md")]
+    pub struct Correctness;
+    #[doc = include_str!("../docs/benchmarks.md")]
+    pub struct Benchmarks;
+}
+
 /// Unit tests count heap bytes, so memory accounting is tested exactly.
 #[cfg(test)]
 #[global_allocator]

@@ -164,7 +164,7 @@ pub(crate) fn gpu_capability_problem(device: u32, build: u32) -> Option<String> 
     } else {
         Some(format!(
             "compute capability {major}.{minor}, but this build has kernels for compute {}.{} and later only: \
-             rebuild with CUDA_COMPUTE_CAP={device} (scripts/build-cuda.sh; README, \"GPU builds\")",
+             rebuild with CUDA_COMPUTE_CAP={device} (scripts/build-cuda.sh; docs/gpu.md, \"GPU builds\")",
             build / 10,
             build % 10
         ))

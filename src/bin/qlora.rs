@@ -1,5 +1,5 @@
 //! `qlora`: the command-line front end of candle-qlora. Each subcommand parses its flags and calls the library;
-//! the subcommands and their flags are a stable interface (README, "The `qlora` command").
+//! the subcommands and their flags are a stable interface (docs/cli.md).
 // Doc comments below are the command's help text (clap), not rustdoc: `[model]` is a TOML section, not a link.
 #![allow(rustdoc::broken_intra_doc_links)]
 
