@@ -617,6 +617,54 @@ mod tests {
         }
     }
 
+    /// Float64 parameters (a float64 model's adapter) get float64 AdamW state: the update is torch's in float64
+    /// (not float32 rounded back), it resumes bit-identically, and other optimizers are refused by name.
+    #[test]
+    fn float64_parameters_train_with_float64_adamw() {
+        let init: Vec<f64> = (0..300).map(|i| ((i as f64) * 0.37).sin()).collect();
+        let grad: Vec<f64> = (0..300).map(|i| ((i as f64) * 1.3).cos() * 1e-3).collect();
+        let steps = |resume_at: Option<u64>| {
+            let dir = tempfile::tempdir().unwrap();
+            let var = Var::from_vec(init.clone(), 300, &Device::Cpu).unwrap();
+            let new = || {
+                Optimizer::new(vec![("w".into(), var.clone())], OptimizerConfig::default()).unwrap()
+            };
+            let mut opt = new();
+            for k in 1..=4 {
+                if Some(k) == resume_at {
+                    opt.save(dir.path()).unwrap();
+                    opt = new();
+                    opt.load(dir.path()).unwrap();
+                }
+                let mut grads = GradStore::default();
+                grads.insert(&var, Tensor::new(grad.as_slice(), &Device::Cpu).unwrap());
+                opt.step(&grads, 1e-3).unwrap();
+            }
+            var.as_tensor().to_vec1::<f64>().unwrap()
+        };
+        let trained = steps(None);
+        assert_eq!(trained, steps(Some(3)));
+        // The same four steps in float64 by hand: m, v and the update as torch.optim.AdamW computes them.
+        let (mut m, mut v, mut p) = (vec![0.0; 300], vec![0.0; 300], init.clone());
+        for step in 1..=4 {
+            let betas = (0.9, 0.999);
+            adamw::adamw_torch_update::<f64>(
+                &mut p, &grad, &mut m, &mut v, step, 1e-3, betas, 1e-8, 0.0,
+            );
+        }
+        assert_eq!(trained, p);
+
+        let var = Var::from_vec(init, 300, &Device::Cpu).unwrap();
+        let eight_bit = OptimizerConfig {
+            name: OptimizerName::AdamW8bit,
+            ..Default::default()
+        };
+        let Err(err) = Optimizer::new(vec![("w".into(), var)], eight_bit) else {
+            panic!("an 8-bit optimizer on float64 parameters must be refused");
+        };
+        assert!(err.to_string().contains("adamw_torch"), "{err}");
+    }
+
     #[test]
     fn eight_bit_state_is_about_two_bytes_per_parameter() {
         let (_, bytes) = run(OptimizerName::AdamW8bit, 1, None);

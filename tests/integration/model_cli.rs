@@ -68,9 +68,13 @@ fn eval_reports_the_token_level_mean_over_the_file() {
         total += s;
     }
     let loss = report["loss"].as_f64().unwrap();
+    // Two float32 computations of the same losses (batched by the command, one by one here): within the float32
+    // rounding bound of two passes through the decoder.
+    let terms = 2 * crate::common::decoder_chain_terms(model.config(), 5);
+    let bound = crate::common::float32_bound(terms, total / 7.0);
     assert!(
-        (loss - total / 7.0).abs() < 1e-5,
-        "{loss} vs {}",
+        (loss - total / 7.0).abs() <= bound,
+        "{loss} vs {}: beyond the float32 bound {bound:.2e} of two passes",
         total / 7.0
     );
     assert!((report["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-6);
