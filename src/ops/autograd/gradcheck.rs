@@ -24,6 +24,33 @@ fn weighted_sum(y: &Tensor, r: &Tensor) -> Result<Tensor> {
     (y.to_dtype(DType::F64)? * r)?.sum_all()
 }
 
+/// float32's unit roundoff, 2⁻²⁴: the largest relative error of one rounded operation.
+pub const F32_UNIT_ROUNDOFF: f64 = 1.0 / 16_777_216.0;
+
+/// The worst-case distance of a float32 chain of products `x · m₁ᵀ · m₂ᵀ ⋯` (`x: [.., k₀]`, `mᵢ: [kᵢ, kᵢ₋₁]`)
+/// from the exact one, for any order of its sums: the classical first-order bound (Σᵢ (kᵢ₋₁ + 1))·u·(|x|·|m₁|ᵀ·
+/// |m₂|ᵀ ⋯) of recursive summation — each product of inner width k adds k rounded additions and one rounding of
+/// its terms — at its largest entry. CPUs differ only in the order and blocking of these sums (AVX2 or AVX-512
+/// kernels, a matrix-vector kernel or a GEMM), which the bound covers; two float32 results of the same chain are
+/// within twice it of each other.
+pub fn f32_chain_bound(x: &Tensor, chain: &[&Tensor]) -> f64 {
+    let abs = |t: &Tensor| t.to_dtype(DType::F64).unwrap().abs().unwrap();
+    let mut magnitude = abs(x);
+    let mut terms = 0;
+    for m in chain {
+        terms += m.dim(1).unwrap() + 1;
+        magnitude = magnitude.broadcast_matmul(&abs(m).t().unwrap()).unwrap();
+    }
+    let largest = magnitude
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    terms as f64 * F32_UNIT_ROUNDOFF * largest
+}
+
 /// Largest absolute difference (as f64).
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b)
