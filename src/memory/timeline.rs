@@ -9,6 +9,7 @@ use serde::Serialize;
 use candle_core::Device;
 
 use super::allocator::allocated;
+use super::estimate::RunEstimate;
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{memory_svg, MemoryPoint};
@@ -114,10 +115,10 @@ pub struct MemoryTimeline {
     pub samples: Vec<PhaseSample>,
     /// The highest peak and what it was made of.
     pub peak: Option<(PhaseSample, Breakdown)>,
-    /// The bytes a memory estimate (`memory::estimate`) predicts for the run (the trainer sets it for its longest
-    /// micro-batch), drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
+    /// The memory estimate (`memory::estimate`) of the run (the trainer makes it for its longest micro-batch),
+    /// drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub estimate: Option<u64>,
+    pub estimate: Option<RunEstimate>,
     base_weights: u64,
     lora: u64,
     other: u64,
@@ -217,7 +218,8 @@ impl MemoryTimeline {
         self.samples.push(sample);
     }
 
-    /// The summary lines: peak, where it happened, its breakdown, and why a row may look odd.
+    /// The summary lines: peak, where it happened, its breakdown, why a row may look odd, and the run's estimate
+    /// with the `qlora estimate` flags that repeat it.
     pub fn summary(&self) -> Option<String> {
         let (s, b) = self.peak.as_ref()?;
         let mut text = format!(
@@ -235,6 +237,19 @@ impl MemoryTimeline {
         if self.source == "resident set" {
             text += "\n  (measured as the resident set: without memory::TrackingAllocator as the global allocator \
                      the heap is not counted, and `activations` holds everything the other rows do not)";
+        }
+        if let Some(e) = &self.estimate {
+            let total = human_bytes(e.prediction.total_bytes);
+            text += &match e.args.flags() {
+                Some(flags) => format!(
+                    "\nestimate for this run {total}: `qlora estimate --model <the base model> {flags}` (--seq: \
+                     the longest training example)"
+                ),
+                None => format!(
+                    "\nestimate for this run {total} (its target_modules is a regex, which `qlora estimate` has \
+                     no flag for)"
+                ),
+            };
         }
         Some(text)
     }
@@ -259,7 +274,8 @@ impl MemoryTimeline {
             })
             .collect();
         let path = dir.join("memory.svg");
-        let svg = memory_svg(self.source, &points, self.estimate)
+        let estimate = self.estimate.as_ref().map(|e| e.prediction.total_bytes);
+        let svg = memory_svg(self.source, &points, estimate)
             .map_err(|e| Error::io("cannot draw", &path, e))?;
         std::fs::write(&path, svg).map_err(|e| Error::io("cannot write", &path, e))
     }
