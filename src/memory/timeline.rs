@@ -1,8 +1,10 @@
-//! The memory timeline of a run: for every micro-batch's forward and backward and every optimizer update, the
-//! bytes live at its end and the peak inside it, and at the highest peak a breakdown by category. Written to
-//! `output_dir/memory_timeline.json` and drawn in `memory.svg`.
+//! The memory timeline of a run: for every micro-batch's forward and backward and every optimizer update, how long
+//! it ran, the bytes live at its end and the peak inside it with a breakdown by category, and the run's estimate.
+//! Written to `output_dir/memory_timeline.json` and drawn in `memory.svg` (memory over each step, stacked by
+//! category, as PyTorch's memory_viz timeline draws it).
 
 use std::path::Path;
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -67,6 +69,26 @@ impl Breakdown {
         ]
     }
 
+    /// The chart's categories ([`CHART_CATEGORIES`], bottom to top), cut so they sum to `total`: each takes at most
+    /// what the ones below it leave (the constant rows can exceed a low phase's bytes when memory counted as `other`
+    /// at the start was freed since).
+    fn chart_bytes(&self, total: u64) -> Vec<u64> {
+        let mut left = total;
+        [
+            self.base_weights,
+            self.other,
+            self.lora + self.gradients + self.optimizer,
+            self.activations,
+        ]
+        .into_iter()
+        .map(|b| {
+            let drawn = b.min(left);
+            left -= drawn;
+            drawn
+        })
+        .collect()
+    }
+
     /// A small table, one category per line, with shares of the total.
     pub fn table(&self) -> String {
         let total = self.total().max(1) as f64;
@@ -90,6 +112,14 @@ impl Breakdown {
     }
 }
 
+/// The categories of `memory.svg`, bottom to top: the constant ones first, so the changing ones sit on top.
+const CHART_CATEGORIES: [&str; 4] = [
+    "base weights",
+    "other",
+    "adapter, gradients, optimizer",
+    "activations, autograd",
+];
+
 /// One measured phase.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PhaseSample {
@@ -103,6 +133,10 @@ pub struct PhaseSample {
     pub allocated: u64,
     /// Highest bytes live during the phase.
     pub peak: u64,
+    /// How long the phase ran, in seconds.
+    pub seconds: f64,
+    /// What `peak` was made of.
+    pub breakdown: Breakdown,
 }
 
 /// Samples of a run and the breakdown at its highest peak.
@@ -124,6 +158,9 @@ pub struct MemoryTimeline {
     other: u64,
     #[serde(skip)]
     phase: Option<Phase>,
+    /// When the current phase started.
+    #[serde(skip)]
+    phase_start: Option<Instant>,
     /// The device measured (`None`: the CPU).
     #[serde(skip)]
     device: Option<Device>,
@@ -170,6 +207,7 @@ impl MemoryTimeline {
             self.device.as_ref().unwrap_or(&Device::Cpu),
             self.source == "resident set",
         );
+        self.phase_start = Some(Instant::now());
     }
 
     /// The phase running now (the last one started).
@@ -204,16 +242,20 @@ impl MemoryTimeline {
         else {
             return;
         };
+        let peak = peak.max(now);
         let sample = PhaseSample {
             step,
             micro_batch,
             phase,
             allocated: now,
-            peak: peak.max(now),
+            peak,
+            seconds: self
+                .phase_start
+                .map_or(0.0, |start| start.elapsed().as_secs_f64()),
+            breakdown: self.breakdown(peak, optimizer, gradients),
         };
         if self.peak.as_ref().is_none_or(|(p, _)| sample.peak > p.peak) {
-            let breakdown = self.breakdown(sample.peak, optimizer, gradients);
-            self.peak = Some((sample.clone(), breakdown));
+            self.peak = Some((sample.clone(), sample.breakdown.clone()));
         }
         self.samples.push(sample);
     }
@@ -269,13 +311,13 @@ impl MemoryTimeline {
                     Phase::Backward => "backward",
                     Phase::Optimizer => "optimizer",
                 },
-                peak: s.peak,
-                live: s.allocated,
+                seconds: s.seconds,
+                bytes: s.breakdown.chart_bytes(s.peak),
             })
             .collect();
         let path = dir.join("memory.svg");
         let estimate = self.estimate.as_ref().map(|e| e.prediction.total_bytes);
-        let svg = memory_svg(self.source, &points, estimate)
+        let svg = memory_svg(self.source, &CHART_CATEGORIES, &points, estimate)
             .map_err(|e| Error::io("cannot draw", &path, e))?;
         std::fs::write(&path, svg).map_err(|e| Error::io("cannot write", &path, e))
     }
