@@ -16,6 +16,7 @@ use candle_qlora::adapter::{
 use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset};
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
+use candle_qlora::lora::TargetModules;
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::optim::OptimizerName;
 use candle_qlora::precision::TorchDtype;
@@ -82,9 +83,13 @@ struct EstimateCliArgs {
     /// Sequence length in tokens.
     #[arg(long, default_value_t = 2048)]
     seq: usize,
-    /// LoRA rank (all linear layers of the blocks).
+    /// LoRA rank.
     #[arg(long = "lora-r", default_value_t = 16)]
     lora_r: usize,
+    /// The layers that get an adapter: `all-linear`, or module names separated by commas (`q_proj,v_proj`), as
+    /// `[lora] target_modules` lists them.
+    #[arg(long = "target-modules", default_value = "all-linear")]
+    target_modules: String,
     /// Optimizer (TrainingArguments.optim name).
     #[arg(long, default_value = "paged_adamw_8bit")]
     optim: OptimizerName,
@@ -101,6 +106,9 @@ struct EstimateCliArgs {
     /// Device: cpu (float32 compute) or cuda (bfloat16 compute).
     #[arg(long, value_enum, default_value = "cpu")]
     device: DeviceArg,
+    /// Compute dtype (float32, bfloat16 or float16), when not the device's.
+    #[arg(long)]
+    dtype: Option<TorchDtype>,
     /// Data-parallel ranks (GPUs, each holding the whole model; with --device cuda): the figures stay per GPU,
     /// and the gradient all-reduce of each optimizer step is added.
     #[arg(long = "world-size", default_value_t = 1)]
@@ -121,6 +129,10 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         batch: args.batch,
         seq: args.seq,
         lora_r: args.lora_r,
+        target_modules: Some(match args.target_modules.as_str() {
+            "all-linear" => TargetModules::AllLinear,
+            names => TargetModules::List(names.split(',').map(|n| n.trim().to_string()).collect()),
+        }),
         optim: args.optim,
         gradient_checkpointing: args.gradient_checkpointing,
         activation_memory_budget_mib: args.activation_memory_budget_mib,
@@ -129,6 +141,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             DeviceArg::Cpu => DeviceKind::Cpu,
             DeviceArg::Cuda => DeviceKind::Cuda,
         },
+        dtype: args.dtype,
         world_size: args.world_size,
         preference: args.dpo,
     };
@@ -139,12 +152,14 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "{} — batch {} × {} tokens, LoRA r={}, {}, checkpointing {}{}\n",
+        "{} — batch {} × {} tokens, LoRA r={} on {}, {}, {} compute, checkpointing {}{}\n",
         args.model,
         args.batch,
         args.seq,
         args.lora_r,
+        args.target_modules,
         args.optim,
+        request.compute_dtype(),
         if args.gradient_checkpointing {
             "on"
         } else {

@@ -5,12 +5,15 @@
 use serde::Serialize;
 
 use crate::lora::config::{rank_too_large, MAX_RANK};
+use crate::lora::targets::{is_target, rank_and_alpha};
+use crate::lora::{LoraConfig, TargetModules};
 use crate::models::ModelConfig;
 use crate::ops::attention::{CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
 use crate::optim::OptimizerName;
+use crate::precision::TorchDtype;
 
-/// Where the run happens: decides the compute dtype (CPU float32, CUDA bfloat16).
+/// Where the run happens: decides the default compute dtype (CPU float32, CUDA bfloat16) and the runtime's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
@@ -27,8 +30,11 @@ pub struct EstimateArgs {
     pub batch: usize,
     /// Sequence length.
     pub seq: usize,
-    /// LoRA rank (every linear layer of the blocks).
+    /// LoRA rank of every adapted layer.
     pub lora_r: usize,
+    /// The linear layers that get an adapter, as `[lora] target_modules` chooses them (PEFT's rules; `None`:
+    /// PEFT's default, `q_proj` and `v_proj`).
+    pub target_modules: Option<TargetModules>,
     /// Optimizer.
     pub optim: OptimizerName,
     /// Per-layer gradient checkpointing.
@@ -40,6 +46,8 @@ pub struct EstimateArgs {
     pub quantize: bool,
     /// Device.
     pub device: DeviceKind,
+    /// Compute dtype of activations and a dense base (`None`: the device's default, see [`DeviceKind`]).
+    pub dtype: Option<TorchDtype>,
     /// Ranks of a data-parallel run (GPUs, each holding the whole model): 1 alone.
     pub world_size: usize,
     /// DPO: `batch` counts preference pairs, and each forward runs both sequences of every pair (2 × `batch`
@@ -99,6 +107,60 @@ impl EstimateArgs {
         }
         Ok(())
     }
+
+    /// The compute dtype: the one asked, else the device's default.
+    pub fn compute_dtype(&self) -> TorchDtype {
+        self.dtype.unwrap_or(match self.device {
+            DeviceKind::Cpu => TorchDtype::Float32,
+            DeviceKind::Cuda => TorchDtype::BFloat16,
+        })
+    }
+
+    /// The adapter these arguments describe, for PEFT's matching rules.
+    fn adapter(&self) -> LoraConfig {
+        LoraConfig {
+            r: self.lora_r,
+            target_modules: self.target_modules.clone(),
+            ..Default::default()
+        }
+    }
+
+    /// The `qlora estimate` flags that estimate these arguments (all but `--model`), so a run's estimate can be
+    /// repeated; `None` when `target_modules` is a regular expression, which the command has no flag for.
+    pub fn flags(&self) -> Option<String> {
+        let targets = match &self.target_modules {
+            Some(TargetModules::AllLinear) => "all-linear".to_string(),
+            Some(TargetModules::List(names)) => names.join(","),
+            Some(TargetModules::Regex(_)) => return None,
+            None => crate::lora::config::DEFAULT_LLAMA_TARGETS.join(","),
+        };
+        let mut flags = format!(
+            "--batch {} --seq {} --lora-r {} --target-modules {targets} --optim {}",
+            self.batch, self.seq, self.lora_r, self.optim
+        );
+        if self.gradient_checkpointing {
+            flags += " --gradient-checkpointing";
+        }
+        if let Some(budget) = self.activation_memory_budget_mib {
+            flags += &format!(" --activation-memory-budget-mib {budget}");
+        }
+        flags += &format!(
+            " --quantize {} --device {} --dtype {}",
+            if self.quantize { "nf4" } else { "none" },
+            match self.device {
+                DeviceKind::Cpu => "cpu",
+                DeviceKind::Cuda => "cuda",
+            },
+            self.compute_dtype()
+        );
+        if self.world_size > 1 {
+            flags += &format!(" --world-size {}", self.world_size);
+        }
+        if self.preference {
+            flags += " --dpo";
+        }
+        Some(flags)
+    }
 }
 
 impl Default for EstimateArgs {
@@ -107,11 +169,13 @@ impl Default for EstimateArgs {
             batch: 1,
             seq: 2048,
             lora_r: 16,
+            target_modules: Some(TargetModules::AllLinear),
             optim: OptimizerName::PagedAdamW8bit,
             gradient_checkpointing: false,
             activation_memory_budget_mib: None,
             quantize: true,
             device: DeviceKind::Cpu,
+            dtype: None,
             world_size: 1,
             preference: false,
         }
@@ -171,6 +235,24 @@ pub struct Estimate {
     pub data_parallel: Option<DataParallel>,
     /// How a mixture of experts' tokens spread over its experts (the configuration asked, a sparse model).
     pub routing: Option<Routing>,
+}
+
+/// The estimate of one run: the arguments its settings give and what they predict — what `qlora estimate` prints
+/// with [`EstimateArgs::flags`].
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunEstimate {
+    /// The run's settings, as the estimate takes them.
+    pub args: EstimateArgs,
+    /// What they predict.
+    pub prediction: Estimate,
+}
+
+impl RunEstimate {
+    /// The estimate of `args` on model `c`.
+    pub fn new(c: &ModelConfig, args: EstimateArgs) -> crate::Result<Self> {
+        let prediction = estimate(c, &args)?;
+        Ok(RunEstimate { args, prediction })
+    }
 }
 
 /// The rows each expert of a sparse layer runs over in one micro-batch. Every token goes to `num_experts_per_tok`
@@ -264,15 +346,19 @@ fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
     )
 }
 
-/// `(in, out, adapted)` of every layer's quantized projections (q, k, v, o, gate, up, down; Phi-3's fused qkv, o,
-/// gate_up, down; each expert's gate_up and down), where `adapted` says whether `"all-linear"` gives it an adapter
-/// pair: PEFT gives none to experts, which transformers holds as 3-D parameters, not `nn.Linear`s. Routers stay
-/// dense (see [`router_params`]).
-fn block_linear_shapes(c: &ModelConfig) -> Vec<(u64, u64, bool)> {
+/// `(module, in, out)` of every layer's quantized projections (q, k, v, o, gate, up, down; Phi-3's fused qkv, o,
+/// gate_up, down; each expert's gate_up and down) under the model's module names (`model.layers.0.self_attn.
+/// q_proj`). Routers stay dense (see [`router_params`]).
+fn block_linear_shapes(c: &ModelConfig) -> Vec<(String, u64, u64)> {
     (0..c.num_hidden_layers)
-        .flat_map(|l| c.layer_linears(l))
-        .filter(|(name, _)| name != c.architecture.router_name())
-        .map(|(name, [out, inp])| (inp as u64, out as u64, !name.starts_with("mlp.experts.")))
+        .flat_map(|l| {
+            c.layer_linears(l)
+                .into_iter()
+                .filter(|(name, _)| name != c.architecture.router_name())
+                .map(move |(name, [out, inp])| {
+                    (format!("model.layers.{l}.{name}"), inp as u64, out as u64)
+                })
+        })
         .collect()
 }
 
@@ -284,11 +370,14 @@ fn router_params(c: &ModelConfig) -> u64 {
     })
 }
 
-fn counts(c: &ModelConfig, r: usize) -> Counts {
+/// The parameter counts of model `c` with `adapter`, whose pairs go where PEFT's rules put them: `"all-linear"`
+/// gives none to experts, which transformers holds as 3-D parameters, not `nn.Linear`s. An error when the adapter
+/// matches no layer (as the trainer refuses it).
+fn counts(c: &ModelConfig, adapter: &LoraConfig) -> crate::Result<Counts> {
     let (h, hq, hkv, _) = widths(c);
     let l = c.num_hidden_layers as u64;
     let shapes = block_linear_shapes(c);
-    let block_linear = shapes.iter().map(|(a, b, _)| a * b).sum::<u64>();
+    let block_linear = shapes.iter().map(|(_, a, b)| a * b).sum::<u64>();
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
     let bias = bias_params(c, l, h, hq, hkv);
@@ -299,18 +388,26 @@ fn counts(c: &ModelConfig, r: usize) -> Counts {
         0
     };
     let norms = (block_norms * l + 1) * h + l * head_norms;
-    let r = r as u64;
-    let lora_tensors: Vec<u64> = shapes
-        .iter()
-        .filter(|(_, _, adapted)| *adapted)
-        .flat_map(|(a, b, _)| [r * a, r * b])
-        .collect();
-    Counts {
+    let mut lora_tensors = Vec::new();
+    for (module, a, b) in &shapes {
+        if is_target(adapter, module)? {
+            let r = rank_and_alpha(adapter, module)?.0 as u64;
+            lora_tensors.extend([r * a, r * b]);
+        }
+    }
+    if lora_tensors.is_empty() {
+        return Err(crate::Error::InvalidInput(format!(
+            "estimate: target_modules {} matches no linear layer of the model's blocks (e.g. {}); name some of them",
+            serde_json::to_string(&adapter.target_modules).unwrap_or_default(),
+            shapes.first().map_or("q_proj", |(m, _, _)| m.as_str())
+        )));
+    }
+    Ok(Counts {
         block_linear,
         rest: embed + head + bias + norms + router_params(c),
         lora: lora_tensors.iter().sum(),
         lora_tensors,
-    }
+    })
 }
 
 /// Biases and other small per-layer vectors kept dense: attention biases (q/k/v; gpt-oss's o too), gpt-oss's
@@ -501,11 +598,9 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     };
     let args = &rows;
     let optim = args.optim;
-    let n = counts(c, args.lora_r);
-    let e: u64 = match args.device {
-        DeviceKind::Cpu => 4,
-        DeviceKind::Cuda => 2,
-    };
+    let n = counts(c, &args.adapter())?;
+    let dtype = args.compute_dtype();
+    let e = dtype.dtype().size_in_bytes() as u64;
     let weights = if args.quantize {
         per_layer_nf4(c) + n.rest * e
     } else {
@@ -519,9 +614,16 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     } + data_parallel.as_ref().map_or(0, |d| d.bucket_bytes);
     let mut assumptions = vec![
         format!(
-            "{} compute; LoRA r={} on every linear layer of the blocks, float32 adapter weights and gradients",
-            if e == 4 { "float32" } else { "bfloat16" },
-            args.lora_r
+            "{dtype} compute; LoRA r={} on {}, float32 adapter weights and gradients",
+            args.lora_r,
+            match &args.target_modules {
+                Some(TargetModules::AllLinear) => "every linear layer of the blocks".to_string(),
+                _ => format!(
+                    "{} of the {} linear layers of the blocks (target_modules)",
+                    n.lora_tensors.len() / 2,
+                    block_linear_shapes(c).len()
+                ),
+            }
         ),
         if args.quantize {
             "base linears NF4 with double quantization (4.127 bits/parameter); embeddings, head and norms in the compute dtype".into()
@@ -611,7 +713,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
 fn per_layer_nf4(c: &ModelConfig) -> u64 {
     block_linear_shapes(c)
         .iter()
-        .map(|(a, b, _)| nf4_bytes(a * b))
+        .map(|(_, a, b)| nf4_bytes(a * b))
         .sum()
 }
 
@@ -621,7 +723,7 @@ fn per_layer_nf4(c: &ModelConfig) -> u64 {
 pub fn comparison(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Vec<Estimate>> {
     let asked = estimate(c, args)?; // validates the arguments
     let optim = args.optim;
-    let n = counts(c, args.lora_r);
+    let n = counts(c, &args.adapter())?;
     let p = n.block_linear + n.rest;
     let all: Vec<u64> = vec![p];
     let lora_opt = optimizer_bytes(optim, &n.lora_tensors);
@@ -763,7 +865,7 @@ mod tests {
             "rms_norm_eps": 1e-6, "tie_word_embeddings": false
         });
         let c = ModelConfig::from_hf_config(&json, std::path::Path::new("config.json")).unwrap();
-        let n = counts(&c, 16);
+        let n = counts(&c, &all_linear(16)).unwrap();
         assert_eq!(n.block_linear + n.rest, 30_532_122_624);
         assert_eq!(n.lora, 13_369_344);
         let e = estimate(
@@ -812,7 +914,7 @@ mod tests {
             "tie_word_embeddings": false, "use_cache": true, "vocab_size": 201088
         });
         let c = ModelConfig::from_hf_config(&json, std::path::Path::new("config.json")).unwrap();
-        let n = counts(&c, 16);
+        let n = counts(&c, &all_linear(16)).unwrap();
         assert_eq!(n.block_linear + n.rest, 20_914_757_184);
         assert_eq!(n.lora, 7_962_624);
         let args = EstimateArgs {
@@ -822,6 +924,106 @@ mod tests {
         };
         let e = estimate(&c, &args).unwrap();
         assert_eq!(e.routing.unwrap().routed_rows, 8_192);
+    }
+
+    /// An adapter of rank `r` on every linear layer.
+    fn all_linear(r: usize) -> LoraConfig {
+        LoraConfig {
+            r,
+            target_modules: Some(TargetModules::AllLinear),
+            ..Default::default()
+        }
+    }
+
+    /// The adapter goes where `target_modules` says, as PEFT puts it: Llama-2-7B's query and value projections
+    /// at r = 16 are PEFT's 8,388,608 trainable parameters, also by default (`None`); a list that names no layer
+    /// is an error.
+    #[test]
+    fn target_modules_choose_the_adapted_layers() {
+        let c = llama2_7b();
+        let args = |target_modules: Option<TargetModules>| EstimateArgs {
+            target_modules,
+            ..Default::default()
+        };
+        let qv = TargetModules::List(vec!["q_proj".into(), "v_proj".into()]);
+        let lora = |t: Option<TargetModules>| estimate(&c, &args(t)).map(|e| e.lora_bytes);
+        assert_eq!(lora(Some(qv.clone())).unwrap(), 4 * 8_388_608);
+        assert_eq!(lora(None).unwrap(), 4 * 8_388_608);
+        let all = estimate(&c, &args(Some(TargetModules::AllLinear))).unwrap();
+        assert_eq!(all.lora_bytes, 4 * 39_976_960);
+        let e = estimate(&c, &args(Some(qv))).unwrap();
+        assert!(e.optimizer_bytes < all.optimizer_bytes && e.weights_bytes == all.weights_bytes);
+        assert!(
+            e.assumptions[0].contains("on 64 of the 224 linear layers"),
+            "{:?}",
+            e.assumptions
+        );
+        let err = lora(Some(TargetModules::List(vec!["qkv".into()])))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("matches no linear layer"), "{err}");
+    }
+
+    /// The compute dtype sets the bytes of activations and of a dense base; without one the device's default
+    /// (CPU float32, CUDA bfloat16) applies.
+    #[test]
+    fn the_compute_dtype_sizes_activations_and_a_dense_base() {
+        let c = llama2_7b();
+        let args = |device: DeviceKind, dtype: Option<TorchDtype>| EstimateArgs {
+            device,
+            dtype,
+            quantize: false,
+            seq: 512,
+            ..Default::default()
+        };
+        let on = |a: EstimateArgs| estimate(&c, &a).unwrap();
+        assert_eq!(
+            on(args(DeviceKind::Cpu, None)),
+            on(args(DeviceKind::Cpu, Some(TorchDtype::Float32)))
+        );
+        assert_eq!(
+            on(args(DeviceKind::Cuda, None)),
+            on(args(DeviceKind::Cuda, Some(TorchDtype::BFloat16)))
+        );
+        let (half, full) = (
+            on(args(DeviceKind::Cuda, Some(TorchDtype::Float16))),
+            on(args(DeviceKind::Cuda, Some(TorchDtype::Float32))),
+        );
+        assert_eq!(full.weights_bytes, 2 * half.weights_bytes);
+        assert!(full.activations_bytes > half.activations_bytes);
+        assert!(full.assumptions[0].starts_with("float32 compute"));
+    }
+
+    /// The flags repeat every argument the command takes, and none where it has no flag for one (a regex).
+    #[test]
+    fn flags_name_every_argument() {
+        let args = EstimateArgs {
+            batch: 4,
+            seq: 58,
+            target_modules: None,
+            gradient_checkpointing: true,
+            activation_memory_budget_mib: Some(512.0),
+            device: DeviceKind::Cuda,
+            world_size: 2,
+            preference: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            args.flags().unwrap(),
+            "--batch 4 --seq 58 --lora-r 16 --target-modules q_proj,v_proj --optim paged_adamw_8bit \
+             --gradient-checkpointing --activation-memory-budget-mib 512 --quantize nf4 --device cuda \
+             --dtype bfloat16 --world-size 2 --dpo"
+        );
+        assert_eq!(
+            EstimateArgs::default().flags().unwrap(),
+            "--batch 1 --seq 2048 --lora-r 16 --target-modules all-linear --optim paged_adamw_8bit --quantize nf4 \
+             --device cpu --dtype float32"
+        );
+        let regex = EstimateArgs {
+            target_modules: Some(TargetModules::Regex(".*q_proj".into())),
+            ..Default::default()
+        };
+        assert_eq!(regex.flags(), None);
     }
 
     fn llama2_7b() -> ModelConfig {
@@ -836,7 +1038,7 @@ mod tests {
     #[test]
     fn llama2_7b_reproduces_the_familiar_orders_of_magnitude() {
         let c = llama2_7b();
-        let n = counts(&c, 16);
+        let n = counts(&c, &all_linear(16)).unwrap();
         assert_eq!(
             n.block_linear + n.rest,
             6_738_415_616,
@@ -915,9 +1117,9 @@ mod tests {
     #[test]
     fn fused_projections_count_one_adapter_pair() {
         let mut phi = llama2_7b();
-        let separate = counts(&phi, 16);
+        let separate = counts(&phi, &all_linear(16)).unwrap();
         phi.architecture = crate::models::Architecture::Phi3;
-        let fused = counts(&phi, 16);
+        let fused = counts(&phi, &all_linear(16)).unwrap();
         assert_eq!(fused.block_linear, separate.block_linear);
         assert!(
             fused.lora < separate.lora,

@@ -14,7 +14,7 @@ pub mod timeline;
 pub use allocator::{allocated, keep_freed_memory, tracking, TrackingAllocator};
 pub use estimate::{
     comparison, estimate, kept_layers, DataParallel, DeviceKind, Estimate, EstimateArgs, Regime,
-    DDP_BUCKET_CAP_MB,
+    RunEstimate, DDP_BUCKET_CAP_MB,
 };
 pub use stats::{
     human_bytes, is_out_of_memory, process_memory, reset_device_peak, reset_peak, stats,

@@ -1,14 +1,17 @@
-//! The memory timeline of a run: for every micro-batch's forward and backward and every optimizer update, the
-//! bytes live at its end and the peak inside it, and at the highest peak a breakdown by category. Written to
-//! `output_dir/memory_timeline.json` and drawn in `memory.svg`.
+//! The memory timeline of a run: for every micro-batch's forward and backward and every optimizer update, how long
+//! it ran, the bytes live at its end and the peak inside it with a breakdown by category, and the run's estimate.
+//! Written to `output_dir/memory_timeline.json` and drawn in `memory.svg` (memory over each step, stacked by
+//! category, as PyTorch's memory_viz timeline draws it).
 
 use std::path::Path;
+use std::time::Instant;
 
 use serde::Serialize;
 
 use candle_core::Device;
 
 use super::allocator::allocated;
+use super::estimate::RunEstimate;
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{memory_svg, MemoryPoint};
@@ -66,6 +69,26 @@ impl Breakdown {
         ]
     }
 
+    /// The chart's categories ([`CHART_CATEGORIES`], bottom to top), cut so they sum to `total`: each takes at most
+    /// what the ones below it leave (the constant rows can exceed a low phase's bytes when memory counted as `other`
+    /// at the start was freed since).
+    fn chart_bytes(&self, total: u64) -> Vec<u64> {
+        let mut left = total;
+        [
+            self.base_weights,
+            self.other,
+            self.lora + self.gradients + self.optimizer,
+            self.activations,
+        ]
+        .into_iter()
+        .map(|b| {
+            let drawn = b.min(left);
+            left -= drawn;
+            drawn
+        })
+        .collect()
+    }
+
     /// A small table, one category per line, with shares of the total.
     pub fn table(&self) -> String {
         let total = self.total().max(1) as f64;
@@ -89,6 +112,14 @@ impl Breakdown {
     }
 }
 
+/// The categories of `memory.svg`, bottom to top: the constant ones first, so the changing ones sit on top.
+const CHART_CATEGORIES: [&str; 4] = [
+    "base weights",
+    "other",
+    "adapter, gradients, optimizer",
+    "activations, autograd",
+];
+
 /// One measured phase.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PhaseSample {
@@ -102,6 +133,10 @@ pub struct PhaseSample {
     pub allocated: u64,
     /// Highest bytes live during the phase.
     pub peak: u64,
+    /// How long the phase ran, in seconds.
+    pub seconds: f64,
+    /// What `peak` was made of.
+    pub breakdown: Breakdown,
 }
 
 /// Samples of a run and the breakdown at its highest peak.
@@ -114,15 +149,18 @@ pub struct MemoryTimeline {
     pub samples: Vec<PhaseSample>,
     /// The highest peak and what it was made of.
     pub peak: Option<(PhaseSample, Breakdown)>,
-    /// The bytes a memory estimate (`memory::estimate`) predicts for the run (the trainer sets it for its longest
-    /// micro-batch), drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
+    /// The memory estimate (`memory::estimate`) of the run (the trainer makes it for its longest micro-batch),
+    /// drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub estimate: Option<u64>,
+    pub estimate: Option<RunEstimate>,
     base_weights: u64,
     lora: u64,
     other: u64,
     #[serde(skip)]
     phase: Option<Phase>,
+    /// When the current phase started.
+    #[serde(skip)]
+    phase_start: Option<Instant>,
     /// The device measured (`None`: the CPU).
     #[serde(skip)]
     device: Option<Device>,
@@ -169,6 +207,7 @@ impl MemoryTimeline {
             self.device.as_ref().unwrap_or(&Device::Cpu),
             self.source == "resident set",
         );
+        self.phase_start = Some(Instant::now());
     }
 
     /// The phase running now (the last one started).
@@ -203,21 +242,26 @@ impl MemoryTimeline {
         else {
             return;
         };
+        let peak = peak.max(now);
         let sample = PhaseSample {
             step,
             micro_batch,
             phase,
             allocated: now,
-            peak: peak.max(now),
+            peak,
+            seconds: self
+                .phase_start
+                .map_or(0.0, |start| start.elapsed().as_secs_f64()),
+            breakdown: self.breakdown(peak, optimizer, gradients),
         };
         if self.peak.as_ref().is_none_or(|(p, _)| sample.peak > p.peak) {
-            let breakdown = self.breakdown(sample.peak, optimizer, gradients);
-            self.peak = Some((sample.clone(), breakdown));
+            self.peak = Some((sample.clone(), sample.breakdown.clone()));
         }
         self.samples.push(sample);
     }
 
-    /// The summary lines: peak, where it happened, its breakdown, and why a row may look odd.
+    /// The summary lines: peak, where it happened, its breakdown, why a row may look odd, and the run's estimate
+    /// with the `qlora estimate` flags that repeat it.
     pub fn summary(&self) -> Option<String> {
         let (s, b) = self.peak.as_ref()?;
         let mut text = format!(
@@ -235,6 +279,19 @@ impl MemoryTimeline {
         if self.source == "resident set" {
             text += "\n  (measured as the resident set: without memory::TrackingAllocator as the global allocator \
                      the heap is not counted, and `activations` holds everything the other rows do not)";
+        }
+        if let Some(e) = &self.estimate {
+            let total = human_bytes(e.prediction.total_bytes);
+            text += &match e.args.flags() {
+                Some(flags) => format!(
+                    "\nestimate for this run {total}: `qlora estimate --model <the base model> {flags}` (--seq: \
+                     the longest training example)"
+                ),
+                None => format!(
+                    "\nestimate for this run {total} (its target_modules is a regex, which `qlora estimate` has \
+                     no flag for)"
+                ),
+            };
         }
         Some(text)
     }
@@ -254,12 +311,13 @@ impl MemoryTimeline {
                     Phase::Backward => "backward",
                     Phase::Optimizer => "optimizer",
                 },
-                peak: s.peak,
-                live: s.allocated,
+                seconds: s.seconds,
+                bytes: s.breakdown.chart_bytes(s.peak),
             })
             .collect();
         let path = dir.join("memory.svg");
-        let svg = memory_svg(self.source, &points, self.estimate)
+        let estimate = self.estimate.as_ref().map(|e| e.prediction.total_bytes);
+        let svg = memory_svg(self.source, &CHART_CATEGORIES, &points, estimate)
             .map_err(|e| Error::io("cannot draw", &path, e))?;
         std::fs::write(&path, svg).map_err(|e| Error::io("cannot write", &path, e))
     }

@@ -1,6 +1,7 @@
 //! The charts written at the end of a run, as SVG drawn with `plotters`: the loss plot (training and evaluation
-//! loss, the learning rate on a second axis) and the memory timeline (each phase of each step, named, and the
-//! estimate's line). Ticks sit at round values and are labelled with the decimals they need (`axis`).
+//! loss, the learning rate on a second axis) and the memory timeline (memory over each step, stacked by category,
+//! the estimate's line and the measured peak). Ticks sit at round values and are labelled with the decimals they
+//! need (`axis`).
 
 mod axis;
 mod loss;
@@ -30,11 +31,11 @@ const COLORS: [RGBColor; 4] = [
     RGBColor(44, 160, 44),
     RGBColor(214, 39, 40),
 ];
-/// A line of context, drawn behind the data (the memory live at each phase's end).
+/// A color of context: the memory chart's `other` category.
 const GREY: RGBColor = RGBColor(140, 140, 140);
 /// Room left above the data for the legend, as a share of the data's span.
 const LEGEND_ROOM: f64 = 0.35;
-/// Series with more points than this are drawn without markers.
+/// Series with more points than this are drawn without markers, and memory charts without their phase edges.
 const MARKERS_UP_TO: usize = 60;
 
 /// The error of drawing into an SVG string.

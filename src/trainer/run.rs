@@ -46,12 +46,12 @@ use crate::files::lock::OutputLock;
 use crate::files::{first_non_finite, sweep_abandoned};
 use crate::lora::LoraConfig;
 use crate::memory::snapshot::{write_snapshot, Recording, Source};
-use crate::memory::{estimate, process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase};
+use crate::memory::{process_memory, DeviceKind, EstimateArgs, MemoryTimeline, Phase, RunEstimate};
 use crate::models::LlamaModel;
 use crate::optim::clip::{scale_to_norm, squared_norm};
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::plot::{loss_svg, LossCurves};
-use crate::precision::Precision;
+use crate::precision::{Precision, TorchDtype};
 use crate::profile::context as snapshot_context;
 use crate::profile::trace;
 
@@ -436,10 +436,10 @@ impl Trainer {
     }
 
     /// What `qlora estimate` predicts for this run's longest micro-batch (drawn on the memory chart): its batch and
-    /// longest example, the adapter's rank (as if on every linear layer, the estimate's assumption), optimizer,
-    /// checkpointing, base and device. `None` when the estimate refuses the sizes.
-    fn run_estimate(&self, args: &TrainingArguments, world_size: usize) -> Option<u64> {
-        let lora_r = self.model.adapter_configs.get(ADAPTER)?.r;
+    /// longest example, the adapter's rank and target modules, optimizer, checkpointing and its activation budget,
+    /// base, device and compute dtype. `None` when the estimate refuses the sizes.
+    fn run_estimate(&self, args: &TrainingArguments, world_size: usize) -> Option<RunEstimate> {
+        let lora = self.model.adapter_configs.get(ADAPTER)?;
         let quantize = self
             .model
             .linears()
@@ -448,7 +448,8 @@ impl Trainer {
         let estimate_args = EstimateArgs {
             batch: args.per_device_train_batch_size,
             seq: self.task.train_lengths().into_iter().max()?,
-            lora_r,
+            lora_r: lora.r,
+            target_modules: lora.target_modules.clone(),
             optim: args.optim,
             gradient_checkpointing: args.gradient_checkpointing,
             activation_memory_budget_mib: args.activation_memory_budget_mib,
@@ -458,12 +459,11 @@ impl Trainer {
             } else {
                 DeviceKind::Cuda
             },
+            dtype: Some(TorchDtype::of(self.model.compute_dtype())),
             world_size,
             preference: matches!(self.task, Task::Preference(_)),
         };
-        estimate(self.model.config(), &estimate_args)
-            .ok()
-            .map(|e| e.total_bytes)
+        RunEstimate::new(self.model.config(), estimate_args).ok()
     }
 
     /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored

@@ -1,9 +1,10 @@
 //! Memory accounting: the NF4 model's weight bytes as predicted, the trainer's per-phase timeline and breakdown,
-//! and `qlora estimate`.
+//! `qlora estimate`, and the run's estimate on its memory chart.
 
 use std::path::Path;
 
-use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
+use candle_qlora::data::{DataConfig, Dataset};
+use candle_qlora::loading::{load_model, load_model_config, load_tokenizer, LoadOptions};
 use candle_qlora::memory::{estimate, EstimateArgs};
 use candle_qlora::quant::QuantConfig;
 
@@ -111,6 +112,101 @@ fn the_trainer_records_where_memory_goes() {
         breakdown["lora"].as_u64().unwrap() > 0 && breakdown["activations"].as_u64().unwrap() > 0
     );
     assert!(dir.path().join("out/memory.svg").exists());
+}
+
+/// The estimate a run draws on its memory chart is what `qlora estimate` prints for the run's settings — its batch,
+/// longest example, rank and target modules, optimizer, checkpointing and activation budget, NF4 base, device and
+/// dtype — and the flags the run prints repeat it.
+#[test]
+fn the_charts_estimate_is_qlora_estimates_for_the_runs_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = data_path("models/tiny-llama");
+    let model = model.to_str().unwrap();
+    let train = dir.path().join("train.jsonl");
+    std::fs::write(
+        &train,
+        "{\"text\": \"t1 t2 t3\"}\n{\"text\": \"t4 t5 t6 t7 t8 t9 t10\"}\n{\"text\": \"t11 t12\"}\n",
+    )
+    .unwrap();
+    let config = dir.path().join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nname_or_path = {model:?}\n[model.quantization]\nload_in_4bit = true\n\
+             bnb_4bit_quant_type = \"nf4\"\nbnb_4bit_use_double_quant = true\n\
+             [lora]\nr = 4\ntarget_modules = [\"q_proj\", \"v_proj\"]\n[data]\ntrain_file = \"train.jsonl\"\n\
+             [training]\noutput_dir = {:?}\nper_device_train_batch_size = 2\nmax_steps = 1\n\
+             save_strategy = \"no\"\noptim = \"adamw_torch\"\ngradient_checkpointing = true\n\
+             activation_memory_budget_mib = 0.01\n",
+            dir.path().join("out").to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
+    let timeline: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("out/memory_timeline.json")).unwrap(),
+    )
+    .unwrap();
+    let drawn = timeline["estimate"]["prediction"]["total_bytes"]
+        .as_u64()
+        .unwrap();
+    let tokenizer = load_tokenizer(model, None).unwrap().unwrap();
+    let longest = Dataset::from_jsonl(&train, &tokenizer, &DataConfig::default())
+        .unwrap()
+        .rows
+        .iter()
+        .map(|r| r.input_ids.len())
+        .max()
+        .unwrap();
+    let estimated = |flags: &[&str]| {
+        let json =
+            crate::families::qlora(&[&["estimate", "--model", model, "--json"], flags].concat());
+        serde_json::from_str::<serde_json::Value>(&json).unwrap()["total_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    let seq = longest.to_string();
+    let settings = [
+        "--batch",
+        "2",
+        "--seq",
+        &seq,
+        "--lora-r",
+        "4",
+        "--target-modules",
+        "q_proj,v_proj",
+        "--optim",
+        "adamw_torch",
+        "--gradient-checkpointing",
+        "--activation-memory-budget-mib",
+        "0.01",
+        "--quantize",
+        "nf4",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ];
+    assert_eq!(drawn, estimated(&settings));
+    // Another rank, other targets or another length are another estimate: the comparison can fail.
+    for (flag, other) in [
+        ("--lora-r", "8"),
+        ("--target-modules", "all-linear"),
+        ("--seq", "128"),
+    ] {
+        let i = settings.iter().position(|s| *s == flag).unwrap();
+        let mut changed = settings;
+        changed[i + 1] = other;
+        assert_ne!(drawn, estimated(&changed), "{flag} {other}");
+    }
+    // The run says how to repeat its estimate.
+    let printed = text
+        .split("`qlora estimate --model <the base model> ")
+        .nth(1)
+        .and_then(|rest| rest.split('`').next())
+        .unwrap_or_else(|| panic!("no estimate command in {text}"));
+    let printed: Vec<&str> = printed.split(' ').collect();
+    assert_eq!(printed, settings);
 }
 
 /// `qlora estimate` prints the table, or one JSON object for the configuration asked; bad input names the model.

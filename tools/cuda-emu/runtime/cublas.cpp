@@ -131,7 +131,7 @@ std::string check_operand(const char *name, const void *p, int type, long long r
 
 int run(const Gemm &g) {
     if (!g.handle || !live(g.handle)) return refuse(NOT_INITIALIZED, g.api, "the handle is not a live cublasCreate handle");
-    if (int e = sticky_error()) return refuse(EXECUTION_FAILED, g.api, format("the context has failed (CUresult %d)", e));
+    if (sticky_error()) return refuse(EXECUTION_FAILED, g.api, earlier_failure());
     if (g.transa < 0 || g.transa > 1 || g.transb < 0 || g.transb > 1)
         return refuse(INVALID_VALUE, g.api, "only CUBLAS_OP_N and CUBLAS_OP_T are emulated (real matrices)");
     if (g.m < 0 || g.n < 0 || g.k < 0 || g.batch < 0)

@@ -80,7 +80,7 @@ int prepare(const char *api, Generator *g, void *out, size_t count, size_t eleme
     if (!live(g)) return refuse(NOT_INITIALIZED, api, "not a live curandCreateGenerator generator");
     if (pairs && count % 2)
         return refuse(LENGTH_NOT_MULTIPLE, api, format("%zu values: normal fills need an even count", count));
-    if (int e = sticky_error()) return refuse(LAUNCH_FAILURE, api, format("the context has failed (CUresult %d)", e));
+    if (sticky_error()) return refuse(LAUNCH_FAILURE, api, earlier_failure());
     const std::string bad = check_range(reinterpret_cast<uintptr_t>(out), count * element);
     if (count && !bad.empty()) return refuse(LAUNCH_FAILURE, api, format("output of %zu values: %s", count, bad.c_str()));
     count_launch(std::string("curand:") + api);

@@ -107,10 +107,7 @@ bool valid_stream(const void *stream) {
 
 int require_context(const char *api) {
     if (!g_initialized) return fail(CUDA_ERROR_NOT_INITIALIZED, format("%s: cuInit was not called", api));
-    if (int sticky = sticky_error()) {
-        return fail(sticky, format("%s: an earlier kernel failed, and the context with it: %s", api,
-                                   last_message(sticky) ? last_message(sticky) : "see above"));
-    }
+    if (int sticky = sticky_error()) return fail(sticky, format("%s: %s", api, earlier_failure().c_str()));
     if (t_contexts.empty() || t_contexts.back() == nullptr) {
         return fail(CUDA_ERROR_INVALID_CONTEXT, format("%s: no context is current on this thread", api));
     }

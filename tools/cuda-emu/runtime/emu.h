@@ -32,7 +32,12 @@ const char *last_message(int code);
 // A sticky error (an illegal address, a trap in a kernel): every later call of the process fails with it, as a
 // CUDA context does after a kernel fault. 0 while there is none.
 int sticky_error();
-void set_sticky_error(int code);
+// Makes `code` sticky with `message`, the fault's own description; a later fault changes neither (the first one
+// broke the context).
+void set_sticky_error(int code, const std::string &message);
+// Why a call fails after the sticky error: "an earlier kernel failed: FIRST", FIRST being the fault's own message,
+// never a later call's (so the cause is said once, however many calls fail after it).
+std::string earlier_failure();
 // printf into a std::string.
 std::string format(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

@@ -561,8 +561,7 @@ int launch(const Launch &l) {
         written.push_back(al);
     }
     if (const int sticky = sticky_error()) {
-        return fail(sticky, format("cuLaunchKernel(%s): an earlier kernel failed: %s", name,
-                                   last_message(sticky) ? last_message(sticky) : "see above"));
+        return fail(sticky, format("cuLaunchKernel(%s): %s", name, earlier_failure().c_str()));
     }
     count_launch(name);
 
@@ -603,7 +602,7 @@ int launch(const Launch &l) {
         }
     }
     if (result) {
-        set_sticky_error(result);
+        set_sticky_error(result, b.message);
         return fail(result, b.message);
     }
     return 0;

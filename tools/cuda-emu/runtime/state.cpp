@@ -76,6 +76,9 @@ Config read_config() {
 thread_local int t_last_code = 0;
 thread_local std::string t_last_message;
 std::atomic<int> g_sticky{0};
+// The sticky fault's message, written once under its lock before `g_sticky` is published.
+std::mutex g_sticky_lock;
+std::string g_sticky_message;
 
 struct Counters {
     std::mutex lock;
@@ -136,9 +139,16 @@ const char *last_message(int code) { return code == t_last_code && code != 0 ? t
 
 int sticky_error() { return g_sticky.load(std::memory_order_acquire); }
 
-void set_sticky_error(int code) {
-    int expected = 0;
-    g_sticky.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+void set_sticky_error(int code, const std::string &message) {
+    std::lock_guard<std::mutex> g(g_sticky_lock);
+    if (g_sticky.load(std::memory_order_relaxed)) return;
+    g_sticky_message = message;
+    g_sticky.store(code, std::memory_order_release);
+}
+
+std::string earlier_failure() {
+    std::lock_guard<std::mutex> g(g_sticky_lock);
+    return "an earlier kernel failed: " + g_sticky_message;
 }
 
 void count_copy(Copy direction, size_t bytes) {

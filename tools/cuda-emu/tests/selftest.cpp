@@ -1,6 +1,7 @@
 // The emulated device's own tests: correct kernels give the right numbers, and each kind of bug the emulator exists
 // to catch — an out-of-bounds index, a missing barrier, a launch beyond the hardware's limits, shared memory beyond
-// the default limit, a use after free, a divergent barrier, a layout-dependent WMMA use — fails naming the kernel.
+// the default limit, a use after free, a divergent barrier, a layout-dependent WMMA use — fails naming the kernel,
+// and every call after a fault says that fault's message once.
 // Each case runs in a child process (a kernel fault is sticky for the process, as on a GPU).
 //
 //   selftest PTX_DIR KERNELS_DIR [CASE]
@@ -201,6 +202,36 @@ void missing_syncthreads() {
                    "reduce_missing_syncthreads", "same barrier interval");
 }
 
+// After a fault every call fails with it, each message saying the fault's own message once (not wrapping the
+// message of the call before it).
+void later_calls_name_the_fault_once() {
+    CUmodule m = setup();
+    const unsigned n = 64;
+    CUdeviceptr dx = upload(ramp(n)), dy = upload(ramp(n));
+    CUfunction fault = kernel(m, "off_by_one_write");
+    expect_failure(launch(fault, 1, 128, {&dx, &dy, (void *)&n}), CUDA_ERROR_ILLEGAL_ADDRESS, "off_by_one_write",
+                   "past its end");
+    const char *first = nullptr;
+    cuGetErrorString(CUDA_ERROR_ILLEGAL_ADDRESS, &first);
+    const std::string cause = first ? first : "";
+    std::vector<float> back(n);
+    const std::pair<const char *, std::function<CUresult()>> calls[] = {
+        {"cuMemcpyDtoH", [&] { return cuMemcpyDtoH(back.data(), dy, n * sizeof(float)); }},
+        {"cuMemFreeAsync", [&] { return cuMemFreeAsync(dx, CU_STREAM_PER_THREAD); }},
+        {"cuLaunchKernel", [&] { return launch(fault, 1, 32, {&dx, &dy, (void *)&n}); }},
+        {"cuMemFree", [&] { return cuMemFree(dy); }},
+    };
+    for (const auto &[api, call] : calls) {
+        const CUresult r = call();
+        if (r != CUDA_ERROR_ILLEGAL_ADDRESS) die(std::string(api) + " did not fail with the fault");
+        const char *s = nullptr;
+        cuGetErrorString(r, &s);
+        const std::string message = s ? s : "";
+        const std::string expected = std::string(api) + ": an earlier kernel failed: " + cause;
+        if (message != expected) die("expected `" + expected + "`, got `" + message + "`");
+    }
+}
+
 void grid_too_large() {
     CUmodule m = setup();
     const unsigned n = 1;
@@ -293,6 +324,7 @@ const Case CASES[] = {
     {"correct_kernels_race_check", correct_kernels, "CUDA_EMU_RACECHECK=1"},
     {"off_by_one_read", off_by_one_read, nullptr},
     {"off_by_one_write", off_by_one_write, nullptr},
+    {"later_calls_name_the_fault_once", later_calls_name_the_fault_once, nullptr},
     {"missing_syncthreads", missing_syncthreads, "CUDA_EMU_RACECHECK=1"},
     {"grid_too_large", grid_too_large, nullptr},
     {"shared_without_attribute", shared_without_attribute, nullptr},
