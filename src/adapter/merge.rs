@@ -12,6 +12,7 @@ use crate::files::{read_json, refuse_existing, replace_dir, write_safetensors, R
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
 use crate::lora::targets::parameter_of;
 use crate::lora::{LoraAdapter, LoraLinear};
+use crate::models::config::HubExperts;
 use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
 use crate::precision::TorchDtype;
 use crate::quant::{Nf4Tensor, QuantConfig};
@@ -68,17 +69,21 @@ pub struct MergeReport {
 /// A Hugging Face `config.json` for `config` (used when the source has none, e.g. a GGUF file).
 /// The weight tensors a Hub checkpoint holds for projection `name` (weight `w`): `{name}.weight`, except for a
 /// mixture's router and experts, written in the Hub's per-expert layout that transformers reads for every family:
-/// the fused gate/up weight split in two (Qwen: `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral:
-/// `block_sparse_moe.experts.{e}.w1` / `w3` / `w2` and `block_sparse_moe.gate`).
+/// the fused gate/up weight split in two, under the family's names ([`HubExperts::PerExpert`]: Qwen's
+/// `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`; Mixtral's `block_sparse_moe.experts.{e}.w1` / `w3` / `w2`
+/// and `block_sparse_moe.gate`).
 fn hub_tensors(arch: Architecture, name: &str, w: Tensor) -> Result<Vec<(String, Tensor)>> {
-    let mixtral = arch == Architecture::Mixtral;
-    let block = |layer: &str| {
-        if mixtral {
-            format!("{layer}.block_sparse_moe")
-        } else {
-            format!("{layer}.mlp")
-        }
+    let (block, gate, up, down) = match arch.hub_experts() {
+        HubExperts::PerExpert {
+            block,
+            gate,
+            up,
+            down,
+        } => (block, gate, up, down),
+        // Stacked experts are written together by the caller.
+        HubExperts::Stacked => return Ok(vec![(format!("{name}.weight"), w)]),
     };
+    let block = |layer: &str| format!("{layer}.{block}");
     if let Some(layer) = name.strip_suffix(".mlp.gate") {
         return Ok(vec![(format!("{}.gate.weight", block(layer)), w)]);
     }
@@ -87,11 +92,6 @@ fn hub_tensors(arch: Architecture, name: &str, w: Tensor) -> Result<Vec<(String,
     };
     let (expert, projection) = rest.split_once('.').unwrap_or((rest, ""));
     let prefix = format!("{}.experts.{expert}", block(layer));
-    let (gate, up, down) = if mixtral {
-        ("w1", "w3", "w2")
-    } else {
-        ("gate_proj", "up_proj", "down_proj")
-    };
     Ok(match projection {
         "gate_up_proj" => {
             let half = w.dim(0)? / 2;
@@ -184,7 +184,7 @@ pub fn merge_to_folder(
             report.max_abs_change = report.max_abs_change.max(change);
             report.merged_modules += 1;
         }
-        if let Some(key) = (arch == Architecture::GptOss)
+        if let Some(key) = (arch.hub_experts() == HubExperts::Stacked)
             .then(|| parameter_of(&name))
             .flatten()
             .filter(|p| p.contains(".mlp.experts."))

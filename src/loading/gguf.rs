@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 
 use super::read_names::ReadNames;
 use crate::error::{Error, Result};
+use crate::models::Architecture;
 use crate::ops::rope::LongRopeScaling;
 
 /// A GGUF file opened for reading tensors by Hugging Face name.
@@ -23,10 +24,9 @@ pub struct GgufFile {
     read: ReadNames,
 }
 
-/// The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (`general.architecture`:
-/// Gemma's norms around each block have their own names).
+/// The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (`general.architecture`: a
+/// family may name a module its own way, as Gemma its norm after attention, [`Family::gguf_module`](crate::models::Family::gguf_module)).
 pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
-    let gemma = arch.starts_with("gemma");
     let fixed = match hf {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -39,9 +39,12 @@ pub fn gguf_name(hf: &str, arch: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let (module, suffix) = rest.rsplit_once('.')?;
+    let family = Architecture::from_gguf(arch, false);
+    if let Some(own) = family.and_then(|f| f.gguf_module(module)) {
+        return Some(format!("blk.{layer}.{own}.{suffix}"));
+    }
     let gguf_module = match module {
         "input_layernorm" => "attn_norm",
-        "post_attention_layernorm" if gemma => "post_attention_norm",
         "post_attention_layernorm" | "pre_feedforward_layernorm" => "ffn_norm",
         "post_feedforward_layernorm" => "post_ffw_norm",
         "self_attn.q_norm" => "attn_q_norm",

@@ -493,7 +493,7 @@ impl Weights {
                  which trains and generates garbage. Use the complete model files, or set \
                  `\"tie_word_embeddings\": true` if the model's head is its embedding matrix",
                 self.where_(),
-                if cfg.architecture.is_gemma() {
+                if cfg.architecture.ties_embeddings_by_default() {
                     ""
                 } else {
                     ", also its default"
@@ -605,12 +605,12 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
             input_layernorm: norm(&format!("{p}.input_layernorm.weight"), h)?,
             post_attention_layernorm: norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
             pre_feedforward_layernorm: optional_norm(
-                arch.is_gemma(),
+                arch.has_feedforward_norms(),
                 "pre_feedforward_layernorm",
                 h,
             )?,
             post_feedforward_layernorm: optional_norm(
-                arch.is_gemma(),
+                arch.has_feedforward_norms(),
                 "post_feedforward_layernorm",
                 h,
             )?,

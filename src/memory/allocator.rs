@@ -1,5 +1,5 @@
-//! The heap under Candle's CPU tensors: counting its bytes ([`TrackingAllocator`]) and keeping freed memory for
-//! reuse instead of returning it to the operating system ([`keep_freed_memory`]).
+//! The heap under Candle's CPU tensors: counting its bytes ([`TrackingAllocator`], into `super::heap`) and keeping
+//! freed memory for reuse instead of returning it to the operating system ([`keep_freed_memory`]).
 //!
 //! A training step allocates and frees the same activation-sized buffers (megabytes each) thousands of times.
 //! glibc's allocator serves such sizes with fresh `mmap`s and unmaps them on free, so every buffer costs a page fault
@@ -8,13 +8,9 @@
 //! then stays near the step's peak, which the process reaches anyway.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::heap::{added, mark_tracking, removed};
 use super::snapshot::{on_alloc, on_free};
-
-static ALLOCATED: AtomicU64 = AtomicU64::new(0);
-static PEAK: AtomicU64 = AtomicU64::new(0);
-static TRACKING: AtomicBool = AtomicBool::new(false);
 
 /// The system allocator, counting live bytes and their peak (and recording allocations for a memory snapshot while
 /// [`super::snapshot::start_recording`] is on). Install it in a binary to get exact CPU numbers:
@@ -25,22 +21,13 @@ static TRACKING: AtomicBool = AtomicBool::new(false);
 /// ```
 pub struct TrackingAllocator;
 
-fn added(bytes: usize) {
-    let now = ALLOCATED.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-    PEAK.fetch_max(now, Ordering::Relaxed);
-}
-
-fn removed(bytes: usize) {
-    ALLOCATED.fetch_sub(bytes as u64, Ordering::Relaxed);
-}
-
 // SAFETY: every call forwards to `System` with the caller's layout; the counters do not touch the memory.
 unsafe impl GlobalAlloc for TrackingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);
         if !p.is_null() {
             added(layout.size());
-            TRACKING.store(true, Ordering::Relaxed);
+            mark_tracking();
             on_alloc(p as usize, layout.size());
         }
         p
@@ -50,7 +37,7 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         let p = System.alloc_zeroed(layout);
         if !p.is_null() {
             added(layout.size());
-            TRACKING.store(true, Ordering::Relaxed);
+            mark_tracking();
             on_alloc(p as usize, layout.size());
         }
         p
@@ -73,36 +60,6 @@ unsafe impl GlobalAlloc for TrackingAllocator {
         }
         p
     }
-}
-
-/// Takes `bytes` out of the count (and puts them back with `back`): the snapshot recorder's own buffers are not
-/// the program's memory, as PyTorch's recorded history is not counted in the CUDA memory it describes.
-pub(crate) fn exclude(bytes: usize, back: bool) {
-    if back {
-        added(bytes);
-    } else {
-        removed(bytes);
-    }
-}
-
-/// True when [`TrackingAllocator`] is the global allocator (it has counted an allocation).
-pub fn tracking() -> bool {
-    TRACKING.load(Ordering::Relaxed)
-}
-
-/// Heap bytes allocated now and their peak, when tracked.
-pub fn allocated() -> Option<(u64, u64)> {
-    tracking().then(|| {
-        (
-            ALLOCATED.load(Ordering::Relaxed),
-            PEAK.load(Ordering::Relaxed),
-        )
-    })
-}
-
-/// Resets the tracked peak to the bytes allocated now.
-pub(crate) fn reset_heap_peak() {
-    PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
 /// The largest block glibc accepts as the mmap threshold (`DEFAULT_MMAP_THRESHOLD_MAX` on 64-bit): 32 MiB.

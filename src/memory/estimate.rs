@@ -381,7 +381,11 @@ fn counts(c: &ModelConfig, adapter: &LoraConfig) -> crate::Result<Counts> {
     let embed = c.vocab_size as u64 * h;
     let head = if c.tie_word_embeddings { 0 } else { embed };
     let bias = bias_params(c, l, h, hq, hkv);
-    let block_norms = if c.architecture.is_gemma() { 4 } else { 2 };
+    let block_norms = if c.architecture.has_feedforward_norms() {
+        4
+    } else {
+        2
+    };
     let head_norms = if c.architecture.has_qk_norm() {
         2 * c.head_dim as u64
     } else {
@@ -1118,7 +1122,7 @@ mod tests {
     fn fused_projections_count_one_adapter_pair() {
         let mut phi = llama2_7b();
         let separate = counts(&phi, &all_linear(16)).unwrap();
-        phi.architecture = crate::models::Architecture::Phi3;
+        phi.architecture = crate::models::Architecture::parse("phi3").unwrap();
         let fused = counts(&phi, &all_linear(16)).unwrap();
         assert_eq!(fused.block_linear, separate.block_linear);
         assert!(

@@ -19,7 +19,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use super::allocator::exclude;
+use super::heap::exclude;
 use super::pickle::{to_pickle, PyValue};
 use crate::error::{Error, Result};
 use crate::files::write_file_atomically;

@@ -5,7 +5,7 @@
 
 use candle_core::Device;
 
-use super::allocator::{allocated, reset_heap_peak};
+use super::heap::{allocated, reset_heap_peak};
 
 /// Memory of a device, in bytes (`None` where it cannot be measured).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]

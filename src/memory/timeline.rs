@@ -10,8 +10,8 @@ use serde::Serialize;
 
 use candle_core::Device;
 
-use super::allocator::allocated;
 use super::estimate::RunEstimate;
+use super::heap::allocated;
 use super::stats::{human_bytes, process_memory, reset_device_peak, stats};
 use crate::error::{Error, Result};
 use crate::plot::{memory_svg, MemoryPoint};

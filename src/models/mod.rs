@@ -1,5 +1,6 @@
-//! The Llama-family models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3): configuration, tokenizer, decoder, and
-//! generation; and the mixture-of-experts block of Mixtral and Qwen2/3-MoE (`moe`).
+//! The Llama-family models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the mixtures of experts Mixtral,
+//! Qwen2/3-MoE, gpt-oss): configuration, each family's differences in a file of its own (`config::family`),
+//! tokenizer, decoder, and generation; and the mixture-of-experts block (`moe`).
 
 pub mod config;
 pub mod generate;
@@ -9,7 +10,7 @@ pub mod moe;
 pub(crate) mod pyjson;
 pub mod tokenizer;
 
-pub use config::{Architecture, LayerAttention, ModelConfig, MoeConfig};
+pub use config::{Architecture, Family, LayerAttention, ModelConfig, MoeConfig};
 pub use generate::{generate, GenerationConfig};
 pub use llama::{
     Checkpointing, FeedForward, KvCache, LayerWeights, LlamaModel, Positions, QkvProjections,

@@ -33,6 +33,7 @@ pub(crate) mod cpu;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod frozen_linear;
+pub(crate) mod head_layout;
 pub mod heads;
 pub mod low_rank_linear;
 pub mod rms_norm;

@@ -8,7 +8,8 @@ use rayon::prelude::*;
 use super::autograd::{Apply, Op, Value};
 use super::cpu::vector::simd;
 use super::cpu::{with_slice, with_slices, CpuFloat};
-use super::heads::{permute_rows, split_heads, HeadDims};
+use super::head_layout::{permute_rows, HeadDims};
+use super::heads::split_heads;
 use super::work_dtype;
 
 /// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).

@@ -12,7 +12,7 @@ use crate::ops::cpu::gemm::{matmul, matmul_into, Mat};
 use crate::ops::cpu::nf4_matvec::nf4_matvec;
 use crate::ops::cpu::{gradient, with_slice, with_slices, CpuFloat};
 use crate::ops::frozen_linear::{decoding_codes, FrozenLinear, FrozenWeight};
-use crate::ops::heads::{copy_row, permute_rows, HeadDims};
+use crate::ops::head_layout::{copy_row, permute_rows, HeadDims};
 use crate::ops::rope::RotatedRows;
 
 /// A layout change fused into the op, so that the token-major tensor exists only inside it.
