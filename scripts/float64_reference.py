@@ -71,6 +71,10 @@ def float64_everywhere():
     torch.set_default_dtype(torch.float64)
     # `torch.tensor(values, dtype=torch.float32)` rounds its values before any operation sees them (LongRoPE's
     # factors are made so): the dtype is widened where it is asked for.
+    # `with torch.device("meta")` (transformers builds every model under it) knows the tensor constructors by
+    # identity, from a set it makes once, on first use: made while torch.tensor is the wrapper below, it would miss
+    # the real one, and a model first loaded in here would get its RoPE buffers as uninitialized memory.
+    torch.utils._device._device_constructors()
     tensor = torch.tensor
     torch.tensor = lambda *args, **kwargs: tensor(*args, **{k: widen(v) for k, v in kwargs.items()})
     mode = Float64Everywhere()

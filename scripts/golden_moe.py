@@ -5,13 +5,17 @@ own sparse blocks: Mixtral (`MixtralSparseMoeBlock`, top-k always renormalized),
 (`Qwen3MoeSparseMoeBlock`, `norm_topk_prob = true` as Qwen3-30B-A3B sets it), and transformers'
 `load_balancing_loss_func` (the auxiliary loss).
 
-Versions used for the committed files: torch 2.15.0, transformers 5.23.0, safetensors 0.8.0, all on the CPU.
-    pip install torch==2.15.0 transformers==5.23.0 safetensors numpy
+Versions used for the committed files: torch 2.15.0, transformers 5.23.0, peft 0.21.2, bitsandbytes 0.50.2 (the NF4
+goldens), gguf 0.19.0, safetensors 0.8.0, all on the CPU with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, set
+below: rerunning any command reproduces every committed tensor bit for bit).
+    pip install torch==2.15.0 transformers==5.23.0 peft==0.21.2 bitsandbytes==0.50.2 gguf==0.19.0 safetensors numpy
 
 Usage:
     python3 scripts/golden_moe.py            # (re)writes tests/data/moe/*.safetensors
-    python3 scripts/golden_moe.py models     # (re)writes tests/data/models/tiny-{mixtral,qwen2-moe,qwen3-moe}/
+    python3 scripts/golden_moe.py models     # (re)writes tests/data/models/tiny-{mixtral,qwen2-moe,qwen3-moe,gpt-oss}/
+    python3 scripts/golden_moe.py gpt-oss    # (re)writes tiny-gpt-oss/ and tiny-gpt-oss-mxfp4/
     python3 scripts/golden_moe.py gguf       # (re)writes tiny-{mixtral,qwen2-moe}/model.gguf and tests/data/models/tiny-qwen3-moe-gguf/
+    python3 scripts/golden_moe.py float64    # only the float64 goldens (see "Float64"), added to the committed files
     python3 scripts/golden_moe.py check-ours ADAPTER_DIR BASE_DIR LOGITS_FILE
         loads our adapter onto BASE_DIR with PEFT and compares its logits on the golden input_ids with the float32
         tensor `logits` of LOGITS_FILE (what our model computed), printing the largest difference
@@ -26,11 +30,20 @@ word-level tokenizer as scripts/golden_model.py (copied from tiny-llama); weight
     tiny-qwen3-moe   Qwen3MoeForCausalLM, 3 layers, layer 1 dense (mlp_only_layers = [1], width 96),
                      norm_topk_prob = true, saved in transformers 5's fused layout (mlp.experts.gate_up_proj
                      [4, 64, 64], mlp.experts.down_proj [4, 64, 32]), which from_pretrained reads back (asserted)
+    tiny-gpt-oss     GptOssForCausalLM, 2 layers, head_dim 16, layer 0 sliding over 6 keys, attention sinks (randn),
+                     swiglu_limit 0.6 (reached), YaRN as its config defaults it, output_router_logits = true and
+                     router_aux_loss_coef = 0.1; its adapter targets mlp.router.weight instead of mlp.gate.weight
     golden.safetensors: input_ids [2, 19]; logits [2, 19, 128]; loss [1] (model(ids, labels=ids).loss: the mean
     token loss, plus router_aux_loss_coef * aux_loss where the config asks); lm_loss [1]; aux_loss [1] (all three
     configs' load_balancing_loss_func over their sparse layers); grad_inputs_embeds [2, 19, 64] (d loss / d the
     embeddings); logits_adapter [2, 19, 128] (with adapter/ loaded by PEFT); logits_merged (the same merged by
-    merge_and_unload).
+    merge_and_unload); and their float64 twins (`*_f64`, see "Float64"), with for Mixtral, Qwen2-MoE and Qwen3-MoE
+    logits_nf4_f64 [2, 19, 128] and loss_nf4_f64 [1]: the float64 model on bitsandbytes' NF4 of every weight we
+    quantize on load (the layers' linear projections, Qwen2-MoE's shared expert and its gate, each expert's
+    gate/up [2 * width, hidden] and down projection on its own; not the routers, embeddings or head), quantized by
+    its CPU kernels (blocksize 64, double quantization) and dequantized by its reference kernel
+    (golden_model.py's ReferenceDequant4bit: its native CPU kernel misreads the down projections' blocks, whose
+    32 columns are less than a block).
     adapter/: PEFT 0.21.2 LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=
     ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]), every lora_A / lora_B 0.1 * randn.
 
@@ -46,7 +59,8 @@ does, and neither has dense layers among the sparse ones.
     tiny-qwen2-moe/model.gguf    the tiny Qwen2-MoE above (its golden logits apply)
     tiny-qwen3-moe-gguf/         a Qwen3-MoE llama.cpp can express: as tiny-qwen3-moe but 2 layers, both sparse
                                  (mlp_only_layers = []), seed 40: config.json (for transformers' check), model.gguf,
-                                 golden.safetensors (input_ids [2, 19], logits [2, 19, 128] of the HF model)
+                                 golden.safetensors (input_ids [2, 19], logits [2, 19, 128] of the HF model, and
+                                 logits_f64: transformers' reading of the GGUF, in float64)
 Verified for the Qwen files: transformers loads the GGUF into the HF config's model with every tensor equal to the HF
 model's, and its logits equal the golden logits to 1e-5. transformers has no GGUF reader for Mixtral: its file is read
 back with gguf-py and every tensor, q/k un-permuted by transformers' `LlamaTensorProcessor._reverse_permute_weights`,
@@ -69,24 +83,58 @@ and the auxiliary loss of two layers' router logits (both files hold the same):
     aux_logits_0, aux_logits_1   [14, 8]   randn
     aux_loss          [1]       load_balancing_loss_func((l0, l1), 8, 2) (no attention mask)
     grad_aux_logits_0 [14, 8]   its gradient with respect to aux_logits_0
+and the float64 twins of the computed ones (out_f64, router_logits_f64, grad_x_f64, grad_router_f64,
+grad_expert0_down_f64, aux_loss_f64, grad_aux_logits_0_f64; see "Float64"), whose routing is asserted to be the
+float32 run's.
 metadata: versions, family, top_k, norm_topk_prob, experts_hit (how many experts got at least one token: the block
 skips the rest).
+
+tiny-gpt-oss-mxfp4/golden.safetensors: input_ids, logits (of the HF model on transformers' dequantization of the
+MXFP4 bytes, `convert_moe_packed_tensors`) and logits_f64.
+
+Float64: every golden computed by transformers (and PEFT) also has a `_f64` twin computed in float64 from end to end
+(float64_reference.py: the block built, or the model read from a float64 copy of its folder, inside a dispatch mode
+that widens the steps transformers keeps in float32 — the routers' softmax, RMSNorm, RoPE and YaRN, the attention's
+softmax with gpt-oss's sinks, the loss — and fails if any float32 result remains), on the same float32 weights and
+inputs, exact in float64: the tiny models with eager attention and eager experts (the grouped matmul transformers
+picks by default takes no float64), PEFT's adapters from a float64 copy; MXFP4 and NF4 weights are dequantized in
+float32 as transformers and bitsandbytes do (exact values) and then widened. The Rust tests compare these at ~1e-9,
+where neither side's float32 rounding nor the CPU's choice of matrix kernels can decide a result (the float32 goldens
+stay for reference; each is asserted within float32 rounding of its twin, which a routing decided otherwise would not
+be). `python3 scripts/golden_moe.py float64` adds them to the committed files without touching anything else; every
+other command writes them with the files it writes.
 """
 
+import contextlib
 import importlib.metadata
 import json
 import os
+import shutil
+import sys
+import tempfile
 
-import safetensors.torch
-import torch
-from transformers.models.mixtral.configuration_mixtral import MixtralConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock, load_balancing_loss_func
-from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+# The committed files were written with PyTorch's AVX2 kernels (an AVX-512 host's round the float32 goldens
+# otherwise at a few places; the float64 ones do not depend on it).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "moe")
+import safetensors  # noqa: E402
+import safetensors.torch  # noqa: E402
+import torch  # noqa: E402
+from transformers.models.mixtral.configuration_mixtral import MixtralConfig  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
+from transformers.models.qwen2_moe.configuration_qwen2_moe import Qwen2MoeConfig  # noqa: E402
+from transformers.models.qwen2_moe.modeling_qwen2_moe import (  # noqa: E402
+    Qwen2MoeSparseMoeBlock,
+    load_balancing_loss_func,
+)
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_copy, float64_everywhere  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "tests", "data", "moe")
 HIDDEN, EXPERTS, WIDTH, TOP_K, SHARED = 64, 8, 48, 2, 80
 VERSIONS = {
     "torch": torch.__version__,
@@ -130,50 +178,127 @@ def per_expert_weights(block, names):
     return out
 
 
+def set_per_expert_weights(block, tensors, names):
+    """The inverse of per_expert_weights: `block`'s weights from a golden file's tensors (in the block's dtype)."""
+    gate_name, up_name, down_name = names
+    with torch.no_grad():
+        block.gate.weight.copy_(tensors["gate.weight"])
+        for e in range(EXPERTS):
+            block.experts.gate_up_proj[e, :WIDTH].copy_(tensors[f"experts.{e}.{gate_name}.weight"])
+            block.experts.gate_up_proj[e, WIDTH:].copy_(tensors[f"experts.{e}.{up_name}.weight"])
+            block.experts.down_proj[e].copy_(tensors[f"experts.{e}.{down_name}.weight"])
+        if hasattr(block, "shared_expert"):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                getattr(block.shared_expert, p).weight.copy_(tensors[f"shared_expert.{p}.weight"])
+            block.shared_expert_gate.weight.copy_(tensors["shared_expert_gate.weight"])
+    assert all(torch.equal(v.double(), tensors[k].double()) for k, v in per_expert_weights(block, names).items())
+
+
+def block_outputs(block, x, g):
+    """block(x) (eval mode), the router's logits, and the gradients of sum(block(x) * g) with respect to x, the
+    router's weight and expert 0's down projection."""
+    x = x.detach().clone().requires_grad_(True)
+    logits = []
+    handle = block.gate.register_forward_hook(lambda _m, _i, o: logits.append(o[0]))
+    out = block(x)
+    handle.remove()
+    (out * g).sum().backward()
+    return {
+        "out": out.detach(),
+        "router_logits": logits[0].detach(),
+        "grad_x": x.grad,
+        "grad_router": block.gate.weight.grad,
+        "grad_expert0_down": block.experts.down_proj.grad[0].clone(),
+    }
+
+
+def aux_outputs(aux_logits):
+    """load_balancing_loss_func over two layers' router logits, and its gradient with respect to the first's."""
+    aux = [t.detach().clone().requires_grad_(True) for t in aux_logits]
+    loss = load_balancing_loss_func(tuple(aux), EXPERTS, TOP_K)
+    loss.backward()
+    return {"aux_loss": loss.detach().reshape(1), "grad_aux_logits_0": aux[0].grad}
+
+
+def selected_experts(router_logits):
+    """Each token's top-k experts (as a set per token: the block sums their outputs in any order)."""
+    indices = torch.topk(torch.softmax(router_logits, -1), TOP_K, -1).indices
+    return [sorted(row) for row in indices.tolist()]
+
+
+def block_float64(family, tensors):
+    """The `*_f64` twins of a family's golden tensors (`tensors`, as the file holds them): its block built in float64
+    from end to end (see "Float64") with the file's weights, run on the file's x and upstream, and the auxiliary loss
+    of the file's logits. The routing must be the float32 run's."""
+    with float64_everywhere():
+        block, names = next((b, n) for f, b, n, _ in families() if f == family)
+        set_per_expert_weights(block, tensors, names)
+        block.eval()
+        out = block_outputs(block, tensors["x"].double(), tensors["upstream"].double())
+        out.update(aux_outputs([tensors["aux_logits_0"].double(), tensors["aux_logits_1"].double()]))
+    assert selected_experts(out["router_logits"]) == selected_experts(tensors["router_logits"].double()), family
+    assert all(t.dtype == torch.float64 for t in out.values())
+    return {k + "_f64": v.detach().contiguous() for k, v in out.items()}
+
+
+def read_golden(path):
+    """The tensors of a golden file, copied out of the file's memory map (it is rewritten next), and its metadata."""
+    with safetensors.safe_open(path, "pt") as f:
+        metadata = dict(f.metadata())
+    return {k: v.clone() for k, v in safetensors.torch.load_file(path).items()}, metadata
+
+
+def add_float64(path, twins):
+    """Adds the float64 goldens `twins` (`*_f64`) to golden file `path`, whose other tensors and metadata stay as they
+    are. A twin's float32 golden must be within float32 rounding of it (a routing decided otherwise would not be)."""
+    golden, metadata = read_golden(path)
+    off = {}
+    for k, v in twins.items():
+        plain = golden.get(k[:-len("_f64")])
+        if plain is not None:
+            off[k] = float((plain.double() - v).abs().max())
+            assert off[k] < 1e-3 * (1 + float(v.abs().max())), (path, k, off[k])
+    safetensors.torch.save_file({**golden, **twins}, path, metadata=metadata)
+    back, back_metadata = read_golden(path)
+    assert back_metadata == metadata and all(torch.equal(back[k], v) for k, v in {**golden, **twins}.items())
+    print(f"{os.path.relpath(path, ROOT)}: float64 goldens "
+          + ", ".join(f"{k} (f32 golden off by {d:.2g})" if k in off else k for k, d in
+                      ((k, off.get(k)) for k in twins)))
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     torch.manual_seed(0)
-    aux = [torch.randn(14, EXPERTS, requires_grad=True) for _ in range(2)]
-    aux_loss = load_balancing_loss_func(tuple(aux), EXPERTS, TOP_K)
-    aux_loss.backward()
+    aux_logits = [torch.randn(14, EXPERTS) for _ in range(2)]
     for family, block, names, normalized in families():
         torch.manual_seed(1)
         with torch.no_grad():
             for p in block.parameters():
                 p.copy_(0.2 * torch.randn_like(p))
         block.eval()
-        x = torch.randn(2, 7, HIDDEN, requires_grad=True)
-        logits = []
-        handle = block.gate.register_forward_hook(lambda _m, _i, o: logits.append(o[0]))
-        out = block(x)
-        handle.remove()
-        g = torch.randn_like(out)
-        (out * g).sum().backward()
-        selected = torch.topk(torch.softmax(logits[0].float(), -1), TOP_K, -1).indices
+        x = torch.randn(2, 7, HIDDEN)
+        g = torch.randn(2, 7, HIDDEN)  # the cotangent: drawn right after x, as before the forward (which draws none)
+        outputs = block_outputs(block, x, g)
         tensors = {
             **per_expert_weights(block, names),
-            "x": x.detach(),
-            "out": out.detach(),
-            "router_logits": logits[0].detach(),
+            "x": x,
             "upstream": g,
-            "grad_x": x.grad,
-            "grad_router": block.gate.weight.grad,
-            "grad_expert0_down": block.experts.down_proj.grad[0].clone(),
-            "aux_logits_0": aux[0].detach(),
-            "aux_logits_1": aux[1].detach(),
-            "aux_loss": aux_loss.detach().reshape(1),
-            "grad_aux_logits_0": aux[0].grad,
+            **outputs,
+            "aux_logits_0": aux_logits[0],
+            "aux_logits_1": aux_logits[1],
+            **aux_outputs(aux_logits),
         }
         metadata = {
             "versions": json.dumps(VERSIONS, sort_keys=True),
             "family": family,
             "top_k": str(TOP_K),
             "norm_topk_prob": str(normalized).lower(),
-            "experts_hit": str(len(selected.unique())),
+            "experts_hit": str(len({e for row in selected_experts(outputs["router_logits"]) for e in row})),
         }
         path = os.path.join(OUT, f"{family}.safetensors")
         safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
-        print(f"wrote {path}: |out| max {out.abs().max():.4f}, experts hit {metadata['experts_hit']}")
+        print(f"wrote {path}: |out| max {outputs['out'].abs().max():.4f}, experts hit {metadata['experts_hit']}")
+        add_float64(path, block_float64(family, read_golden(path)[0]))
 
 
 MODEL_SIZES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -209,9 +334,153 @@ def randomize(model, seed):
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
 
 
+# The tiny models whose goldens include NF4 twins (logits_nf4_f64, loss_nf4_f64).
+NF4_MODELS = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe")
+
+
+@contextlib.contextmanager
+def float64_model(folder, replace=None):
+    """transformers' model of `folder` in float64 from end to end (see "Float64"; eager attention and experts: the
+    grouped-matmul experts transformers picks by default take no float64), read from a
+    float64 copy of the folder inside float64_everywhere(), which stays active meanwhile. `replace` (state-dict name
+    -> float32 values) puts other weights in place of the stored ones: MXFP4's or NF4's dequantized values."""
+    from transformers import AutoModelForCausalLM
+
+    copy_dir = float64_copy(folder)
+    try:
+        with float64_everywhere():
+            model = AutoModelForCausalLM.from_pretrained(copy_dir, dtype=torch.float64, attn_implementation="eager",
+                                                         experts_implementation="eager")
+            model.eval()
+            if replace:
+                state = model.state_dict()
+                assert all(k in state and state[k].shape == v.shape for k, v in replace.items()), folder
+                model.load_state_dict({**state, **{k: v.double() for k, v in replace.items()}})
+            assert all(p.dtype == torch.float64 for p in model.parameters())
+            yield model
+    finally:
+        shutil.rmtree(copy_dir)
+
+
+def nf4_round_trip(w):
+    """bitsandbytes' NF4 of float32 `w` (blocksize 64, double quantization, its CPU kernels), dequantized by its
+    reference kernel (golden_model.py's ReferenceDequant4bit): float32 values, exact in float64."""
+    import bitsandbytes as bnb
+    from golden_model import ReferenceDequant4bit
+
+    q, state = bnb.functional.quantize_4bit(w.float().contiguous(), blocksize=64, compress_statistics=True,
+                                            quant_type="nf4")
+    with ReferenceDequant4bit():
+        return bnb.functional.dequantize_4bit(q, state).float().clone()
+
+
+def nf4_weights(folder):
+    """Every weight of `folder`'s model that candle-qlora quantizes on load, through nf4_round_trip: the layers'
+    linear projections (attention, a dense layer's MLP, Qwen2-MoE's shared expert and its gate) and each expert's
+    gate/up `[2 * width, hidden]` (gate rows first) and down projection on its own; not the routers (no nn.Linear in
+    transformers), the embeddings or the head."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."):
+            out[f"{name}.weight"] = nf4_round_trip(m.weight.detach())
+        elif name.endswith(".mlp.experts"):
+            assert m.gate_up_proj.shape[1] == 2 * m.down_proj.shape[2], "[experts, 2 * width, hidden] expected"
+            for p in ("gate_up_proj", "down_proj"):
+                out[f"{name}.{p}"] = torch.stack([nf4_round_trip(w) for w in getattr(m, p).detach()])
+    return out
+
+
+def model_float64(folder, ids, nf4=False):
+    """The `*_f64` twins of a tiny model's goldens, from its float64 model (float64_model): logits, loss (with the
+    auxiliary loss where the config asks), lm_loss, aux_loss, grad_inputs_embeds, and with `adapter/` (PEFT, read from
+    a float64 copy) logits_adapter and logits_merged; with `nf4`, logits_nf4 and loss_nf4 (nf4_weights)."""
+    import peft
+
+    adapter = float64_copy(os.path.join(folder, "adapter"))  # read before the float64 mode
+    try:
+        with float64_model(folder) as model:
+            with torch.no_grad():
+                plain = model(ids, labels=ids, output_router_logits=True)
+            embeds = model.model.embed_tokens(ids).detach().clone().requires_grad_(True)
+            total = model(inputs_embeds=embeds, labels=ids)
+            total.loss.backward()
+            vocab = plain.logits.shape[-1]
+            out = {
+                "logits": plain.logits,
+                "loss": total.loss.reshape(1),
+                "lm_loss": torch.nn.functional.cross_entropy(plain.logits[:, :-1].reshape(-1, vocab),
+                                                             ids[:, 1:].reshape(-1)).reshape(1),
+                "aux_loss": plain.aux_loss.reshape(1),
+                "grad_inputs_embeds": embeds.grad,
+            }
+            peft_model = peft.PeftModel.from_pretrained(model, adapter).eval()
+            assert all(p.dtype == torch.float64 for p in peft_model.parameters())
+            with torch.no_grad():
+                out["logits_adapter"] = peft_model(ids).logits
+                out["logits_merged"] = peft_model.merge_and_unload()(ids).logits
+    finally:
+        shutil.rmtree(adapter)
+    if nf4:
+        with float64_model(folder, replace=nf4_weights(folder)) as quantized, torch.no_grad():
+            result = quantized(ids, labels=ids)
+            out["logits_nf4"], out["loss_nf4"] = result.logits, result.loss.reshape(1)
+    assert all(t.dtype == torch.float64 for t in out.values())
+    return {k + "_f64": v.detach().contiguous() for k, v in out.items()}
+
+
+def mxfp4_float64(folder, src, ids):
+    """logits_f64 of tiny-gpt-oss-mxfp4: the float64 model of `src` (tiny-gpt-oss, the same config) holding the MXFP4
+    folder's tensors, its experts dequantized by transformers (exact values in float32)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    stored = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+    tensors = {k: v for k, v in stored.items() if not k.endswith(("_blocks", "_scales"))}
+    for k in stored:
+        if k.endswith("_blocks"):
+            name = k[:-len("_blocks")]
+            tensors[name] = convert_moe_packed_tensors(stored[k], stored[name + "_scales"], dtype=torch.float32)
+    with float64_model(src, replace=tensors) as model, torch.no_grad():
+        return {"logits_f64": model(ids).logits.detach().contiguous()}
+
+
+def gguf_float64(folder, ids):
+    """logits_f64 of a GGUF-only folder (config.json, model.gguf): the float64 model of transformers' reading of the
+    file (every tensor the HF model's, as gguf_files verifies), saved as a float32 folder first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="model.gguf",
+                                                 config=AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(os.path.join(folder, "config.json"), tmp)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                                    os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with float64_model(tmp) as f64, torch.no_grad():
+            return {"logits_f64": f64(ids).logits.detach().contiguous()}
+
+
+def generate_float64():
+    """Only the float64 goldens, added to the committed files (see "Float64")."""
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        path = os.path.join(OUT, f"{family}.safetensors")
+        add_float64(path, block_float64(family, read_golden(path)[0]))
+    models_dir = os.path.join(OUT, "..", "models")
+    for name, *_ in tiny_models():
+        folder = os.path.join(models_dir, name)
+        path = os.path.join(folder, "golden.safetensors")
+        add_float64(path, model_float64(folder, read_golden(path)[0]["input_ids"], nf4=name in NF4_MODELS))
+    path = os.path.join(models_dir, "tiny-gpt-oss-mxfp4", "golden.safetensors")
+    ids = read_golden(path)[0]["input_ids"]
+    add_float64(path, mxfp4_float64(os.path.dirname(path), os.path.join(models_dir, "tiny-gpt-oss"), ids))
+    folder = os.path.join(models_dir, "tiny-qwen3-moe-gguf")
+    path = os.path.join(folder, "golden.safetensors")
+    add_float64(path, gguf_float64(folder, read_golden(path)[0]["input_ids"]))
+
+
 def models(only=None):
     import copy
-    import shutil
 
     from transformers import AutoModelForCausalLM
     import peft
@@ -287,8 +556,9 @@ def models(only=None):
         }
         metadata = {"versions": json.dumps({**VERSIONS, "peft": peft.__version__}, sort_keys=True), "layout": layout,
                     "expert_keys": json.dumps(sorted(k for k in keys if "experts" in k)[:4])}
-        safetensors.torch.save_file({k: v.detach().contiguous() for k, v in tensors.items()},
-                                    os.path.join(folder, "golden.safetensors"), metadata=metadata)
+        path = os.path.join(folder, "golden.safetensors")
+        safetensors.torch.save_file({k: v.detach().contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+        add_float64(path, model_float64(folder, ids, nf4=name in NF4_MODELS))
         print(f"{name}: loss {float(total.loss):.5f} (aux {float(out.aux_loss):.5f}), |adapter - base| "
               f"{float((logits_adapter - out.logits).abs().max()):.4f}, keys {metadata['expert_keys']}")
 
@@ -417,6 +687,7 @@ def gguf_files():
                                 metadata={"versions": json.dumps(VERSIONS, sort_keys=True)})
     print("tiny-qwen3-moe-gguf: transformers' logits from it differ by",
           verify(folder, model.state_dict(), golden))
+    add_float64(os.path.join(folder, "golden.safetensors"), gguf_float64(folder, ids))
 
     # Mixtral: llama.cpp writes it as `llama` with experts, q/k permuted as for Llama. transformers has no GGUF
     # reader for it, so the file is checked tensor by tensor against the HF folder through gguf-py's reader and
@@ -472,8 +743,6 @@ def mxfp4_folder():
     `*_blocks` / `*_scales`, `[experts, out, in/32, 16]`, `quantization_config.quant_method = "mxfp4"`), and the
     logits of the HF model whose experts are transformers' own dequantization of those bytes
     (`convert_moe_packed_tensors`)."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -501,9 +770,10 @@ def mxfp4_folder():
     with torch.no_grad():
         logits = model(ids).logits
     moved = max(float((dequantized[k] - state[k]).abs().max()) for k in dequantized)
-    safetensors.torch.save_file({"input_ids": ids, "logits": logits.contiguous()},
-                                os.path.join(folder, "golden.safetensors"),
+    path = os.path.join(folder, "golden.safetensors")
+    safetensors.torch.save_file({"input_ids": ids, "logits": logits.contiguous()}, path,
                                 metadata={"versions": json.dumps(VERSIONS, sort_keys=True)})
+    add_float64(path, mxfp4_float64(folder, src, ids))
     print(f"tiny-gpt-oss-mxfp4: MXFP4 moves the expert weights by up to {moved:.3g}")
 
 
@@ -524,8 +794,6 @@ def check_ours(adapter_dir, base_dir, logits_file):
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:2] == ["models"]:
         models()
     elif sys.argv[1:2] == ["gpt-oss"]:
@@ -533,6 +801,9 @@ if __name__ == "__main__":
         mxfp4_folder()
     elif sys.argv[1:2] == ["gguf"]:
         gguf_files()
+    elif sys.argv[1:2] == ["float64"]:
+        torch.set_num_threads(1)
+        generate_float64()
     elif sys.argv[1:2] == ["check-ours"]:
         check_ours(*sys.argv[2:5])
     else:

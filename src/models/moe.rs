@@ -1,5 +1,6 @@
 //! The mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE and Qwen3-MoE, as transformers computes it: a
-//! router (`gate`, a linear layer to one logit per expert), its softmax in float32, each token's `top_k` experts
+//! router (`gate`, a linear layer to one logit per expert), its softmax in float32 (float64 in a float64 model, as
+//! everything of the routing and the auxiliary loss there), each token's `top_k` experts
 //! (their probabilities renormalized to sum to 1 where the family says so: `norm_topk_prob`, always for Mixtral),
 //! each expert a gated MLP, and Qwen2-MoE's shared expert added under a sigmoid gate. Plus transformers'
 //! auxiliary load-balancing loss over the layers' router logits ([`load_balancing_loss`]).
@@ -13,9 +14,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use candle_core::{DType, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor, D};
 
 use super::mlp::{Linear, Mlp};
+use crate::precision::master_dtype;
 
 /// Qwen2-MoE's shared expert: an MLP every token goes through, scaled by `sigmoid(gate(x))`.
 #[derive(Clone, Debug)]
@@ -93,12 +95,7 @@ impl SparseMoe {
         let shape = x.shape().clone();
         let hidden = x.dim(D::Minus1)?;
         let rows = x.reshape(((), hidden))?;
-        // The router's softmax in float32 at least (float64 stays, for gradient checks).
-        let logits = self.gate.forward(&rows)?;
-        let logits = match logits.dtype() {
-            DType::F64 => logits,
-            _ => logits.to_dtype(DType::F32)?,
-        };
+        let logits = at_least_f32(&self.gate.forward(&rows)?)?;
         if rows.dim(0)? == 0 {
             return Ok((x.clone(), logits, vec![]));
         }
@@ -155,9 +152,28 @@ impl SparseMoe {
     }
 }
 
+/// `t` in float32, or float64 when it is (the router's softmax and the auxiliary loss are never computed in half
+/// precision; a float64 model computes them in float64 throughout).
+fn at_least_f32(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(master_dtype(t.dtype()))
+}
+
+/// `t` on the host in float64 (exact for float32 values; converted on the host whatever the device).
+fn host_f64(t: &Tensor) -> Result<Tensor> {
+    t.to_device(&Device::Cpu)?.to_dtype(DType::F64)
+}
+
+/// `values` as a `dtype` tensor on `device` (rounded on the host).
+fn tensor_of(values: &[f64], dtype: DType, device: &Device) -> Result<Tensor> {
+    Tensor::new(values, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)
+}
+
 /// Each row's `k` experts of highest probability in `probs` (`[tokens, experts]`), highest first: `[tokens · k]`.
+/// Compared at the probabilities' own precision (float32 values widen to float64 exactly, in the same order).
 fn top_k_choices(probs: &Tensor, k: usize) -> Result<Vec<u32>> {
-    let rows: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
+    let rows: Vec<Vec<f64>> = host_f64(probs)?.to_vec2()?;
     Ok(rows
         .iter()
         .flat_map(|p| top_k_indices(p, k).into_iter().map(|e| e as u32))
@@ -165,7 +181,7 @@ fn top_k_choices(probs: &Tensor, k: usize) -> Result<Vec<u32>> {
 }
 
 /// The indices of the `k` largest values of `p`, largest first (ties: the lower index first).
-fn top_k_indices(p: &[f32], k: usize) -> Vec<usize> {
+fn top_k_indices(p: &[f64], k: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..p.len()).collect();
     order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
     order.truncate(k);
@@ -192,7 +208,7 @@ pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Ten
     let layers = router_logits
         .iter()
         .map(|logits| {
-            let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+            let probs = softmax_rows(&at_least_f32(logits)?)?;
             Ok((logits.clone(), top_k_choices(&probs, top_k)?))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -202,7 +218,7 @@ pub fn load_balancing_loss(router_logits: &[Tensor], top_k: usize) -> Result<Ten
 /// The load-balancing loss of `layers` (each layer's router logits and the experts each token went to, `top_k`
 /// per token) over the tokens whose `mask` is 1 (all when `None`; transformers' attention mask), and its derivative
 /// with respect to each counted token's router probability of each expert (`experts · fₑ / n`, `n` the counted rows
-/// of all layers).
+/// of all layers). In float32, or float64 for float64 logits.
 fn balance(
     layers: &[(Tensor, Vec<u32>)],
     top_k: usize,
@@ -213,28 +229,30 @@ fn balance(
     };
     let experts = first.dim(1)?;
     let device = first.device();
-    let token_mask: Option<Vec<f32>> = mask.map(|m| m.to_vec1()).transpose()?;
+    let dtype = master_dtype(first.dtype());
+    let mask = mask.map(|m| m.to_dtype(dtype)).transpose()?;
+    let token_mask: Option<Vec<f64>> = mask.as_ref().map(|m| host_f64(m)?.to_vec1()).transpose()?;
     let mut counts = vec![0f64; experts];
-    let mut prob_sum = Tensor::zeros(experts, DType::F32, device)?;
+    let mut prob_sum = Tensor::zeros(experts, dtype, device)?;
     let mut rows = 0f64;
     for (logits, choices) in layers {
-        let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+        let probs = softmax_rows(&logits.to_dtype(dtype)?)?;
         for (t, chosen) in choices.chunks(top_k.max(1)).enumerate() {
-            let m = token_mask.as_ref().map_or(1.0, |m| m[t] as f64);
+            let m = token_mask.as_ref().map_or(1.0, |m| m[t]);
             rows += m;
             for &e in chosen {
                 counts[e as usize] += m;
             }
         }
-        let counted = match mask {
+        let counted = match &mask {
             Some(m) => probs.broadcast_mul(&m.unsqueeze(1)?)?,
             None => probs,
         };
         prob_sum = (prob_sum + counted.sum(0)?)?;
     }
     let rows = rows.max(1.0);
-    let share: Vec<f32> = counts.iter().map(|c| (c / rows) as f32).collect();
-    let tokens_per_expert = Tensor::new(share.as_slice(), device)?;
+    let share: Vec<f64> = counts.iter().map(|c| c / rows).collect();
+    let tokens_per_expert = tensor_of(&share, dtype, device)?;
     let prob_per_expert = (prob_sum / rows)?;
     let loss = ((tokens_per_expert * prob_per_expert)?.sum_all()? * experts as f64)?;
     let derivative = counts
@@ -288,12 +306,13 @@ impl RouterLogits {
         let Some(weights) = self.state()?.weights.clone() else {
             return Ok(None);
         };
-        let probs = softmax_rows(&logits.to_dtype(DType::F32)?)?;
+        let probs = softmax_rows(&at_least_f32(logits)?)?;
         Ok(Some((probs * weights)?.sum_all()?))
     }
 
     /// transformers' load-balancing loss over the recorded layers (see [`load_balancing_loss`]), counting only the
-    /// tokens whose `token_mask` is 1 (`[tokens]`, float32: padding 0, as transformers reads its attention mask).
+    /// tokens whose `token_mask` is 1 (`[tokens]`: padding 0, as transformers reads its attention mask). In float32,
+    /// or float64 for a float64 model's logits.
     /// `scale` is the factor it enters the differentiated objective with (`router_aux_loss_coef`, over the ranks):
     /// the checkpointed layers' recomputations use it. `None` when no sparse layer ran.
     pub fn aux_loss(
@@ -307,11 +326,14 @@ impl RouterLogits {
             return Ok(None);
         };
         let (loss, derivative) = balance(&layers, top_k, token_mask)?;
-        let device = first.device();
-        let per_expert: Vec<f32> = derivative.iter().map(|d| (d * scale) as f32).collect();
-        let per_expert = Tensor::new(per_expert.as_slice(), device)?.unsqueeze(0)?;
+        let (device, dtype) = (first.device(), master_dtype(first.dtype()));
+        let per_expert: Vec<f64> = derivative.iter().map(|d| d * scale).collect();
+        let per_expert = tensor_of(&per_expert, dtype, device)?.unsqueeze(0)?;
         let weights = match token_mask {
-            Some(m) => m.unsqueeze(1)?.broadcast_mul(&per_expert)?,
+            Some(m) => m
+                .to_dtype(dtype)?
+                .unsqueeze(1)?
+                .broadcast_mul(&per_expert)?,
             None => per_expert.broadcast_as(first.shape())?.contiguous()?,
         };
         self.state()?.weights = Some(weights);
@@ -386,8 +408,7 @@ mod tests {
             .to_vec2::<f64>()?
             .iter()
             .flat_map(|p| {
-                let p: Vec<f32> = p.iter().map(|v| *v as f32).collect();
-                let top = top_k_indices(&p, 2);
+                let top = top_k_indices(p, 2);
                 (0..EXPERTS).map(move |e| if top.contains(&e) { 1.0 } else { 0.0 })
             })
             .collect();

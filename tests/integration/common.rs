@@ -170,6 +170,38 @@ pub fn decoder_chain_terms(config: &candle_qlora::models::ModelConfig, seq: usiz
     config.num_hidden_layers * layer + 2 * hidden
 }
 
+/// Asserts that float32 `got` is within the float32 rounding bound of `expected` for values computed through
+/// `model`'s decoder over `seq` positions: [`float32_bound`] over [`decoder_chain_terms`] times `chains`, the
+/// float32 passes between the two (1: a forward against a float64 reference; 2: a backward, which runs the chain
+/// again, or two float32 forwards; 4: two float32 backwards).
+pub fn assert_f32_within_bound(
+    what: &str,
+    model: &candle_qlora::models::LlamaModel,
+    (seq, chains): (usize, usize),
+    got: &candle_core::Tensor,
+    expected: &candle_core::Tensor,
+) {
+    let terms = chains * decoder_chain_terms(model.config(), seq);
+    assert_f32_within_terms(what, terms, got, expected);
+}
+
+/// Asserts that float32 `got` is within [`float32_bound`] of `expected` for values computed through `terms` rounded
+/// additions along their chain.
+pub fn assert_f32_within_terms(
+    what: &str,
+    terms: usize,
+    got: &candle_core::Tensor,
+    expected: &candle_core::Tensor,
+) {
+    let bound = float32_bound(terms, max_abs(expected));
+    let d = max_abs_diff(got, expected);
+    assert!(
+        d <= bound,
+        "{what}: the float32 result differs by {d:.3e}, beyond the float32 rounding bound {bound:.3e} ({terms} \
+         rounded additions along the chain × 2⁻²⁴ × the largest magnitude)"
+    );
+}
+
 /// Largest magnitude in a tensor (as f64).
 pub fn max_abs(t: &candle_core::Tensor) -> f64 {
     t.to_dtype(DType::F64)

@@ -11,8 +11,8 @@ use candle_qlora::quant::{BnbKernels, QuantConfig};
 use serde_json::Value;
 
 use crate::common::{
-    assert_f64_close, assert_f64_scalar_close, data_path, decoder_chain_terms, embeds_loss,
-    float32_bound, ids_of, max_abs, max_abs_diff, test_model, text_loss, TINY_MODELS,
+    assert_f32_within_bound, assert_f64_close, assert_f64_scalar_close, data_path, embeds_loss,
+    ids_of, max_abs_diff, test_model, text_loss, TINY_MODELS,
 };
 
 fn golden(name: &str) -> std::collections::HashMap<String, Tensor> {
@@ -40,27 +40,6 @@ fn load_tiny_in(name: &str, quant: Option<QuantConfig>, compute_dtype: DType) ->
     )
     .unwrap()
     .model
-}
-
-/// Asserts that float32 `got` is within the float32 rounding bound of `expected` for values computed through
-/// `model`'s decoder over `seq` positions: [`float32_bound`] over [`decoder_chain_terms`] times `chains`, the
-/// float32 passes between the two (1: a forward against a float64 reference; 2: a backward, which runs the chain
-/// again, or two float32 forwards; 4: two float32 backwards).
-fn assert_f32_within_bound(
-    what: &str,
-    model: &LlamaModel,
-    (seq, chains): (usize, usize),
-    got: &Tensor,
-    expected: &Tensor,
-) {
-    let terms = chains * decoder_chain_terms(model.config(), seq);
-    let bound = float32_bound(terms, max_abs(expected));
-    let d = max_abs_diff(got, expected);
-    assert!(
-        d <= bound,
-        "{what}: the float32 result differs by {d:.3e}, beyond the float32 rounding bound {bound:.3e} ({terms} \
-         rounded additions along the chain × 2⁻²⁴ × the largest magnitude)"
-    );
 }
 
 fn nf4_like_bitsandbytes_cpu() -> QuantConfig {

@@ -1,6 +1,11 @@
 //! The mixture-of-experts block against transformers' own (`scripts/golden_moe.py`): Mixtral, Qwen2-MoE (shared
 //! expert, no renormalization) and Qwen3-MoE (renormalized top-k), built from the per-expert tensors a Hub
-//! checkpoint holds; and the auxiliary load-balancing loss.
+//! checkpoint holds; the auxiliary load-balancing loss; and tiny whole models of every sparse family, also from
+//! GGUF and MXFP4 files, with PEFT's adapters, merged, and quantized to NF4.
+//!
+//! Compared in float64 on both sides (the goldens' `*_f64` tensors, transformers run in float64 from end to end) at
+//! [`F64_TOLERANCE`], where neither side's float32 rounding nor the CPU's matrix kernels decide a result; our
+//! float32 path within the float32 rounding bound of its chain of sums ([`float32_bound`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,9 +22,12 @@ use candle_qlora::models::{
     RouterLogits, SharedExpert, SparseMoe,
 };
 use candle_qlora::ops::{FrozenLinear, FrozenWeight, GateActivation};
-use candle_qlora::quant::QuantConfig;
+use candle_qlora::quant::{BnbKernels, QuantConfig};
 
-use crate::common::{data_path, max_abs_diff};
+use crate::common::{
+    assert_f32_within_bound, assert_f32_within_terms, assert_f64_close, assert_f64_scalar_close,
+    data_path, max_abs_diff,
+};
 use crate::families::{merge_and_generate, qlora};
 
 /// LoRA's scaling in these tests.
@@ -32,15 +40,18 @@ fn frozen(w: &Tensor) -> LoraLinear {
     )))
 }
 
-/// `linear` with a LoRA adapter of rank 3 whose B is zero (the output is the base's; B's gradient is
-/// `SCALING · dL/dW · Aᵀ`) and A a fixed pseudo-random matrix.
+/// `linear` with a LoRA adapter of rank 3 in `w`'s dtype whose B is zero (the output is the base's; B's gradient is
+/// `SCALING · dL/dW · Aᵀ`) and A a fixed pseudo-random matrix (float32 values, exact in float64).
 fn with_adapter(mut linear: LoraLinear, w: &Tensor, seed: u32) -> (LoraLinear, Var, Tensor) {
     let (out, inp) = w.dims2().unwrap();
     let a: Vec<f32> = (0..3 * inp)
         .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 1000.0 - 0.5)
         .collect();
-    let a = Tensor::from_vec(a, (3, inp), &Device::Cpu).unwrap();
-    let b = Var::zeros((out, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let a = Tensor::from_vec(a, (3, inp), &Device::Cpu)
+        .unwrap()
+        .to_dtype(w.dtype())
+        .unwrap();
+    let b = Var::zeros((out, 3), w.dtype(), &Device::Cpu).unwrap();
     let adapter = LoraAdapter {
         a: Var::from_tensor(&a).unwrap(),
         b: b.clone(),
@@ -75,10 +86,23 @@ fn golden(family: &str) -> Golden {
     }
 }
 
+/// Asserts that `got` (computed in `dtype`) equals the float64 reference `expected`: at [`F64_TOLERANCE`] in
+/// float64, within the float32 rounding bound of `f32_terms` rounded additions in float32.
+fn assert_close(what: &str, dtype: DType, f32_terms: usize, got: &Tensor, expected: &Tensor) {
+    match dtype {
+        DType::F64 => assert_f64_close(what, got, expected),
+        _ => assert_f32_within_terms(what, f32_terms, got, expected),
+    }
+}
+
 /// Each family's block, loaded from its per-expert tensors (with a zero-B adapter on the router and on expert 0's
 /// down projection), gives transformers' output and router logits, the input gradient, and through the adapters
-/// the router's and the expert's weight gradients, to float32 rounding (1e-5 of the largest value; 1e-4 for
-/// gradients).
+/// the router's and the expert's weight gradients. In float64 at [`F64_TOLERANCE`]; in float32 within the float32
+/// bound of the block's chain — the router (hidden) with its softmax (experts) and renormalization (top-k), an
+/// expert's gate/up (hidden) and down (its width) projections, the sum of the token's experts and the shared one
+/// (top-k + 1, the shared gate: hidden) — once for the forward, twice for gradients (the backward runs the chain
+/// again), plus for a weight's gradient through the adapter its sum over the tokens and the product with A (the
+/// projection's input width).
 #[test]
 fn moe_blocks_match_transformers() {
     for (family, [gate, up, down]) in [
@@ -87,80 +111,98 @@ fn moe_blocks_match_transformers() {
         ("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]),
     ] {
         let g = golden(family);
-        let t = &g.t;
-        let mlp = |prefix: &str, down_proj: LoraLinear| {
-            Mlp::new(
-                GateUpProjections::Separate {
-                    gate_proj: frozen(&t[&format!("{prefix}.{gate}.weight")]),
-                    up_proj: frozen(&t[&format!("{prefix}.{up}.weight")]),
-                },
-                down_proj,
-                GateActivation::Silu,
-            )
-        };
-        let (router, router_b, router_a) =
-            with_adapter(frozen(&t["gate.weight"]), &t["gate.weight"], 1);
-        let down0 = &t[&format!("experts.0.{down}.weight")];
-        let (down0, down0_b, down0_a) = with_adapter(frozen(down0), down0, 2);
-        let mut experts = vec![mlp("experts.0", down0)];
-        for e in 1..8 {
-            let p = format!("experts.{e}");
-            experts.push(mlp(&p, frozen(&t[&format!("{p}.{down}.weight")])));
-        }
-        let shared = t.contains_key("shared_expert_gate.weight").then(|| {
-            let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"]
-                .map(|p| frozen(&t[&format!("shared_expert.{p}.weight")]));
-            SharedExpert {
-                mlp: Mlp::new(
+        let reference = |name: &str| &g.t[&format!("{name}_f64")];
+        for dtype in [DType::F64, DType::F32] {
+            let t = |name: &str| g.t[name].to_dtype(dtype).unwrap();
+            let mlp = |prefix: &str, down_proj: LoraLinear| {
+                Mlp::new(
                     GateUpProjections::Separate {
-                        gate_proj: gate,
-                        up_proj: up,
+                        gate_proj: frozen(&t(&format!("{prefix}.{gate}.weight"))),
+                        up_proj: frozen(&t(&format!("{prefix}.{up}.weight"))),
                     },
-                    down,
+                    down_proj,
                     GateActivation::Silu,
-                ),
-                gate: frozen(&t["shared_expert_gate.weight"]),
+                )
+            };
+            let router_w = t("gate.weight");
+            let (router, router_b, router_a) = with_adapter(frozen(&router_w), &router_w, 1);
+            let down0_w = t(&format!("experts.0.{down}.weight"));
+            let (down0, down0_b, down0_a) = with_adapter(frozen(&down0_w), &down0_w, 2);
+            let mut experts = vec![mlp("experts.0", down0)];
+            for e in 1..8 {
+                let p = format!("experts.{e}");
+                experts.push(mlp(&p, frozen(&t(&format!("{p}.{down}.weight")))));
             }
-        });
-        assert_eq!(shared.is_some(), family == "qwen2_moe");
-        let block = SparseMoe::new(router, experts, shared, g.top_k, g.norm_topk_prob).unwrap();
-        let x = Var::from_tensor(&t["x"]).unwrap();
-        let (out, logits) = block.forward(x.as_tensor()).unwrap();
-        // Relative to the largest expected value (at least 1): the gradients reach tens here.
-        let close = |what: &str, a: &Tensor, b: &Tensor, tol: f64| {
-            let scale = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-            let scale = f64::from(scale.to_scalar::<f32>().unwrap()).max(1.0);
-            let d = max_abs_diff(a, b) / scale;
-            assert!(
-                d < tol,
-                "{family}: {what} differs by {d} (relative to {scale})"
+            let shared = g.t.contains_key("shared_expert_gate.weight").then(|| {
+                let [gate, up, down] = ["gate_proj", "up_proj", "down_proj"]
+                    .map(|p| frozen(&t(&format!("shared_expert.{p}.weight"))));
+                SharedExpert {
+                    mlp: Mlp::new(
+                        GateUpProjections::Separate {
+                            gate_proj: gate,
+                            up_proj: up,
+                        },
+                        down,
+                        GateActivation::Silu,
+                    ),
+                    gate: frozen(&t("shared_expert_gate.weight")),
+                }
+            });
+            assert_eq!(shared.is_some(), family == "qwen2_moe");
+            let (experts_n, hidden) = router_w.dims2().unwrap();
+            let shared_width =
+                g.t.get("shared_expert.down_proj.weight")
+                    .map_or(0, |w| w.dim(1).unwrap());
+            let width = down0_w.dim(1).unwrap().max(shared_width);
+            let chain = 3 * hidden + experts_n + 2 * g.top_k + width + 1;
+            let block = SparseMoe::new(router, experts, shared, g.top_k, g.norm_topk_prob).unwrap();
+            let x = Var::from_tensor(&t("x")).unwrap();
+            let (out, logits) = block.forward(x.as_tensor()).unwrap();
+            let what = |w: &str| format!("{family} ({dtype:?}): {w}");
+            assert_close(&what("output"), dtype, chain, &out, reference("out"));
+            let router_logits = reference("router_logits");
+            assert_close(
+                &what("router logits"),
+                dtype,
+                hidden,
+                &logits,
+                router_logits,
             );
-        };
-        close("output", &out, &t["out"], 1e-5);
-        close("router logits", &logits, &t["router_logits"], 1e-5);
-        let grads = (out * &t["upstream"])
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        close("input gradient", grads.get(&x).unwrap(), &t["grad_x"], 1e-4);
-        // dL/dB = s · dL/dW · Aᵀ for an adapter with B = 0.
-        let expected = |grad_w: &Tensor, a: &Tensor| {
-            (grad_w.matmul(&a.t().unwrap()).unwrap() * SCALING).unwrap()
-        };
-        close(
-            "router gradient",
-            grads.get(&router_b).unwrap(),
-            &expected(&t["grad_router"], &router_a),
-            1e-4,
-        );
-        close(
-            "expert 0 down-projection gradient",
-            grads.get(&down0_b).unwrap(),
-            &expected(&t["grad_expert0_down"], &down0_a),
-            1e-4,
-        );
+            let grads = (out * t("upstream"))
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let grad_x = grads.get(&x).unwrap();
+            assert_close(
+                &what("input gradient"),
+                dtype,
+                2 * chain,
+                grad_x,
+                reference("grad_x"),
+            );
+            // dL/dB = s · dL/dW · Aᵀ for an adapter with B = 0 (formed in float64 from the reference).
+            let expected = |grad_w: &Tensor, a: &Tensor| {
+                let a = a.to_dtype(DType::F64).unwrap();
+                (grad_w.matmul(&a.t().unwrap()).unwrap() * SCALING).unwrap()
+            };
+            let tokens = x.dims()[..2].iter().product::<usize>();
+            assert_close(
+                &what("router gradient"),
+                dtype,
+                2 * chain + tokens + hidden,
+                grads.get(&router_b).unwrap(),
+                &expected(reference("grad_router"), &router_a),
+            );
+            assert_close(
+                &what("expert 0 down-projection gradient"),
+                dtype,
+                2 * chain + tokens + width,
+                grads.get(&down0_b).unwrap(),
+                &expected(reference("grad_expert0_down"), &down0_a),
+            );
+        }
         if family == "qwen2_moe" {
             assert_eq!(
                 g.experts_hit, 7,
@@ -170,18 +212,32 @@ fn moe_blocks_match_transformers() {
     }
 }
 
-/// transformers' load-balancing loss of two layers' router logits, and its gradient.
+/// transformers' load-balancing loss of two layers' router logits (14 tokens each, 8 experts), and its gradient: in
+/// float64 at [`F64_TOLERANCE`]; in float32 within the float32 bound of its chain — each token's softmax (experts),
+/// the mean over both layers' tokens, the sum over experts — once for the loss, twice for the gradient.
 #[test]
 fn load_balancing_loss_matches_transformers() {
     let t = golden("qwen3_moe").t;
-    let l0 = Var::from_tensor(&t["aux_logits_0"]).unwrap();
-    let loss =
-        load_balancing_loss(&[l0.as_tensor().clone(), t["aux_logits_1"].clone()], 2).unwrap();
-    let expected = t["aux_loss"].flatten_all().unwrap();
-    assert!(max_abs_diff(&loss.reshape(1).unwrap(), &expected) < 1e-6);
-    let grads = loss.backward().unwrap();
-    let d = max_abs_diff(grads.get(&l0).unwrap(), &t["grad_aux_logits_0"]);
-    assert!(d < 1e-6, "gradient differs by {d}");
+    let (tokens, experts) = t["aux_logits_0"].dims2().unwrap();
+    let chain = experts + 2 * tokens + experts;
+    for dtype in [DType::F64, DType::F32] {
+        let l0 = Var::from_tensor(&t["aux_logits_0"].to_dtype(dtype).unwrap()).unwrap();
+        let l1 = t["aux_logits_1"].to_dtype(dtype).unwrap();
+        let loss = load_balancing_loss(&[l0.as_tensor().clone(), l1], 2).unwrap();
+        let what = |w: &str| format!("{dtype:?}: {w}");
+        let got = loss.reshape(1).unwrap();
+        assert_close(
+            &what("auxiliary loss"),
+            dtype,
+            chain,
+            &got,
+            &t["aux_loss_f64"],
+        );
+        let grads = loss.backward().unwrap();
+        let grad = grads.get(&l0).unwrap();
+        let expected = &t["grad_aux_logits_0_f64"];
+        assert_close(&what("its gradient"), dtype, 2 * chain, grad, expected);
+    }
 }
 
 /// The tiny whole models of `scripts/golden_moe.py models`.
@@ -197,6 +253,11 @@ pub(crate) fn model_golden(name: &str) -> HashMap<String, Tensor> {
     .unwrap()
 }
 
+/// The one number of a golden tensor `[1]`, as f64.
+fn scalar(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()[0]
+}
+
 /// Whether projection `name` of `model` holds an NF4 weight.
 fn is_nf4(model: &LlamaModel, name: &str) -> bool {
     let linears = model.linears();
@@ -205,14 +266,27 @@ fn is_nf4(model: &LlamaModel, name: &str) -> bool {
 }
 
 fn load_moe(name: &str, quantization: Option<QuantConfig>) -> LlamaModel {
+    load_moe_in(name, quantization, DType::F32)
+}
+
+/// `tests/data/models/{name}` computing in `compute_dtype` (float64: against the float64 goldens).
+fn load_moe_in(name: &str, quantization: Option<QuantConfig>, compute_dtype: DType) -> LlamaModel {
     let dir = data_path(&format!("models/{name}"));
     let options = LoadOptions {
         quantization,
-        ..Default::default()
+        compute_dtype,
     };
     load_model(dir.to_str().unwrap(), None, &options)
         .unwrap()
         .model
+}
+
+/// NF4 quantized as bitsandbytes' CPU kernels choose the codes (the goldens' NF4 weights are quantized on the CPU).
+fn nf4_like_bitsandbytes_cpu() -> QuantConfig {
+    QuantConfig {
+        kernels: BnbKernels::Cpu,
+        ..QuantConfig::nf4()
+    }
 }
 
 /// transformers' training loss of embeddings `embeds` with labels `ids`: the mean token loss, plus
@@ -223,7 +297,7 @@ pub(crate) fn moe_loss(
     embeds: &Tensor,
     ids: &Tensor,
     checkpointing: bool,
-) -> (Tensor, f32) {
+) -> (Tensor, f64) {
     let ck = Checkpointing {
         enabled: checkpointing,
         ..Default::default()
@@ -246,42 +320,47 @@ pub(crate) fn moe_loss(
         .unwrap()
         .unwrap();
     let total = ((sum / n as f64).unwrap() + (&aux * coef).unwrap()).unwrap();
-    (total, aux.to_scalar::<f32>().unwrap())
+    (total, scalar(&aux.reshape(1).unwrap()))
 }
 
 /// Mixtral (Hub layout), Qwen2-MoE (shared expert; the loss includes the auxiliary loss), Qwen3-MoE (a dense
 /// layer among sparse ones; transformers 5's fused 3-D layout) and gpt-oss (attention sinks and biases, a sliding
 /// layer shorter than the sequence, YaRN, a router with a bias, interleaved experts with biases and a clamp the
 /// activations reach): logits, loss, auxiliary loss and the input gradients with and without checkpointing equal
-/// transformers'.
+/// transformers'. In float64 at [`F64_TOLERANCE`]; in float32 within the float32 bound of the decoder's chain (a
+/// backward runs it twice).
 #[test]
 fn tiny_moe_models_match_transformers() {
     for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
         let g = model_golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
-        let model = load_moe(name, None);
-        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
-        assert!(d <= 1e-5, "{name}: logits differ from transformers by {d}");
-        let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
-        for checkpointing in [false, true] {
-            let (loss, aux) = moe_loss(&model, embeds.as_tensor(), &ids, checkpointing);
-            let expected = g["loss"].to_vec1::<f32>().unwrap()[0];
-            let value = loss.to_scalar::<f32>().unwrap();
-            assert!(
-                (value - expected).abs() <= 1e-5,
-                "{name}: loss {value} vs {expected}"
-            );
-            let expected_aux = g["aux_loss"].to_vec1::<f32>().unwrap()[0];
-            assert!(
-                (aux - expected_aux).abs() <= 1e-5,
-                "{name}: aux {aux} vs {expected_aux}"
-            );
-            let grads = loss.backward().unwrap();
-            let d = max_abs_diff(grads.get(&embeds).unwrap(), &g["grad_inputs_embeds"]);
-            assert!(
-                d <= 1e-6,
-                "{name} (checkpointing {checkpointing}): input gradient differs by {d}"
-            );
+        for dtype in [DType::F64, DType::F32] {
+            let model = load_moe_in(name, None, dtype);
+            let check = |what: &str, chains: usize, got: &Tensor, expected: &Tensor| {
+                let what = format!("{name} ({dtype:?}): {what}");
+                match dtype {
+                    DType::F64 => assert_f64_close(&what, got, expected),
+                    _ => assert_f32_within_bound(&what, &model, (19, chains), got, expected),
+                }
+            };
+            check("logits", 1, &model.logits(&ids).unwrap(), &g["logits_f64"]);
+            let embeds = Var::from_tensor(&model.embed(&ids).unwrap()).unwrap();
+            for checkpointing in [false, true] {
+                let (loss, aux) = moe_loss(&model, embeds.as_tensor(), &ids, checkpointing);
+                let what = |w: &str| format!("{w} (checkpointing {checkpointing})");
+                let got = loss.reshape(1).unwrap();
+                check(&what("loss"), 1, &got, &g["loss_f64"]);
+                let got = Tensor::new(&[aux], &Device::Cpu).unwrap();
+                check(&what("auxiliary loss"), 1, &got, &g["aux_loss_f64"]);
+                let grads = loss.backward().unwrap();
+                let got = grads.get(&embeds).unwrap();
+                check(
+                    &what("input gradient"),
+                    2,
+                    got,
+                    &g["grad_inputs_embeds_f64"],
+                );
+            }
         }
     }
 }
@@ -289,9 +368,10 @@ fn tiny_moe_models_match_transformers() {
 /// GGUF mixtures of experts as llama.cpp writes them (`qwen2moe` with the shared expert, `qwen3moe`, Mixtral as
 /// `llama` with experts and permuted q/k; experts stacked in `ffn_{gate,up,down}_exps`, `scripts/golden_moe.py
 /// gguf`): the configuration from the metadata and the logits equal transformers' (which loads the Qwen files into
-/// the HF models bit for bit; the Mixtral file holds the HF folder's tensors under transformers' un-permutation);
-/// quantized on load, the experts are NF4, the router stays dense, and the model equals the one quantized from the
-/// HF folder.
+/// the HF models bit for bit; the Mixtral file holds the HF folder's tensors under transformers' un-permutation) —
+/// computed in float64 at [`F64_TOLERANCE`]: the files hold the folders' float32 values exactly (their epsilon
+/// rounded to float32 moves the logits by ~1e-12); quantized on load, the experts are NF4, the router stays dense,
+/// and the model equals the one quantized from the HF folder.
 #[test]
 fn gguf_mixtures_of_experts_match_transformers() {
     for (golden_of, file, model_type) in [
@@ -310,9 +390,11 @@ fn gguf_mixtures_of_experts_match_transformers() {
         let g = model_golden(golden_of);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let path = data_path(file).display().to_string();
-        let model = load_model(&path, None, &LoadOptions::default())
-            .unwrap()
-            .model;
+        let f64_options = LoadOptions {
+            compute_dtype: DType::F64,
+            ..Default::default()
+        };
+        let model = load_model(&path, None, &f64_options).unwrap().model;
         let moe = model.config().moe.clone().unwrap();
         assert_eq!((moe.num_experts, moe.num_experts_per_tok), (4, 2), "{file}");
         assert_eq!(moe.norm_topk_prob, !golden_of.contains("qwen2"), "{file}");
@@ -321,8 +403,8 @@ fn gguf_mixtures_of_experts_match_transformers() {
             model_type,
             "{file}"
         );
-        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits"]);
-        assert!(d <= 1e-5, "{file}: logits differ from transformers by {d}");
+        let got = model.logits(&ids).unwrap();
+        assert_f64_close(&format!("{file}: logits"), &got, &g["logits_f64"]);
 
         let nf4 = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
@@ -355,19 +437,20 @@ fn gguf_mixtures_of_experts_match_transformers() {
 /// PEFT's adapters on the router, every expert (`target_parameters`; gpt-oss's interleaved ones too) and the
 /// linear modules load with PEFT's logits, save back to PEFT's exact tensors, and merge (through the command's
 /// library call) into a folder transformers reads (gpt-oss: its 3-D expert layout), with PEFT's merged logits.
+/// Computed in float64: the adapted logits at [`F64_TOLERANCE`]; the merged folder stores its weights as float32
+/// (the merge's output dtype), one float32 rounding of every weight, so its logits within the float32 bound of one
+/// pass of the decoder.
 #[test]
 fn peft_expert_adapters_load_save_and_merge() {
     for name in MOE_MODELS.into_iter().chain([GPT_OSS]) {
         let g = model_golden(name);
         let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
         let peft_dir = data_path(&format!("models/{name}/adapter"));
-        let mut model = load_moe(name, None);
+        let mut model = load_moe_in(name, None, DType::F64);
         load_adapter(&mut model, &peft_dir, "default").unwrap();
-        let d = max_abs_diff(&model.logits(&ids).unwrap(), &g["logits_adapter"]);
-        assert!(
-            d <= 1e-4,
-            "{name}: logits with PEFT's adapter differ by {d}"
-        );
+        let got = model.logits(&ids).unwrap();
+        let what = format!("{name}: logits with PEFT's adapter");
+        assert_f64_close(&what, &got, &g["logits_adapter_f64"]);
 
         let dir = tempfile::tempdir().unwrap();
         save_adapter(&model, "default", dir.path(), None).unwrap();
@@ -396,14 +479,16 @@ fn peft_expert_adapters_load_save_and_merge() {
         };
         let source = data_path(&format!("models/{name}"));
         merge_to_folder(&model, None, Some(&source), &merged, &options).unwrap();
-        let merged_model = load_model(merged.to_str().unwrap(), None, &LoadOptions::default())
+        let f64_options = LoadOptions {
+            compute_dtype: DType::F64,
+            ..Default::default()
+        };
+        let merged_model = load_model(merged.to_str().unwrap(), None, &f64_options)
             .unwrap()
             .model;
-        let d = max_abs_diff(&merged_model.logits(&ids).unwrap(), &g["logits_merged"]);
-        assert!(
-            d <= 1e-4,
-            "{name}: merged logits differ from PEFT's merge by {d}"
-        );
+        let got = merged_model.logits(&ids).unwrap();
+        let what = format!("{name}: merged logits (float32 weights) against PEFT's merge");
+        assert_f32_within_bound(&what, &merged_model, (19, 1), &got, &g["logits_merged_f64"]);
     }
 }
 
@@ -472,16 +557,17 @@ fn the_advice_for_targets_that_match_nothing_adapts_what_it_names() {
 }
 
 /// gpt-oss's MXFP4 checkpoint (`*_blocks` / `*_scales`) loads with the logits of transformers' own dequantization
-/// of its bytes, and in 4 bits with NF4 experts and a dense router.
+/// of its bytes (exact values: compared in float64 at [`F64_TOLERANCE`]), and in 4 bits with NF4 experts and a dense
+/// router.
 #[test]
 fn gpt_oss_mxfp4_checkpoints_match_transformers() {
     let mxfp4 = "tiny-gpt-oss-mxfp4";
     let golden = model_golden(mxfp4);
     let ids = golden["input_ids"].to_dtype(DType::U32).unwrap();
-    let model = load_moe(mxfp4, None);
-    let d = max_abs_diff(&model.logits(&ids).unwrap(), &golden["logits"]);
-    assert!(d <= 1e-5, "MXFP4 logits differ from transformers' by {d}");
-    let quantized = load_moe(mxfp4, Some(QuantConfig::nf4()));
+    let model = load_moe_in(mxfp4, None, DType::F64);
+    let got = model.logits(&ids).unwrap();
+    assert_f64_close("MXFP4 logits", &got, &golden["logits_f64"]);
+    let quantized = load_moe_in(mxfp4, Some(QuantConfig::nf4()), DType::F64);
     assert!(is_nf4(
         &quantized,
         "model.layers.1.mlp.experts.3.gate_up_proj"
@@ -492,7 +578,7 @@ fn gpt_oss_mxfp4_checkpoints_match_transformers() {
     );
     let loss_of = |m: &LlamaModel| {
         let (loss, _) = moe_loss(m, &m.embed(&ids).unwrap(), &ids, false);
-        loss.to_scalar::<f32>().unwrap()
+        scalar(&loss.reshape(1).unwrap())
     };
     let (nf4, dense) = (loss_of(&quantized), loss_of(&model));
     // The loss includes 0.1 × the auxiliary loss, which steps when rounding moves a token to another expert.
@@ -502,37 +588,53 @@ fn gpt_oss_mxfp4_checkpoints_match_transformers() {
     );
 }
 
-/// Loaded in 4 bits, every expert is NF4 on its own and the router stays dense (as transformers keeps it), and the
-/// model still computes nearly the float32 loss.
+/// Loaded in 4 bits, every expert is NF4 on its own and the router stays dense (as transformers keeps it): the
+/// logits and the loss (with the auxiliary loss where the config asks) equal transformers' model on bitsandbytes'
+/// NF4 of the same weights (each expert's gate/up and down quantized on their own, by its CPU kernels), both in
+/// float64 at [`F64_TOLERANCE`]; and the model still computes nearly the unquantized loss.
 #[test]
 fn experts_quantize_on_load_and_the_router_stays_dense() {
-    let g = model_golden("tiny-qwen3-moe");
-    let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
-    let model = load_moe("tiny-qwen3-moe", Some(QuantConfig::nf4()));
-    let kind = |n: &str| is_nf4(&model, n);
-    assert!(kind("model.layers.0.mlp.experts.3.gate_up_proj"));
-    assert!(kind("model.layers.2.mlp.experts.0.down_proj"));
-    assert!(
-        kind("model.layers.1.mlp.gate_proj"),
-        "the dense layer's MLP"
-    );
-    assert!(!kind("model.layers.0.mlp.gate"), "the router stays dense");
-    let embeds = model.embed(&ids).unwrap();
-    let (loss, _) = moe_loss(&model, &embeds, &ids, false);
-    let (loss, expected) = (
-        loss.to_scalar::<f32>().unwrap(),
-        g["loss"].to_vec1::<f32>().unwrap()[0],
-    );
-    assert!(
-        (loss - expected).abs() < 0.05,
-        "NF4 loss {loss} vs float32 {expected}"
-    );
+    for name in MOE_MODELS {
+        let g = model_golden(name);
+        let ids = g["input_ids"].to_dtype(DType::U32).unwrap();
+        let model = load_moe_in(name, Some(nf4_like_bitsandbytes_cpu()), DType::F64);
+        let kind = |n: &str| is_nf4(&model, n);
+        let moe = model.config().moe.clone().unwrap();
+        for layer in 0..model.config().num_hidden_layers {
+            let p = format!("model.layers.{layer}");
+            if moe.sparse_layers[layer] {
+                assert!(kind(&format!("{p}.mlp.experts.3.gate_up_proj")), "{name}");
+                assert!(kind(&format!("{p}.mlp.experts.0.down_proj")), "{name}");
+                assert!(
+                    !kind(&format!("{p}.mlp.gate")),
+                    "{name}: the router stays dense"
+                );
+            } else {
+                assert!(
+                    kind(&format!("{p}.mlp.gate_proj")),
+                    "{name}: the dense layer's MLP"
+                );
+            }
+        }
+        let got = model.logits(&ids).unwrap();
+        assert_f64_close(&format!("{name}: NF4 logits"), &got, &g["logits_nf4_f64"]);
+        let (loss, _) = moe_loss(&model, &model.embed(&ids).unwrap(), &ids, false);
+        let loss = scalar(&loss.reshape(1).unwrap());
+        let what = format!("{name}: NF4 loss");
+        assert_f64_scalar_close(&what, loss, scalar(&g["loss_nf4_f64"]));
+        let unquantized = scalar(&g["loss_f64"]);
+        assert!(
+            (loss - unquantized).abs() < 0.05,
+            "{name}: NF4 loss {loss} vs unquantized {unquantized}"
+        );
+    }
 }
 
 /// A bitsandbytes 4-bit folder of each mixture (as `qlora quantize` writes it: every expert in 4 bits, the router
-/// left as stored) loads with NF4 experts and a dense router, as close to the float32 model as quantizing on load
-/// (per-expert 4-bit tensors are dequantized and each expert's gate and up quantized again as one tensor, which
-/// adds at most one more rounding).
+/// left as stored) loads with NF4 experts and a dense router, as close to the unquantized model as quantizing on
+/// load (per-expert 4-bit tensors are dequantized and each expert's gate and up quantized again as one tensor, which
+/// adds at most one more rounding). Both computed in float64 and measured against transformers' float64 logits, so
+/// only the quantization differs.
 #[test]
 fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
     use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
@@ -557,7 +659,7 @@ fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
         // 3-D experts, which bitsandbytes leaves alone) quantized on load.
         let options = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
-            ..Default::default()
+            compute_dtype: DType::F64,
         };
         let from_folder = load_model(bnb.to_str().unwrap(), None, &options)
             .unwrap()
@@ -567,12 +669,12 @@ fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
             let four_bit = matches!(l.base.weight, FrozenWeight::Nf4(_));
             assert_eq!(four_bit, !n.ends_with(".mlp.gate"), "{name}: {n}");
         }
-        let on_load = load_moe(name, Some(QuantConfig::nf4()));
-        let error = |m: &LlamaModel| max_abs_diff(&m.logits(&ids).unwrap(), &g["logits"]);
+        let on_load = load_moe_in(name, Some(QuantConfig::nf4()), DType::F64);
+        let error = |m: &LlamaModel| max_abs_diff(&m.logits(&ids).unwrap(), &g["logits_f64"]);
         let (folder, quantized_on_load) = (error(&from_folder), error(&on_load));
         assert!(
             folder <= 2.0 * quantized_on_load,
-            "{name}: the 4-bit folder's logits are {folder} from float32's, quantizing on load {quantized_on_load}"
+            "{name}: the 4-bit folder's logits are {folder} from the unquantized model's, quantizing on load {quantized_on_load}"
         );
     }
 }
