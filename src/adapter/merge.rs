@@ -1,6 +1,6 @@
 //! Merging an adapter into its base: `W' = W + s·B·A` (DoRA: `W' = (m / ‖W + s·B·A‖) ⊙ (W + s·B·A)` per row),
-//! computed in float32 from the dequantized base — the recommended way to deploy a QLoRA adapter (one rounding,
-//! at the final dtype, instead of PEFT's dequantize → add → re-quantize).
+//! computed in float32 (float64 for a float64 model) from the dequantized base — the recommended way to deploy a
+//! QLoRA adapter (one rounding, at the final dtype, instead of PEFT's dequantize → add → re-quantize).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,9 +16,10 @@ use crate::models::{Architecture, LlamaModel, ModelConfig, TextTokenizer};
 use crate::precision::TorchDtype;
 use crate::quant::{Nf4Tensor, QuantConfig};
 
-/// The merged float32 weight `[out, in]` of `layer` with `adapter`.
+/// The merged weight `[out, in]` of `layer` with `adapter`, in the adapter's dtype: float32 (float64 for a float64
+/// model).
 pub fn merged_weight(layer: &LoraLinear, adapter: &LoraAdapter) -> Result<Tensor> {
-    let w = layer.base.weight.to_dense(DType::F32)?;
+    let w = layer.base.weight.to_dense(adapter.a.dtype())?;
     let delta = (adapter
         .b
         .as_tensor()
@@ -59,7 +60,7 @@ pub struct MergeOptions {
 pub struct MergeReport {
     /// Linear weights that an adapter changed.
     pub merged_modules: usize,
-    /// Largest `|W' − W|` over all merged weights (float32, before the output dtype).
+    /// Largest `|W' − W|` over all merged weights (as merged, before the output dtype).
     pub max_abs_change: f64,
     /// Tensors written.
     pub tensors: usize,
@@ -152,10 +153,10 @@ pub fn merge_to_folder(
     tensors.push(("model.norm.weight".into(), stored_norm(&model.norm)?));
     let head = model.head_weight()?;
     let head_differs = !model.config().tie_word_embeddings
-        || (&head.to_dtype(DType::F32)? - model.embed_tokens.to_dtype(DType::F32)?)?
+        || (&head.to_dtype(DType::F64)? - model.embed_tokens.to_dtype(DType::F64)?)?
             .abs()?
             .sum_all()?
-            .to_scalar::<f32>()?
+            .to_scalar::<f64>()?
             != 0.0;
     if head_differs {
         tensors.push(("lm_head.weight".into(), raw(&head)?));
@@ -175,12 +176,13 @@ pub fn merge_to_folder(
     for (name, lin) in model.linears() {
         let w = effective_weight(lin)?;
         if lin.active_adapter().is_some() {
-            let base = lin.base.weight.to_dense(DType::F32)?;
+            let base = lin.base.weight.to_dense(w.dtype())?;
             let change = (&w - base)?
                 .abs()?
                 .flatten_all()?
                 .max(0)?
-                .to_scalar::<f32>()? as f64;
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
             report.max_abs_change = report.max_abs_change.max(change);
             report.merged_modules += 1;
         }
