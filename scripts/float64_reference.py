@@ -67,14 +67,15 @@ class Float64Everywhere(TorchDispatchMode):
 @contextlib.contextmanager
 def float64_everywhere():
     """Everything inside computes in float64 (new tensors default to it too); fails at the end if anything did not."""
+    # torch caches, on first use, the factory functions a `with torch.device(...)` context redirects (torch.tensor
+    # among them). Built while torch.tensor is replaced below, it would hold the replacement for the rest of the
+    # process: torch.tensor would escape transformers' meta-device model construction from then on, and models loaded
+    # afterwards (float32 ones too) would get uninitialized RoPE frequencies. So it is built first.
+    torch.utils._device._device_constructors()
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     # `torch.tensor(values, dtype=torch.float32)` rounds its values before any operation sees them (LongRoPE's
     # factors are made so): the dtype is widened where it is asked for.
-    # `with torch.device("meta")` (transformers builds every model under it) knows the tensor constructors by
-    # identity, from a set it makes once, on first use: made while torch.tensor is the wrapper below, it would miss
-    # the real one, and a model first loaded in here would get its RoPE buffers as uninitialized memory.
-    torch.utils._device._device_constructors()
     tensor = torch.tensor
     torch.tensor = lambda *args, **kwargs: tensor(*args, **{k: widen(v) for k, v in kwargs.items()})
     mode = Float64Everywhere()

@@ -7,14 +7,17 @@ numpy 2.4.6, Python 3.11, all run on the CPU.
 
 Usage:
     python3 scripts/golden_peft.py generate                # (re)writes everything under tests/data/peft/
+    python3 scripts/golden_peft.py float64                 # only the float64 goldens (see "Float64"), added to the
+                                                           # committed golden files without touching anything else
     python3 scripts/golden_peft.py check-ours ADAPTER_DIR [BASE]
                                                            # loads an adapter written by our Rust code with PEFT
                                                            # on BASE (default tests/data/models/tiny-llama; a folder,
                                                            # or a name such as tiny-qwen3) and compares it with
-                                                           # ADAPTER_DIR/expected.safetensors (see below)
+                                                           # ADAPTER_DIR/expected.safetensors in float64 (see below)
     python3 scripts/golden_peft.py check-trained DIR       # evaluates an adapter our trainer wrote for
-                                                           # SmolLM2-135M-Instruct with PEFT (f32 and bitsandbytes
-                                                           # NF4 base) and compares the losses with ours (see below)
+                                                           # SmolLM2-135M-Instruct with PEFT (plain and bitsandbytes
+                                                           # NF4 base) and compares the losses with ours in float64
+                                                           # (see below)
 
 No Hugging Face Hub access is needed. The base model of the first four cases is tests/data/models/tiny-llama
 (LlamaForCausalLM, float32, hidden 64, intermediate 160, 2 layers, 4 heads / 2 kv heads, vocab 128, untied lm_head;
@@ -36,6 +39,8 @@ Outputs, one folder per case under tests/data/peft/<case>/:
                                               adapter changes; lora_all_linear and the <family>_lora cases only layer 0
                                               (every module kind; the size budget), the other cases every touched
                                               weight (incl. lm_head for modules_to_save)
+        logits_f64, logits_base_f64, merged_logits_f64, merged.<name>_f64
+                         f64                  the same, computed by PEFT in float64 from end to end (see "Float64")
       metadata: versions, base_model, the case's LoraConfig kwargs (JSON), "modules" = JSON {module name: {r, alpha,
       scaling}} as PEFT resolved them (rank_pattern / alpha_pattern / rslora applied), keys sorted.
     PEFT's README.md model card is deleted (not needed, and it would carry machine-specific paths).
@@ -84,18 +89,32 @@ kernels by host: on an AMD EPYC host the adapter-active `logits` of the four tin
 away from the committed ones (also with the unmodified script; every other file is bit-identical), so restore those
 with git when only other cases changed.
 
-Size budget: the four tiny-llama cases stay under 1 MB, all cases under 2.5 MB (asserted).
+Float64: every float golden also has a `_f64` twin computed by PEFT and transformers in float64 from end to end
+(scripts/float64_reference.py: the base model and the adapter read from float64 copies of their folders — exactly the
+stored float32 values — inside a dispatch mode that widens the steps transformers keeps in float32, RMSNorm, RoPE,
+softmax, and fails if any float32 result remains): the logits with the adapter active and disabled, and
+merge_and_unload()'s logits and weights (W + scaling·B·A, DoRA's magnitude / ‖W + scaling·B·A‖ per row, the
+modules_to_save copy) without any float32 rounding. The Rust tests compare a float64 model of ours with them at ~1e-9,
+where neither side's float32 rounding nor the CPU's choice of matrix kernels can decide the result (the float32
+goldens are 1e-6 to 3e-6 from them in the logits, up to 7e-8 in the merged weights). `python3 scripts/golden_peft.py
+float64` adds them to the committed files without touching anything else (each float32 golden is checked to be within
+float32 rounding of its twin); `generate` writes them too.
+
+Size budget: the four tiny-llama cases stay under 2.6 MB, all cases under 6.3 MB (asserted): the float32 files take
+0.95 / 2.3 MB, and each float golden's float64 twin twice its bytes.
 
 check-ours ADAPTER_DIR [BASE]: BASE is the base model folder (default tests/data/models/tiny-llama; also accepted:
 a path relative to the repository root or the working directory, or a folder name under tests/data/models such as
 tiny-phi3); a note is printed when adapter_config.json's base_model_name_or_path names another folder.
 ADAPTER_DIR holds adapter_config.json + adapter_model.safetensors (written by our code) and
-expected.safetensors with `input_ids` (int) and `logits` (f32, our forward with the adapter active) and optionally
-`merged.<hf name>` weights (our merge). Fails unless: PEFT loads the folder without warnings/log records about
-missing / unexpected / mismatched keys (an adapter_config.json key PEFT does not know also counts: PEFT warns
-"Unexpected keyword arguments [...] for class LoraConfig"); the file's tensor names are exactly the names PEFT would
-save for that config (no unexpected, none missing) with the same shapes, and loaded bit-exactly; adapter_config.json
-has every key PEFT writes; max |logits - PEFT logits| <= 1e-5; max |merged.* - PEFT merge_and_unload| <= 1e-6.
+expected.safetensors with `input_ids` (int) and, from a float64 model of ours with the adapter active, `logits` (f64)
+and optionally `merged.<hf name>` weights (f64, our merge). Fails unless: PEFT loads the folder (on the float32 base,
+as a user would) without warnings/log records about missing / unexpected / mismatched keys (an adapter_config.json key
+PEFT does not know also counts: PEFT warns "Unexpected keyword arguments [...] for class LoraConfig"); the file's
+tensor names are exactly the names PEFT would save for that config (no unexpected, none missing) with the same shapes,
+and loaded bit-exactly; adapter_config.json has every key PEFT writes; expected.safetensors holds float64 values; and
+PEFT's logits and merge_and_unload() weights, in float64 from end to end (see "Float64"), are within 1e-9 × max(1,
+max |PEFT's|) of ours (F64_TOLERANCE, as the Rust tests).
 
 check-trained DIR: an adapter trained by our Rust trainer on SmolLM2-135M-Instruct (r=8, all linear layers). Produce
 DIR with
@@ -106,24 +125,28 @@ expected_eval.json with
     model                                  path of the base GGUF (SmolLM2-135M-Instruct.Q4_1.gguf)
     examples                               [{"input_ids": [...], "labels": [...]}], labels aligned with input_ids,
                                            -100 = ignored; position t predicts labels[t + 1] (transformers' shift)
-    base_loss_f32, adapted_loss_f32        our token-level mean NLL (total NLL over every counted label token of
-                                           every example / total counted tokens) without / with the adapter
-    base_loss_nf4, adapted_loss_nf4        the same with the base quantized to NF4 on load (bitsandbytes: double
-                                           quant, blocksize 64, compute dtype f32)
-The GGUF is loaded by transformers dequantized to float32 (eager attention, eval mode) and the adapter with
-PeftModel.from_pretrained (which must load it without problems, as in check-ours); each example runs alone (batch 1,
-no padding) and the loss is sum(cross_entropy(reduction="sum")) / count over the shifted labels, the same token-level
-mean as ours. For NF4 the f32 model is saved as a safetensors folder in a temp dir (its GGUF quantizer dropped, as in
-scripts/bench_vs_peft.py) and reloaded with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=float32) on the CPU. Fails unless |ours - PEFT| <= 2e-3 for
-the f32 losses and <= 5e-3 for the NF4 losses (our NF4 quantization is bit-identical to bitsandbytes; the rest of the
-gap comes from the GGUF base and float summation order). Prints a table of ours vs PEFT; exit code 1 on any FAIL.
+    base_loss_f64, adapted_loss_f64        our token-level mean NLL (total NLL over every counted label token of
+                                           every example / total counted tokens) without / with the adapter, from a
+                                           float64 model of the GGUF (dequantized, as transformers loads it)
+    base_loss_nf4_f64, adapted_loss_nf4_f64
+                                           the same with the base quantized to NF4 on load as bitsandbytes on the
+                                           CPU (double quant, blocksize 64)
+The GGUF is loaded by transformers dequantized to float32 and saved as a safetensors folder in a temp dir (its GGUF
+quantizer dropped, as in scripts/bench_vs_peft.py); scripts/golden_model.py's float64_models reads it in float64 from
+end to end (see "Float64"), plainly and with bitsandbytes' dequantized NF4 weights (BitsAndBytesConfig(load_in_4bit=
+True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True) on the CPU), eager attention, eval mode; the adapter
+is loaded on each with PeftModel.from_pretrained (from a float64 copy; it must load without problems, as in
+check-ours). Each example runs alone (batch 1, no padding) and the loss is sum(cross_entropy(reduction="sum")) / count
+over the shifted labels, the same token-level mean as ours. Fails unless |ours - PEFT| <= 1e-9 × max(1, PEFT's) for
+each loss. Prints a table of ours vs PEFT; exit code 1 on any FAIL.
 """
+import contextlib
 import copy
 import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -150,14 +173,16 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from float64_reference import float64_copy, float64_everywhere  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "data", "peft")
 BASE_REL = "tests/data/models/tiny-llama"
 BASE = os.path.join(ROOT, BASE_REL)
 ATTN = "eager"
 SEQ = (2, 13)
-LOGITS_ATOL = 1e-5
-MERGED_ATOL = 1e-6
+F64_TOLERANCE = 1e-9  # relative to max(1, max |reference|): tests/integration/common.rs's F64_TOLERANCE
 
 VERSIONS = {
     "torch": torch.__version__,
@@ -194,8 +219,8 @@ CASES = [
      f"tests/data/models/tiny-{family}")
     for family, seed in [("qwen3", 111), ("gemma2", 112), ("gemma3", 113), ("phi3", 114), ("mistral-sw", 115)]
 ]
-BUDGET_FIRST_CASES = 1_000_000  # the four tiny-llama cases
-BUDGET_ALL = 2_500_000
+BUDGET_FIRST_CASES = 2_600_000  # the four tiny-llama cases
+BUDGET_ALL = 6_300_000
 
 
 def save_sorted(tensors, path, metadata):
@@ -219,10 +244,10 @@ def base_dir(base):
     raise SystemExit(f"no base model folder (with config.json) at {base!r}")
 
 
-def load_base(folder=BASE):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN)
+def load_base(folder=BASE, dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTN)
     model.eval()
-    assert model.dtype == torch.float32
+    assert all(p.dtype == dtype for p in model.parameters())
     return model
 
 
@@ -331,6 +356,74 @@ def generate_case(name, kwargs, seed, merged_layers, base_rel):
     return saved
 
 
+# ---------------------------------------------------------------------------------------------------- float64
+
+
+@contextlib.contextmanager
+def float64_peft(adapter_dir, base_rel):
+    """PEFT's model of the adapter in `adapter_dir` on the base `base_rel`, in float64 from end to end (see
+    "Float64"): both read from float64 copies inside float64_everywhere(), which stays active meanwhile."""
+    base, adapter = float64_copy(base_dir(base_rel)), float64_copy(adapter_dir)
+    try:
+        with float64_everywhere():
+            model = PeftModel.from_pretrained(load_base(base, torch.float64), adapter)
+            model.eval()
+            assert all(p.dtype == torch.float64 for p in model.parameters())
+            yield model
+    finally:
+        shutil.rmtree(base)
+        shutil.rmtree(adapter)
+
+
+def float64_tensors(folder, base_rel, ids, merged_names):
+    """The float64 twins of a case's golden tensors (see "Float64"): PEFT's logits of `ids` with the adapter active
+    and disabled, and merge_and_unload()'s logits and its weights `merged_names` (HF names)."""
+    with float64_peft(folder, base_rel) as model:
+        with torch.no_grad():
+            out = {"logits_f64": model(ids).logits}
+            with model.disable_adapter():
+                out["logits_base_f64"] = model(ids).logits
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.eval()
+            out["merged_logits_f64"] = merged(ids).logits
+            state = merged.state_dict()
+            for name in merged_names:
+                out[f"merged.{name}_f64"] = state[name]
+    assert all(t.dtype == torch.float64 for t in out.values())
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def read_golden(path):
+    """The tensors of a golden file, copied out of the file's memory map (it is rewritten next)."""
+    return {k: v.clone() for k, v in load_file(path).items()}
+
+
+def add_float64(name, base_rel):
+    """Adds (or recomputes) the float64 twins in case `name`'s golden.safetensors, whose other tensors and metadata
+    stay as they are; each float32 golden must be within float32 rounding of its twin."""
+    path = os.path.join(OUT, name, "golden.safetensors")
+    golden = {k: v for k, v in read_golden(path).items() if not k.endswith("_f64")}
+    with safetensors.safe_open(path, "pt") as f:
+        meta = dict(f.metadata())
+    merged_names = [k[len("merged."):] for k in golden if k.startswith("merged.")]
+    f64 = float64_tensors(os.path.join(OUT, name), base_rel, golden["input_ids"], merged_names)
+    off = {}
+    for k, v in f64.items():
+        plain = golden[k[:-len("_f64")]]
+        off[k] = float((plain.double() - v).abs().max())
+        assert off[k] < 1e-3 * (1 + float(v.abs().max())), (name, k, off[k])
+    save_sorted({**golden, **f64}, path, meta)
+    print(f"{name}: {len(f64)} float64 goldens; the float32 goldens are off by at most "
+          + ", ".join(f"{k[:-4]} {off[k]:.2g}" for k in ("logits_f64", "logits_base_f64", "merged_logits_f64"))
+          + f", merged weights {max(v for k, v in off.items() if k.startswith('merged.')):.2g}")
+
+
+def generate_float64():
+    """Only the float64 twins, added to the committed golden files (nothing else in tests/data/peft changes)."""
+    for name, _, _, _, base_rel in CASES:
+        add_float64(name, base_rel)
+
+
 def untargeted_linears(model):
     """Suffixes of the nn.Linear modules of the PEFT-wrapped model that carry no LoRA layer (e.g. lm_head)."""
     from peft.tuners.lora import LoraLayer
@@ -345,6 +438,7 @@ def generate():
     os.makedirs(OUT, exist_ok=True)
     for name, kwargs, seed, merged_layers, base_rel in CASES:
         saved = generate_case(name, kwargs, seed, merged_layers, base_rel)
+        add_float64(name, base_rel)
         if name == "lora_all_linear":
             with open(os.path.join(OUT, name, "adapter_config.json")) as f:
                 written = sorted(json.load(f))
@@ -427,6 +521,49 @@ def load_peft(adapter_dir, base=None):
     return model, problems
 
 
+def f64_difference(ours, reference):
+    """max |ours - reference| and its tolerance: F64_TOLERANCE relative to the larger of 1 and the reference's largest
+    magnitude (the Rust tests' assert_f64_close)."""
+    return float((ours - reference).abs().max()), F64_TOLERANCE * max(1.0, float(reference.abs().max()))
+
+
+def compare_float64(adapter_dir, base_rel, expected):
+    """Our float64 logits and merged weights in `expected` against PEFT's, both in float64 from end to end."""
+    ok = True
+    merged_keys = sorted(k for k in expected if k.startswith("merged."))
+    with float64_peft(adapter_dir, base_rel) as model:
+        with torch.no_grad():
+            logits = model(expected["input_ids"].to(torch.int64)).logits
+            merged = copy.deepcopy(model).merge_and_unload().state_dict() if merged_keys else {}
+    if expected["logits"].shape != logits.shape:
+        print(f"FAIL: logits shape {list(expected['logits'].shape)}, PEFT {list(logits.shape)}")
+        ok = False
+    else:
+        diff, tolerance = f64_difference(expected["logits"], logits)
+        ok &= diff <= tolerance
+        print(f"{'ok' if diff <= tolerance else 'FAIL'}: max |logits - PEFT logits| = {diff:.3g} (tolerance "
+              f"{tolerance:.3g})")
+    if merged_keys:
+        worst, merged_ok = 0.0, True
+        for k in merged_keys:
+            name = k[len("merged."):]
+            if name not in merged:
+                print(f"FAIL: {k}: no weight {name} in the merged model")
+            elif expected[k].shape != merged[name].shape:
+                print(f"FAIL: {k}: shape {list(expected[k].shape)}, PEFT {list(merged[name].shape)}")
+            else:
+                diff, tolerance = f64_difference(expected[k], merged[name])
+                worst = max(worst, diff)
+                if diff <= tolerance:
+                    continue
+                print(f"FAIL: {k}: max |ours - PEFT merge_and_unload| = {diff:.3g} (tolerance {tolerance:.3g})")
+            merged_ok = False
+        print(f"{'ok' if merged_ok else 'FAIL'}: {len(merged_keys)} merged weights, max |ours - PEFT "
+              f"merge_and_unload| = {worst:.3g}")
+        ok &= merged_ok
+    return ok
+
+
 def check_ours(adapter_dir, base_rel=BASE_REL):
     ok = True
     print(f"base model: {base_rel}")
@@ -455,48 +592,18 @@ def check_ours(adapter_dir, base_rel=BASE_REL):
         f"{', dora' if m.use_dora.get('default') else ''})" for n, m in sorted(layers.items())))
 
     expected = load_file(os.path.join(adapter_dir, "expected.safetensors"))
-    ids = expected["input_ids"].to(torch.int64)
-    logits = forward(model, ids)
-    ours = expected["logits"].float()
-    if ours.shape != logits.shape:
-        print(f"FAIL: logits shape {list(ours.shape)}, PEFT {list(logits.shape)}")
+    narrow = sorted(k for k, v in expected.items() if v.is_floating_point() and v.dtype != torch.float64)
+    if narrow:
+        print(f"FAIL: expected.safetensors holds {narrow} in float32: it must hold a float64 model's results (rerun "
+              "the Rust test that writes it)")
         ok = False
     else:
-        diff = float((ours - logits).abs().max())
-        good = diff <= LOGITS_ATOL
-        ok &= good
-        print(f"{'ok' if good else 'FAIL'}: max |logits - PEFT logits| = {diff:.3g} (tolerance {LOGITS_ATOL:g})")
-
-    merged_keys = sorted(k for k in expected if k.startswith("merged."))
-    if merged_keys:
-        merged = copy.deepcopy(model).merge_and_unload().state_dict()
-        worst = 0.0
-        for k in merged_keys:
-            name = k[len("merged."):]
-            if name not in merged:
-                print(f"FAIL: {k}: no weight {name} in the merged model")
-                ok = False
-                continue
-            if expected[k].shape != merged[name].shape:
-                print(f"FAIL: {k}: shape {list(expected[k].shape)}, PEFT {list(merged[name].shape)}")
-                ok = False
-                continue
-            diff = float((expected[k].float() - merged[name].float()).abs().max())
-            worst = max(worst, diff)
-            if diff > MERGED_ATOL:
-                print(f"FAIL: {k}: max |ours - PEFT merge_and_unload| = {diff:.3g}")
-                ok = False
-        print(f"{'ok' if worst <= MERGED_ATOL else 'FAIL'}: {len(merged_keys)} merged weights, max diff {worst:.3g} "
-              f"(tolerance {MERGED_ATOL:g})")
+        ok &= compare_float64(adapter_dir, base_rel, expected)
     print("check-ours: " + ("PASS" if ok else "FAIL"))
     return ok
 
 
 # ---------------------------------------------------------------------------------------------- check-trained
-
-TRAINED_F32_ATOL = 2e-3
-TRAINED_NF4_ATOL = 5e-3
-
 
 def load_gguf_f32(gguf_path):
     """The GGUF base dequantized by transformers to float32, eager attention, eval mode."""
@@ -517,17 +624,6 @@ def save_plain_f32(model, folder):
     model.save_pretrained(folder)
 
 
-def load_nf4(folder):
-    from transformers import BitsAndBytesConfig
-
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN,
-                                                 quantization_config=quant, device_map="cpu")
-    model.eval()
-    return model
-
-
 def eval_loss(model, examples):
     """Token-level mean NLL: each example alone (batch 1, no padding), position t predicting labels[t + 1]; the
     summed cross entropy of every counted token of every example / the number of counted tokens."""
@@ -537,7 +633,7 @@ def eval_loss(model, examples):
             ids = torch.tensor([ex["input_ids"]], dtype=torch.int64)
             labels = torch.tensor(ex["labels"], dtype=torch.int64)
             assert labels.shape[0] == ids.shape[1], "labels must be aligned with input_ids"
-            logits = model(ids).logits[0].float()
+            logits = model(ids).logits[0]
             target = labels[1:]
             nll = torch.nn.functional.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
             total += float(nll)
@@ -547,46 +643,46 @@ def eval_loss(model, examples):
 
 
 def check_trained(folder):
+    from golden_model import float64_models  # bitsandbytes and gguf: only this command needs them
+
     with open(os.path.join(folder, "expected_eval.json")) as f:
         expected = json.load(f)
     examples = expected["examples"]
     n_tokens = sum(sum(1 for t in ex["labels"][1:] if t != -100) for ex in examples)
     print(f"base {expected['model']}, {len(examples)} examples, {n_tokens} counted label tokens")
     ok = True
-    rows = []  # (name, ours, PEFT, tolerance)
+    rows = []  # (name, ours, PEFT)
 
-    def load_adapter(base, what):
+    def load_adapter(adapter, base, what):
         nonlocal ok
-        model, problems = load_peft(folder, base)
+        model, problems = load_peft(adapter, base)
         for p in problems:
             print(f"FAIL ({what}): {p}")
             ok = False
-        n = len(lora_layers(model))
-        print(f"PEFT loaded {n} LoRA modules on the {what} base")
+        print(f"PEFT loaded {len(lora_layers(model))} LoRA modules on the {what} base")
         return model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = load_gguf_f32(expected["model"])
-        save_plain_f32(model, tmp)  # before PEFT injects its layers into the model
-        rows.append(("base_loss_f32", expected["base_loss_f32"], eval_loss(model, examples), TRAINED_F32_ATOL))
-        model = load_adapter(model, "f32")
-        rows.append(("adapted_loss_f32", expected["adapted_loss_f32"], eval_loss(model, examples), TRAINED_F32_ATOL))
+        save_plain_f32(model, tmp)
         del model
+        adapter = float64_copy(folder)
+        try:
+            with float64_models(tmp) as (plain, quantized):
+                for base, kind in ((plain, ""), (quantized, "_nf4")):
+                    rows.append((f"base_loss{kind}_f64", eval_loss(base, examples)))
+                    adapted = load_adapter(adapter, base, "float64 NF4" if kind else "float64")
+                    rows.append((f"adapted_loss{kind}_f64", eval_loss(adapted, examples)))
+        finally:
+            shutil.rmtree(adapter)
 
-        model = load_nf4(tmp)
-        n4 = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit")
-        print(f"bitsandbytes NF4: {n4} Linear4bit modules")
-        rows.append(("base_loss_nf4", expected["base_loss_nf4"], eval_loss(model, examples), TRAINED_NF4_ATOL))
-        model = load_adapter(model, "NF4")
-        rows.append(("adapted_loss_nf4", expected["adapted_loss_nf4"], eval_loss(model, examples), TRAINED_NF4_ATOL))
-        del model
-
-    print(f"{'loss':<18}{'ours':>12}{'PEFT':>12}{'|diff|':>12}{'tolerance':>11}")
-    for name, ours, theirs, tol in rows:
-        diff = abs(ours - theirs)
-        good = diff <= tol
-        ok &= good
-        print(f"{name:<18}{ours:>12.6f}{theirs:>12.6f}{diff:>12.2e}{tol:>11g}  {'PASS' if good else 'FAIL'}")
+    print(f"{'loss':<22}{'ours':>20}{'PEFT':>20}{'|diff|':>11}{'tolerance':>11}")
+    for name, theirs in rows:
+        ours = expected[name]
+        diff, tolerance = abs(ours - theirs), F64_TOLERANCE * max(1.0, abs(theirs))
+        ok &= diff <= tolerance
+        print(f"{name:<22}{ours:>20.15f}{theirs:>20.15f}{diff:>11.2e}{tolerance:>11.2e}  "
+              f"{'PASS' if diff <= tolerance else 'FAIL'}")
     print("check-trained: " + ("PASS" if ok else "FAIL"))
     return ok
 
@@ -594,6 +690,8 @@ def check_trained(folder):
 if __name__ == "__main__":
     if len(sys.argv) == 2 and sys.argv[1] == "generate":
         generate()
+    elif len(sys.argv) == 2 and sys.argv[1] == "float64":
+        generate_float64()
     elif len(sys.argv) in (3, 4) and sys.argv[1] == "check-ours":
         sys.exit(0 if check_ours(*sys.argv[2:]) else 1)
     elif len(sys.argv) == 3 and sys.argv[1] == "check-trained":

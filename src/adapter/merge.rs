@@ -154,10 +154,10 @@ pub fn merge_to_folder(
     tensors.push(("model.norm.weight".into(), stored_norm(&model.norm)?));
     let head = model.head_weight()?;
     let head_differs = !model.config().tie_word_embeddings
-        || (&head.to_dtype(DType::F32)? - model.embed_tokens.to_dtype(DType::F32)?)?
+        || (&head.to_dtype(DType::F64)? - model.embed_tokens.to_dtype(DType::F64)?)?
             .abs()?
             .sum_all()?
-            .to_scalar::<f32>()?
+            .to_scalar::<f64>()?
             != 0.0;
     if head_differs {
         tensors.push(("lm_head.weight".into(), raw(&head)?));

@@ -1,9 +1,10 @@
 //! Helpers shared by the integration tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use candle_core::DType;
 use candle_qlora::files::MappedSafetensors;
+use candle_qlora::lora::LoraAdapter;
 use safetensors::tensor::TensorView;
 
 /// The repository: where it was built, else the working directory (a test binary carried to another machine runs
@@ -200,6 +201,74 @@ pub fn assert_f32_within_terms(
         "{what}: the float32 result differs by {d:.3e}, beyond the float32 rounding bound {bound:.3e} ({terms} \
          rounded additions along the chain × 2⁻²⁴ × the largest magnitude)"
     );
+}
+
+/// The rounded operations along the chain of one float32 merged weight of `adapter` ([`merged_weight`]): the r-term
+/// sum of B·A, the scaling and the addition to W; DoRA then takes the row's norm (`in` terms and a square root),
+/// divides the magnitude by it and rescales the row.
+///
+/// [`merged_weight`]: candle_qlora::adapter::merge::merged_weight
+pub fn merge_terms(adapter: &LoraAdapter) -> usize {
+    let (r, inp) = adapter.a.dims2().unwrap();
+    match adapter.magnitude {
+        None => r + 2,
+        Some(_) => r + 2 + inp + 3,
+    }
+}
+
+/// The rounded operations one projection adapted by `adapter` adds to its `in`-term sum along a float32 forward:
+/// LoRA's branch `x·Aᵀ` (`in` terms, beside `x·Wᵀ`), `·Bᵀ` (r more), the scaling and the addition to the base
+/// output; DoRA's scale `m / ‖W + s·B·A‖` comes from a longer chain (the r + 2 of the merge, the row's `in` squares,
+/// the square root, the division), and applying it takes three more (`(scale − 1)·base`, `scale·delta`, their sum).
+pub fn branch_terms(adapter: &LoraAdapter) -> usize {
+    let (r, _) = adapter.a.dims2().unwrap();
+    match adapter.magnitude {
+        None => r + 2,
+        Some(_) => r + 7,
+    }
+}
+
+/// What the active adapters of `model` add to [`decoder_chain_terms`], `per_projection` of the most expensive one
+/// for each projection along the chain: four per layer (q/k/v, o, gate/up, down), five in a mixture of experts
+/// (whose router weighs the experts' outputs).
+pub fn adapter_chain_terms(
+    model: &candle_qlora::models::LlamaModel,
+    per_projection: fn(&LoraAdapter) -> usize,
+) -> usize {
+    let worst = model
+        .linears()
+        .into_iter()
+        .filter_map(|(_, l)| l.active_adapter().map(|a| per_projection(a)))
+        .max()
+        .unwrap_or(0);
+    let per_layer = if model.config().moe.is_some() { 5 } else { 4 };
+    per_layer * model.config().num_hidden_layers * worst
+}
+
+/// Writes `expected.safetensors` into the adapter folder `adapter` for `scripts/golden_peft.py check-ours`, which
+/// compares it with PEFT in float64: `input_ids` (`ids`), and, from the adapter on the model folder `base` computing
+/// in float64, the `logits` of them and `merged.<module>.weight` of every adapted module.
+pub fn write_peft_expected(adapter: &Path, base: &Path, ids: &candle_core::Tensor) {
+    use candle_qlora::adapter::{load_adapter, merge::merged_weight};
+    let opts = candle_qlora::loading::LoadOptions {
+        compute_dtype: DType::F64,
+        ..Default::default()
+    };
+    let mut model = candle_qlora::loading::load_model(base.to_str().unwrap(), None, &opts)
+        .unwrap()
+        .model;
+    load_adapter(&mut model, adapter, "default").unwrap();
+    let mut expected = std::collections::HashMap::new();
+    expected.insert("input_ids".to_string(), ids.clone());
+    let logits = model.logits(&ids.to_dtype(DType::U32).unwrap()).unwrap();
+    expected.insert("logits".to_string(), logits);
+    for (name, lin) in model.linears() {
+        if let Some(a) = lin.active_adapter() {
+            let merged = merged_weight(lin, a).unwrap();
+            expected.insert(format!("merged.{name}.weight"), merged);
+        }
+    }
+    candle_core::safetensors::save(&expected, adapter.join("expected.safetensors")).unwrap();
 }
 
 /// Largest magnitude in a tensor (as f64).

@@ -764,7 +764,7 @@ fn mixtures_train_and_merge_through_the_command() {
         let mut adapted = load_moe(name, None);
         load_adapter(&mut adapted, &out, "default").unwrap();
         let logits = adapted.logits(&ids).unwrap();
-        merge_and_generate(name, &model, &out, &ids, &logits);
+        merge_and_generate(name, &model, &out, &ids, &adapted);
         if let Some(check) = std::env::var_os("QLORA_PEFT_CHECK_DIR") {
             let target = std::path::Path::new(&check).join(format!("trained-{name}"));
             save_adapter(&adapted, "default", &target, None).unwrap();

@@ -1,6 +1,7 @@
 //! A short QLoRA run on the real SmolLM2-135M-Instruct: eval loss on held-out data goes down, the saved adapter
-//! reloads with the identical eval loss, and (with `QLORA_PEFT_CHECK_DIR=DIR`) the adapter and the eval data are
-//! written for `scripts/golden_peft.py check-trained DIR`, which loads them in PEFT and compares the loss.
+//! reloads with the identical eval loss, and (with `QLORA_PEFT_CHECK_DIR=DIR`) the adapter, the eval data and a
+//! float64 model's losses are written for `scripts/golden_peft.py check-trained DIR`, which loads them in PEFT and
+//! compares the losses in float64.
 
 use candle_core::DType;
 use candle_qlora::adapter::{load_adapter, Adapters};
@@ -8,7 +9,7 @@ use candle_qlora::data::{DataConfig, Dataset, TokenizedExample};
 use candle_qlora::loading::{load_model, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::optim::{OptimizerName, SchedulerType};
-use candle_qlora::quant::QuantConfig;
+use candle_qlora::quant::{BnbKernels, QuantConfig};
 use candle_qlora::trainer::evaluate;
 use candle_qlora::trainer::{Trainer, TrainingArguments};
 
@@ -83,14 +84,25 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
     assert_eq!(reloaded, after);
 
     if std::env::var_os("QLORA_PEFT_CHECK_DIR").is_some() {
-        // What PEFT must reproduce: the eval rows and our losses on the f32 base (GGUF dequantized, as transformers
-        // loads it), with and without the adapter.
-        let f32_loaded = load_model(path, None, &LoadOptions::default()).unwrap();
-        let mut f32_model = f32_loaded.model;
-        let base_f32 = evaluate(&f32_model, &eval, 8).unwrap().loss;
-        load_adapter(&mut f32_model, &out, "default").unwrap();
-        f32_model.set_adapter("default").unwrap();
-        let adapted_f32 = evaluate(&f32_model, &eval, 8).unwrap().loss;
+        // What PEFT must reproduce in float64: the eval rows and our float64 losses without and with the adapter,
+        // on the base as transformers loads the GGUF (dequantized) and quantized to NF4 as bitsandbytes on CPU does.
+        let losses = |quantization: Option<QuantConfig>| {
+            let opts = LoadOptions {
+                quantization,
+                compute_dtype: DType::F64,
+            };
+            let mut model = load_model(path, None, &opts).unwrap().model;
+            let base = evaluate(&model, &eval, 8).unwrap().loss;
+            load_adapter(&mut model, &out, "default").unwrap();
+            model.set_adapter("default").unwrap();
+            (base, evaluate(&model, &eval, 8).unwrap().loss)
+        };
+        let (base_f64, adapted_f64) = losses(None);
+        let bnb_cpu = QuantConfig {
+            kernels: BnbKernels::Cpu,
+            ..QuantConfig::nf4()
+        };
+        let (base_nf4_f64, adapted_nf4_f64) = losses(Some(bnb_cpu));
         let rows: Vec<serde_json::Value> = eval
             .iter()
             .map(|e| serde_json::json!({"input_ids": e.input_ids, "labels": e.labels}))
@@ -98,10 +110,10 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
         let expected = serde_json::json!({
             "model": path,
             "examples": rows,
-            "base_loss_f32": base_f32,
-            "adapted_loss_f32": adapted_f32,
-            "base_loss_nf4": before,
-            "adapted_loss_nf4": after,
+            "base_loss_f64": base_f64,
+            "adapted_loss_f64": adapted_f64,
+            "base_loss_nf4_f64": base_nf4_f64,
+            "adapted_loss_nf4_f64": adapted_nf4_f64,
         });
         std::fs::write(
             out.join("expected_eval.json"),
