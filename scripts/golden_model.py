@@ -1385,20 +1385,27 @@ def verify_gemma_gguf(folder, path, cfg, state, tensors):
     }
 
 
+@contextlib.contextmanager
+def writing_into(folder):
+    """generate_tiny writes its model folders under `folder` instead of OUT for the duration."""
+    global OUT
+    saved, OUT = OUT, folder
+    try:
+        yield
+    finally:
+        OUT = saved
+
+
 def generate_gemma_gguf():
     """tests/data/models/tiny-gemma{2,3}-gguf/{model.gguf, golden.safetensors}: generate_tiny builds the HF folder in
     a temporary directory (the golden there has every tiny-model tensor and check), the GGUF is written and verified
     next to it, and only the two files are copied (the golden with a gguf_file metadata entry added)."""
-    global OUT
     for case in GEMMA_GGUF:
         name = case[0]
         dest = os.path.join(OUT, name)
         with tempfile.TemporaryDirectory() as tmp:
-            saved, OUT = OUT, tmp
-            try:
+            with writing_into(tmp):
                 generate_tiny(*case)
-            finally:
-                OUT = saved
             folder = os.path.join(tmp, name)
             path, cfg, state, tensors = write_gemma_gguf(folder)
             facts = verify_gemma_gguf(folder, path, cfg, state, tensors)
@@ -1436,18 +1443,14 @@ def generate(tiny_only=False):
 def generate_float64():
     """Only the float64 goldens, added to the committed folders (the Gemma GGUF cases rebuild their HF model in a
     temporary folder, as generate_gemma_gguf does, and take only the float64 tensors from it)."""
-    global OUT
     for name, *_, opts in TINY:
         folder = os.path.join(OUT, name)
         add_float64(folder, os.path.join(folder, "golden.safetensors"), opts.get("short_len"))
     for case in GEMMA_GGUF:
         dest = os.path.join(OUT, case[0], "golden.safetensors")
         with tempfile.TemporaryDirectory() as tmp:
-            saved, OUT = OUT, tmp
-            try:
+            with writing_into(tmp):
                 generate_tiny(*case)
-            finally:
-                OUT = saved
             built = read_golden(os.path.join(tmp, case[0], "golden.safetensors"))
         golden = read_golden(dest)
         assert torch.equal(built["logits"], golden["logits"]), "the rebuilt model is not the GGUF's"
