@@ -46,7 +46,7 @@ pub(crate) fn memory_fixes(args: &TrainingArguments, live: Option<&Breakdown>) -
             ))
         ));
     }
-    if !args.gradient_checkpointing {
+    if !args.checkpointing() {
         fixes.push(format!(
             "gradient_checkpointing = true (keeps only each layer's input; activations drop by most{}, at about \
              one extra forward per step)",

@@ -110,7 +110,7 @@ impl Trainer {
             lora_r: lora.r,
             target_modules: lora.target_modules.clone(),
             optim: args.optim,
-            gradient_checkpointing: args.gradient_checkpointing,
+            gradient_checkpointing: args.checkpointing(),
             activation_memory_budget_mib: args.activation_memory_budget_mib,
             quantize,
             device: if self.model.device().is_cpu() {

@@ -110,9 +110,20 @@ pub struct TrainingArguments {
     /// fp16 autocast.
     pub fp16: bool,
     /// Recompute each layer in the backward (transformers 5: `None` = off; TRL's `SFTConfig` defaults it on).
+    /// transformers 5.24 names it `activation_checkpointing`, which wins when set
+    /// ([`TrainingArguments::checkpointing`]).
     pub gradient_checkpointing: bool,
     /// Accepted for compatibility; checkpointing here is always non-reentrant (`use_reentrant = false`).
     pub gradient_checkpointing_kwargs: Option<serde_json::Value>,
+    /// transformers 5.24's name for `gradient_checkpointing`; unset, `gradient_checkpointing` decides. Both set to
+    /// different values is an error naming both. (Unset, it is left out of `training_args.json`, as before it
+    /// existed.)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
+    /// transformers 5.24's name for `gradient_checkpointing_kwargs` (accepted for compatibility likewise; both set
+    /// to different values is an error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing_kwargs: Option<serde_json::Value>,
     /// candle-qlora: record every allocation of the run (the CPU's tracking allocator, or the GPU's memory pool)
     /// and write `output_dir/memory_snapshot.pickle` at the end — and when a GPU step runs out of memory — in the
     /// layout of PyTorch's `torch.cuda.memory._snapshot()` for pytorch.org/memory_viz (frames name the op, the
@@ -229,6 +240,8 @@ impl Default for TrainingArguments {
             fp16: false,
             gradient_checkpointing: false,
             gradient_checkpointing_kwargs: None,
+            activation_checkpointing: None,
+            activation_checkpointing_kwargs: None,
             activation_memory_budget_mib: None,
             memory_snapshot: false,
             trace_steps: Vec::new(),
@@ -335,8 +348,53 @@ impl TrainingArguments {
     /// Reads the `[training]` table; `path` names the file in errors.
     pub fn from_toml_value(value: &toml::Value, path: &str) -> Result<Self> {
         let args: TrainingArguments = read_section(value, path, "training", &[])?;
+        // Only the table tells `gradient_checkpointing = false` written from the default.
+        if let Some(m) = args.renamed_key_conflict(value.get("gradient_checkpointing").is_some()) {
+            return Err(Error::InvalidInput(format!("{path}: [training]: {m}")));
+        }
         args.validate(path)?;
         Ok(args)
+    }
+
+    /// Whether each layer is recomputed in the backward: `activation_checkpointing` (transformers 5.24's name)
+    /// when set, else `gradient_checkpointing`.
+    pub fn checkpointing(&self) -> bool {
+        self.activation_checkpointing
+            .unwrap_or(self.gradient_checkpointing)
+    }
+
+    /// Why a key and its transformers 5.24 name (`activation_checkpointing`, `activation_checkpointing_kwargs`)
+    /// hold different values, if they do. `gradient_checkpointing_written` says whether `gradient_checkpointing` was
+    /// set (in code only `true` differs from the default).
+    fn renamed_key_conflict(&self, gradient_checkpointing_written: bool) -> Option<String> {
+        let disagree = |old: &str, was: String, new: &str, is: String| {
+            format!(
+                "`{old}` = {was} and `{new}` = {is} disagree: `{new}` is transformers 5.24's name for `{old}`; set \
+                 one of them (or both to the same value)"
+            )
+        };
+        if let Some(new) = self.activation_checkpointing {
+            if gradient_checkpointing_written && new != self.gradient_checkpointing {
+                return Some(disagree(
+                    "gradient_checkpointing",
+                    self.gradient_checkpointing.to_string(),
+                    "activation_checkpointing",
+                    new.to_string(),
+                ));
+            }
+        }
+        match (
+            &self.gradient_checkpointing_kwargs,
+            &self.activation_checkpointing_kwargs,
+        ) {
+            (Some(old), Some(new)) if old != new => Some(disagree(
+                "gradient_checkpointing_kwargs",
+                old.to_string(),
+                "activation_checkpointing_kwargs",
+                new.to_string(),
+            )),
+            _ => None,
+        }
     }
 
     /// Checks names and ranges.
@@ -425,6 +483,9 @@ impl TrainingArguments {
             self.lr_scheduler_kwargs.as_ref(),
         ) {
             return bad(e.to_string());
+        }
+        if let Some(conflict) = self.renamed_key_conflict(self.gradient_checkpointing) {
+            return bad(conflict);
         }
         if self.bf16 && self.fp16 {
             return bad("bf16 and fp16 are both true: choose one".into());
@@ -787,6 +848,73 @@ mod tests {
             .to_string();
         assert!(
             err.contains("save_steps = 0.5 and eval_steps = 0.25 come to every 5 and every 3 of this run's 10"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn activation_checkpointing_is_gradient_checkpointing_under_its_new_name() {
+        // Either name turns it on; the new one decides when set, in a config or in code.
+        assert!(parse("gradient_checkpointing = true")
+            .unwrap()
+            .checkpointing());
+        assert!(parse("activation_checkpointing = true")
+            .unwrap()
+            .checkpointing());
+        assert!(!parse("activation_checkpointing = false")
+            .unwrap()
+            .checkpointing());
+        assert!(!parse("").unwrap().checkpointing());
+        let both = parse("gradient_checkpointing = true\nactivation_checkpointing = true").unwrap();
+        assert!(both.checkpointing());
+        let in_code = TrainingArguments {
+            activation_checkpointing: Some(true),
+            ..Default::default()
+        };
+        in_code.validate("TrainingArguments").unwrap();
+        assert!(in_code.checkpointing());
+        let kwargs = "gradient_checkpointing_kwargs = { use_reentrant = false }\n\
+                      activation_checkpointing_kwargs = { use_reentrant = false }";
+        parse(kwargs).unwrap();
+    }
+
+    #[test]
+    fn the_old_and_new_checkpointing_names_set_apart_are_refused_naming_both() {
+        for (toml, says) in [
+            (
+                "gradient_checkpointing = true\nactivation_checkpointing = false",
+                "`gradient_checkpointing` = true and `activation_checkpointing` = false disagree",
+            ),
+            (
+                "gradient_checkpointing = false\nactivation_checkpointing = true",
+                "`gradient_checkpointing` = false and `activation_checkpointing` = true disagree",
+            ),
+            (
+                "gradient_checkpointing_kwargs = { use_reentrant = false }\n\
+                 activation_checkpointing_kwargs = { use_reentrant = true }",
+                "`gradient_checkpointing_kwargs` = {\"use_reentrant\":false} and \
+                 `activation_checkpointing_kwargs` = {\"use_reentrant\":true} disagree",
+            ),
+        ] {
+            let err = parse(toml).unwrap_err().to_string();
+            assert!(
+                err.contains("run.toml: [training]")
+                    && err.contains(says)
+                    && err.contains("transformers 5.24's name"),
+                "{toml}: {err}"
+            );
+        }
+        // In code the default `false` is no choice, but `true` beside `Some(false)` is.
+        let err = TrainingArguments {
+            gradient_checkpointing: true,
+            activation_checkpointing: Some(false),
+            ..Default::default()
+        }
+        .validate("TrainingArguments")
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("`gradient_checkpointing` = true and `activation_checkpointing` = false"),
             "{err}"
         );
     }

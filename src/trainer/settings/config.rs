@@ -584,6 +584,26 @@ optim = "paged_adamw_8bit"
     }
 
     #[test]
+    fn set_takes_activation_checkpointing_and_refuses_it_against_gradient_checkpointing() {
+        let (_d, p) = write(RECIPE);
+        let c = RunConfig::load(&p, &["training.activation_checkpointing=true".into()]).unwrap();
+        assert!(c.training.checkpointing() && !c.training.gradient_checkpointing);
+        let (_d, p) = write(&format!("{RECIPE}gradient_checkpointing = true\n"));
+        let c = RunConfig::load(&p, &["training.activation_checkpointing=true".into()]).unwrap();
+        assert!(c.training.checkpointing());
+        let err = RunConfig::load(&p, &["training.activation_checkpointing=false".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("run.toml: [training]")
+                && err.contains(
+                    "`gradient_checkpointing` = true and `activation_checkpointing` = false disagree"
+                ),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn field_names_come_from_serde() {
         let fields = field_names::<CallbackSection>();
         assert_eq!(

@@ -29,7 +29,7 @@ fn checkpointing(
     vars: &[Var],
 ) -> Checkpointing {
     Checkpointing {
-        enabled: args.gradient_checkpointing,
+        enabled: args.checkpointing(),
         kept_layers: kept_layers(
             model.config(),
             if model.device().is_cpu() {
