@@ -19,26 +19,29 @@
 //!   optimizer), evaluation and checkpoints on schedule, resume, `load_best_model_at_end`, a clean stop on Ctrl-C
 //!   ([`interrupt`]), and the pipeline from a run config.
 
-pub mod methods;
+pub(crate) mod methods;
 pub mod reporting;
 pub mod run;
 pub mod settings;
 pub mod storage;
 pub(crate) mod window;
 
+// The module paths programs already use (`trainer::dpo::METRICS`, `trainer::interrupt::stop_on_ctrl_c`,
+// `trainer::config::RunConfig`, `trainer::checkpoint::checkpoints`, `trainer::tensorboard::scalars`).
 pub use methods::dpo;
+pub use reporting::tensorboard;
+pub use run::interrupt;
+pub use settings::config;
+pub use storage::checkpoint;
+
 pub use methods::supervised::evaluate::{evaluate, exact_match};
 pub use reporting::callbacks::{
     EarlyStoppingCallback, MemoryMonitorCallback, TrainerCallback, TrainerControl,
 };
 pub use reporting::eval_report::EvalReport;
-pub use reporting::tensorboard;
-pub use run::interrupt;
 pub use run::trainer::Trainer;
 pub use settings::args::{IntervalStrategy, ReportTo, SamplingStrategy, TrainingArguments};
-pub use settings::config;
 pub use settings::config::RunConfig;
 pub use settings::dpo::{DpoConfig, LossType};
-pub use storage::checkpoint;
 pub use storage::checkpoint::latest_checkpoint;
 pub use storage::state::{LogEntry, TrainOutput, TrainerState};

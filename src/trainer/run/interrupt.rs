@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Stop requests (Ctrl-C presses) since the current run started.
 static REQUESTS: AtomicUsize = AtomicUsize::new(0);
 
-/// Asks a running [`Trainer::train`](super::Trainer::train) to stop after its current step, with a checkpoint.
+/// Asks a running [`Trainer::train`](crate::trainer::Trainer::train) to stop after its current step, with a
+/// checkpoint.
 pub fn request_stop() {
     REQUESTS.fetch_add(1, Ordering::SeqCst);
 }

@@ -14,7 +14,7 @@ use super::sampler::DataPlan;
 use super::trainer::{Trainer, ADAPTER};
 use crate::adapter::{base_quantization, Adapters};
 use crate::distributed::WorldEnv;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::files::lock::OutputLock;
 use crate::memory::snapshot::Recording;
 use crate::memory::{DeviceKind, EstimateArgs, MemoryTimeline, RunEstimate};
@@ -153,7 +153,7 @@ impl Trainer {
         };
         #[cfg(not(feature = "nccl"))]
         if shard.world_size > 1 {
-            return Err(Error::InvalidInput(format!(
+            return Err(crate::error::Error::InvalidInput(format!(
                 "WORLD_SIZE={}: this build runs one process; distributed training needs a build with the `nccl` \
                  feature (cargo build --release --features nccl)",
                 shard.world_size

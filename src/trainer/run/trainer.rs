@@ -1,5 +1,5 @@
 //! The [`Trainer`]: a model, the adapter it trains ([`ADAPTER`]), the arguments, the training method (supervised
-//! or DPO, behind [`Method`]), the run's state and the callbacks — built in code ([`Trainer::new`],
+//! or DPO, behind `Method`), the run's state and the callbacks — built in code ([`Trainer::new`],
 //! [`Trainer::new_dpo`]) or from a run config (`pipeline`), trained by `train`.
 
 use std::path::PathBuf;
