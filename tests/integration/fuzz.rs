@@ -1729,6 +1729,8 @@ const TRAINING_KEYS: &[&str] = &[
     "fp16",
     "gradient_checkpointing",
     "gradient_checkpointing_kwargs",
+    "activation_checkpointing",
+    "activation_checkpointing_kwargs",
     "activation_memory_budget_mib",
     "seed",
     "data_seed",
@@ -1907,6 +1909,7 @@ fn kind_of(key: &str) -> Kind {
         | "bf16"
         | "fp16"
         | "gradient_checkpointing"
+        | "activation_checkpointing"
         | "group_by_length"
         | "dataloader_drop_last"
         | "disable_tqdm"
@@ -1971,7 +1974,9 @@ fn kind_of(key: &str) -> Kind {
         "task_type" => Kind::Choice(&["CAUSAL_LM", "SEQ_CLS"]),
         "target_modules" | "exclude_modules" | "modules_to_save" => Kind::Modules,
         "lr_scheduler_kwargs" => Kind::Table(SCHEDULER_KWARGS),
-        "gradient_checkpointing_kwargs" => Kind::Table(&["use_reentrant"]),
+        "gradient_checkpointing_kwargs" | "activation_checkpointing_kwargs" => {
+            Kind::Table(&["use_reentrant"])
+        }
         "rank_pattern" | "alpha_pattern" => Kind::Table(&["q_proj", ".*", "(", "layers\\.0\\..*"]),
         "quantization" => Kind::Table(SECTIONS[1].1),
         _ => Kind::Text,

@@ -1,0 +1,104 @@
+//! From a run config to a ready `Trainer`: the device and compute dtype, the model (quantized on load), the
+//! tokenized data of the method it asks for, and the callbacks it asks for — what `qlora train` does before
+//! training.
+
+use std::path::Path;
+
+use super::trainer::{Prepared, Trainer, ADAPTER};
+use crate::adapter::load_adapter;
+use crate::error::Result;
+use crate::loading::model::no_tokenizer;
+use crate::loading::{load_model, load_tokenizer, LoadOptions};
+use crate::memory::{human_bytes, process_memory};
+use crate::precision::Precision;
+use crate::trainer::methods;
+use crate::trainer::reporting::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
+use crate::trainer::reporting::memory::start_memory_snapshot;
+use crate::trainer::settings::config::RunConfig;
+use crate::trainer::settings::preflight::check_before_loading;
+use crate::trainer::storage::manifest::verify_checkpoint_files;
+use crate::trainer::storage::output_dir::prepare_output_dir;
+
+impl Trainer {
+    /// A trainer for `config`: loads its model on the device `[training]` selects (computing in the dtype its
+    /// `bf16`/`fp16` flags and `bnb_4bit_compute_dtype` select) with the adapter `[model] adapter` names, tokenizes
+    /// its data (printing what was skipped, truncated or packed; preference pairs with `[dpo]`), and adds the
+    /// callbacks of `[callbacks]`. Resume with
+    /// `train(config.training.resume_checkpoint()?.as_deref())`.
+    pub fn from_run_config(config: &RunConfig) -> Result<Self> {
+        // Everything cheap first (tokenizer, chat template, data, the run against its data and the model's config,
+        // output folder, resume checkpoint), so a mistake is reported in seconds, not after loading the weights.
+        let args = &config.training;
+        let model_name = &config.model.name_or_path;
+        let revision = config.model.revision.as_deref();
+        // Training needs one to read the data.
+        let tokenizer =
+            load_tokenizer(model_name, revision)?.ok_or_else(|| no_tokenizer(model_name))?;
+        let (method, notes) = methods::from_run_config(config, &tokenizer)?;
+        check_before_loading(config, &method.data_facts())?;
+        let resume = args.resume_checkpoint()?;
+        let checkpoint = match resume {
+            Some(ckpt) => {
+                let manifest = verify_checkpoint_files(&ckpt)?;
+                Some((ckpt, manifest))
+            }
+            None => None,
+        };
+        let lock = prepare_output_dir(args, Path::new(&args.output_dir), checkpoint.is_some())?;
+        for note in &notes {
+            eprintln!("{note}");
+        }
+        let device = args.device()?;
+        let quant_compute = config.quant_compute_dtype().map(|d| d.dtype());
+        let precision = Precision::from_flags(args.bf16, args.fp16, quant_compute, &device)?;
+        let options = LoadOptions {
+            quantization: config.quant_config()?,
+            compute_dtype: precision.compute_dtype,
+        };
+        // A memory snapshot records from before the load, so the weights are in it.
+        let recording = args
+            .memory_snapshot
+            .then(|| start_memory_snapshot(&device, args))
+            .transpose()?;
+        let started = std::time::Instant::now();
+        let loaded = load_model(model_name, revision, &options)?;
+        // Nothing before the load holds much, so the process' peak so far is the load's.
+        let peak = process_memory()
+            .peak_rss
+            .map(|b| format!("; peak resident while loading {}", human_bytes(b)))
+            .unwrap_or_default();
+        eprintln!(
+            "loaded {} ({} of weights) in {:.1} s{peak}",
+            loaded.source,
+            human_bytes(loaded.model.weight_bytes() as u64),
+            started.elapsed().as_secs_f64()
+        );
+        let mut model = loaded.model.to_device(&device)?;
+        if let Some(dir) = &config.model.adapter {
+            load_adapter(&mut model, dir, ADAPTER)?;
+            eprintln!("continuing adapter {}", dir.display());
+        }
+        let mut trainer = Trainer::with_method(model, args.clone(), &config.lora, method)?;
+        trainer.set_prepared(Prepared {
+            lock,
+            checkpoint,
+            recording,
+        });
+        trainer.set_base_model_name(model_name);
+        trainer.set_run_config(config.resolved.clone());
+        let callbacks = &config.callbacks;
+        if let Some(patience) = callbacks.early_stopping_patience {
+            trainer.add_callback(Box::new(EarlyStoppingCallback::new(
+                patience,
+                callbacks.early_stopping_threshold,
+            )));
+        }
+        if callbacks.memory_monitor {
+            trainer.add_callback(Box::new(
+                MemoryMonitorCallback::new(callbacks.memory_warn_fraction)
+                    .on_device(trainer.model.device()),
+            ));
+        }
+        Ok(trainer)
+    }
+}

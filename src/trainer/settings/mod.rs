@@ -1,0 +1,12 @@
+//! What a run asks for, read and checked before anything loads: [`args::TrainingArguments`] (`[training]`), the
+//! TOML run config ([`config::RunConfig`]: its sections, `--set` overrides, each section read by `sections`, which
+//! names an unknown key's closest valid one), the training methods' own sections ([`dpo::DpoConfig`]), and
+//! `preflight`: the settings against the tokenized data and the file system before the weights load. The bottom
+//! layer of the trainer: it imports nothing else of it.
+
+pub mod args;
+pub mod config;
+pub mod dpo;
+mod overrides;
+pub(crate) mod preflight;
+pub(crate) mod sections;
