@@ -57,8 +57,9 @@ pub struct Precision {
 }
 
 /// The dtype of what is kept at float32 or better whatever the compute dtype — trainable (LoRA) master weights,
-/// their gradients and optimizer state, logits and losses — for a model computing in `compute_dtype`: float32, or
-/// float64 for a float64 model (the reference runs compared with PyTorch's float64 results).
+/// their gradients and optimizer state, logits and losses, the arithmetic of the ops' composed paths — for a model
+/// computing in `compute_dtype`: float32, or float64 for a float64 model (the reference runs compared with
+/// PyTorch's float64 results).
 pub fn master_dtype(compute_dtype: DType) -> DType {
     if compute_dtype == DType::F64 {
         DType::F64

@@ -8,8 +8,7 @@ use std::path::Path;
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
 
-use crate::adapter::registry::peft_key;
-use crate::adapter::{AdapterSlot, Adapters};
+use crate::adapter::registry::{peft_key, AdapterSlot, Adapters};
 use crate::error::{Error, Result};
 use crate::files::{
     first_non_finite, read_json, write_atomic, write_safetensors, MappedSafetensors, RawTensor,

@@ -3,8 +3,8 @@
 
 use candle_core::{Device, Tensor};
 
+use super::formats::TokenizedExample;
 use super::packing::row_positions;
-use super::TokenizedExample;
 use crate::error::Result;
 use crate::models::Positions;
 use crate::ops::IGNORE_INDEX;

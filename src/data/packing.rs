@@ -2,7 +2,7 @@
 //! the model restarts positions at each example and keeps attention inside it (`Positions::Packed`), so a packed
 //! row computes exactly what its examples would compute one by one.
 
-use super::TokenizedExample;
+use super::formats::TokenizedExample;
 use crate::ops::IGNORE_INDEX;
 
 /// Packs `examples` into rows of at most `max_length` tokens by best-fit decreasing (TRL's `bfd` strategy):

@@ -15,7 +15,7 @@ use super::source::ModelSource;
 use crate::error::{Error, Result};
 use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
-use crate::models::config::ConfigKeys;
+use crate::models::config::validate::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
 use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};

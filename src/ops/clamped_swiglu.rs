@@ -8,8 +8,8 @@
 
 use candle_core::{Result, Tensor, D};
 
-use super::autograd::{Apply, Op, Value};
-use super::work_dtype;
+use super::autograd::op::{Apply, Op, Value};
+use crate::precision::master_dtype;
 
 /// The constants of gpt-oss's clamped SwiGLU (`swiglu_alpha`, `swiglu_limit`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,7 +41,7 @@ fn halves(gate_up: &Tensor) -> Result<(Tensor, Tensor)> {
     dims.extend([last, 2]);
     let x = gate_up
         .detach()
-        .to_dtype(work_dtype(gate_up.dtype()))?
+        .to_dtype(master_dtype(gate_up.dtype()))?
         .reshape(dims)?;
     Ok((
         x.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?,

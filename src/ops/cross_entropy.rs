@@ -16,11 +16,11 @@
 use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::gemm::{matmul_into, Mat};
 use super::cpu::vector::{self, simd};
 use super::cpu::{slice_dtype, with_slices, CpuFloat};
-use super::work_dtype;
+use crate::precision::master_dtype;
 
 /// The label of tokens that do not count in the loss.
 pub const IGNORE_INDEX: i64 = -100;
@@ -189,7 +189,7 @@ impl LinearCrossEntropy {
 
     /// Any dtype and device: Candle's ops, block by block (the backward recomputes each block).
     fn composed_fwd(&self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
-        let work = work_dtype(hidden.dtype());
+        let work = master_dtype(hidden.dtype());
         let n = hidden.dim(0)?;
         let w = weight.detach().to_dtype(work)?;
         let h = hidden.detach().to_dtype(work)?;
@@ -210,7 +210,7 @@ impl LinearCrossEntropy {
         grad: &Tensor,
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
-        let work = work_dtype(hidden.dtype());
+        let work = master_dtype(hidden.dtype());
         let (n, vocab) = (hidden.dim(0)?, weight.dim(0)?);
         let w = weight.to_dtype(work)?;
         let h = hidden.to_dtype(work)?;

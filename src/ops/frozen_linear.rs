@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::bf16_matvec::bf16_matvec;
 use super::cpu::nf4_matvec::{nf4_matvec, MAX_ROWS};
 use super::cpu::{with_elements, with_slice};

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::{with_slice, CpuFloat};
 use super::head_layout::{copy_row, permute_rows, HeadDims};
 

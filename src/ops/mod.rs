@@ -5,7 +5,7 @@
 //! ([`autograd`]), so the graph keeps only each op's inputs, frozen weights never get gradients, and constants never
 //! get dead gradients.
 //!
-//! Each op is one type implementing `autograd::Op`: where it has a CPU path on slices (f32 in training, f64 in
+//! Each op is one type implementing `autograd::op::Op`: where it has a CPU path on slices (f32 in training, f64 in
 //! gradient checks; the kernels in `cpu`), that runs on the CPU and a path composed of Candle's ops runs for every
 //! other dtype and device, the backward following the forward's choice. Every backward is checked against central
 //! finite differences (f64) and a composite of Candle primitives.
@@ -42,8 +42,6 @@ pub mod rope;
 mod rows_cuda;
 pub mod swiglu;
 
-use candle_core::DType;
-
 pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
 };
@@ -65,12 +63,3 @@ pub use swiglu::{gated_activation, geglu_tanh, swiglu, GateActivation};
 /// on a GPU, for the whole process (`TrainingArguments::use_liger_kernel` sets it for a training run).
 #[cfg(feature = "cuda")]
 pub use crate::cuda::set_fused_kernels;
-
-/// The working dtype of the composed paths: f64 stays f64 (gradient checks), everything else runs in f32.
-pub(crate) fn work_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}

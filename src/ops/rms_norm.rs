@@ -5,10 +5,10 @@
 use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::vector::{self, simd};
 use super::cpu::{gradient, slice_dtype, with_slice, with_slices, CpuFloat};
-use super::work_dtype;
+use crate::precision::master_dtype;
 
 /// RMSNorm over the last dimension of `x` with weight `w` (`[hidden]`).
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -40,7 +40,7 @@ enum Path {
 
 /// `(x̂, r)`: the normalized input and `r = 1/sqrt(mean(x²)+eps)` per row, in the working dtype.
 fn normalize(x: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let x = x.to_dtype(work_dtype(x.dtype()))?;
+    let x = x.to_dtype(master_dtype(x.dtype()))?;
     let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     Ok((x.broadcast_mul(&r)?, r))
 }

@@ -5,12 +5,12 @@ use candle_core::{DType, Device, Result, Shape, Tensor, D};
 
 use rayon::prelude::*;
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::vector::simd;
 use super::cpu::{with_slice, with_slices, CpuFloat};
 use super::head_layout::{permute_rows, HeadDims};
 use super::heads::split_heads;
-use super::work_dtype;
+use crate::precision::master_dtype;
 
 /// Llama-3 frequency scaling (`rope_scaling` with `rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -475,7 +475,7 @@ impl Op<1> for Rope {
         let tables = if self.layout.is_some() {
             dtype
         } else {
-            work_dtype(dtype)
+            master_dtype(dtype)
         };
         (self.cos, self.sin) = (self.cos.to_dtype(tables)?, self.sin.to_dtype(tables)?);
         match (self.layout, dtype) {

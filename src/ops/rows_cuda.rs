@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::head_layout::HeadDims;
 use crate::cuda::{
     alloc, device_of, grid, hold, kernel, run, storage, suffix, with_float_type, ROPE,

@@ -9,10 +9,10 @@ use std::marker::PhantomData;
 
 use candle_core::{DType, Result, Tensor};
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::vector::{map2, map3};
 use super::cpu::{gradient, slice_dtype, with_slices, CpuFloat};
-use super::work_dtype;
+use crate::precision::master_dtype;
 
 /// The activation of a gated MLP's gate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -211,7 +211,7 @@ impl<A: Activation> Gated<A> {
 
     /// Any dtype and device: Candle's ops.
     fn composed_fwd(gate: &Tensor, up: &Tensor) -> Result<Value> {
-        let work = work_dtype(gate.dtype());
+        let work = master_dtype(gate.dtype());
         let value =
             (A::composed_value(&gate.detach().to_dtype(work)?)? * up.detach().to_dtype(work)?)?;
         Ok(Value::Tensor(value.to_dtype(gate.dtype())?))
@@ -222,7 +222,7 @@ impl<A: Activation> Gated<A> {
         grad: &Tensor,
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
-        let work = work_dtype(gate.dtype());
+        let work = master_dtype(gate.dtype());
         let (g, dy) = (gate.to_dtype(work)?, grad.to_dtype(work)?);
         let d_gate = if needs[0] {
             let u = up.to_dtype(work)?;

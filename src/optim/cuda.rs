@@ -20,7 +20,8 @@ use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp2, Layout, Result, Te
 
 use super::adamw::TorchStep;
 use super::adamw8bit::{Adam8bitState, BnbStep, BLOCK};
-use super::{OptimizerConfig, OptimizerName, ParamState};
+use super::config::{OptimizerConfig, OptimizerName};
+use super::state::ParamState;
 use crate::cuda::{grid, kernel, run, ADAMW};
 use crate::quant::dynamic_map::{signed_map, unsigned_map};
 

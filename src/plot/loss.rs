@@ -4,7 +4,7 @@
 use std::io;
 
 use super::axis::Axis;
-use super::{chart_svg, draw_line, value_axis, Marker, COLORS};
+use super::chart::{chart_svg, draw_line, value_axis, Marker, COLORS};
 
 /// What the loss plot draws, each as `(step, value)` pairs; non-finite values are left out.
 #[derive(Clone, Copy, Debug, Default)]

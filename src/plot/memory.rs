@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::axis::Axis;
-use super::{chart_svg, draw_line, Marker, COLORS, FONT, GREY, MARKERS_UP_TO};
+use super::chart::{chart_svg, draw_line, Marker, COLORS, FONT, GREY, MARKERS_UP_TO};
 
 /// One phase of a training step as the memory chart draws it.
 #[derive(Clone, Debug, PartialEq)]

@@ -5,7 +5,7 @@ use plotters::style::RGBColor;
 use resvg::tiny_skia::Pixmap;
 use resvg::usvg::{roxmltree, Options, Tree};
 
-use super::SIZE;
+use super::chart::SIZE;
 
 /// Parses `svg` with usvg and rasterizes it with resvg; panics where either fails or where the canvas is not
 /// covered by the white background.

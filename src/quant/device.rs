@@ -294,7 +294,7 @@ impl DeviceNf4 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{QuantConfig, QuantType};
+    use crate::quant::config::{QuantConfig, QuantType};
 
     /// Both quant types, plain and nested scales, sizes that leave partial blocks: the tensor-op dequantization
     /// equals the CPU kernel bit for bit in every output dtype.

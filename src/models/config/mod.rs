@@ -7,14 +7,13 @@ mod gguf;
 mod json;
 mod keys;
 mod layers;
-mod validate;
+pub(crate) mod validate;
 
 pub use family::{
     supported_model_types, Architecture, Family, GgufExperts, HubExperts, WindowKeys,
 };
 pub use keys::{HfConfig, TokenIds};
 pub use layers::{LayerAttention, MoeConfig};
-pub(crate) use validate::ConfigKeys;
 
 use crate::ops::rope::RopeScaling;
 use crate::ops::GateActivation;

@@ -7,9 +7,10 @@ use candle_core::cuda_backend::cudarc::driver::{
 };
 use candle_core::{DType, Result, Tensor};
 
-use super::{AttentionSpec, Dims, Segments};
+use super::cpu::Dims;
+use super::spec::{AttentionSpec, Segments, CUDA_HEAD_DIMS};
 use crate::cuda::{alloc, device_of, grid, hold, kernel, run, storage, suffix, tensor, ATTENTION};
-use crate::ops::autograd::Value;
+use crate::ops::autograd::op::Value;
 
 /// Threads per block of the attention kernels (4 warps).
 const THREADS: u32 = 128;
@@ -26,7 +27,7 @@ pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
         && matches!(q.dtype(), DType::BF16 | DType::F16)
         && k.dtype() == q.dtype()
         && v.dtype() == q.dtype()
-        && super::CUDA_HEAD_DIMS.contains(&dims.d)
+        && CUDA_HEAD_DIMS.contains(&dims.d)
         && tiles_fit(q, dims.d)
 }
 

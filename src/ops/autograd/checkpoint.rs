@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
-use super::{Apply, Op, Value};
+use super::op::{Apply, Op, Value};
 use crate::profile::context::{self as snapshot_context, Phase as SnapshotPhase};
 use crate::profile::trace;
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Shape, Tensor};
 
-use super::{mask_values, BranchDropout, CallShapes, LowRank, OutputValue};
-use crate::ops::autograd::{Apply, Op, Value};
+use super::branch::{mask_values, BranchDropout, CallShapes, LowRank, OutputValue};
+use crate::ops::autograd::op::{Apply, Op, Value};
 use crate::ops::cpu::gemm::{matmul, matmul_into, Mat};
 use crate::ops::cpu::nf4_matvec::nf4_matvec;
 use crate::ops::cpu::{gradient, with_slice, with_slices, CpuFloat};

@@ -6,12 +6,13 @@
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::{DType, Result, Tensor};
 
-use super::{CallShapes, LowRankComposed};
+use super::branch::CallShapes;
+use super::composed::LowRankComposed;
 use crate::cuda::{
     alloc, device_of, grid, hold, kernel, product, run, storage, suffix, tensor, with_float_type,
     GemmShape, DROPOUT,
 };
-use crate::ops::autograd::Value;
+use crate::ops::autograd::op::Value;
 use crate::ops::frozen_linear::decoding_device_codes;
 
 /// Whether the CUDA path takes these inputs: float activations on a GPU, float32 masters.

@@ -11,115 +11,27 @@
 //! paths are folded into the GEMMs, and a change of layout to or from attention heads (with RoPE) is fused in, so
 //! each direction is its matrix products and one pass. Other dtypes and devices compose Candle's ops (same maths).
 
+mod branch;
+mod composed;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
-use super::autograd::{Apply, Op, Value};
+use super::autograd::op::{Apply, Op, Value};
 use super::cpu::CpuFloat;
 use super::frozen_linear::{FrozenLinear, FrozenWeight};
 use super::head_layout::HeadDims;
 use super::heads::{merge_heads, split_heads};
 use super::rope::{rope_split_heads, RotatedRows};
-use crate::rng::uniform;
+use branch::CallShapes;
+use composed::LowRankComposed;
 use cpu::{Fused, LowRankCpu};
 
-/// The low-rank branch of a projection: `scaling · (dropout(x)·Aᵀ)·Bᵀ`.
-#[derive(Clone, Copy, Debug)]
-pub struct LowRank<'a> {
-    /// `A`: `[r, in_features]`, trainable.
-    pub a: &'a Tensor,
-    /// `B`: `[out_features, r]`, trainable.
-    pub b: &'a Tensor,
-    /// The update's scale (`lora_alpha / r` for LoRA).
-    pub scaling: f64,
-    /// Dropout on the branch's input, when training with it.
-    pub dropout: Option<BranchDropout>,
-}
-
-/// Dropout on the branch's input: probability and mask seed.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct BranchDropout {
-    /// Probability of dropping an element.
-    pub p: f64,
-    /// Seed of the mask.
-    pub seed: u64,
-}
-
-/// Whether [`low_rank_linear`] computes its output's value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputValue {
-    /// The output holds `x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`.
-    Computed,
-    /// The output holds zeros and only its gradients are right: for a recomputation whose output value nobody reads
-    /// ([`crate::ops::Pass::Recompute`]). Honoured by the CPU slice path; the composed path computes the value anyway.
-    Skipped,
-}
-
-/// The `n` values of the inverted-dropout mask (`0` or `1/(1−p)`) for stream `seed`.
-fn mask_values<T: candle_core::WithDType>(seed: u64, p: f64, n: usize) -> Vec<T> {
-    let keep = 1.0 - p;
-    let kept = T::from_f64((1.0 / keep) as f32 as f64);
-    (0..n as u64)
-        .map(|i| {
-            if uniform(seed, i) < keep {
-                kept
-            } else {
-                T::zero()
-            }
-        })
-        .collect()
-}
-
-/// The inverted-dropout mask (`0` or `1/(1−p)`) of `dims` for stream `seed`: a pure function of its arguments,
-/// made where it is used (on a CUDA device by a kernel, bit-identical to the CPU's).
-pub fn dropout_mask(
-    seed: u64,
-    p: f64,
-    dims: &[usize],
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let n: usize = dims.iter().product();
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return match dtype {
-            DType::F32 => cuda_mask::<f32>(cuda, seed, p, dims, dtype),
-            DType::BF16 => cuda_mask::<half::bf16>(cuda, seed, p, dims, dtype),
-            DType::F16 => cuda_mask::<half::f16>(cuda, seed, p, dims, dtype),
-            other => cuda_mask::<f32>(cuda, seed, p, dims, DType::F32)?.to_dtype(other),
-        };
-    }
-    Tensor::from_vec(mask_values::<f32>(seed, p, n), dims, device)?.to_dtype(dtype)
-}
-
-/// [`dropout_mask`] made on a CUDA device (`kernels/dropout.cu`).
-#[cfg(feature = "cuda")]
-fn cuda_mask<T>(
-    device: &candle_core::CudaDevice,
-    seed: u64,
-    p: f64,
-    dims: &[usize],
-    dtype: DType,
-) -> Result<Tensor>
-where
-    T: candle_core::cuda_backend::CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr,
-{
-    use crate::cuda::{alloc, grid, kernel, run, suffix, tensor, DROPOUT};
-    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-    let n: usize = dims.iter().product();
-    let (keep, count) = (1.0 - p, n as u64);
-    let mut out = alloc::<T>(device, n)?;
-    let func = kernel(device, &DROPOUT, &format!("dropout_mask{}", suffix(dtype)?))?;
-    let mut args = func.builder();
-    args.arg(&seed).arg(&keep).arg(&count).arg(&mut out);
-    run(&mut args, grid(count))?;
-    Ok(tensor(out, device, dims))
-}
+pub use branch::{dropout_mask, BranchDropout, LowRank, OutputValue};
 
 /// `x·Wᵀ (+ b) + scaling·(dropout(x)·Aᵀ)·Bᵀ` for `x: [..., in]`; gradients flow to `x`, `A` and `B`. The branch
 /// runs in the masters' dtype (`A`'s), the output has `x`'s dtype.
@@ -282,41 +194,6 @@ fn slice_path(x: &Tensor, base: &FrozenLinear, branch: &LowRank) -> Option<DType
     weight_fits.then_some(dtype)
 }
 
-/// The shapes of a call on `x: [..., in]`.
-#[derive(Clone, Debug)]
-struct CallShapes {
-    /// `x`'s dims.
-    dims: Vec<usize>,
-    /// Input features.
-    inp: usize,
-    /// Rows of the flattened input.
-    rows: usize,
-    /// Output features.
-    out: usize,
-    /// The output's dims.
-    out_dims: Vec<usize>,
-}
-
-impl CallShapes {
-    fn of_dims(dims: &[usize], base: &FrozenLinear) -> Result<Self> {
-        let dims = dims.to_vec();
-        let inp = *dims.last().unwrap_or(&0);
-        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-        let (out, _) = base.weight.dims2()?;
-        let mut out_dims = dims.clone();
-        if let Some(last) = out_dims.last_mut() {
-            *last = out;
-        }
-        Ok(CallShapes {
-            dims,
-            inp,
-            rows,
-            out,
-            out_dims,
-        })
-    }
-}
-
 /// [`low_rank_linear`] off the CPU slice path.
 fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Tensor> {
     let shapes = CallShapes::of_dims(x.dims(), base)?;
@@ -329,31 +206,6 @@ fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Te
     .apply([x, branch.a, branch.b])
 }
 
-/// The op off the CPU slice path (inputs `[x, A, B]`): the CUDA kernels and cuBLAS on a GPU where they apply
-/// (`cuda.rs`), else composed of Candle's ops (any dtype and device).
-struct LowRankComposed {
-    base: Arc<FrozenLinear>,
-    scaling: f64,
-    dropout: Option<BranchDropout>,
-    shapes: CallShapes,
-}
-
-impl LowRankComposed {
-    /// The branch's input `[rows, in]` in the masters' dtype, dropped out when training.
-    fn branch_input(&self, x2: &Tensor, master: DType) -> Result<Tensor> {
-        let xm = x2.to_dtype(master)?;
-        match self.dropout {
-            Some(d) => xm * self.mask(d, master, x2.device())?,
-            None => Ok(xm),
-        }
-    }
-
-    fn mask(&self, d: BranchDropout, dtype: DType, device: &Device) -> Result<Tensor> {
-        let CallShapes { rows, inp, .. } = self.shapes;
-        dropout_mask(d.seed, d.p, &[rows, inp], dtype, device)
-    }
-}
-
 impl Op<3> for LowRankComposed {
     const NAME: &'static str = "low-rank-linear";
 
@@ -362,24 +214,7 @@ impl Op<3> for LowRankComposed {
         if cuda::applies(x, a, b) {
             return self.cuda_fwd([x, a, b]);
         }
-        let CallShapes {
-            inp,
-            rows,
-            ref out_dims,
-            ..
-        } = self.shapes;
-        let dtype = x.dtype();
-        let x2 = x.detach().contiguous()?.reshape((rows, inp))?;
-        let w = self.base.weight.to_dense(dtype)?;
-        let mut y = x2.matmul(&w.t()?)?;
-        if let Some(bias) = &self.base.bias {
-            y = y.broadcast_add(&bias.to_dtype(dtype)?)?;
-        }
-        let h = self
-            .branch_input(&x2, a.dtype())?
-            .matmul(&a.detach().t()?)?;
-        let delta = (h.matmul(&b.detach().t()?)? * self.scaling)?.to_dtype(dtype)?;
-        Ok(Value::Tensor((y + delta)?.reshape(out_dims.as_slice())?))
+        self.composed_fwd([x, a, b])
     }
 
     fn bwd(
@@ -392,39 +227,7 @@ impl Op<3> for LowRankComposed {
         if cuda::applies(x, a, b) {
             return self.cuda_bwd([x, a, b], grad, needs);
         }
-        let CallShapes {
-            ref dims,
-            inp,
-            rows,
-            out,
-            ..
-        } = self.shapes;
-        let (dtype, master) = (x.dtype(), a.dtype());
-        let x2 = x.contiguous()?.reshape((rows, inp))?;
-        let g2 = grad.contiguous()?.reshape((rows, out))?;
-        let gm = g2.to_dtype(master)?;
-        let xm = self.branch_input(&x2, master)?;
-        // dL/dh for h = xm·Aᵀ.
-        let gh = (gm.matmul(b)? * self.scaling)?;
-        let ga = needs[1].then(|| gh.t()?.matmul(&xm)).transpose()?;
-        let gb = if needs[2] {
-            let h = xm.matmul(&a.t()?)?;
-            Some((gm.t()?.matmul(&h)? * self.scaling)?)
-        } else {
-            None
-        };
-        let gx = if needs[0] {
-            let w = self.base.weight.to_dense(dtype)?;
-            let mut branch = gh.matmul(a)?;
-            if let Some(d) = self.dropout {
-                branch = (branch * self.mask(d, master, x.device())?)?;
-            }
-            let gx = (g2.matmul(&w)? + branch.to_dtype(dtype)?)?;
-            Some(gx.reshape(dims.as_slice())?)
-        } else {
-            None
-        };
-        Ok([gx, ga, gb])
+        self.composed_bwd([x, a, b], grad, needs)
     }
 }
 
@@ -434,8 +237,9 @@ mod tests {
     use crate::ops::autograd::gradcheck::{
         check, f32_chain_bound, max_abs_diff, rand_f64, F32_UNIT_ROUNDOFF,
     };
-    use crate::ops::FrozenWeight;
+    use crate::ops::frozen_linear::FrozenWeight;
     use crate::quant::{Nf4Tensor, QuantConfig};
+    use candle_core::Device;
 
     /// The branch `1.5·B·A·dropout(x)` (or another scale).
     fn branch<'a>(
@@ -508,7 +312,7 @@ mod tests {
 
     #[test]
     fn head_layouts_fused_in_equal_the_separate_ops() {
-        use crate::ops::{rope, RopeTables};
+        use crate::ops::rope::{rope, RopeTables};
         let tables = RopeTables::new(2, 8, 10000.0, None, &Device::Cpu).unwrap();
         let shared = tables.range(1, 3).unwrap();
         let positions = Tensor::new(&[[0u32, 1, 2], [4, 0, 1]], &Device::Cpu).unwrap();

@@ -2,7 +2,7 @@
 //! GeGLU with the tanh GELU; embeddings × √hidden, tied to the head; soft-capped attention scores and output
 //! logits; sliding-window layers alternating with full ones, sliding first.
 
-use super::{Family, WindowKeys};
+use super::interface::{Family, WindowKeys};
 use crate::ops::GateActivation;
 
 /// Gemma 2.

@@ -3,7 +3,7 @@
 //! sliding-window layers.
 
 use super::gemma2::{gemma_gguf_module, Gemma2};
-use super::{Family, WindowKeys};
+use super::interface::{Family, WindowKeys};
 use crate::ops::GateActivation;
 
 /// Gemma 3's language model.

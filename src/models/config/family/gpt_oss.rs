@@ -7,7 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::experts::{ExpertKeys, Experts};
-use super::{Family, HubExperts, WindowKeys};
+use super::interface::{Family, HubExperts, WindowKeys};
 use crate::error::Result;
 use crate::models::config::keys::{positive, HfConfig};
 use crate::models::config::layers::MoeConfig;

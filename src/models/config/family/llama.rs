@@ -1,7 +1,7 @@
 //! Llama 2/3/3.1/3.2, SmolLM2, TinyLlama (`model_type = "llama"`): the decoder the other families vary, so it keeps
 //! every default of [`Family`].
 
-use super::Family;
+use super::interface::Family;
 
 /// Llama.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! Mistral (`model_type = "mistral"`): Llama with a sliding window on every layer when it has one.
 
-use super::{Family, WindowKeys};
+use super::interface::{Family, WindowKeys};
 
 /// Mistral.
 #[derive(Debug)]

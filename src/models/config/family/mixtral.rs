@@ -6,7 +6,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::experts::{ExpertKeys, Experts};
-use super::{Family, GgufExperts, HubExperts, WindowKeys};
+use super::interface::{Family, GgufExperts, HubExperts, WindowKeys};
 use crate::error::Result;
 use crate::models::config::keys::HfConfig;
 use crate::models::config::layers::MoeConfig;

@@ -2,7 +2,7 @@
 //! each fused output, as PEFT), partial rotary and LongRoPE (read by the generic RoPE keys), a sliding window on
 //! every layer when it has one.
 
-use super::{Family, WindowKeys};
+use super::interface::{Family, WindowKeys};
 
 /// Phi-3.
 #[derive(Debug)]

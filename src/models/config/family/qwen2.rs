@@ -1,7 +1,7 @@
 //! Qwen2 / Qwen2.5 (`model_type = "qwen2"`): q/k/v projections with biases, and a sliding window only with
 //! `use_sliding_window`, on the layers from `max_window_layers` on.
 
-use super::{Family, WindowKeys};
+use super::interface::{Family, WindowKeys};
 use crate::models::config::keys::HfConfig;
 
 /// Qwen2.

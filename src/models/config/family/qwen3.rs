@@ -1,8 +1,8 @@
 //! Qwen3 (`model_type = "qwen3"`): Qwen2's sliding window without its biases, and RMSNorm on each query and key
 //! head before RoPE.
 
+use super::interface::{Family, WindowKeys};
 use super::qwen2::slides_from_max_window_layers;
-use super::{Family, WindowKeys};
 
 /// Qwen3.
 #[derive(Debug)]

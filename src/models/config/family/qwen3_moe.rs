@@ -5,8 +5,8 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::experts::{ExpertKeys, Experts};
+use super::interface::{Family, WindowKeys};
 use super::qwen2::slides_from_max_window_layers;
-use super::{Family, WindowKeys};
 use crate::error::Result;
 use crate::models::config::keys::HfConfig;
 use crate::models::config::layers::MoeConfig;
