@@ -65,7 +65,9 @@ pub(super) fn run_window(
             let _loss = trace::span("loss", "loss");
             model.loss_from_hidden(&hidden, &batch.labels)?
         };
-        let mut sum_f64 = sum.to_dtype(DType::F64)?;
+        // Detached: the window keeps the sum until the step ends, and with its graph it would keep every
+        // micro-batch's activations alive until then.
+        let mut sum_f64 = sum.detach().to_dtype(DType::F64)?;
         let mut objective = (sum / counted.max(1) as f64)?;
         if let (Some(moe), Some(router)) = (moe, &router) {
             let scale = moe.router_aux_loss_coef / shard.world_size as f64;
