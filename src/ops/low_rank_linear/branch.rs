@@ -28,7 +28,7 @@ pub struct BranchDropout {
     pub seed: u64,
 }
 
-/// Whether [`low_rank_linear`] computes its output's value.
+/// Whether [`low_rank_linear`](crate::ops::low_rank_linear::low_rank_linear) computes its output's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OutputValue {
     /// The output holds `x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`.
