@@ -16,6 +16,7 @@ use super::dpo::DpoConfig;
 use super::overrides::{apply_override, explain_raw};
 use super::sections::{check_keys, closest, either, field_names, read_section, unknown_key};
 use crate::data::DataConfig;
+use crate::distributed::{check_ranks, RanksFrom};
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
 use crate::precision::TorchDtype;
@@ -346,6 +347,32 @@ impl RunConfig {
             .as_ref()
             .filter(|q| q.load_in_4bit)
             .map(|q| q.bnb_4bit_compute_dtype)
+    }
+
+    /// Checks that the run can train as `world_size` processes, `local` of them on this machine, before any rank
+    /// starts (the launcher) or loads the model (each rank): the build and the GPUs ([`check_ranks`]), then what
+    /// the config allows — several processes train on GPUs, and DPO in one process for now.
+    pub fn check_ranks(&self, world_size: usize, local: usize, from: RanksFrom) -> Result<()> {
+        check_ranks(world_size, local, from)?;
+        if world_size == 1 {
+            return Ok(());
+        }
+        let p = self.path.display();
+        let alone = match from {
+            RanksFrom::Launcher => "drop --nproc-per-node",
+            RanksFrom::Environment => "start the command without a launcher",
+        };
+        if self.training.use_cpu {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [training] use_cpu = true with {world_size} processes: the ranks of a distributed run train                  on GPUs, one each; remove use_cpu, or {alone} to train on the CPU in one process"
+            )));
+        }
+        if self.dpo.is_some() {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [dpo] with {world_size} processes: DPO runs in one process for now; {alone}"
+            )));
+        }
+        Ok(())
     }
 }
 
