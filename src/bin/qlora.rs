@@ -13,7 +13,7 @@ use candle_core::DType;
 use candle_qlora::adapter::{
     base_quantization, load_adapter, merge_to_folder, read_base_quantization, MergeOptions,
 };
-use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset};
+use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset, Example};
 use candle_qlora::distributed::RanksFrom;
 use candle_qlora::files::apart::check_output_apart;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
@@ -607,6 +607,20 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     };
     // The file is read (and its bad lines reported) before the model loads.
     let (examples, read) = read_jsonl(&args.data, data.format, data.skip_bad_lines)?;
+    // Pairs are DPO's data, which eval does not score: say what does, before the model loads.
+    if let Some(i) = examples
+        .iter()
+        .position(|e| matches!(e, Example::Preference(_)))
+    {
+        anyhow::bail!(
+            "{}:{}: a preference pair (`chosen`/`rejected`); qlora eval scores supervised examples (text, \
+             instructions, chat) and takes no run config: evaluate pairs in a DPO run (a run config with a [dpo] \
+             section and the pairs as [data] eval_file, which logs eval_rewards/accuracies), or give eval \
+             supervised examples, e.g. the chosen answers as {{\"instruction\": …, \"output\": …}}",
+            args.data.display(),
+            read.lines.get(i).copied().unwrap_or(i + 1)
+        );
+    }
     for (line, reason) in &read.skipped {
         eprintln!(
             "warning: {}:{line}: skipped ({reason})",

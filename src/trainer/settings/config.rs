@@ -275,6 +275,17 @@ impl RunConfig {
                 .map_err(|e| Error::InvalidInput(format!("{p}: [model.quantization]: {e}")))?;
         }
         let base = path.parent().unwrap_or(Path::new("."));
+        // An empty path joined to the config's folder would name that folder: refused by key instead.
+        if model
+            .adapter
+            .as_ref()
+            .is_some_and(|a| a.as_os_str().is_empty())
+        {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [model] adapter = \"\" names no folder: set it to the adapter folder to continue, or remove \
+                 adapter to train a new adapter"
+            )));
+        }
         model.adapter = model.adapter.map(|a| base.join(a));
         let lora = match &model.adapter {
             Some(dir) => continued_lora(dir, root.get("lora"), &p)?,
@@ -283,6 +294,16 @@ impl RunConfig {
         lora.validate()
             .map_err(|e| Error::InvalidInput(format!("{p}: [lora]: {e}")))?;
         let mut data: DataConfig = read_section(required("data")?, &p, "data", &[])?;
+        for (key, file) in [
+            ("train_file", &data.train_file),
+            ("eval_file", &data.eval_file),
+        ] {
+            if file.as_ref().is_some_and(|f| f.as_os_str().is_empty()) {
+                return Err(Error::InvalidInput(format!(
+                    "{p}: [data] {key} = \"\" names no file: set it to a JSONL file"
+                )));
+            }
+        }
         data.train_file = Some(
             base.join(
                 data.train_file
