@@ -9,6 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Result, Tensor};
 
 use crate::error::Error;
+use crate::files::apart::check_output_apart;
 use crate::files::{read_json, refuse_existing, replace_dir, write_safetensors, RawTensor};
 use crate::loading::bnb::{bnb_entries, quantization_config_json};
 use crate::lora::targets::parameter_of;
@@ -121,7 +122,8 @@ fn hf_config_json(config: &ModelConfig, dtype: DType) -> serde_json::Value {
 /// Writes `model` with its active adapter merged into a standard Hugging Face folder at `output`: `config.json`,
 /// tokenizer files, and `model.safetensors` (dense weights in `options.dtype`, or bitsandbytes 4-bit linears with
 /// `requantize`). 4-bit bases are dequantized before merging, so the merge itself adds no rounding but the final
-/// dtype's. `source_folder` supplies `config.json` and tokenizer files when the model came from a folder.
+/// dtype's. `source_folder` supplies `config.json` and tokenizer files when the model came from a folder; an
+/// `output` that is, is inside or contains it is refused (`files::apart`), as replacing it would destroy the base.
 pub fn merge_to_folder(
     model: &LlamaModel,
     tokenizer: Option<&TextTokenizer>,
@@ -129,6 +131,13 @@ pub fn merge_to_folder(
     output: &Path,
     options: &MergeOptions,
 ) -> crate::Result<MergeReport> {
+    if let Some(source) = source_folder {
+        check_output_apart(
+            ("output", output),
+            &[("the base model's folder", source)],
+            "merged",
+        )?;
+    }
     refuse_existing(output, options.overwrite)?;
     let raw = |t: &Tensor| RawTensor::from_tensor(&t.to_dtype(options.dtype)?);
     let mut tensors: Vec<(String, RawTensor<'static>)> = Vec::new();

@@ -13,7 +13,9 @@ use candle_core::DType;
 use candle_qlora::adapter::{
     base_quantization, load_adapter, merge_to_folder, read_base_quantization, MergeOptions,
 };
-use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset};
+use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset, Example};
+use candle_qlora::distributed::RanksFrom;
+use candle_qlora::files::apart::check_output_apart;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
 use candle_qlora::lora::TargetModules;
@@ -111,7 +113,7 @@ struct EstimateCliArgs {
     dtype: Option<TorchDtype>,
     /// Data-parallel ranks (GPUs, each holding the whole model; with --device cuda): the figures stay per GPU,
     /// and the gradient all-reduce of each optimizer step is added.
-    #[arg(long = "world-size", default_value_t = 1)]
+    #[arg(long = "world-size", default_value_t = 1, allow_negative_numbers = true, value_parser = count)]
     world_size: usize,
     /// DPO: --batch counts preference pairs, each forward holding both sequences of every pair.
     #[arg(long)]
@@ -222,7 +224,7 @@ struct TrainArgs {
     resume: Option<String>,
     /// Train data-parallel on N GPUs of this machine, one process each, as torchrun --nproc-per-node N does (a
     /// build with the `nccl` feature; several machines: start this command under torchrun or srun instead).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = count)]
     nproc_per_node: Option<usize>,
 }
 
@@ -241,21 +243,23 @@ fn rank_args() -> Vec<std::ffi::OsString> {
 }
 
 fn train(args: TrainArgs) -> anyhow::Result<()> {
+    let mut config = RunConfig::load(&args.config, &args.set)?;
+    if let Some(resume) = &args.resume {
+        config.training.resume_from_checkpoint = Some(resume.clone());
+    }
+    let resume = config.training.resume_checkpoint()?;
     if let Some(n) = args
         .nproc_per_node
         .filter(|_| std::env::var_os("WORLD_SIZE").is_none())
     {
+        // What every rank would refuse (the config, the build, the GPUs, the count) is refused before one starts.
+        config.check_ranks(n, n, RanksFrom::Launcher)?;
         let status = candle_qlora::distributed::launch_local(n, &rank_args())?;
         if !status.success() {
             std::process::exit(status.code().unwrap_or(1));
         }
         return Ok(());
     }
-    let mut config = RunConfig::load(&args.config, &args.set)?;
-    if let Some(resume) = args.resume {
-        config.training.resume_from_checkpoint = Some(resume);
-    }
-    let resume = config.training.resume_checkpoint()?;
     // `memory_snapshot` of a CPU run: record the heap from here, so the tokenizer, the data and the weights are in
     // the snapshot (a GPU's pool is recorded from when the trainer opens the device).
     let _recording = (config.training.memory_snapshot
@@ -347,6 +351,15 @@ struct MergeArgs {
 }
 
 fn merge(args: MergeArgs) -> anyhow::Result<()> {
+    // Before anything loads: an output overlapping an input would destroy it, --overwrite or not.
+    check_output_apart(
+        ("--output", &args.output),
+        &[
+            ("--adapter", &args.adapter),
+            ("--model", std::path::Path::new(&args.model)),
+        ],
+        "merged",
+    )?;
     let margs = ModelArgs {
         model: args.model.clone(),
         revision: args.revision.clone(),
@@ -527,10 +540,10 @@ struct GenerateArgs {
     #[arg(long, default_value_t = 128)]
     max_new_tokens: usize,
     /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true, value_parser = temperature)]
     temperature: f64,
     /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_parser = top_p)]
     top_p: f64,
     /// Keep only the k most likely tokens.
     #[arg(long)]
@@ -541,6 +554,41 @@ struct GenerateArgs {
     /// Generate all --max-new-tokens tokens, not stopping at end-of-sequence (for benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+}
+
+/// A count for `--nproc-per-node` and `--world-size`. A negative number is taken as a value (clap would read it as
+/// a flag) and refused as out of range; 0 goes on to the command's own message.
+fn count(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<i128>() {
+        Ok(n) if n < 0 => Err(format!(
+            "{n} is out of range: give a whole number, 1 or more"
+        )),
+        Ok(n) => usize::try_from(n)
+            .map_err(|_| format!("{n} is out of range: give a whole number, 1 or more")),
+        Err(_) => Err(format!("`{text}` is not a whole number (give 1 or more)")),
+    }
+}
+
+/// A number for a generation setting, checked as [`GenerationConfig::validate`] checks it (`set` puts it in).
+fn generation_number(text: &str, set: impl Fn(&mut GenerationConfig, f64)) -> Result<f64, String> {
+    let value: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    let mut config = GenerationConfig::greedy(1);
+    set(&mut config, value);
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(value)
+}
+
+/// `--temperature`: 0 (greedy) or more.
+fn temperature(text: &str) -> Result<f64, String> {
+    generation_number(text, |c, v| c.temperature = v)
+}
+
+/// `--top-p`: in (0, 1].
+fn top_p(text: &str) -> Result<f64, String> {
+    generation_number(text, |c, v| c.top_p = v)
 }
 
 fn eval(args: EvalArgs) -> anyhow::Result<()> {
@@ -559,6 +607,20 @@ fn eval(args: EvalArgs) -> anyhow::Result<()> {
     };
     // The file is read (and its bad lines reported) before the model loads.
     let (examples, read) = read_jsonl(&args.data, data.format, data.skip_bad_lines)?;
+    // Pairs are DPO's data, which eval does not score: say what does, before the model loads.
+    if let Some(i) = examples
+        .iter()
+        .position(|e| matches!(e, Example::Preference(_)))
+    {
+        anyhow::bail!(
+            "{}:{}: a preference pair (`chosen`/`rejected`); qlora eval scores supervised examples (text, \
+             instructions, chat) and takes no run config: evaluate pairs in a DPO run (a run config with a [dpo] \
+             section and the pairs as [data] eval_file, which logs eval_rewards/accuracies), or give eval \
+             supervised examples, e.g. the chosen answers as {{\"instruction\": …, \"output\": …}}",
+            args.data.display(),
+            read.lines.get(i).copied().unwrap_or(i + 1)
+        );
+    }
     for (line, reason) in &read.skipped {
         eprintln!(
             "warning: {}:{line}: skipped ({reason})",
@@ -696,6 +758,11 @@ struct QuantizeArgs {
 }
 
 fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
+    check_output_apart(
+        ("--output", &args.output),
+        &[("--input", &args.input)],
+        "nf4",
+    )?;
     let config = QuantConfig {
         quant_type: match args.quant_type {
             QuantTypeArg::Nf4 => QuantType::Nf4,

@@ -66,21 +66,47 @@ fn messages(v: &Value, key: &str) -> std::result::Result<Vec<ChatMessage>, Strin
         .collect()
 }
 
-/// `key` read as text or as messages, the form `conversational` says.
+/// The form of an example, from the first of `chosen`, `rejected` and `prompt` that shows one (text, or a list of
+/// messages): whether it is conversational, and the key that showed it. An error when none does, naming
+/// `chosen`'s problem (or its absence).
+fn form(obj: &Map<String, Value>) -> std::result::Result<(bool, &'static str), String> {
+    for key in ["chosen", "rejected", "prompt"] {
+        match obj.get(key) {
+            Some(Value::String(_)) => return Ok((false, key)),
+            Some(v) if is_conversational(v) => return Ok((true, key)),
+            _ => {}
+        }
+    }
+    match obj.get("chosen") {
+        None => Err("`chosen` is missing".into()),
+        Some(Value::Array(l)) if l.is_empty() => {
+            Err("`chosen` is an empty list: give the chosen answer as a string or a list of messages".into())
+        }
+        Some(_) => Err(
+            "`chosen` must be a string or a list of messages ({\"role\": …, \"content\": …}), and `rejected` the same"
+                .into(),
+        ),
+    }
+}
+
+/// `key` read as text or as messages, the form `conversational` says (shown by the key `shown_by`).
 fn turns(
     obj: &Map<String, Value>,
     key: &str,
-    conversational: bool,
+    (conversational, shown_by): (bool, &str),
 ) -> std::result::Result<Turns, String> {
     let v = obj.get(key).ok_or(format!("`{key}` is missing"))?;
     match (conversational, v) {
         (false, Value::String(s)) => Ok(Turns::Text(s.clone())),
         (true, _) if is_conversational(v) => Ok(Turns::Chat(messages(v, key)?)),
+        (true, Value::Array(l)) if l.is_empty() => Err(format!(
+            "`{key}` is an empty list: give at least one message, as `{shown_by}` is a list of messages"
+        )),
         (false, _) => Err(format!(
-            "`{key}` must be a string, as `chosen` is (or write every field as a list of messages)"
+            "`{key}` must be a string, as `{shown_by}` is (or write every field as a list of messages)"
         )),
         (true, _) => Err(format!(
-            "`{key}` must be a list of messages, as `chosen` is (or write every field as text)"
+            "`{key}` must be a list of messages, as `{shown_by}` is (or write every field as text)"
         )),
     }
 }
@@ -100,14 +126,13 @@ fn shared_prefix<T: PartialEq>(chosen: &[T], rejected: &[T], space: Option<&T>) 
 impl PreferenceExample {
     /// Reads a JSON line holding `chosen` and `rejected` (and `prompt`, unless implicit).
     pub fn from_json(obj: &Map<String, Value>) -> std::result::Result<Self, String> {
-        let chosen = obj.get("chosen").ok_or("`chosen` is missing")?;
-        let conversational = is_conversational(chosen);
-        let (chosen, rejected) = (
-            turns(obj, "chosen", conversational)?,
-            turns(obj, "rejected", conversational)?,
-        );
+        if !obj.contains_key("chosen") {
+            return Err("`chosen` is missing".into());
+        }
+        let form = form(obj)?;
+        let (chosen, rejected) = (turns(obj, "chosen", form)?, turns(obj, "rejected", form)?);
         if obj.contains_key("prompt") {
-            let prompt = turns(obj, "prompt", conversational)?;
+            let prompt = turns(obj, "prompt", form)?;
             return Ok(PreferenceExample {
                 prompt,
                 chosen,
@@ -183,6 +208,36 @@ mod tests {
         let err = example(r#"{"chosen": [{"role": "bot", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]}"#)
             .unwrap_err();
         assert!(err.contains("unknown role `bot`"), "{err}");
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_form_is_told_the_form_another_field_shows() {
+        let err = example(r#"{"prompt": "p", "chosen": 5, "rejected": "r"}"#).unwrap_err();
+        assert!(
+            err.contains("`chosen` must be a string, as `rejected` is"),
+            "{err}"
+        );
+        let err = example(r#"{"chosen": 5, "rejected": 6}"#).unwrap_err();
+        assert!(
+            err.contains("`chosen` must be a string or a list of messages"),
+            "{err}"
+        );
+        let err = example(
+            r#"{"prompt": [{"role": "user", "content": "q"}], "chosen": [], "rejected": [{"role": "assistant", "content": "b"}]}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("`chosen` is an empty list: give at least one message, as `rejected`"),
+            "{err}"
+        );
+        let err = example(
+            r#"{"prompt": [{"role": "user", "content": "q"}], "chosen": [], "rejected": []}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("`chosen` is an empty list: give at least one message, as `prompt`"),
+            "{err}"
+        );
     }
 
     #[test]

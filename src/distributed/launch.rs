@@ -6,25 +6,26 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use super::ranks::{check_ranks, RanksFrom};
 use crate::error::{Error, Result};
 
 /// How long the other ranks get to stop on their own after one failed (they notice a rank's exit at once through
-/// NCCL) before they are killed.
-const GRACE: Duration = Duration::from_secs(60);
+/// NCCL) before they are killed: the launcher outlives a rank's failure by this at most.
+pub const LAUNCH_GRACE: Duration = Duration::from_secs(60);
+
+/// How often the launcher looks at its ranks and its signals.
+const POLL: Duration = Duration::from_millis(50);
 
 /// Runs this executable `nproc` times with `args`, as ranks 0…nproc−1 of one node (`RANK`, `LOCAL_RANK`,
 /// `WORLD_SIZE`, `LOCAL_WORLD_SIZE`; `MASTER_ADDR` and `MASTER_PORT` from this environment, else 127.0.0.1 and a
-/// free port), and waits for them. The ranks run in a process group of their own, and the launcher passes each
-/// SIGINT and SIGTERM it gets to every rank once (Ctrl-C, or `kill -INT` of the launcher alone: the ranks agree to
-/// stop after the same step, with a checkpoint; a second Ctrl-C stops them at once); a rank whose launcher dies is
-/// sent SIGTERM by the kernel (Linux), so none is left behind. Returns the first failed rank's exit status, else
-/// success.
+/// free port), and waits for them. A job this build or machine cannot run ([`check_ranks`]) is refused before any
+/// rank starts. The ranks run in a process group of their own, and the launcher passes each SIGINT and SIGTERM it
+/// gets to every rank once (Ctrl-C, or `kill -INT` of the launcher alone: the ranks agree to stop after the same
+/// step, with a checkpoint; a second Ctrl-C stops them at once); a rank whose launcher dies is sent SIGTERM by the
+/// kernel (Linux), so none is left behind. Once a rank fails, the others get [`LAUNCH_GRACE`] to stop, then are killed.
+/// Returns the first failed rank's exit status, else success.
 pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
-    if nproc == 0 {
-        return Err(Error::InvalidInput(
-            "--nproc-per-node must be at least 1".into(),
-        ));
-    }
+    check_ranks(nproc, nproc, RanksFrom::Launcher)?;
     let exe = std::env::current_exe()
         .map_err(|e| Error::io("cannot find", "the running executable", e))?;
     let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
@@ -37,11 +38,11 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
             .to_string(),
     };
     forward_signals()?;
-    let mut ranks: Vec<Option<Child>> = Vec::new();
+    let mut ranks: Vec<Child> = Vec::new();
     for rank in 0..nproc {
         let mut command = Command::new(&exe);
         rank_process(&mut command);
-        let child = command
+        let started = command
             .args(args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
@@ -49,17 +50,33 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", &port)
-            .spawn()
-            .map_err(|e| {
-                Error::io(
+            .spawn();
+        match started {
+            Ok(child) => ranks.push(child),
+            Err(e) => {
+                // The ranks already started would wait for this one: stop them before saying why.
+                for child in &mut ranks {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(Error::io(
                     "cannot start",
                     format!("rank {rank} ({})", exe.display()),
                     e,
-                )
-            })?;
-        ranks.push(Some(child));
+                ));
+            }
+        }
     }
+    wait_for_ranks(ranks, LAUNCH_GRACE)
+}
+
+/// Waits for every rank, passing on the launcher's signals; once one fails, the others get `grace` to stop on
+/// their own and are then killed, so this returns at most `grace` (and a poll) after the first failure. Returns the
+/// first failed rank's exit status, else success.
+fn wait_for_ranks(ranks: Vec<Child>, grace: Duration) -> Result<ExitStatus> {
+    let mut ranks: Vec<Option<Child>> = ranks.into_iter().map(Some).collect();
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
+    let mut killed = false;
     let mut forwarded = [0; 2];
     while ranks.iter().any(Option::is_some) {
         pass_on_signals(&ranks, &mut forwarded);
@@ -70,14 +87,17 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
                 .map_err(|e| Error::io("cannot wait for", format!("rank {rank}"), e))?;
             if let Some(status) = status {
                 if !status.success() && first_failure.is_none() {
-                    eprintln!("rank {rank} failed ({status}); waiting for the other ranks to stop");
+                    eprintln!(
+                        "rank {rank} failed ({status}); the other ranks get {} s to stop before they are killed",
+                        grace.as_secs_f64()
+                    );
                     first_failure = Some((rank, status, Instant::now()));
                 }
                 *slot = None;
             }
         }
         if let Some((rank, _, since)) = first_failure {
-            if since.elapsed() > GRACE {
+            if !killed && since.elapsed() >= grace {
                 for (other, child) in ranks
                     .iter_mut()
                     .enumerate()
@@ -85,13 +105,16 @@ pub fn launch_local(nproc: usize, args: &[OsString]) -> Result<ExitStatus> {
                 {
                     eprintln!(
                         "rank {other} still runs {} s after rank {rank} failed: killing it",
-                        GRACE.as_secs()
+                        grace.as_secs_f64()
                     );
                     let _ = child.kill();
                 }
+                killed = true;
             }
         }
-        std::thread::sleep(Duration::from_millis(50));
+        if ranks.iter().any(Option::is_some) {
+            std::thread::sleep(POLL);
+        }
     }
     Ok(match first_failure {
         Some((_, status, _)) => status,
@@ -167,4 +190,37 @@ fn rank_process(command: &mut Command) {
     }
     #[cfg(not(unix))]
     let _ = command;
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+
+    fn sh(script: &str) -> Child {
+        Command::new("sh").args(["-c", script]).spawn().unwrap()
+    }
+
+    #[test]
+    fn a_failed_rank_ends_the_launch_within_the_grace_period() {
+        let grace = Duration::from_millis(500);
+        let start = Instant::now();
+        let ranks = vec![sh("sleep 0.1; exit 3"), sh("sleep 30"), sh("sleep 30")];
+        let status = wait_for_ranks(ranks, grace).unwrap();
+        let took = start.elapsed();
+        assert_eq!(status.code(), Some(3));
+        // 0.1 s until the failure, the grace, a poll and the reaping of the killed ranks.
+        assert!(
+            took < Duration::from_millis(100) + grace + Duration::from_secs(1),
+            "{took:?}"
+        );
+        assert!(took >= grace, "{took:?}");
+        let ok = wait_for_ranks(vec![sh("exit 0"), sh("exit 0")], grace).unwrap();
+        assert!(ok.success());
+    }
+
+    #[test]
+    fn nothing_starts_when_the_ranks_cannot_run() {
+        let err = launch_local(0, &[]).unwrap_err().to_string();
+        assert!(err.contains("--nproc-per-node 0"), "{err}");
+    }
 }

@@ -1,6 +1,7 @@
 //! Files the crate reads and writes: safetensors through a memory map, writes that never leave a half-written
 //! file or folder behind (written next to the final name, then renamed into place), one writer per output folder
-//! ([`lock`]) and the cleaning of what killed writers left ([`sweep_abandoned`]).
+//! ([`lock`]), the cleaning of what killed writers left ([`sweep_abandoned`]), and outputs kept apart from their
+//! inputs ([`apart`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -10,6 +11,7 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
 
 use crate::error::{Error, Result};
 
+pub mod apart;
 pub mod lock;
 
 use lock::{FileLock, OutputLock};

@@ -21,6 +21,7 @@ use serde::Deserialize;
 
 use super::safetensors::{weight_files, INDEX_FILE};
 use crate::error::{Error, Result};
+use crate::files::apart::check_output_apart;
 use crate::files::{
     candle_float_dtype, read_json, refuse_existing, replace_dir, view_to_f32, write_safetensors,
     MappedSafetensors, RawTensor,
@@ -350,6 +351,7 @@ pub fn quantize_file(
     options: &QuantizeOptions,
 ) -> Result<QuantizeReport> {
     options.config.validate()?;
+    check_output_apart(("output", output), &[("input", input)], "nf4")?;
     refuse_existing(output, options.overwrite)?;
     let mut report = QuantizeReport::default();
     quantize_one_file(input, output, options, &mut report)?;
@@ -444,6 +446,7 @@ pub fn quantize_model_dir(
     options: &QuantizeOptions,
 ) -> Result<QuantizeReport> {
     options.config.validate()?;
+    check_output_apart(("output", output), &[("input", input)], "nf4")?;
     refuse_existing(output, options.overwrite)?;
     let config_path = input.join("config.json");
     let mut config: serde_json::Value = read_json(&config_path)?;

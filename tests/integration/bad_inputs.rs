@@ -434,6 +434,7 @@ fn write_run_check_inputs(dir: &Path) {
 
 fn cases(dir: &Path) -> Vec<Case> {
     let config = write_tiny_config(dir, "", "max_steps = 1\nsave_strategy = \"no\"\n");
+    let mut more = launch_merge_and_message_cases(dir, &config);
     write_inputs(dir);
     write_damaged_gpt_oss(&dir.join("gpt-oss"));
     write_changed_models(&dir.join("changed"));
@@ -605,31 +606,31 @@ fn cases(dir: &Path) -> Vec<Case> {
             1,
             "max_length = 0",
         ),
-        // Generation settings.
+        // Generation settings (those of a flag refused as the flag's value, exit 2).
         case(generate(&["--prompt", ""]), 1, "the prompt has no tokens"),
         case(
             generate(&["--prompt", "t3", "--top-p", "2"]),
-            1,
+            2,
             "top_p = 2",
         ),
         case(
             generate(&["--prompt", "t3", "--top-p", "0"]),
-            1,
+            2,
             "top_p = 0",
         ),
         case(
             generate(&["--prompt", "t3", "--top-p=-0.5"]),
-            1,
+            2,
             "top_p = -0.5",
         ),
         case(
             generate(&["--prompt", "t3", "--temperature=-1"]),
-            1,
+            2,
             "temperature = -1",
         ),
         case(
             generate(&["--prompt", "t3", "--temperature", "NaN"]),
-            1,
+            2,
             "temperature = NaN",
         ),
         case(
@@ -1366,6 +1367,178 @@ fn cases(dir: &Path) -> Vec<Case> {
             "unknown key `max_seq_len` in [training]; did you mean [data] `max_length`?",
         )
         .fixed_as(train(&["data.max_length=64"])),
+    ]
+    .into_iter()
+    .chain(more.drain(..))
+    .collect()
+}
+
+/// Launches this build cannot run, outputs that overlap their inputs, negative numbers given to flags, and messages
+/// that used to name the wrong thing: each refused by the flag or key the user wrote, most with the fix applied.
+fn launch_merge_and_message_cases(dir: &Path, config: &Path) -> Vec<Case> {
+    let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let file = |name: &str| dir.join(name).display().to_string();
+    let model = data_path("models/tiny-llama").display().to_string();
+    let case = |args: Vec<String>, exit: i32, says: &'static str| Case {
+        args,
+        exit,
+        says,
+        fix: None,
+    };
+    // `qlora train` of the tiny config with `--set` overrides `sets`, then `extra` arguments.
+    let train = |sets: &[&str], extra: &[&str]| {
+        let mut args = strings(&["train", "--config", config.to_str().unwrap()]);
+        for s in [&["training.overwrite_output_dir=true"], sets].concat() {
+            args.extend(strings(&["--set", s]));
+        }
+        args.extend(strings(extra));
+        args
+    };
+    let on_model = |subcommand: &str, extra: &[&str]| {
+        [strings(&[subcommand, "--model", &model]), strings(extra)].concat()
+    };
+    let generate = |extra: &[&str]| {
+        on_model(
+            "generate",
+            &[&["--prompt", "t3", "--max-new-tokens", "1"], extra].concat(),
+        )
+    };
+    // Copies of the inputs a merge reads: `merge_inputs/base` and `merge_adapter`.
+    let base = dir.join("merge_inputs/base");
+    let adapter = dir.join("merge_adapter");
+    for (from, to) in [
+        ("models/tiny-llama", &base),
+        ("peft/lora_all_linear", &adapter),
+    ] {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(data_path(from)).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let (base, adapter) = (base.display().to_string(), adapter.display().to_string());
+    let merge = |output: &str, overwrite: &[&str]| {
+        let args = [
+            "merge",
+            "--model",
+            &base,
+            "--adapter",
+            &adapter,
+            "--output",
+            output,
+        ];
+        strings(&[&args[..], overwrite].concat())
+    };
+    let merged = file("merged_apart");
+    let on_base = format!("model.name_or_path={base:?}");
+    // Preference pairs whose `chosen` is a number, and an empty list of messages beside a conversational prompt.
+    std::fs::write(
+        dir.join("pair_number.jsonl"),
+        "{\"prompt\": \"t3\", \"chosen\": 5, \"rejected\": \" t4\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("pair_empty_chosen.jsonl"),
+        "{\"prompt\": [{\"role\": \"user\", \"content\": \"t3\"}], \"chosen\": [], \
+         \"rejected\": [{\"role\": \"assistant\", \"content\": \"t4\"}]}\n",
+    )
+    .unwrap();
+    // A mixture of experts with none.
+    let mut mixtral: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(data_path("models/tiny-mixtral/config.json")).unwrap(),
+    )
+    .unwrap();
+    mixtral["num_local_experts"] = json!(0);
+    std::fs::create_dir_all(dir.join("zero_experts")).unwrap();
+    std::fs::write(dir.join("zero_experts/config.json"), mixtral.to_string()).unwrap();
+    let train_file = |name: &str| format!("data.train_file={:?}", file(name));
+    vec![
+        // A launch this build cannot run, refused before a rank starts (a test times it); one process trains.
+        case(train(&[], &["--nproc-per-node", "64"]), 1, "--nproc-per-node 64: ")
+            .fixed_as(train(&[], &[])),
+        // Negative numbers reach the range check and are refused by the flag, not taken for unknown flags.
+        case(
+            train(&[], &["--nproc-per-node", "-1"]),
+            2,
+            "invalid value '-1' for '--nproc-per-node <N>': -1 is out of range: give a whole number, 1 or more",
+        )
+        .fixed_as(train(&[], &["--nproc-per-node", "1"])),
+        case(
+            on_model("estimate", &["--world-size", "-2"]),
+            2,
+            "'--world-size <WORLD_SIZE>': -2 is out of range: give a whole number, 1 or more",
+        )
+        .fixed_as(on_model("estimate", &["--world-size", "1"])),
+        case(
+            generate(&["--temperature", "-0.5"]),
+            2,
+            "'--temperature <TEMPERATURE>': generation: temperature = -0.5: must be 0 (greedy) or more",
+        )
+        .fixed_as(generate(&["--temperature", "0.5"])),
+        case(
+            generate(&["--top-p", "-1"]),
+            2,
+            "'--top-p <TOP_P>': generation: top_p = -1: must be in (0, 1]",
+        )
+        .fixed_as(generate(&["--top-p", "1"])),
+        // Outputs that would replace or delete an input, with --overwrite too (a test checks the inputs' bytes).
+        case(
+            merge(&adapter, &["--overwrite"]),
+            1,
+            "`: writing there would replace or delete what it reads, with or without overwriting allowed; choose \
+             an output apart from every input, e.g. `",
+        )
+        .fixed_as(merge(&merged, &[])),
+        case(merge(&file("merge_inputs"), &["--overwrite"]), 1, "` contains --model `")
+            .fixed_as(merge(&merged, &["--overwrite"])),
+        case(
+            strings(&["quantize", "--input", &base, "--output", &format!("{base}/nf4")]),
+            1,
+            "/nf4` is inside --input `",
+        )
+        .fixed_as(strings(&["quantize", "--input", &base, "--output", &file("base-nf4")])),
+        case(
+            train(&[&on_base, &format!("training.output_dir={:?}", base)], &[]),
+            1,
+            "[training] output_dir `",
+        )
+        .fixed_as(train(&[&on_base, &format!("training.output_dir={:?}", file("run_apart"))], &[])),
+        // Messages that named the wrong thing.
+        case(
+            strings(&["estimate", "--model", &file("zero_experts/config.json")]),
+            1,
+            "`num_local_experts` = 0: a mixture of experts has at least 1 expert",
+        ),
+        case(
+            train(&["dpo.beta=0.1", &train_file("pair_number.jsonl")], &[]),
+            1,
+            "pair_number.jsonl:1: `chosen` must be a string, as `rejected` is",
+        ),
+        case(
+            train(&["dpo.beta=0.1", &train_file("pair_empty_chosen.jsonl")], &[]),
+            1,
+            "pair_empty_chosen.jsonl:1: `chosen` is an empty list: give at least one message, as `rejected` is a \
+             list of messages",
+        ),
+        case(
+            on_model("eval", &["--data", &data_path("dpo/pairs.jsonl").display().to_string()]),
+            1,
+            "qlora eval scores supervised examples (text, instructions, chat) and takes no run config: evaluate \
+             pairs in a DPO run",
+        )
+        .fixed_as(on_model("eval", &["--data", &file("instructions.jsonl")])),
+        case(
+            train(&["model.adapter=\"\""], &[]),
+            1,
+            "[model] adapter = \"\" names no folder: set it to the adapter folder to continue, or remove adapter",
+        )
+        .fixed_as(train(&[], &[])),
+        case(
+            train(&["data.train_file=\"\""], &[]),
+            1,
+            "[data] train_file = \"\" names no file",
+        )
+        .fixed_as(train(&[], &[])),
     ]
 }
 

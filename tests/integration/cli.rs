@@ -256,3 +256,143 @@ fn bad_input_is_a_clear_error() {
     assert!(!ok && out.contains("config.json"), "{out}");
     assert!(!out_path.exists());
 }
+
+/// Every file under `dir` with its bytes, by path relative to `dir`.
+fn snapshot(dir: &Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let bytes = std::fs::read(&path).unwrap();
+                out.insert(path.strip_prefix(dir).unwrap().to_path_buf(), bytes);
+            }
+        }
+    }
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+}
+
+/// `merge` and `quantize` refuse an output that is, is inside or contains an input — with `--overwrite`, and
+/// whatever the spelling (a symlink, `..`, a folder not yet created) — before anything loads, and both inputs are
+/// byte-identical afterwards; an output apart from them merges.
+#[test]
+fn merge_and_quantize_never_write_over_their_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let base = root.join("inputs/base");
+    let adapter = root.join("adapter");
+    copy_dir(&crate::common::data_path("models/tiny-llama"), &base);
+    copy_dir(&crate::common::data_path("peft/lora_all_linear"), &adapter);
+    let (base_bytes, adapter_bytes) = (snapshot(&base), snapshot(&adapter));
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(&adapter, root.join("link")).unwrap();
+    let merge = |output: &Path| {
+        let (b, a, o) = (
+            base.to_str().unwrap(),
+            adapter.to_str().unwrap(),
+            output.to_str().unwrap(),
+        );
+        qlora(&[
+            "merge",
+            "--model",
+            b,
+            "--adapter",
+            a,
+            "--output",
+            o,
+            "--overwrite",
+        ])
+    };
+    let mut outputs = vec![
+        (adapter.clone(), "is --adapter"),
+        (base.clone(), "is --model"),
+        (adapter.join("merged"), "is inside --adapter"),
+        (root.join("inputs"), "contains --model"),
+        (root.join("missing/../adapter"), "is --adapter"),
+        (root.to_path_buf(), "contains --adapter"),
+    ];
+    if cfg!(unix) {
+        outputs.push((root.join("link"), "is --adapter"));
+    }
+    for (output, says) in &outputs {
+        let (ok, text) = merge(output);
+        assert!(!ok && text.contains(says), "{output:?}: {text}");
+        assert!(
+            text.contains("choose an output apart from every input"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("loaded "),
+            "refused only after loading: {text}"
+        );
+    }
+    let quantize = |output: &Path| {
+        let (b, o) = (base.to_str().unwrap(), output.to_str().unwrap());
+        qlora(&["quantize", "--input", b, "--output", o, "--overwrite"])
+    };
+    for (output, says) in [
+        (base.clone(), "is --input"),
+        (base.join("nf4"), "is inside --input"),
+        (root.join("inputs"), "contains --input"),
+    ] {
+        let (ok, text) = quantize(&output);
+        assert!(!ok && text.contains(says), "{output:?}: {text}");
+    }
+    assert!(snapshot(&base) == base_bytes, "the base changed");
+    assert!(snapshot(&adapter) == adapter_bytes, "the adapter changed");
+    let names: Vec<_> = std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(names.len() <= 3, "left behind: {names:?}"); // inputs, adapter, link
+                                                         // The advice followed: an output apart from both merges.
+    let (ok, text) = merge(&root.join("merged"));
+    assert!(ok, "{text}");
+}
+
+/// `train --nproc-per-node N` that this build or machine cannot run (far more ranks than GPUs, none at all, or
+/// several without the `nccl` feature) exits with an error in well under a second: checked before a rank starts,
+/// so no model loads (a rank's load alone takes longer) and no output folder appears.
+#[test]
+fn a_launch_that_cannot_run_is_refused_before_a_rank_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = crate::trainer::write_tiny_config(dir.path(), "", "max_steps = 1\n");
+    for n in ["64", "0", "100000"] {
+        let start = std::time::Instant::now();
+        let (ok, text) = qlora(&[
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--nproc-per-node",
+            n,
+        ]);
+        let took = start.elapsed();
+        assert!(
+            !ok && text.contains(&format!("--nproc-per-node {n}: ")),
+            "{n}: {text}"
+        );
+        assert!(!text.contains("rank 0"), "a rank started: {text}");
+        assert!(
+            !dir.path().join("out").exists(),
+            "a rank prepared the output folder"
+        );
+        // A process start and a TOML file: milliseconds; the bound leaves room for a loaded machine.
+        assert!(
+            took < std::time::Duration::from_secs(1),
+            "{n} ranks refused after {took:?}"
+        );
+    }
+}

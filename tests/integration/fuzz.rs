@@ -1577,6 +1577,8 @@ fn odd_lines() -> Vec<String> {
         r#"{"text": "\u0000"}"#.into(),
         r#"{"instruction": "t5", "output": "t6", "input": null}"#.into(),
         r#"{"text": "t3 t4 t5"}"#.into(),
+        r#"{"prompt": [{"role": "user", "content": "q"}], "chosen": [], "rejected": [{"role": "assistant", "content": "b"}]}"#.into(),
+        r#"{"prompt": "p", "chosen": 5, "rejected": "r"}"#.into(),
     ]
 }
 

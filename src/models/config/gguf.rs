@@ -136,9 +136,14 @@ impl ModelConfig {
             None => None,
             Some(keys) => {
                 let experts = experts.ok_or_else(|| {
+                    // Zero experts reads as none above; say which it was.
+                    let problem = match u32_key(&key("expert_count")) {
+                        Some(0) => "= 0: a mixture of experts has at least 1 expert",
+                        _ => "is missing",
+                    };
                     bad(
                         path,
-                        format!("GGUF metadata `{}` is missing", key("expert_count")),
+                        format!("GGUF metadata `{}` {problem}", key("expert_count")),
                     )
                 })? as usize;
                 let per_token = get_u("expert_used_count")?;

@@ -677,6 +677,12 @@ mod tests {
             ("decoder_sparse_step", json!(0), "decoder_sparse_step"),
             ("router_aux_loss_coef", json!(-1.0), "router_aux_loss_coef"),
             ("num_experts", json!(1 << 20), "num_experts"),
+            // A zero count is the count's fault, not the share a token takes.
+            (
+                "num_experts",
+                json!(0),
+                "`num_experts` = 0: a mixture of experts has at least 1",
+            ),
         ] {
             let mut v = qwen3_30b_a3b.clone();
             v[key] = value;

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use super::trainer::{Prepared, Trainer, ADAPTER};
 use crate::adapter::load_adapter;
+use crate::distributed::{RanksFrom, WorldEnv};
 use crate::error::Result;
 use crate::loading::model::no_tokenizer;
 use crate::loading::{load_model, load_tokenizer, LoadOptions};
@@ -29,6 +30,14 @@ impl Trainer {
         // Everything cheap first (tokenizer, chat template, data, the run against its data and the model's config,
         // output folder, resume checkpoint), so a mistake is reported in seconds, not after loading the weights.
         let args = &config.training;
+        // A rank of a job this build, machine or config cannot run stops before anything loads.
+        if let Some(world) = WorldEnv::from_env()? {
+            config.check_ranks(
+                world.world_size,
+                world.local_world_size,
+                RanksFrom::Environment,
+            )?;
+        }
         let model_name = &config.model.name_or_path;
         let revision = config.model.revision.as_deref();
         // Training needs one to read the data.

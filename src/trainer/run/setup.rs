@@ -13,7 +13,7 @@ use super::interrupt;
 use super::sampler::DataPlan;
 use super::trainer::{Trainer, ADAPTER};
 use crate::adapter::{base_quantization, Adapters};
-use crate::distributed::WorldEnv;
+use crate::distributed::{check_ranks, RanksFrom, WorldEnv};
 use crate::error::Result;
 use crate::files::lock::OutputLock;
 use crate::memory::snapshot::Recording;
@@ -138,6 +138,10 @@ impl Trainer {
             rank: w.rank,
             world_size: w.world_size,
         });
+        // A trainer built in code meets here the check `from_run_config` makes before loading.
+        if let Some(w) = &world {
+            check_ranks(w.world_size, w.local_world_size, RanksFrom::Environment)?;
+        }
         let (lock, checked, recording) = match prepared {
             Some(p) => (p.lock, p.checkpoint, p.recording),
             None => (
@@ -151,14 +155,6 @@ impl Trainer {
             Some(w) if w.world_size > 1 => Some(Ddp::join(self.model.device(), w, &args)?),
             _ => None,
         };
-        #[cfg(not(feature = "nccl"))]
-        if shard.world_size > 1 {
-            return Err(crate::error::Error::InvalidInput(format!(
-                "WORLD_SIZE={}: this build runs one process; distributed training needs a build with the `nccl` \
-                 feature (cargo build --release --features nccl)",
-                shard.world_size
-            )));
-        }
         self.method.check_world_size(shard.world_size)?;
         let plan = DataPlan::new(
             self.method.train_lengths(),

@@ -16,6 +16,7 @@ use super::dpo::DpoConfig;
 use super::overrides::{apply_override, explain_raw};
 use super::sections::{check_keys, closest, either, field_names, read_section, unknown_key};
 use crate::data::DataConfig;
+use crate::distributed::{check_ranks, RanksFrom};
 use crate::error::{Error, Result};
 use crate::lora::LoraConfig;
 use crate::precision::TorchDtype;
@@ -274,6 +275,17 @@ impl RunConfig {
                 .map_err(|e| Error::InvalidInput(format!("{p}: [model.quantization]: {e}")))?;
         }
         let base = path.parent().unwrap_or(Path::new("."));
+        // An empty path joined to the config's folder would name that folder: refused by key instead.
+        if model
+            .adapter
+            .as_ref()
+            .is_some_and(|a| a.as_os_str().is_empty())
+        {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [model] adapter = \"\" names no folder: set it to the adapter folder to continue, or remove \
+                 adapter to train a new adapter"
+            )));
+        }
         model.adapter = model.adapter.map(|a| base.join(a));
         let lora = match &model.adapter {
             Some(dir) => continued_lora(dir, root.get("lora"), &p)?,
@@ -282,6 +294,16 @@ impl RunConfig {
         lora.validate()
             .map_err(|e| Error::InvalidInput(format!("{p}: [lora]: {e}")))?;
         let mut data: DataConfig = read_section(required("data")?, &p, "data", &[])?;
+        for (key, file) in [
+            ("train_file", &data.train_file),
+            ("eval_file", &data.eval_file),
+        ] {
+            if file.as_ref().is_some_and(|f| f.as_os_str().is_empty()) {
+                return Err(Error::InvalidInput(format!(
+                    "{p}: [data] {key} = \"\" names no file: set it to a JSONL file"
+                )));
+            }
+        }
         data.train_file = Some(
             base.join(
                 data.train_file
@@ -346,6 +368,32 @@ impl RunConfig {
             .as_ref()
             .filter(|q| q.load_in_4bit)
             .map(|q| q.bnb_4bit_compute_dtype)
+    }
+
+    /// Checks that the run can train as `world_size` processes, `local` of them on this machine, before any rank
+    /// starts (the launcher) or loads the model (each rank): the build and the GPUs ([`check_ranks`]), then what
+    /// the config allows — several processes train on GPUs, and DPO in one process for now.
+    pub fn check_ranks(&self, world_size: usize, local: usize, from: RanksFrom) -> Result<()> {
+        check_ranks(world_size, local, from)?;
+        if world_size == 1 {
+            return Ok(());
+        }
+        let p = self.path.display();
+        let alone = match from {
+            RanksFrom::Launcher => "drop --nproc-per-node",
+            RanksFrom::Environment => "start the command without a launcher",
+        };
+        if self.training.use_cpu {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [training] use_cpu = true with {world_size} processes: the ranks of a distributed run train                  on GPUs, one each; remove use_cpu, or {alone} to train on the CPU in one process"
+            )));
+        }
+        if self.dpo.is_some() {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [dpo] with {world_size} processes: DPO runs in one process for now; {alone}"
+            )));
+        }
+        Ok(())
     }
 }
 

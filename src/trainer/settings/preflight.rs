@@ -1,6 +1,7 @@
 //! The checks of a run that need its data or the file system but no weights, made once the data is tokenized and
 //! before the model loads (`Trainer::from_run_config`), so a mistake is reported in seconds: evaluation asked for
-//! with no evaluation data, examples longer than the model's context, an `output_dir` that cannot be a folder.
+//! with no evaluation data, examples longer than the model's context, an `output_dir` that cannot be a folder or
+//! that overlaps the base model's or the continued adapter's folder.
 //! What a config alone decides is checked when it is read (`TrainingArguments::validate`, `RunConfig::load`).
 
 use std::path::Path;
@@ -8,6 +9,7 @@ use std::path::Path;
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::config::RunConfig;
 use crate::error::{Error, Result};
+use crate::files::apart::check_output_apart;
 use crate::loading::load_model_config;
 
 /// What the checks need to know of a run's tokenized data (each training method describes its own).
@@ -41,6 +43,18 @@ pub(crate) fn check_before_loading(config: &RunConfig, facts: &DataFacts) -> Res
         )));
     }
     check_output_dir(&config.training.output_dir, &p.to_string())?;
+    // A run writes its adapter and checkpoints into output_dir, and removes an earlier run's there with
+    // overwrite_output_dir: never where it reads its base or the adapter it continues.
+    let mut inputs = vec![(
+        "[model] name_or_path",
+        Path::new(&config.model.name_or_path),
+    )];
+    if let Some(adapter) = &config.model.adapter {
+        inputs.push(("[model] adapter", adapter.as_path()));
+    }
+    let output = ("[training] output_dir", Path::new(&args.output_dir));
+    check_output_apart(output, &inputs, "run")
+        .map_err(|e| Error::InvalidInput(format!("{p}: {e}")))?;
     // Examples longer than the model's context would stop the run at the first batch holding one. TRL truncates
     // to max_length only (never to the model's context), so a max_length above the context is the mistake.
     let model = load_model_config(&config.model.name_or_path, config.model.revision.as_deref())?;

@@ -42,6 +42,20 @@ impl Experts {
     /// what the file leaves out), each checked.
     pub(super) fn read(self, hf: &HfConfig, path: &Path) -> Result<MoeConfig> {
         let (experts, per_token) = (self.num_experts, self.num_experts_per_tok);
+        if experts == 0 {
+            // The count itself is wrong, not the share of it a token takes: name the key the file used.
+            let key = match self.keys {
+                ExpertKeys::Qwen if hf.num_experts.is_none() && hf.num_local_experts.is_some() => {
+                    "num_local_experts"
+                }
+                ExpertKeys::Qwen => "num_experts",
+                ExpertKeys::Mixtral => "num_local_experts",
+            };
+            return Err(bad(
+                path,
+                format!("`{key}` = 0: a mixture of experts has at least 1 expert (and at least `num_experts_per_tok`)"),
+            ));
+        }
         if per_token == 0 || per_token > experts {
             return Err(bad(
                 path,
