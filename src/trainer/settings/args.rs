@@ -514,6 +514,12 @@ impl TrainingArguments {
         if let Some(problem) = self.load_best_problem() {
             return bad(problem);
         }
+        if let Some(problem) = (self.max_steps > 0)
+            .then(|| self.trace_steps_problem(self.max_steps as usize))
+            .flatten()
+        {
+            return bad(problem);
+        }
         if self
             .neftune_noise_alpha
             .is_some_and(|a| a.is_nan() || a < 0.0)
@@ -628,6 +634,26 @@ impl TrainingArguments {
             self.save_steps,
             self.eval_steps.unwrap_or(self.logging_steps)
         )))
+    }
+
+    /// Why `trace_steps` names a step a run of `total` optimizer steps never takes (they count from 1), if it
+    /// does: its trace would silently not be written.
+    fn trace_steps_problem(&self, total: usize) -> Option<String> {
+        let step = self.trace_steps.iter().find(|&&s| s == 0 || s > total)?;
+        Some(format!(
+            "trace_steps holds {step}, a step this run never takes: it has optimizer steps 1 to {total}; trace \
+             steps in that range, e.g. trace_steps = [{}]",
+            total.min(2)
+        ))
+    }
+
+    /// An error unless every step of `trace_steps` is one of the `total` steps this run resolved to (checked when
+    /// the config is read where `max_steps` gives the count).
+    pub(crate) fn check_trace_steps(&self, total: usize) -> Result<()> {
+        match self.trace_steps_problem(total) {
+            Some(m) => Err(Error::InvalidInput(format!("[training] {m}"))),
+            None => Ok(()),
+        }
     }
 
     /// The order micro-batches take: `group_by_length` (transformers 4.x) or `train_sampling_strategy`.
