@@ -33,11 +33,13 @@ impl Trainer {
         let args = &run.args;
         let limit = args.max_consecutive_nonfinite_losses;
         if limit > 0 && self.state.consecutive_nonfinite_losses >= limit {
-            return Err(Error::Diverged(format!(
-                "the loss was not finite for {limit} steps in a row (last at step {step}); {} \
-                 (max_consecutive_nonfinite_losses sets this limit)",
-                divergence_fixes(args)
-            )));
+            return Err(self.nonfinite_error(
+                args,
+                &format!(
+                    "the loss was not finite for {limit} steps in a row (last at step {step})"
+                ),
+                " (max_consecutive_nonfinite_losses sets this limit)",
+            ));
         }
         let evaluate_now = match args.eval_strategy {
             IntervalStrategy::Steps => step % run.every.eval == 0,
@@ -82,6 +84,30 @@ impl Trainer {
             }
         }
         Ok(())
+    }
+
+    /// The error ending a run whose loss was not finite (`what` says how long), with what may fix it: when no step
+    /// of the run ever had a finite loss (none updated the adapter), the learning rate cannot be the cause, and the
+    /// loss's own settings (the method's) and the data are named instead.
+    pub(super) fn nonfinite_error(
+        &self,
+        args: &TrainingArguments,
+        what: &str,
+        limit: &str,
+    ) -> Error {
+        let from_start = self.state.consecutive_nonfinite_losses >= self.state.global_step;
+        let fixes = match (from_start, self.method.loss_settings()) {
+            (true, Some(settings)) => format!(
+                "the loss was never finite, from the first step on, before any update, so the learning rate is not \
+                 the cause: check {settings}, or the data"
+            ),
+            (true, None) => format!(
+                "the loss was never finite, from the first step on, before any update: {}",
+                fp16_fix(args).unwrap_or("check the data")
+            ),
+            (false, _) => divergence_fixes(args),
+        };
+        Error::Diverged(format!("{what}; {fixes}{limit}"))
     }
 
     /// Evaluates, logs the result, tracks the best metric and runs the callbacks' `on_evaluate`.
@@ -144,6 +170,12 @@ impl Trainer {
     }
 }
 
+/// The advice for fp16, whose range overflows, when `args` train in it.
+fn fp16_fix(args: &TrainingArguments) -> Option<&'static str> {
+    args.fp16
+        .then_some("use bf16 = true instead of fp16 (float16 overflows)")
+}
+
 /// What may stop a run's loss from going non-finite, of what `args` does not do already: a lower learning rate,
 /// clipping (when `max_grad_norm` = 0 turns it off), bf16 in place of fp16 (whose range overflows), the data.
 fn divergence_fixes(args: &TrainingArguments) -> String {
@@ -154,8 +186,8 @@ fn divergence_fixes(args: &TrainingArguments) -> String {
     if args.max_grad_norm == 0.0 {
         fixes.push("set max_grad_norm = 1.0 (clipping is off)".into());
     }
-    if args.fp16 {
-        fixes.push("use bf16 = true instead of fp16 (float16 overflows)".into());
+    if let Some(fix) = fp16_fix(args) {
+        fixes.push(fix.into());
     }
     fixes.push("check the data".into());
     let last = fixes.pop().unwrap_or_default();

@@ -158,10 +158,9 @@ impl Method for Dpo {
     }
 
     fn check_world_size(&self, world_size: usize) -> Result<()> {
-        if world_size > 1 {
+        if let Some(why) = DpoConfig::world_size_problem(world_size) {
             return Err(Error::InvalidInput(format!(
-                "WORLD_SIZE={world_size}: DPO runs in one process for now; train it without torchrun or \
-                 --nproc-per-node"
+                "WORLD_SIZE={world_size}: {why}; train it without torchrun or --nproc-per-node"
             )));
         }
         Ok(())
@@ -239,6 +238,14 @@ impl Method for Dpo {
 
     fn metric_names(&self) -> &'static [&'static str] {
         &METRICS
+    }
+
+    fn loss_settings(&self) -> Option<String> {
+        let types: Vec<&str> = self.config.loss_type.iter().map(|t| t.as_str()).collect();
+        Some(format!(
+            "[dpo] beta (now {:e}: IPO and SPPO divide by it) and loss_type (now {types:?})",
+            self.config.beta
+        ))
     }
 
     fn progress_metrics(&self) -> &'static [&'static str] {
