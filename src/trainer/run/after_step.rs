@@ -41,9 +41,12 @@ impl Trainer {
                 " (max_consecutive_nonfinite_losses sets this limit)",
             ));
         }
+        // As transformers: its epoch loop ends at the last step too, mid-epoch when max_steps cuts one short, and
+        // the end of that (partial) epoch evaluates and saves with the "epoch" strategies.
+        let epoch_end = last_window || step == run.total;
         let evaluate_now = match args.eval_strategy {
             IntervalStrategy::Steps => step % run.every.eval == 0,
-            IntervalStrategy::Epoch => last_window,
+            IntervalStrategy::Epoch => epoch_end,
             IntervalStrategy::No => false,
         };
         if evaluate_now && self.method.has_eval() {
@@ -56,7 +59,7 @@ impl Trainer {
         // As transformers: on schedule, and with "steps" also at the last step.
         let save_now = match args.save_strategy {
             IntervalStrategy::Steps => step % run.every.save == 0 || step == run.total,
-            IntervalStrategy::Epoch => last_window,
+            IntervalStrategy::Epoch => epoch_end,
             IntervalStrategy::No => false,
         };
         let interrupted = run.agreed_stop.unwrap_or_else(interrupt::stop_requested);
@@ -135,8 +138,10 @@ impl Trainer {
             "step {step}: eval_loss {:.4}{perplexity}{exact}",
             report.loss
         ));
-        if self.state.best_metric.is_none_or(|b| report.loss < b) {
-            self.state.best_metric = Some(report.loss);
+        // As transformers' `_determine_best_metric`, by metric_for_best_model (the loss when unset).
+        let value = self.args.best_metric_value(report.loss, &report.metrics);
+        if let Some(value) = value.filter(|v| self.args.improves(*v, self.state.best_metric, 0.0)) {
+            self.state.best_metric = Some(value);
             self.state.best_global_step = Some(step);
         }
         let entry = LogEntry {
