@@ -146,6 +146,7 @@ impl Method for Dpo {
                 ("training pairs", lengths(&self.train)),
                 ("evaluation pairs", lengths(&self.eval)),
             ],
+            eval_metrics: &METRICS,
         }
     }
 
