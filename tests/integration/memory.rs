@@ -121,7 +121,7 @@ fn the_trainer_records_where_memory_goes() {
 fn micro_batches_do_not_keep_each_others_activations() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("run.toml");
-    let line = format!("{{\"text\": \"{}\"}}\n", vec!["t1 t2 t3 t4"; 12].join(" "));
+    let line = format!("{{\"text\": \"{}\"}}\n", ["t1 t2 t3 t4"; 12].join(" "));
     std::fs::write(dir.path().join("train.jsonl"), line.repeat(4)).unwrap();
     std::fs::write(
         &config,
