@@ -85,6 +85,53 @@ fn no_target_message(model: &LlamaModel, config: &LoraConfig) -> String {
     )
 }
 
+/// Why an entry of `config`'s `target_parameters` adapts nothing in `model`, if one does: PEFT refuses a
+/// `target_parameters` that matches no parameter (when nothing else is targeted; otherwise it only warns), and a
+/// setting that changes nothing is an error here either way. The message lists the parameters there are, by the
+/// names PEFT matches (transformers' module path + parameter, which a checkpoint's tensor names need not be).
+fn unmatched_parameter_message(model: &LlamaModel, config: &LoraConfig) -> Option<String> {
+    let entries = config.target_parameters.as_deref().unwrap_or_default();
+    let mut parameters: Vec<String> = Vec::new();
+    for p in model.linears().iter().filter_map(|(m, _)| parameter_of(m)) {
+        if !parameters.contains(&p) {
+            parameters.push(p); // each expert's projection stands for the same parameter
+        }
+    }
+    let matches = |t: &str| {
+        parameters
+            .iter()
+            .any(|p| p == t || p.ends_with(&format!(".{t}")))
+    };
+    let unmatched = entries.iter().find(|t| !matches(t))?;
+    let arch = model.config().architecture;
+    if parameters.is_empty() {
+        return Some(format!(
+            "[lora] target_parameters = {}: this {} model has no mixture-of-experts layer, whose router and experts \
+             are the parameters target_parameters adapts, so it would adapt nothing; remove target_parameters (the \
+             linear layers are named by target_modules)",
+            json(&entries),
+            arch.model_type()
+        ));
+    }
+    // One layer's parameters, without the layer's prefix: the names an entry usually takes.
+    let mut short: Vec<String> = Vec::new();
+    for p in &parameters {
+        let rest = p.split_once(".layers.").map_or(p.as_str(), |(_, r)| r);
+        let name = rest.split_once('.').map_or(rest, |(_, r)| r).to_string();
+        if !short.contains(&name) {
+            short.push(name);
+        }
+    }
+    Some(format!(
+        "[lora] target_parameters: `{unmatched}` matches no parameter of this model; the parameters PEFT can adapt \
+         are {} (e.g. {}: transformers' module path and parameter name, which a checkpoint's tensor names need not \
+         be); name them so, e.g. target_parameters = {}",
+        short.join(", "),
+        parameters[0],
+        json(&short)
+    ))
+}
+
 /// `value` as JSON, as `adapter_config.json` writes it (`["q_proj", "v_proj"]`, `"all-linear"`).
 fn json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_default()
@@ -180,6 +227,9 @@ impl Adapters for LlamaModel {
         }
         if slots.is_empty() {
             return Err(Error::InvalidInput(no_target_message(self, config)));
+        }
+        if let Some(message) = unmatched_parameter_message(self, config) {
+            return Err(Error::InvalidInput(message));
         }
         Ok(slots)
     }

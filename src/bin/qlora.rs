@@ -23,7 +23,7 @@ use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::optim::OptimizerName;
 use candle_qlora::precision::TorchDtype;
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
-use candle_qlora::trainer::{evaluate, RunConfig, Trainer};
+use candle_qlora::trainer::{evaluate, DpoConfig, RunConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// Counts heap bytes so memory statistics and the timeline are exact.
@@ -125,6 +125,17 @@ struct EstimateCliArgs {
 
 fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     use candle_qlora::memory::{comparison, human_bytes, DeviceKind, EstimateArgs};
+    // What `train` refuses has no estimate either: the same rule as its ranks'.
+    if let Some(why) = args
+        .dpo
+        .then(|| DpoConfig::world_size_problem(args.world_size))
+        .flatten()
+    {
+        anyhow::bail!(
+            "--world-size {} with --dpo: {why}, and qlora train refuses it; estimate it with --world-size 1",
+            args.world_size
+        );
+    }
     let config = load_model_config(&args.model, args.revision.as_deref())
         .with_context(|| format!("reading the configuration of `{}`", args.model))?;
     let request = EstimateArgs {

@@ -131,15 +131,12 @@ impl PreferenceExample {
         }
         let form = form(obj)?;
         let (chosen, rejected) = (turns(obj, "chosen", form)?, turns(obj, "rejected", form)?);
-        if obj.contains_key("prompt") {
-            let prompt = turns(obj, "prompt", form)?;
-            return Ok(PreferenceExample {
-                prompt,
+        let example = match (chosen, rejected) {
+            (chosen, rejected) if obj.contains_key("prompt") => PreferenceExample {
+                prompt: turns(obj, "prompt", form)?,
                 chosen,
                 rejected,
-            });
-        }
-        let example = match (chosen, rejected) {
+            },
             (Turns::Text(c), Turns::Text(r)) => {
                 let (c, r): (Vec<char>, Vec<char>) = (c.chars().collect(), r.chars().collect());
                 let at = shared_prefix(&c, &r, Some(&' '));
@@ -159,6 +156,8 @@ impl PreferenceExample {
             }
             _ => unreachable!("both read in the form of `chosen`"),
         };
+        // Equal answers give a zero margin, so a zero gradient and a tie in the reward accuracy: nothing to learn
+        // or to measure, in either form (TRL would train and count them).
         if example.chosen == example.rejected {
             return Err(
                 "`chosen` and `rejected` are the same: there is no preference to learn".into(),
@@ -193,6 +192,14 @@ mod tests {
         assert!(matches!(&chat.chosen, Turns::Chat(m) if m.len() == 1 && m[0].content == "a"));
         let same = example(r#"{"chosen": "x y", "rejected": "x y"}"#).unwrap_err();
         assert!(same.contains("the same"), "{same}");
+        // With an explicit prompt too, empty answers included.
+        for line in [
+            r#"{"prompt": "x", "chosen": " y", "rejected": " y"}"#,
+            r#"{"prompt": "x", "chosen": "", "rejected": ""}"#,
+        ] {
+            let same = example(line).unwrap_err();
+            assert!(same.contains("the same"), "{line}: {same}");
+        }
     }
 
     #[test]

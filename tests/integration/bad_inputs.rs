@@ -14,21 +14,21 @@ use crate::common::data_path;
 use crate::trainer::write_tiny_config;
 
 /// One bad (or degenerate) input.
-struct Case {
+pub(crate) struct Case {
     /// The command's arguments.
-    args: Vec<String>,
+    pub(crate) args: Vec<String>,
     /// The exit code it must end with (1: an error; 0: accepted, with the message as a note).
-    exit: i32,
+    pub(crate) exit: i32,
     /// A phrase of its output.
-    says: &'static str,
+    pub(crate) says: &'static str,
     /// The message's advice applied: the command's arguments with it. That command must no longer say `says` and
     /// must succeed — or stop later, at [`Fix::then`], or at the unreadable weights of the `early` runs (every check
     /// before them passed).
-    fix: Option<Fix>,
+    pub(crate) fix: Option<Fix>,
 }
 
 /// A case's advice, applied.
-struct Fix {
+pub(crate) struct Fix {
     /// The command with the advice applied.
     args: Vec<String>,
     /// A phrase of a later check the advice leads to, where the fixed command may stop instead of succeeding.
@@ -40,26 +40,26 @@ const REACHED_THE_WEIGHTS: &str = "model.safetensors`: not a valid safetensors f
 
 impl Case {
     /// The advice is these `--set` overrides, added to the command.
-    fn fixed_by(self, sets: &[&str]) -> Self {
+    pub(crate) fn fixed_by(self, sets: &[&str]) -> Self {
         let flags: Vec<&str> = sets.iter().flat_map(|s| ["--set", s]).collect();
         self.fixed_with(&flags)
     }
 
     /// The advice is these arguments, added to the command.
-    fn fixed_with(self, extra: &[&str]) -> Self {
+    pub(crate) fn fixed_with(self, extra: &[&str]) -> Self {
         let mut args = self.args.clone();
         args.extend(extra.iter().map(|a| a.to_string()));
         self.fixed_as(args)
     }
 
     /// The advice turns the command into `args`.
-    fn fixed_as(mut self, args: Vec<String>) -> Self {
+    pub(crate) fn fixed_as(mut self, args: Vec<String>) -> Self {
         self.fix = Some(Fix { args, then: None });
         self
     }
 
     /// The fixed command may stop at the later check that says `phrase`.
-    fn then(mut self, phrase: &'static str) -> Self {
+    pub(crate) fn then(mut self, phrase: &'static str) -> Self {
         if let Some(fix) = &mut self.fix {
             fix.then = Some(phrase);
         }
@@ -1111,8 +1111,9 @@ fn cases(dir: &Path) -> Vec<Case> {
         case(
             early(&["training.greater_is_better=true"]),
             1,
-            "greater_is_better = true: the only metric for the best model is the evaluation loss",
-        ),
+            "greater_is_better = true: the metric for the best model is \"eval_loss\", a loss, where lower is better",
+        )
+        .fixed_by(&["training.greater_is_better=false"]),
         // Ratios transformers accepts that this run's 10 steps round to 5 and 3: refused when the run starts.
         case(
             train(&[
@@ -1127,7 +1128,7 @@ fn cases(dir: &Path) -> Vec<Case> {
             1,
             "come to every 5 and every 3 of this run's 10 steps",
         ),
-        // Accepted forms: steps (ratios that divide) and epochs; a run that never evaluated keeps its last model.
+        // Accepted forms: steps (ratios that divide) and epochs.
         case(
             train(&[
                 "training.load_best_model_at_end=true",
@@ -1151,7 +1152,8 @@ fn cases(dir: &Path) -> Vec<Case> {
                 "data.eval_split=0.25",
             ]),
             0,
-            "no best checkpoint to load (no evaluation ran); keeping the model of the last step, 1",
+            // As transformers: max_steps = 1 ends the (partial) epoch, which evaluates and saves.
+            "Loading best model from",
         ),
         case(
             early(&["training.per_device_train_batch_size=0"]),
@@ -1552,10 +1554,20 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
     std::fs::create_dir(&running).unwrap();
     std::fs::write(running.join("adapter_model.safetensors"), "a run's").unwrap();
     let _running = candle_qlora::files::lock::OutputLock::acquire(&running).unwrap();
+    let failures = failures(dir.path(), cases(dir.path()));
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    assert_eq!(
+        std::fs::read_to_string(running.join("adapter_model.safetensors")).unwrap(),
+        "a run's"
+    );
+}
+
+/// Runs each case's command (and its advice, applied) in `dir`, returning what went wrong, one text per failure.
+pub(crate) fn failures(dir: &Path, cases: Vec<Case>) -> Vec<String> {
     let run = |args: &[String]| {
         let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
             .args(args)
-            .current_dir(dir.path())
+            .current_dir(dir)
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).into_owned()
@@ -1569,7 +1581,7 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
     };
     let last_lines = |text: &str| text.lines().rev().take(4).collect::<Vec<_>>().join("\n");
     let mut failures = vec![];
-    for case in cases(dir.path()) {
+    for case in cases {
         let (code, text) = run(&case.args);
         if code != case.exit || !text.contains(case.says) || text.contains("panicked") {
             failures.push(format!(
@@ -1599,11 +1611,7 @@ fn bad_inputs_get_clear_errors_and_never_panic() {
             }
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
-    assert_eq!(
-        std::fs::read_to_string(running.join("adapter_model.safetensors")).unwrap(),
-        "a run's"
-    );
+    failures
 }
 
 /// The `.rs` files under `dir`, recursively.

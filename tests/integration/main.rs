@@ -1,6 +1,7 @@
 //! Integration tests, in one binary so the Candle stack is linked once.
 
 mod bad_inputs;
+mod bad_settings;
 mod bnb_layout;
 mod chat_templates;
 mod cli;

@@ -80,6 +80,12 @@ pub(crate) trait Method {
         &[]
     }
 
+    /// The settings of the method's loss, as the user writes them with their values (e.g. `[dpo] beta (now 0.1)`),
+    /// for the advice of a run whose loss is not finite from its first step; `None` when it has none.
+    fn loss_settings(&self) -> Option<String> {
+        None
+    }
+
     /// The metrics a progress line shows after the loss (of those logged).
     fn progress_metrics(&self) -> &'static [&'static str] {
         &[]

@@ -1,5 +1,5 @@
 //! Callbacks: code that runs at fixed points of the loop (transformers' `TrainerCallback` events), and two built
-//! in: early stopping on the evaluation loss, and a memory monitor.
+//! in: early stopping on the best-model metric, and a memory monitor.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -79,13 +79,13 @@ pub trait TrainerCallback {
     }
 }
 
-/// Stops training when the evaluation loss has not improved by more than `threshold` for `patience` evaluations
-/// in a row (transformers' `EarlyStoppingCallback`).
+/// Stops training when the best-model metric (`metric_for_best_model`, the evaluation loss when unset) has not
+/// improved by more than `threshold` for `patience` evaluations in a row (transformers' `EarlyStoppingCallback`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct EarlyStoppingCallback {
     /// Evaluations without improvement that end the run.
     pub patience: usize,
-    /// Minimum decrease of the loss that counts as an improvement.
+    /// Minimum change of the metric, in its better direction, that counts as an improvement.
     pub threshold: f64,
     best: Option<f64>,
     without_improvement: usize,
@@ -119,22 +119,27 @@ impl TrainerCallback for EarlyStoppingCallback {
 
     fn on_evaluate(
         &mut self,
-        _args: &TrainingArguments,
+        args: &TrainingArguments,
         state: &TrainerState,
         control: &mut TrainerControl,
         report: &EvalReport,
     ) -> Result<()> {
-        let improved = self.best.is_none_or(|b| report.loss < b - self.threshold);
+        // The metric of the best checkpoint, in its direction, as transformers' callback reads it.
+        let value = args
+            .best_metric_value(report.loss, &report.metrics)
+            .unwrap_or(report.loss);
+        let improved = args.improves(value, self.best, self.threshold);
         if improved {
-            self.best = Some(report.loss);
+            self.best = Some(value);
             self.without_improvement = 0;
         } else {
             self.without_improvement += 1;
         }
         if self.without_improvement >= self.patience {
             eprintln!(
-                "early stopping at step {}: eval_loss has not improved for {} evaluations (best {:.4})",
+                "early stopping at step {}: {} has not improved for {} evaluations (best {:.4})",
                 state.global_step,
+                args.best_metric_name(),
                 self.patience,
                 self.best.unwrap_or(f64::NAN)
             );

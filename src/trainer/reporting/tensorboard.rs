@@ -3,7 +3,7 @@
 //! `train/tokens_per_second`, in an event file TensorBoard reads (`events.out.tfevents.*`: TFRecord framing with
 //! masked CRC-32C, `Event` / `Summary` protocol buffers with `simple_value`). No maintained Rust crate writes the
 //! format, and the part needed is this small. The folder is transformers' default, `output_dir/runs/<date>_<host>`
-//! (the date in UTC), or `TENSORBOARD_LOGGING_DIR`.
+//! (the date in UTC), or `TENSORBOARD_LOGGING_DIR` when set and not empty.
 
 use std::fs::File;
 use std::io::Write;
@@ -170,6 +170,13 @@ fn default_logdir(unix_seconds: u64, host: &str) -> String {
     )
 }
 
+/// The folder `TENSORBOARD_LOGGING_DIR` (given as `value`) names: none when unset or empty — an empty one would
+/// put the event file in the working directory; transformers then falls back to a default folder too (PyTorch's
+/// `SummaryWriter` treats an empty `log_dir` as unset), here the default under `output_dir`.
+fn logging_dir(value: Option<std::ffi::OsString>) -> Option<PathBuf> {
+    value.filter(|v| !v.is_empty()).map(PathBuf::from)
+}
+
 /// Writes the run's log entries as TensorBoard scalars (added by the trainer for `report_to = "tensorboard"`).
 pub struct TensorBoardCallback {
     dir: Option<PathBuf>,
@@ -180,7 +187,7 @@ impl TensorBoardCallback {
     /// A callback writing into `dir`, or into transformers' default folder under `output_dir` when `None`
     /// (`TENSORBOARD_LOGGING_DIR` when set).
     pub fn new(dir: Option<PathBuf>) -> Self {
-        let dir = dir.or_else(|| std::env::var_os("TENSORBOARD_LOGGING_DIR").map(PathBuf::from));
+        let dir = dir.or_else(|| logging_dir(std::env::var_os("TENSORBOARD_LOGGING_DIR")));
         TensorBoardCallback { dir, file: None }
     }
 
@@ -241,6 +248,13 @@ impl TrainerCallback for TensorBoardCallback {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_empty_logging_dir_is_unset() {
+        assert_eq!(logging_dir(None), None);
+        assert_eq!(logging_dir(Some("".into())), None);
+        assert_eq!(logging_dir(Some("tb".into())), Some(PathBuf::from("tb")));
+    }
 
     #[test]
     fn records_are_framed_as_tfrecord_with_masked_crc32c() {

@@ -33,15 +33,20 @@ impl Trainer {
         let args = &run.args;
         let limit = args.max_consecutive_nonfinite_losses;
         if limit > 0 && self.state.consecutive_nonfinite_losses >= limit {
-            return Err(Error::Diverged(format!(
-                "the loss was not finite for {limit} steps in a row (last at step {step}); {} \
-                 (max_consecutive_nonfinite_losses sets this limit)",
-                divergence_fixes(args)
-            )));
+            return Err(self.nonfinite_error(
+                args,
+                &format!(
+                    "the loss was not finite for {limit} steps in a row (last at step {step})"
+                ),
+                " (max_consecutive_nonfinite_losses sets this limit)",
+            ));
         }
+        // As transformers: its epoch loop ends at the last step too, mid-epoch when max_steps cuts one short, and
+        // the end of that (partial) epoch evaluates and saves with the "epoch" strategies.
+        let epoch_end = last_window || step == run.total;
         let evaluate_now = match args.eval_strategy {
             IntervalStrategy::Steps => step % run.every.eval == 0,
-            IntervalStrategy::Epoch => last_window,
+            IntervalStrategy::Epoch => epoch_end,
             IntervalStrategy::No => false,
         };
         if evaluate_now && self.method.has_eval() {
@@ -54,7 +59,7 @@ impl Trainer {
         // As transformers: on schedule, and with "steps" also at the last step.
         let save_now = match args.save_strategy {
             IntervalStrategy::Steps => step % run.every.save == 0 || step == run.total,
-            IntervalStrategy::Epoch => last_window,
+            IntervalStrategy::Epoch => epoch_end,
             IntervalStrategy::No => false,
         };
         let interrupted = run.agreed_stop.unwrap_or_else(interrupt::stop_requested);
@@ -84,6 +89,30 @@ impl Trainer {
         Ok(())
     }
 
+    /// The error ending a run whose loss was not finite (`what` says how long), with what may fix it: when no step
+    /// of the run ever had a finite loss (none updated the adapter), the learning rate cannot be the cause, and the
+    /// loss's own settings (the method's) and the data are named instead.
+    pub(super) fn nonfinite_error(
+        &self,
+        args: &TrainingArguments,
+        what: &str,
+        limit: &str,
+    ) -> Error {
+        let from_start = self.state.consecutive_nonfinite_losses >= self.state.global_step;
+        let fixes = match (from_start, self.method.loss_settings()) {
+            (true, Some(settings)) => format!(
+                "the loss was never finite, from the first step on, before any update, so the learning rate is not \
+                 the cause: check {settings}, or the data"
+            ),
+            (true, None) => format!(
+                "the loss was never finite, from the first step on, before any update: {}",
+                fp16_fix(args).unwrap_or("check the data")
+            ),
+            (false, _) => divergence_fixes(args),
+        };
+        Error::Diverged(format!("{what}; {fixes}{limit}"))
+    }
+
     /// Evaluates, logs the result, tracks the best metric and runs the callbacks' `on_evaluate`.
     pub(super) fn evaluate_and_log(&mut self, run: &mut Run) -> Result<EvalReport> {
         let step = self.state.global_step;
@@ -109,8 +138,10 @@ impl Trainer {
             "step {step}: eval_loss {:.4}{perplexity}{exact}",
             report.loss
         ));
-        if self.state.best_metric.is_none_or(|b| report.loss < b) {
-            self.state.best_metric = Some(report.loss);
+        // As transformers' `_determine_best_metric`, by metric_for_best_model (the loss when unset).
+        let value = self.args.best_metric_value(report.loss, &report.metrics);
+        if let Some(value) = value.filter(|v| self.args.improves(*v, self.state.best_metric, 0.0)) {
+            self.state.best_metric = Some(value);
             self.state.best_global_step = Some(step);
         }
         let entry = LogEntry {
@@ -144,6 +175,12 @@ impl Trainer {
     }
 }
 
+/// The advice for fp16, whose range overflows, when `args` train in it.
+fn fp16_fix(args: &TrainingArguments) -> Option<&'static str> {
+    args.fp16
+        .then_some("use bf16 = true instead of fp16 (float16 overflows)")
+}
+
 /// What may stop a run's loss from going non-finite, of what `args` does not do already: a lower learning rate,
 /// clipping (when `max_grad_norm` = 0 turns it off), bf16 in place of fp16 (whose range overflows), the data.
 fn divergence_fixes(args: &TrainingArguments) -> String {
@@ -154,8 +191,8 @@ fn divergence_fixes(args: &TrainingArguments) -> String {
     if args.max_grad_norm == 0.0 {
         fixes.push("set max_grad_norm = 1.0 (clipping is off)".into());
     }
-    if args.fp16 {
-        fixes.push("use bf16 = true instead of fp16 (float16 overflows)".into());
+    if let Some(fix) = fp16_fix(args) {
+        fixes.push(fix.into());
     }
     fixes.push("check the data".into());
     let last = fixes.pop().unwrap_or_default();

@@ -96,10 +96,11 @@ impl Trainer {
     /// one — no evaluation was saved, or its folder is gone — the last step's model stays, with a note saying why.
     pub(super) fn load_best_model(&mut self, progress: &Progress) -> Result<Option<PathBuf>> {
         let step = self.state.global_step;
+        let metric = self.args.best_metric_name();
         let Some(best) = self.state.best_model_checkpoint.clone().map(PathBuf::from) else {
             let why = match (self.state.best_global_step, self.state.best_metric) {
-                (Some(at), Some(loss)) => {
-                    format!("the best evaluation, eval_loss {loss} at step {at}, has no checkpoint")
+                (Some(at), Some(value)) => {
+                    format!("the best evaluation, {metric} {value} at step {at}, has no checkpoint")
                 }
                 _ => "no evaluation ran".to_string(),
             };
@@ -126,18 +127,21 @@ impl Trainer {
             .log_history
             .iter()
             .rev()
-            .find(|e| Some(e.step) == saved_at && e.eval_loss.is_some())
-            .and_then(|e| e.eval_loss)
+            .filter(|e| Some(e.step) == saved_at)
+            .find_map(|e| match metric.as_str() {
+                "eval_loss" => e.eval_loss,
+                name => e.metrics.get(name).copied(),
+            })
             .or(self.state.best_metric);
         let shown = score.map_or("unknown".into(), |s| s.to_string());
         progress.println(&format!(
             "Loading best model from {} (score: {shown}).",
             best.display()
         ));
-        if let (Some(at), Some(loss)) = (self.state.best_global_step, self.state.best_metric) {
+        if let (Some(at), Some(value)) = (self.state.best_global_step, self.state.best_metric) {
             if saved_at.is_some_and(|s| s != at) {
                 progress.println(&format!(
-                    "note: the best evaluation, eval_loss {loss} at step {at}, has no checkpoint; {} holds the best \
+                    "note: the best evaluation, {metric} {value} at step {at}, has no checkpoint; {} holds the best \
                      one saved",
                     best.display()
                 ));

@@ -205,6 +205,7 @@ impl Trainer {
             eval: TrainingArguments::interval(args.eval_steps.unwrap_or(args.logging_steps), total),
         };
         args.check_best_model_intervals(every.save, every.eval, total)?;
+        args.check_trace_steps(total)?;
         self.state = TrainerState {
             max_steps: total,
             num_train_epochs: args.epochs(plan.batches_per_epoch) as f64,

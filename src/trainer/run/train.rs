@@ -23,6 +23,7 @@ impl Trainer {
     /// the log, a loss plot and `train_results.json`, and prints a summary.
     pub fn train(&mut self, resume: Option<&Path>) -> Result<TrainOutput> {
         let mut run = self.setup(resume)?;
+        let first_step = self.state.global_step;
         if run.args.eval_on_start && self.state.global_step == 0 && self.method.has_eval() {
             self.evaluate_and_log(&mut run)?;
         }
@@ -65,6 +66,19 @@ impl Trainer {
             }
         }
         run.progress.finish();
+        // Every step skipped (a loss never finite, below the limit of max_consecutive_nonfinite_losses or with it
+        // off): the adapter is the one the run began with, which is no result to save.
+        let steps = self.state.global_step - first_step;
+        if steps > 0 && self.state.consecutive_nonfinite_losses >= steps {
+            return Err(self.nonfinite_error(
+                &run.args,
+                &format!(
+                    "the loss was not finite at any of this run's {steps} step(s), so every update was skipped and \
+                     the adapter did not change (none is saved as the result)"
+                ),
+                "",
+            ));
+        }
         // As transformers: the best model is loaded after the last step, before the final model is saved.
         if run.args.load_best_model_at_end {
             run.loaded_best = self.load_best_model(&run.progress)?;

@@ -168,12 +168,13 @@ pub struct TrainingArguments {
     /// (examples without a prompt, such as plain text, are not counted).
     pub predict_with_generate: bool,
     /// The evaluation metric that picks the best checkpoint (`best_model_checkpoint` in `trainer_state.json`, which
-    /// `save_total_limit` keeps and `load_best_model_at_end` loads): `eval_loss` (alias `loss`), the one metric
-    /// computed, lower being better. Unset, no best checkpoint is tracked, unless `load_best_model_at_end` makes it
-    /// `loss` (as transformers).
+    /// `save_total_limit` keeps and `load_best_model_at_end` loads) and that early stopping watches: `eval_loss`
+    /// (alias `loss`), or a metric the method's evaluation logs (DPO's `eval_rewards/accuracies`, …), with or
+    /// without `eval_`; another name is refused before anything loads. Unset, no best checkpoint is tracked,
+    /// unless `load_best_model_at_end` makes it `loss` (as transformers).
     pub metric_for_best_model: Option<String>,
-    /// Whether a higher metric is better: transformers derives `false` for a metric whose name ends in `loss`, and
-    /// the only metric here is the evaluation loss, so only `false` (or unset) is accepted.
+    /// Whether a higher metric is better; unset, transformers' default: `false` for a metric whose name ends in
+    /// `loss`, `true` otherwise. `true` for a loss is refused (it would keep the worst checkpoint).
     pub greater_is_better: Option<bool>,
     /// At the end of training, load the best checkpoint's adapter (the lowest `eval_loss` among the evaluations
     /// that have a checkpoint) back into the model, as transformers' `load_best_model_at_end`: the adapter written
@@ -270,11 +271,6 @@ impl Default for TrainingArguments {
         }
     }
 }
-
-/// Why `greater_is_better = true` is refused.
-const GREATER_IS_BETTER: &str = "greater_is_better = true: the only metric for the best model is the evaluation \
-     loss (metric_for_best_model = \"eval_loss\"), where lower is better — transformers would keep the checkpoint \
-     with the highest loss; remove greater_is_better or set it to false";
 
 /// Why `load_best_model_at_end` without evaluations is refused.
 const NO_EVALUATIONS: &str = "load_best_model_at_end = true needs evaluations to pick the best checkpoint, and \
@@ -501,17 +497,22 @@ impl TrainingArguments {
                 ReportTo::SUPPORTED.join(", ")
             ));
         }
-        if let Some(m) = &self.metric_for_best_model {
-            if m != "eval_loss" && m != "loss" {
-                return bad(format!(
-                    "metric_for_best_model `{m}`: only eval_loss (alias loss) is computed"
-                ));
-            }
-        }
-        if self.greater_is_better == Some(true) {
-            return bad(GREATER_IS_BETTER.into());
+        // The metric's name is checked against what the method's evaluation logs (`preflight`).
+        let metric = self.best_model_metric().unwrap_or("eval_loss");
+        if self.greater_is_better == Some(true) && metric.ends_with("loss") {
+            return bad(format!(
+                "greater_is_better = true: the metric for the best model is \"{metric}\", a loss, where lower is \
+                 better — transformers would keep the checkpoint with the highest loss; remove greater_is_better \
+                 or set it to false (or set metric_for_best_model to a metric where higher is better)"
+            ));
         }
         if let Some(problem) = self.load_best_problem() {
+            return bad(problem);
+        }
+        if let Some(problem) = (self.max_steps > 0)
+            .then(|| self.trace_steps_problem(self.max_steps as usize))
+            .flatten()
+        {
             return bad(problem);
         }
         if self
@@ -628,6 +629,26 @@ impl TrainingArguments {
             self.save_steps,
             self.eval_steps.unwrap_or(self.logging_steps)
         )))
+    }
+
+    /// Why `trace_steps` names a step a run of `total` optimizer steps never takes (they count from 1), if it
+    /// does: its trace would silently not be written.
+    fn trace_steps_problem(&self, total: usize) -> Option<String> {
+        let step = self.trace_steps.iter().find(|&&s| s == 0 || s > total)?;
+        Some(format!(
+            "trace_steps holds {step}, a step this run never takes: it has optimizer steps 1 to {total}; trace \
+             steps in that range, e.g. trace_steps = [{}]",
+            total.min(2)
+        ))
+    }
+
+    /// An error unless every step of `trace_steps` is one of the `total` steps this run resolved to (checked when
+    /// the config is read where `max_steps` gives the count).
+    pub(crate) fn check_trace_steps(&self, total: usize) -> Result<()> {
+        match self.trace_steps_problem(total) {
+            Some(m) => Err(Error::InvalidInput(format!("[training] {m}"))),
+            None => Ok(()),
+        }
     }
 
     /// The order micro-batches take: `group_by_length` (transformers 4.x) or `train_sampling_strategy`.
@@ -838,6 +859,9 @@ mod tests {
         let off = parse("eval_strategy = \"steps\"\nsave_steps = 3\neval_steps = 2").unwrap();
         assert_eq!(off.best_model_metric(), None);
         assert!(parse("greater_is_better = true").is_err());
+        // A metric where higher is better may say so (its name is checked against the evaluation's, later).
+        parse("metric_for_best_model = \"eval_rewards/accuracies\"\ngreater_is_better = true")
+            .unwrap();
         // Ratios transformers accepts may still round to intervals that do not divide; the run refuses them.
         let ratios =
             best("eval_strategy = \"steps\"\neval_steps = 0.25\nsave_steps = 0.5").unwrap();

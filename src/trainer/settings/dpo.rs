@@ -111,6 +111,14 @@ impl DpoConfig {
                     "loss_weights holds {x}: every weight must be finite"
                 ));
             }
+            // A negative weight would maximize its loss, as a negative rpo_alpha would (refused below too).
+            if let Some((i, x)) = w.iter().enumerate().find(|(_, x)| **x < 0.0) {
+                return bad(format!(
+                    "loss_weights[{i}] = {x} (for loss_type \"{}\"): must be a number ≥ 0 — a negative weight \
+                     would maximize that loss; make it positive, or remove the loss type",
+                    self.loss_type[i].as_str()
+                ));
+            }
         }
         if let Some(a) = self.rpo_alpha.filter(|a| !(a.is_finite() && *a >= 0.0)) {
             return bad(format!("rpo_alpha = {a}: must be a number ≥ 0"));
@@ -119,6 +127,12 @@ impl DpoConfig {
             return bad("precompute_ref_batch_size = 0: must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// Why DPO cannot train on `world_size` processes, if it cannot: the one rule a run's ranks and `qlora estimate
+    /// --dpo --world-size` both apply (each caller names its own key).
+    pub fn world_size_problem(world_size: usize) -> Option<&'static str> {
+        (world_size > 1).then_some("DPO runs in one process for now")
     }
 
     /// Refuses `[training]` settings that have no meaning for DPO; `path` names the config in errors.
@@ -176,6 +190,7 @@ mod tests {
             ("loss_type = []", "loss_type"),
             ("loss_weights = [1.0, 2.0]", "loss_weights"),
             ("rpo_alpha = -1.0", "rpo_alpha"),
+            ("loss_weights = [-1.0]", "loss_weights[0] = -1"),
             ("precompute_ref_batch_size = 0", "precompute_ref_batch_size"),
         ] {
             let c: DpoConfig = toml::from_str(text).unwrap();

@@ -1,12 +1,14 @@
 //! The checks of a run that need its data or the file system but no weights, made once the data is tokenized and
 //! before the model loads (`Trainer::from_run_config`), so a mistake is reported in seconds: evaluation asked for
-//! with no evaluation data, examples longer than the model's context, an `output_dir` that cannot be a folder or
-//! that overlaps the base model's or the continued adapter's folder.
+//! with no evaluation data, a best-model metric the evaluation does not compute, examples longer than the model's
+//! context, an `output_dir` that cannot be a folder or that overlaps the base model's or the continued adapter's
+//! folder.
 //! What a config alone decides is checked when it is read (`TrainingArguments::validate`, `RunConfig::load`).
 
 use std::path::Path;
 
 use super::args::{IntervalStrategy, TrainingArguments};
+use super::best_model::best_metric_problem;
 use super::config::RunConfig;
 use crate::error::{Error, Result};
 use crate::files::apart::check_output_apart;
@@ -19,6 +21,9 @@ pub(crate) struct DataFacts {
     /// Per set (its name as the message says it), the length in tokens of each example the model reads whole: a
     /// row, a packed row's examples (their positions restart), a pair's chosen and rejected sequences.
     pub lengths: Vec<(&'static str, Vec<usize>)>,
+    /// The metrics an evaluation computes besides the loss, named without `eval_` (DPO's `rewards/accuracies`, …),
+    /// which `metric_for_best_model` may name.
+    pub eval_metrics: &'static [&'static str],
 }
 
 /// Checks `config` against its tokenized data (`facts`), the model's configuration (read alone, without the
@@ -41,6 +46,9 @@ pub(crate) fn check_before_loading(config: &RunConfig, facts: &DataFacts) -> Res
             "{p}: [training] {asked} asks for evaluations, but the run has no evaluation data{split}: add \
              [data] eval_file (or {larger}), or set eval_strategy = \"no\" and eval_on_start = false"
         )));
+    }
+    if let Some(problem) = best_metric_problem(args, facts.eval_metrics) {
+        return Err(Error::InvalidInput(format!("{p}: [training] {problem}")));
     }
     check_output_dir(&config.training.output_dir, &p.to_string())?;
     // A run writes its adapter and checkpoints into output_dir, and removes an earlier run's there with
@@ -71,7 +79,8 @@ pub(crate) fn check_before_loading(config: &RunConfig, facts: &DataFacts) -> Res
 }
 
 /// The same data checks for a trainer built in code (`Trainer::new`, `Trainer::new_dpo`), on the model it holds:
-/// evaluation asked for with no evaluation data, examples longer than the model's `context`. (A run config's were
+/// evaluation asked for with no evaluation data, a best-model metric it does not compute, examples longer than the
+/// model's `context`. (A run config's were
 /// made before its weights loaded, by [`check_before_loading`].)
 pub(crate) fn check_trainer_data(
     args: &TrainingArguments,
@@ -83,6 +92,9 @@ pub(crate) fn check_trainer_data(
             "TrainingArguments: {asked} asks for evaluations, but the trainer was given no evaluation data: pass \
              evaluation examples, or set eval_strategy to No and eval_on_start to false"
         )));
+    }
+    if let Some(problem) = best_metric_problem(args, facts.eval_metrics) {
+        return Err(Error::InvalidInput(format!("TrainingArguments: {problem}")));
     }
     if let Some((set, longer, longest)) = longer_than(facts, context) {
         return Err(Error::InvalidInput(format!(

@@ -22,6 +22,7 @@ use super::method::Method;
 use crate::adapter::Adapters;
 use crate::data::{PreferenceDataset, PreferencePair};
 use crate::error::{Error, Result};
+use crate::files::{read_json, write_atomic};
 use crate::models::{LlamaModel, TextTokenizer};
 use crate::trainer::reporting::eval_report::EvalReport;
 use crate::trainer::reporting::memory::StepMemory;
@@ -46,7 +47,59 @@ pub(crate) struct Dpo {
     eval_reference: Option<Vec<[f64; 2]>>,
 }
 
+/// The checkpoint file naming the reference a run compared with (`{"reference": "base"}`), which a resumed run
+/// must compare with too.
+const REFERENCE_KIND_FILE: &str = "dpo_reference.json";
+
+/// How [`REFERENCE_KIND_FILE`] names a reference.
+fn reference_name(reference: &Reference) -> &'static str {
+    match reference {
+        Reference::Base => "base",
+        Reference::Frozen => "frozen",
+        Reference::Uniform => "uniform",
+    }
+}
+
 impl Dpo {
+    /// An error when checkpoint `dir` was trained against another reference than this run's: resuming would
+    /// change the loss's reference mid-run (e.g. `[model] adapter` added, whose frozen copy would replace the base
+    /// model). Checkpoints written before the file existed are not checked.
+    fn check_same_reference(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(REFERENCE_KIND_FILE);
+        if !path.exists() {
+            return Ok(());
+        }
+        let saved: serde_json::Value = read_json(&path)?;
+        let then = saved["reference"].as_str().unwrap_or("unknown");
+        let now = reference_name(&self.reference);
+        if then == now {
+            return Ok(());
+        }
+        let describe = |name: &str| match name {
+            "base" => "the base model (a new adapter, switched off)",
+            "frozen" => "a frozen copy of the continued adapter ([model] adapter)",
+            "uniform" => "none ([dpo] reference_free = true)",
+            _ => "unknown",
+        };
+        let fix = match (then, now) {
+            ("base", "frozen") => {
+                "remove [model] adapter to resume this run, or continue the adapter in a new run (without \
+                 --resume, in another output_dir)"
+            }
+            ("frozen", "base") => "set [model] adapter as the run had it to resume it",
+            _ => "set [dpo] reference_free as the run had it to resume it",
+        };
+        Err(Error::invalid_file(
+            &path,
+            format!(
+                "the checkpoint's DPO reference is {}, and this run's would be {}: resuming would change the \
+                 reference mid-run; {fix}",
+                describe(then),
+                describe(now)
+            ),
+        ))
+    }
+
     /// DPO with `config` on `train` pairs, evaluated on `eval` pairs: an error for settings of `config` or `args`
     /// that DPO refuses (named as the fields of [`DpoConfig`] and [`TrainingArguments`]), or no training pairs.
     pub(crate) fn new(
@@ -146,6 +199,7 @@ impl Method for Dpo {
                 ("training pairs", lengths(&self.train)),
                 ("evaluation pairs", lengths(&self.eval)),
             ],
+            eval_metrics: &METRICS,
         }
     }
 
@@ -158,10 +212,9 @@ impl Method for Dpo {
     }
 
     fn check_world_size(&self, world_size: usize) -> Result<()> {
-        if world_size > 1 {
+        if let Some(why) = DpoConfig::world_size_problem(world_size) {
             return Err(Error::InvalidInput(format!(
-                "WORLD_SIZE={world_size}: DPO runs in one process for now; train it without torchrun or \
-                 --nproc-per-node"
+                "WORLD_SIZE={world_size}: {why}; train it without torchrun or --nproc-per-node"
             )));
         }
         Ok(())
@@ -241,6 +294,14 @@ impl Method for Dpo {
         &METRICS
     }
 
+    fn loss_settings(&self) -> Option<String> {
+        let types: Vec<&str> = self.config.loss_type.iter().map(|t| t.as_str()).collect();
+        Some(format!(
+            "[dpo] beta (now {:e}: IPO and SPPO divide by it) and loss_type (now {types:?})",
+            self.config.beta
+        ))
+    }
+
     fn progress_metrics(&self) -> &'static [&'static str] {
         &["rewards/accuracies", "rewards/margins"]
     }
@@ -263,8 +324,10 @@ impl Method for Dpo {
         Ok(evaluate::report(&self.eval, &sums))
     }
 
-    /// The precomputed reference log-probabilities, when there are.
+    /// Which reference the run compares with, and the precomputed reference log-probabilities, when there are.
     fn save(&self, model: &LlamaModel, dir: &Path) -> Result<()> {
+        let kind = serde_json::json!({ "reference": reference_name(&self.reference) });
+        write_atomic(&dir.join(REFERENCE_KIND_FILE), kind.to_string())?;
         if let Some(train) = &self.train_reference {
             let eval = self.eval_reference.as_deref().unwrap_or_default();
             save_reference(dir, train, eval, model)?;
@@ -273,6 +336,7 @@ impl Method for Dpo {
     }
 
     fn restore(&mut self, dir: &Path) -> Result<()> {
+        self.check_same_reference(dir)?;
         if self.config.precompute_ref_log_probs {
             let (train, eval) = (self.train.len(), self.eval.len());
             if let Some((train, eval)) = load_reference(dir, train, eval)? {

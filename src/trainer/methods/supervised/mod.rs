@@ -114,6 +114,9 @@ impl Method for Supervised {
                 ("training set", lengths(&self.train)),
                 ("evaluation set", lengths(&self.eval)),
             ],
+            // The loss alone: perplexity only restates it (and transformers would rank it greater-is-better by
+            // its name).
+            eval_metrics: &[],
         }
     }
 
