@@ -121,15 +121,23 @@ fn cases(dir: &Path) -> Vec<Case> {
     .unwrap();
     let equal_set = data_set("train_file", &equal);
     let eval_set = data_set("eval_file", &empty_eval);
-    // A DPO checkpoint, resumed with [model] adapter added (its own first checkpoint's adapter, so the LoRA
-    // settings agree and only the reference changes).
+    // A DPO checkpoint, resumed with [model] adapter added (a copy of its own first checkpoint's adapter, so the
+    // LoRA settings agree and only the reference changes; outside output_dir, which may not hold what a run reads).
     let checkpoint = write_dpo_checkpoint(dir, &config);
+    let continued = dir.join("continued_adapter");
+    std::fs::create_dir_all(&continued).unwrap();
+    for file in std::fs::read_dir(&checkpoint).unwrap() {
+        let file = file.unwrap().path();
+        if file.is_file() {
+            std::fs::copy(&file, continued.join(file.file_name().unwrap())).unwrap();
+        }
+    }
     let resumed = |adapter: bool| {
         let out = format!(
             "training.output_dir={:?}",
             dir.join("dpo_run").display().to_string()
         );
-        let with = format!("model.adapter={:?}", checkpoint.display().to_string());
+        let with = format!("model.adapter={:?}", continued.display().to_string());
         let mut sets = vec![
             out.as_str(),
             "training.max_steps=2",
