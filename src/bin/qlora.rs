@@ -345,7 +345,7 @@ struct MergeArgs {
     #[arg(long)]
     revision: Option<String>,
     /// The PEFT adapter folder to merge.
-    #[arg(long)]
+    #[arg(long, value_parser = folder)]
     adapter: PathBuf,
     /// Output folder.
     #[arg(long)]
@@ -442,7 +442,7 @@ struct ModelArgs {
     #[arg(long, value_enum)]
     quantize: Option<QuantizeOnLoad>,
     /// A PEFT LoRA adapter folder to apply (unmerged).
-    #[arg(long)]
+    #[arg(long, value_parser = folder)]
     adapter: Option<PathBuf>,
 }
 
@@ -577,6 +577,16 @@ fn count(text: &str) -> Result<usize, String> {
         Ok(n) => usize::try_from(n)
             .map_err(|_| format!("{n} is out of range: give a whole number, 1 or more")),
         Err(_) => Err(format!("`{text}` is not a whole number (give 1 or more)")),
+    }
+}
+
+/// A folder flag: an empty path would be read as the working directory, so it is refused.
+fn folder(text: &str) -> Result<PathBuf, String> {
+    match text.is_empty() {
+        true => Err(
+            "an empty path names no folder: give the folder's path, or leave the flag out".into(),
+        ),
+        false => Ok(PathBuf::from(text)),
     }
 }
 

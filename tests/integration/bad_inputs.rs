@@ -1483,6 +1483,19 @@ fn launch_merge_and_message_cases(dir: &Path, config: &Path) -> Vec<Case> {
             "'--top-p <TOP_P>': generation: top_p = -1: must be in (0, 1]",
         )
         .fixed_as(generate(&["--top-p", "1"])),
+        // An empty --adapter would be read as the working directory.
+        case(
+            generate(&["--adapter", ""]),
+            2,
+            "invalid value '' for '--adapter <ADAPTER>': an empty path names no folder",
+        )
+        .fixed_as(generate(&["--adapter", &adapter])),
+        case(
+            strings(&["merge", "--model", &base, "--adapter", "", "--output", &merged]),
+            2,
+            "invalid value '' for '--adapter <ADAPTER>': an empty path names no folder",
+        )
+        .fixed_as(merge(&file("merged_named_adapter"), &[])),
         // Outputs that would replace or delete an input, with --overwrite too (a test checks the inputs' bytes).
         case(
             merge(&adapter, &["--overwrite"]),
