@@ -440,9 +440,12 @@ optim = "paged_adamw_8bit"
                 "training.learning_rate=1e-4".into(),
                 "lora.r=8".into(),
                 "data.packing=true".into(),
+                "training.tiled_mlp=true".into(),
             ],
         )
         .unwrap();
+        assert!(c.training.tiled_mlp);
+        assert!(!RunConfig::load(&p, &[]).unwrap().training.tiled_mlp);
         assert_eq!(c.quant_config().unwrap(), Some(QuantConfig::nf4()));
         assert_eq!(c.quant_compute_dtype(), Some(TorchDtype::BFloat16));
         assert_eq!((c.lora.r, c.lora.lora_alpha), (8, 32.0));
