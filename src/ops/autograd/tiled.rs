@@ -4,9 +4,10 @@
 //! checkpointed layer's recomputation and in the backward.
 //!
 //! The block must treat rows independently (an MLP does): then every row's output and input gradient go through
-//! the same operations in the same order as the untiled block's, and only the parameter gradients — sums over
-//! rows, accumulated slice by slice — are summed in another order. Those go to a [`GradSink`], as a
-//! checkpointed block's do.
+//! the same operations as the untiled block's — in the same order where the block's matrix products compute a row
+//! alike whatever the number of rows (the CPU's may not: their blocking can order a row's dot product by its place)
+//! — and the parameter gradients, sums over rows, are accumulated slice by slice (another order). Those go to a
+//! [`GradSink`], as a checkpointed block's do.
 
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ pub type RowBlock = Arc<dyn Fn(&Tensor, Option<&Tensor>, Pass) -> Result<Tensor>
 /// block is differentiated even when `x` needs no gradient).
 struct Tiled {
     block: RowBlock,
-    /// Rows per slice (the last slice may be shorter).
+    /// At most this many rows per slice (see [`slices`]).
     slice_rows: usize,
     params: Vec<Var>,
     sink: GradSink,
@@ -163,9 +164,10 @@ impl Op<3> for Tiled {
 /// Runs the row-wise `block` on `x: [..., in]` (plus `residual: [..., out]`, added by the block) over even slices
 /// of at most `slice_rows` rows of `x` flattened to `[rows, in]`, for `pass`. `params` are the trainable variables the block
 /// uses; their gradients go to `sink` (merge it after the backward, [`GradSink::merge_into`]). The output and the
-/// gradients of `x` and `residual` equal the untiled block's row for row, bit for bit when the block's products
-/// compute each row alike whatever the number of rows (the CPU's do from two rows on: a one-row slice, only with
-/// `slice_rows = 1` or fewer rows than slices, takes a matrix–vector product).
+/// gradients of `x` and `residual` equal the untiled block's row for row up to the order of each row's dot products
+/// (bit for bit where the block's products compute a row alike whatever the number of rows; the CPU's may order
+/// them by the row's place in their blocking, and a one-row slice takes a matrix–vector product). The parameter
+/// gradients equal the untiled ones up to summation order.
 pub fn tiled_rows(
     x: &Tensor,
     residual: Option<&Tensor>,
@@ -177,6 +179,9 @@ pub fn tiled_rows(
 ) -> Result<Tensor> {
     if slice_rows == 0 {
         candle_core::bail!("a tiled block needs at least one row per slice");
+    }
+    if x.elem_count() == 0 {
+        return block(x, residual, pass);
     }
     let op = Tiled {
         block,
