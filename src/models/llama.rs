@@ -362,8 +362,8 @@ impl DecoderLayer {
     }
 
     /// The feed-forward block of `x`, plus `residual` when given; a sparse block's router logits go to
-    /// `ffn.router` (see [`DecoderLayer::run`]), a dense MLP runs tiled with `ffn.tiling` (the experts of a sparse
-    /// block run untiled).
+    /// `ffn.router` (see [`DecoderLayer::run`]); with `ffn.tiling` a dense MLP, or each expert over its own tokens,
+    /// runs tiled.
     fn feed_forward(
         &self,
         x: &Tensor,
@@ -378,7 +378,7 @@ impl DecoderLayer {
             (FeedForward::Dense(mlp), None) => return Ok((mlp.forward(x, residual, pass)?, None)),
             (FeedForward::Sparse(moe), _) => moe,
         };
-        let (out, logits, choices) = moe.forward_with_choices(x)?;
+        let (out, logits, choices) = moe.forward_with_choices(x, ffn.tiling.as_ref())?;
         let out = match residual {
             Some(r) => (out + r)?,
             None => out,
@@ -520,8 +520,9 @@ pub struct Checkpointing {
     pub sink: GradSink,
     /// The trainable parameters the layers use.
     pub params: Vec<Var>,
-    /// Run each dense MLP over slices of the token rows, forward and backward (`TrainingArguments::tiled_mlp`;
-    /// see [`MlpTiling`]); its parameter gradients go to `sink` too. Checkpointed or not.
+    /// Run each MLP — dense, or each expert of a sparse block over its own tokens — over slices of the token rows,
+    /// forward and backward (`TrainingArguments::tiled_mlp`; see [`MlpTiling`]); their parameter gradients go to
+    /// `sink` too. Checkpointed or not.
     pub tiled_mlp: bool,
     /// With `tiled_mlp`, rows per slice; `None` chooses [`crate::models::mlp_slice_rows`].
     pub mlp_slice_rows: Option<usize>,

@@ -1191,11 +1191,11 @@ fn load_best_model_at_end_writes_the_best_checkpoints_adapter() {
     assert_eq!(adapter_tensors(&out), last);
 }
 
-/// Examples of 40 to 60 tokens, so that a micro-batch of 2 has more token rows than the tiny Llama's hidden size
-/// (64): its MLPs then run in two or more slices when tiled.
-fn long_examples() -> Vec<candle_qlora::data::TokenizedExample> {
+/// Examples of 40 to 60 tokens of tiny `model`, so that a micro-batch of 2 has more token rows than the tiny
+/// models' hidden size (64): their MLPs then run in two or more slices when tiled.
+fn long_examples(model: &str) -> Vec<candle_qlora::data::TokenizedExample> {
     let loaded = load_model(
-        data_path("models/tiny-llama").to_str().unwrap(),
+        data_path(&format!("models/{model}")).to_str().unwrap(),
         None,
         &LoadOptions::default(),
     )
@@ -1213,28 +1213,30 @@ fn long_examples() -> Vec<candle_qlora::data::TokenizedExample> {
         .collect()
 }
 
-/// A 4-step run of the tiny Llama (`compute_dtype`, NF4 base, AdamW, LoRA r 4 on every projection, no dropout),
-/// tiled or not, checkpointed or not: its logged losses and its adapter.
-fn tiled_run(
-    dir: &Path,
+/// How a [`tiled_run`] runs.
+struct TiledRun {
+    model: &'static str,
     compute_dtype: candle_core::DType,
     tiled_mlp: bool,
     gradient_checkpointing: bool,
     lora_dropout: f64,
+}
+
+/// A 4-step run of a tiny model (NF4 base, AdamW, LoRA r 4 on every projection) as `run` says: its logged losses
+/// and its adapter.
+fn tiled_run(
+    dir: &Path,
+    run: &TiledRun,
 ) -> candle_qlora::Result<(
     Vec<f64>,
     std::collections::HashMap<String, candle_core::Tensor>,
 )> {
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
-        compute_dtype,
+        compute_dtype: run.compute_dtype,
     };
-    let model = load_model(
-        data_path("models/tiny-llama").to_str().unwrap(),
-        None,
-        &opts,
-    )?
-    .model;
+    let path = data_path(&format!("models/{}", run.model));
+    let model = load_model(path.to_str().unwrap(), None, &opts)?.model;
     let args = TrainingArguments {
         output_dir: dir.display().to_string(),
         per_device_train_batch_size: 2,
@@ -1244,84 +1246,103 @@ fn tiled_run(
         optim: OptimizerName::AdamWTorch,
         logging_steps: 1.0,
         save_steps: 100.0,
-        gradient_checkpointing,
-        tiled_mlp,
+        gradient_checkpointing: run.gradient_checkpointing,
+        tiled_mlp: run.tiled_mlp,
         ..Default::default()
     };
     let lora = LoraConfig {
         r: 4,
         lora_alpha: 8.0,
-        lora_dropout,
+        lora_dropout: run.lora_dropout,
         target_modules: Some(TargetModules::AllLinear),
         ..Default::default()
     };
-    let mut trainer = Trainer::new(model, args, &lora, long_examples(), vec![])?;
+    let examples = long_examples(run.model);
+    let mut trainer = Trainer::new(model, args, &lora, examples, vec![])?;
     let log = trainer.train(None)?;
     let losses = log.log_history.iter().filter_map(|e| e.loss).collect();
-    let adapter =
-        candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
+    // The factors in memory (float64 for a float64 model; the adapter file holds float32, PEFT's).
+    let mut adapter = std::collections::HashMap::new();
+    for (name, linear) in trainer.model.linears() {
+        if let Some(ad) = linear.active_adapter() {
+            adapter.insert(format!("{name}.lora_A"), ad.a.as_tensor().clone());
+            adapter.insert(format!("{name}.lora_B"), ad.b.as_tensor().clone());
+        }
+    }
     Ok((losses, adapter))
 }
 
-/// `tiled_mlp = true` trains as the untiled MLP, with gradient checkpointing on and off. In float64 the losses and
-/// the adapter agree within 1e-10: the per-row values equal the untiled ones up to the order of a dot product's
-/// terms, and the adapter's gradients — sums over the ~100 token rows of a micro-batch, accumulated slice by slice —
-/// differ by at most 2·γₙ·Σ|terms| ≈ 2·100·1.1e-16·Σ|terms| ≈ 2e-14·Σ|terms| per step; AdamW's update divides the
-/// gradient by its own running magnitude, so 4 steps keep the relative difference of that order (1e-10 leaves a
-/// margin of 10⁴ for Σ|terms| over |sum|). A tiled MLP with LoRA dropout on it is refused (its mask is drawn over
-/// the whole input), as an error, not a panic.
+/// `tiled_mlp = true` trains as the untiled MLP, with gradient checkpointing on and off, on the tiny Llama and on
+/// the tiny Qwen2-MoE (whose shared expert runs tiled over the micro-batch's ~100 rows; its routed experts' share
+/// stays under one slice here: `models/moe.rs` checks tiled experts). In float64 the losses and the adapter agree
+/// within 1e-10: the per-row values equal the untiled ones up to the order of a dot product's terms, and the
+/// adapter's gradients — sums over the ~100 token rows of a micro-batch, accumulated slice by slice — differ by at
+/// most 2·γₙ·Σ|terms| ≈ 2·100·1.1e-16·Σ|terms| ≈ 2e-14·Σ|terms| per step; AdamW's update divides the gradient by
+/// its own running magnitude, so 4 steps keep the relative difference of that order (1e-10 leaves a margin of 10⁴
+/// for Σ|terms| over |sum|). A tiled MLP with LoRA dropout on it is refused (its mask is drawn over the whole
+/// input), as an error, not a panic.
 #[test]
 fn tiled_mlp_trains_as_the_untiled_mlp() {
     let dir = tempfile::tempdir().unwrap();
     let f64 = candle_core::DType::F64;
-    for checkpointing in [true, false] {
-        let name = |tiled| format!("f64-{checkpointing}-{tiled}");
-        let (l0, a0) = tiled_run(
-            &dir.path().join(name(false)),
-            f64,
-            false,
-            checkpointing,
-            0.0,
-        )
-        .unwrap();
-        let (l1, a1) =
-            tiled_run(&dir.path().join(name(true)), f64, true, checkpointing, 0.0).unwrap();
+    for (model, checkpointing) in [
+        ("tiny-llama", true),
+        ("tiny-llama", false),
+        ("tiny-qwen2-moe", true),
+    ] {
+        let run = |tiled_mlp| {
+            let out = dir
+                .path()
+                .join(format!("{model}-{checkpointing}-{tiled_mlp}"));
+            let how = TiledRun {
+                model,
+                compute_dtype: f64,
+                tiled_mlp,
+                gradient_checkpointing: checkpointing,
+                lora_dropout: 0.0,
+            };
+            tiled_run(&out, &how).unwrap()
+        };
+        let ((l0, a0), (l1, a1)) = (run(false), run(true));
+        let case = format!("{model}, checkpointing {checkpointing}");
         assert_eq!(l0.len(), 4);
         for (a, b) in l0.iter().zip(&l1) {
-            assert!(
-                (a - b).abs() <= 1e-10 * a.abs(),
-                "checkpointing {checkpointing}: {l0:?} vs {l1:?}"
-            );
+            assert!((a - b).abs() <= 1e-10 * a.abs(), "{case}: {l0:?} vs {l1:?}");
         }
         assert_eq!(a0.len(), a1.len());
+        let worst = a0
+            .iter()
+            .map(|(k, t)| crate::common::max_abs_diff(t, &a1[k]))
+            .fold(0.0, f64::max);
+        let loss_diff = l0
+            .iter()
+            .zip(&l1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        eprintln!("float64, {case}: losses max |Δ| {loss_diff:e}, adapter max |Δ| {worst:e}");
         for (k, t) in &a0 {
-            let scale = t
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_dtype(f64)
-                .unwrap()
-                .to_scalar::<f64>()
-                .unwrap();
+            let scale: f64 = t.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
             let diff = crate::common::max_abs_diff(t, &a1[k]);
-            assert!(
-                diff <= 1e-10 * scale.max(1e-3),
-                "{k}: {diff:e} (checkpointing {checkpointing})"
-            );
+            assert!(diff <= 1e-10 * scale.max(1e-3), "{k}: {diff:e} ({case})");
         }
     }
     // Float32, the CPU's training dtype: how far the tiled run is from the untiled one, for the report.
-    let f32 = candle_core::DType::F32;
-    let (l0, a0) = tiled_run(&dir.path().join("f32-plain"), f32, false, true, 0.0).unwrap();
-    let (l1, a1) = tiled_run(&dir.path().join("f32-tiled"), f32, true, true, 0.0).unwrap();
+    let f32_run = |tiled_mlp, lora_dropout| TiledRun {
+        model: "tiny-llama",
+        compute_dtype: candle_core::DType::F32,
+        tiled_mlp,
+        gradient_checkpointing: true,
+        lora_dropout,
+    };
+    let (l0, a0) = tiled_run(&dir.path().join("f32-plain"), &f32_run(false, 0.0)).unwrap();
+    let (l1, a1) = tiled_run(&dir.path().join("f32-tiled"), &f32_run(true, 0.0)).unwrap();
     let worst = a0
         .iter()
         .map(|(k, t)| crate::common::max_abs_diff(t, &a1[k]))
         .fold(0.0, f64::max);
     eprintln!("float32: losses {l0:?} vs {l1:?}, adapter max |Δ| {worst:e}");
 
-    let err = tiled_run(&dir.path().join("dropout"), f32, true, true, 0.1)
+    let err = tiled_run(&dir.path().join("dropout"), &f32_run(true, 0.1))
         .unwrap_err()
         .to_string();
     assert!(err.contains("lora_dropout"), "{err}");

@@ -145,8 +145,8 @@ pub struct TrainingArguments {
     /// its gate, up and activation intermediates (3 × tokens × `intermediate_size`) exist for one slice at a time,
     /// with gradient checkpointing on or off. The MLP's forward runs once more (in the backward) when checkpointing
     /// is off. Losses and input gradients are the untiled run's; the adapter's gradient sums are accumulated slice by
-    /// slice (another summation order). Needs `lora_dropout = 0` on the MLP projections; the experts of
-    /// mixture-of-experts layers are not tiled.
+    /// slice (another summation order). Needs `lora_dropout = 0` on the MLP projections. Mixture-of-experts layers
+    /// run each expert tiled over its own tokens.
     pub tiled_mlp: bool,
     /// Seed of initialization, dropout and shuffling.
     pub seed: u64,
