@@ -1222,8 +1222,8 @@ struct TiledRun {
     lora_dropout: f64,
 }
 
-/// A 4-step run of a tiny model (NF4 base, AdamW, LoRA r 4 on every projection) as `run` says: its logged losses
-/// and its adapter.
+/// A 4-step run of a tiny model (NF4 base, AdamW, LoRA r 4 on every projection, evaluated every 2 steps) as `run`
+/// says: its logged training then evaluation losses, and its adapter.
 fn tiled_run(
     dir: &Path,
     run: &TiledRun,
@@ -1248,6 +1248,8 @@ fn tiled_run(
         save_steps: 100.0,
         gradient_checkpointing: run.gradient_checkpointing,
         tiled_mlp: run.tiled_mlp,
+        eval_strategy: IntervalStrategy::Steps,
+        eval_steps: Some(2.0),
         ..Default::default()
     };
     let lora = LoraConfig {
@@ -1258,9 +1260,14 @@ fn tiled_run(
         ..Default::default()
     };
     let examples = long_examples(run.model);
-    let mut trainer = Trainer::new(model, args, &lora, examples, vec![])?;
+    let eval = examples[4..].to_vec();
+    let mut trainer = Trainer::new(model, args, &lora, examples, eval)?;
     let log = trainer.train(None)?;
-    let losses = log.log_history.iter().filter_map(|e| e.loss).collect();
+    // The training losses, then the evaluation losses (evaluations run tiled too).
+    let losses = log.log_history.iter().filter_map(|e| e.loss);
+    let losses = losses
+        .chain(log.log_history.iter().filter_map(|e| e.eval_loss))
+        .collect();
     // The factors in memory (float64 for a float64 model; the adapter file holds float32, PEFT's).
     let mut adapter = std::collections::HashMap::new();
     for (name, linear) in trainer.model.linears() {
@@ -1305,7 +1312,7 @@ fn tiled_mlp_trains_as_the_untiled_mlp() {
         };
         let ((l0, a0), (l1, a1)) = (run(false), run(true));
         let case = format!("{model}, checkpointing {checkpointing}");
-        assert_eq!(l0.len(), 4);
+        assert_eq!(l0.len(), 6, "4 training and 2 evaluation losses");
         for (a, b) in l0.iter().zip(&l1) {
             assert!((a - b).abs() <= 1e-10 * a.abs(), "{case}: {l0:?} vs {l1:?}");
         }
