@@ -202,6 +202,13 @@ impl LoraLinear {
         }
     }
 
+    /// Whether the active adapter draws a dropout mask now (training with `lora_dropout > 0`). The mask is indexed
+    /// by each element's place in the whole input, so a call on a slice of the rows would draw another one.
+    pub fn dropout_active(&self) -> bool {
+        self.active_adapter()
+            .is_some_and(|ad| ad.branch_dropout().is_some())
+    }
+
     /// The active adapter when it is plain LoRA (no DoRA magnitude): the case the fused op computes.
     fn plain_lora(&self) -> Option<&Arc<LoraAdapter>> {
         self.active_adapter().filter(|ad| ad.magnitude.is_none())

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
 use super::config::{LayerAttention, ModelConfig};
-use super::mlp::{GateUpProjections, Mlp};
+use super::mlp::{GateUpProjections, Mlp, MlpTiling};
 use super::moe::{RouterLogits, SharedExpert, SparseMoe};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
@@ -99,6 +99,14 @@ struct RouterSink {
     record: RouterLogits,
     layer: usize,
     checkpointed: bool,
+}
+
+/// What a training forward hands a layer's feed-forward block: where a sparse block's router logits go, and how a
+/// dense MLP is tiled.
+#[derive(Clone, Default)]
+struct FeedForwardRun {
+    router: Option<RouterSink>,
+    tiling: Option<MlpTiling>,
 }
 
 /// Keys and values of the positions seen so far, per layer (`[batch, kv_heads, seq, head_dim]`). A sliding-window
@@ -315,7 +323,7 @@ impl DecoderLayer {
         cache: Option<&mut Option<(Tensor, Tensor)>>,
         segments: Option<&Segments>,
         pass: Pass,
-        router: Option<&RouterSink>,
+        ffn: &FeedForwardRun,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let norm = |t: &Tensor, w: &Tensor| rms_norm(t, w, self.eps);
         match (
@@ -331,7 +339,7 @@ impl DecoderLayer {
                     None,
                 )?;
                 let h = (x + norm(&a, &self.post_attention_layernorm)?)?;
-                let (m, aux) = self.feed_forward(&norm(&h, pre_mlp)?, None, pass, router)?;
+                let (m, aux) = self.feed_forward(&norm(&h, pre_mlp)?, None, pass, ffn)?;
                 Ok(((&h + norm(&m, post_mlp)?)?, aux))
             }
             _ => {
@@ -347,31 +355,35 @@ impl DecoderLayer {
                     &norm(&h, &self.post_attention_layernorm)?,
                     Some(&h),
                     pass,
-                    router,
+                    ffn,
                 )
             }
         }
     }
 
-    /// The feed-forward block of `x`, plus `residual` when given; a sparse block's router logits go to `router`
-    /// (see [`DecoderLayer::run`]).
+    /// The feed-forward block of `x`, plus `residual` when given; a sparse block's router logits go to
+    /// `ffn.router` (see [`DecoderLayer::run`]); with `ffn.tiling` a dense MLP, or each expert over its own tokens,
+    /// runs tiled.
     fn feed_forward(
         &self,
         x: &Tensor,
         residual: Option<&Tensor>,
         pass: Pass,
-        router: Option<&RouterSink>,
+        ffn: &FeedForwardRun,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let moe = match &self.mlp {
-            FeedForward::Dense(mlp) => return Ok((mlp.forward(x, residual, pass)?, None)),
-            FeedForward::Sparse(moe) => moe,
+        let moe = match (&self.mlp, &ffn.tiling) {
+            (FeedForward::Dense(mlp), Some(tiling)) => {
+                return Ok((mlp.forward_tiled(x, residual, pass, tiling)?, None))
+            }
+            (FeedForward::Dense(mlp), None) => return Ok((mlp.forward(x, residual, pass)?, None)),
+            (FeedForward::Sparse(moe), _) => moe,
         };
-        let (out, logits, choices) = moe.forward_with_choices(x)?;
+        let (out, logits, choices) = moe.forward_with_choices(x, ffn.tiling.as_ref())?;
         let out = match residual {
             Some(r) => (out + r)?,
             None => out,
         };
-        let aux = match (router, pass) {
+        let aux = match (ffn.router.as_ref(), pass) {
             (None, _) => None,
             (Some(sink), Pass::Forward) => {
                 // A checkpointed layer's graph is not kept: its recomputation differentiates the loss itself.
@@ -508,6 +520,12 @@ pub struct Checkpointing {
     pub sink: GradSink,
     /// The trainable parameters the layers use.
     pub params: Vec<Var>,
+    /// Run each MLP — dense, or each expert of a sparse block over its own tokens — over slices of the token rows,
+    /// forward and backward (`TrainingArguments::tiled_mlp`; see [`MlpTiling`]); their parameter gradients go to
+    /// `sink` too. Checkpointed or not.
+    pub tiled_mlp: bool,
+    /// With `tiled_mlp`, rows per slice; `None` chooses [`crate::models::mlp_slice_rows`].
+    pub mlp_slice_rows: Option<usize>,
 }
 
 /// The labels each position predicts (`[b, t]`): position i predicts token i + 1, so the labels shift left by one and
@@ -900,21 +918,29 @@ impl LlamaModel {
             _ => None,
         };
         let mut x = embeds.clone();
+        let tiling = checkpointing.tiled_mlp.then(|| MlpTiling {
+            sink: checkpointing.sink.clone(),
+            params: checkpointing.params.clone(),
+            slice_rows: checkpointing.mlp_slice_rows,
+        });
         let recomputed = self.layers.len().saturating_sub(checkpointing.kept_layers);
         for (i, layer) in self.layers.iter().enumerate() {
             let checkpointed = checkpointing.enabled && i < recomputed;
-            let sink = router.map(|record| RouterSink {
-                record: record.clone(),
-                layer: i,
-                checkpointed,
-            });
+            let ffn = FeedForwardRun {
+                router: router.map(|record| RouterSink {
+                    record: record.clone(),
+                    layer: i,
+                    checkpointed,
+                }),
+                tiling: tiling.clone(),
+            };
             x = if checkpointed {
                 let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
                     let _layer = snapshot_context::layer(i);
                     let _span = (pass == Pass::Forward)
                         .then(|| trace::span_with(|| format!("model.layers.{i}"), "forward"));
-                    layer.run(x, &tables, None, segments.as_ref(), pass, sink.as_ref())
+                    layer.run(x, &tables, None, segments.as_ref(), pass, &ffn)
                 });
                 let label = if trace::enabled() {
                     format!("model.layers.{i}")
@@ -931,14 +957,7 @@ impl LlamaModel {
             } else {
                 let _layer = snapshot_context::layer(i);
                 let _span = trace::span_with(|| format!("model.layers.{i}"), "forward");
-                let run = layer.run(
-                    &x,
-                    &tables,
-                    None,
-                    segments.as_ref(),
-                    Pass::Forward,
-                    sink.as_ref(),
-                );
+                let run = layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward, &ffn);
                 run?.0
             };
         }
@@ -1036,7 +1055,14 @@ impl LlamaModel {
         let mut x = self.embed(ids)?;
         for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
             x = layer
-                .run(&x, &tables, Some(slot), None, Pass::Forward, None)?
+                .run(
+                    &x,
+                    &tables,
+                    Some(slot),
+                    None,
+                    Pass::Forward,
+                    &FeedForwardRun::default(),
+                )?
                 .0;
         }
         cache.seen += seq;

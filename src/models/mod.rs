@@ -16,6 +16,6 @@ pub use llama::{
     Checkpointing, FeedForward, KvCache, LayerWeights, LlamaModel, Positions, QkvProjections,
     SavedModules,
 };
-pub use mlp::{GateUpProjections, Mlp};
+pub use mlp::{mlp_slice_rows, GateUpProjections, Mlp, MlpTiling};
 pub use moe::{load_balancing_loss, RouterLogits, SharedExpert, SparseMoe};
 pub use tokenizer::{ChatMessage, TextTokenizer};

@@ -25,6 +25,7 @@
 //! | [`linear_cross_entropy_capped`], [`softcap()`] | the same with the logits soft-capped, `cap·tanh(z/cap)` |
 //! | [`embedding()`] | row lookup |
 //! | [`checkpoint()`] | a block recomputed in the backward |
+//! | [`tiled_rows()`] | a row-wise block (the MLP) run slice by slice of its rows, forward and backward |
 
 pub mod attention;
 pub mod autograd;
@@ -45,7 +46,7 @@ pub mod swiglu;
 pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
 };
-pub use autograd::{checkpoint, checkpoint_labeled, Block, GradSink, Pass};
+pub use autograd::{checkpoint, checkpoint_labeled, tiled_rows, Block, GradSink, Pass, RowBlock};
 pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};
 pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;

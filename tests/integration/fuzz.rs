@@ -1734,6 +1734,7 @@ const TRAINING_KEYS: &[&str] = &[
     "activation_checkpointing",
     "activation_checkpointing_kwargs",
     "activation_memory_budget_mib",
+    "tiled_mlp",
     "seed",
     "data_seed",
     "resume_from_checkpoint",
@@ -1917,6 +1918,7 @@ fn kind_of(key: &str) -> Kind {
         | "disable_tqdm"
         | "use_cpu"
         | "use_liger_kernel"
+        | "tiled_mlp"
         | "ignore_base_model_mismatch"
         | "use_rslora"
         | "use_dora"

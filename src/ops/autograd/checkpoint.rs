@@ -41,7 +41,8 @@ impl GradSink {
         Self::default()
     }
 
-    fn add(&self, var: &Var, grad: &Tensor) -> Result<()> {
+    /// Adds `grad` to `var`'s collected gradient (also for [`super::tiled::tiled_rows`]).
+    pub(super) fn add(&self, var: &Var, grad: &Tensor) -> Result<()> {
         let mut store = self
             .0
             .lock()

@@ -3,12 +3,15 @@
 //!
 //! The forward runs once, on the inputs' values; the graph node only hands that value over (a CPU buffer is moved
 //! into the graph without a copy). When no input needs a gradient the value is returned as is, with no graph.
-//! [`checkpoint()`] recomputes a block in the backward instead of keeping its graph; `gradcheck` (tests only)
+//! [`checkpoint()`] recomputes a block in the backward instead of keeping its graph; [`tiled_rows()`] runs a
+//! row-wise block (an MLP) slice by slice in the forward and the backward; `gradcheck` (tests only)
 //! checks an op's gradients against finite differences and a composite reference.
 
 pub mod checkpoint;
 #[cfg(test)]
 pub(crate) mod gradcheck;
 pub(crate) mod op;
+pub mod tiled;
 
 pub use checkpoint::{checkpoint, checkpoint_labeled, Block, GradSink, Pass};
+pub use tiled::{tiled_rows, RowBlock};

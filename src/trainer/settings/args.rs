@@ -140,6 +140,14 @@ pub struct TrainingArguments {
     /// activations (no recomputation) as long as those fit in this many MiB per micro-batch; only the other layers
     /// are recomputed in the backward. `None` recomputes every layer (transformers' behaviour).
     pub activation_memory_budget_mib: Option<f64>,
+    /// candle-qlora: tiled MLP (ALST's TiledMLP). Each dense layer's MLP runs its forward and backward over slices
+    /// of the micro-batch's token rows — `⌈tokens / hidden_size⌉` even slices of at most `hidden_size` rows — so
+    /// its gate, up and activation intermediates (3 × tokens × `intermediate_size`) exist for one slice at a time,
+    /// with gradient checkpointing on or off. The MLP's forward runs once more (in the backward) when checkpointing
+    /// is off. Losses and input gradients are the untiled run's; the adapter's gradient sums are accumulated slice by
+    /// slice (another summation order). Needs `lora_dropout = 0` on the MLP projections. Mixture-of-experts layers
+    /// run each expert tiled over its own tokens.
+    pub tiled_mlp: bool,
     /// Seed of initialization, dropout and shuffling.
     pub seed: u64,
     /// Seed of the data order (defaults to `seed`).
@@ -244,6 +252,7 @@ impl Default for TrainingArguments {
             activation_checkpointing: None,
             activation_checkpointing_kwargs: None,
             activation_memory_budget_mib: None,
+            tiled_mlp: false,
             memory_snapshot: false,
             trace_steps: Vec::new(),
             memory_snapshot_max_entries: 100_000,

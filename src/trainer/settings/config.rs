@@ -18,7 +18,8 @@ use super::sections::{check_keys, closest, either, field_names, read_section, un
 use crate::data::DataConfig;
 use crate::distributed::{check_ranks, RanksFrom};
 use crate::error::{Error, Result};
-use crate::lora::LoraConfig;
+use crate::lora::config::LoraConfig;
+use crate::lora::targets::is_target;
 use crate::precision::TorchDtype;
 use crate::quant::{QuantConfig, QuantType};
 
@@ -327,6 +328,7 @@ impl RunConfig {
                 )));
             }
         }
+        check_tiled_mlp(&training, &lora, &p)?;
         let dpo: Option<DpoConfig> = root
             .get("dpo")
             .map(|v| read_section(v, &p, "dpo", &[]))
@@ -397,6 +399,26 @@ impl RunConfig {
     }
 }
 
+/// `tiled_mlp` runs each MLP over slices of its rows, and LoRA dropout's mask is drawn over a projection's whole
+/// input: the two together on an MLP projection are refused before anything loads (the model would refuse them at
+/// the first step).
+fn check_tiled_mlp(training: &TrainingArguments, lora: &LoraConfig, p: &str) -> Result<()> {
+    if !training.tiled_mlp || lora.lora_dropout <= 0.0 {
+        return Ok(());
+    }
+    for projection in ["gate_proj", "up_proj", "down_proj", "gate_up_proj"] {
+        if is_target(lora, &format!("model.layers.0.mlp.{projection}"))? {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [training] tiled_mlp = true with [lora] lora_dropout = {} on the MLP's {projection}: a \
+                 tiled MLP cannot replay dropout's mask (drawn over the whole input); set lora_dropout = 0, \
+                 leave the MLP projections out of target_modules, or set tiled_mlp = false",
+                lora.lora_dropout
+            )));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -440,9 +462,13 @@ optim = "paged_adamw_8bit"
                 "training.learning_rate=1e-4".into(),
                 "lora.r=8".into(),
                 "data.packing=true".into(),
+                "training.tiled_mlp=true".into(),
+                "lora.lora_dropout=0".into(),
             ],
         )
         .unwrap();
+        assert!(c.training.tiled_mlp);
+        assert!(!RunConfig::load(&p, &[]).unwrap().training.tiled_mlp);
         assert_eq!(c.quant_config().unwrap(), Some(QuantConfig::nf4()));
         assert_eq!(c.quant_compute_dtype(), Some(TorchDtype::BFloat16));
         assert_eq!((c.lora.r, c.lora.lora_alpha), (8, 32.0));
@@ -452,6 +478,28 @@ optim = "paged_adamw_8bit"
             c.data.train_file.unwrap(),
             p.parent().unwrap().join("data/train.jsonl")
         );
+    }
+
+    /// `tiled_mlp` with dropout on an MLP projection is refused naming both keys; dropout on attention alone is not.
+    #[test]
+    fn tiled_mlp_refuses_dropout_on_the_mlp() {
+        let (_d, p) = write(RECIPE);
+        let load = |sets: &[&str]| {
+            RunConfig::load(&p, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        };
+        let err = load(&["training.tiled_mlp=true"]).unwrap_err().to_string();
+        assert!(
+            err.contains("tiled_mlp")
+                && err.contains("lora_dropout = 0.05")
+                && err.contains("gate_proj"),
+            "{err}"
+        );
+        let attention = load(&[
+            "training.tiled_mlp=true",
+            r#"lora.target_modules=["q_proj", "v_proj"]"#,
+        ]);
+        assert!(attention.unwrap().training.tiled_mlp);
+        assert!(load(&["training.tiled_mlp=true", "lora.lora_dropout=0.0"]).is_ok());
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub(crate) fn micro_batch_seed(seed: u64, index: usize) -> u64 {
 }
 
 /// How a training forward of `tokens` input tokens runs its layers: checkpointed as `args` ask, keeping as many
-/// of the last layers as `activation_memory_budget_mib` allows, with `vars` the trainable parameters.
+/// of the last layers as `activation_memory_budget_mib` allows, MLPs tiled with `tiled_mlp`, with `vars` the
+/// trainable parameters.
 fn checkpointing(
     model: &LlamaModel,
     args: &TrainingArguments,
@@ -42,6 +43,7 @@ fn checkpointing(
             args.activation_memory_budget_mib,
         ),
         params: vars.to_vec(),
+        tiled_mlp: args.tiled_mlp,
         ..Default::default()
     }
 }

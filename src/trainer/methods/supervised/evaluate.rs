@@ -17,18 +17,25 @@ pub fn evaluate(
     examples: &[TokenizedExample],
     batch_size: usize,
 ) -> Result<EvalReport> {
-    let (nll, tokens) = loss_sums(model, examples, batch_size, Shard::ALONE)?;
+    let (nll, tokens) = loss_sums(model, examples, batch_size, Shard::ALONE, false)?;
     Ok(report(examples, nll, tokens, None))
 }
 
 /// This rank's part of an evaluation: the summed negative log-likelihood and the label tokens of its batches
-/// (batch `k` of the length-sorted order is rank `k % world_size`'s, so the ranks' sums add up to one process's).
+/// (batch `k` of the length-sorted order is rank `k % world_size`'s, so the ranks' sums add up to one process's),
+/// the MLPs run over slices of the rows with `tiled_mlp` (as the training forward's, so an evaluation's working
+/// set is bounded alike).
 pub(super) fn loss_sums(
     model: &LlamaModel,
     examples: &[TokenizedExample],
     batch_size: usize,
     shard: Shard,
+    tiled_mlp: bool,
 ) -> Result<(f64, usize)> {
+    let layers = Checkpointing {
+        tiled_mlp,
+        ..Default::default()
+    };
     let mut total = 0f64;
     let mut tokens = 0usize;
     // Sort by length so batches pad little; the result does not depend on the order.
@@ -37,8 +44,7 @@ pub(super) fn loss_sums(
     for batch in shard.share(order.chunks(batch_size.max(1))) {
         // Built on the host: the model uploads the ids and reads the labels where they are (no readback).
         let b = collate(batch, &Device::Cpu)?;
-        let (sum, n) =
-            model.loss_sum(&b.ids, &b.labels, &b.positions, &Checkpointing::default())?;
+        let (sum, n) = model.loss_sum(&b.ids, &b.labels, &b.positions, &layers)?;
         total += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         tokens += n;
     }

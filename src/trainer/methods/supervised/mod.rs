@@ -146,7 +146,7 @@ impl Method for Supervised {
     ) -> Result<EvalReport> {
         let rows = &self.eval.rows;
         let batch = args.per_device_eval_batch_size;
-        let (nll, tokens) = evaluate::loss_sums(model, rows, batch, shard)?;
+        let (nll, tokens) = evaluate::loss_sums(model, rows, batch, shard, args.tiled_mlp)?;
         let (hits, counted) = match args.predict_with_generate {
             true => evaluate::exact_match_share(model, rows, shard)?,
             false => (0, 0),
