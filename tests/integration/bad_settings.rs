@@ -1,4 +1,4 @@
-//! Settings that matched or changed nothing and were accepted (issue 45): the bad-input table's rows for them
+//! Settings that matched or changed nothing and were once accepted: the bad-input table's rows for them
 //! (`bad_inputs::Case`, each advice applied as there), and tests of the settings that now take effect instead of
 //! being refused: `load_best_model_at_end` at a partial epoch, DPO's metrics for the best model, an empty
 //! `TENSORBOARD_LOGGING_DIR`.

@@ -10,6 +10,14 @@ use candle_qlora::quant::QuantConfig;
 
 use crate::common::data_path;
 
+/// `qlora train --config config`, run to its end.
+fn qlora_train(config: &Path) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap()
+}
+
 /// The NF4 SmolLM2's base-weight bytes are 4.127 bits per quantized parameter plus the unquantized tensors, and
 /// the estimate predicts them to the byte.
 #[test]
@@ -69,10 +77,7 @@ fn the_trainer_records_where_memory_goes() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-        .args(["train", "--config", config.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = qlora_train(&config);
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
     assert!(
@@ -135,10 +140,7 @@ fn micro_batches_do_not_keep_each_others_activations() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-        .args(["train", "--config", config.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = qlora_train(&config);
     assert!(
         out.status.success(),
         "{}",
