@@ -12,13 +12,14 @@ Rows (each system in a fresh process, systems alternating, over --rounds rounds)
     1b     4 x 512           0.05
 
 Common settings: Llama-3.1-8B shape (hidden 4096, 32 layers, MLP 14336, 32/8 heads, vocab 128256) or Llama-3.2-1B
-shape (hidden 2048, 16 layers, MLP 8192, 32/8 heads, tied embeddings), random weights (std 0.02, seed 0) quantized
-once by bitsandbytes to NF4 with double quantization and saved as a bitsandbytes folder that both systems load (so
-both train the very same base weights); bf16 compute; LoRA r = 16, alpha = 16, every linear layer of the blocks;
-gradient checkpointing (non-reentrant on theirs); paged_adamw_8bit, lr 1e-4 constant, weight decay 0; gradient
-clipping at 1.0; one micro-batch per step; every token a label. Theirs: `attn_implementation="sdpa"` and the
-QLoRA recipe (`prepare_model_for_kbit_training`, which keeps norms, embeddings and head in float32; pass
---peer-no-prepare to skip it), a plain loop under `torch.autocast(bfloat16)`, `bitsandbytes.optim.PagedAdamW8bit`.
+shape (hidden 2048, 16 layers, MLP 8192, 32/8 heads, tied embeddings), random weights (std 0.02, seed 0) whose block
+linears bitsandbytes quantizes once to NF4 with double quantization, saved as the folder transformers writes for such
+a model, which both systems load (so both train the very same base weights); bf16 compute; LoRA r = 16, alpha = 16,
+every linear layer of the blocks; gradient checkpointing (non-reentrant on theirs); paged_adamw_8bit, lr 1e-4
+constant, weight decay 0; gradient clipping at 1.0; one micro-batch per step; every token a label. Theirs:
+`attn_implementation="sdpa"` and the QLoRA recipe (`prepare_model_for_kbit_training`, which keeps norms, embeddings
+and head in float32; pass --peer-no-prepare to skip it), a plain loop under `torch.autocast(bfloat16)`,
+`bitsandbytes.optim.PagedAdamW8bit`.
 
 Measured: tokens/s = median over the steps after --warmup of tokens / seconds of one optimizer step (ours:
 `step_seconds` of log.jsonl — one read from the GPU per step, so a step's time includes the previous step's queued
@@ -28,14 +29,22 @@ MFU = 6 · N · tokens/s / 989 TFLOP/s (H100 SXM bf16 dense), N = the parameters
 linear weights of the blocks and the head; embeddings excluded; attention's own FLOPs not counted). Correctness:
 the first losses of both systems with learning rate 0 on the same ids (the LoRA A matrices start random and
 differently in each system, so only a frozen adapter compares step for step) agree within bf16 noise (--loss-tol,
-relative).
+relative); with --loss-steps 0, step 1 of the timed runs instead (taken before any update: both systems' LoRA B
+start at zero, so both compute the base model's loss).
 
-Results accumulate in WORK/results.jsonl (a run already there is not repeated), so the benchmark can go on over
-several invocations; --report prints the table from what is there.
+Other modes: --decode times NF4 greedy decoding (`qlora generate` against transformers + bitsandbytes `generate`,
+the same 32 prompt ids, exactly --new-tokens tokens); --trace DIR traces step 2 of a 3-step run of each system
+(ours: trace.json and memory_snapshot.pickle; theirs: torch.profiler's chrome trace).
+
+Results accumulate in WORK/results.jsonl, or --results (a run already there is not repeated), so the benchmark can
+go on over several invocations; --report prints the tables from what is there. scripts/gpu-check.sh runs the rows
+of a first GPU check through this script.
 
     QLORA_CUDA_VERSION=13.0 scripts/build-cuda.sh && scripts/bench_gpu.py --prepare-bnb   # here: .gpu/ (CUDA 13)
     # on the GPU machine, from the repository (carry .gpu):
     PYTHONPATH=.gpu/site python3 scripts/bench_gpu.py --work /tmp/bench_gpu
+    # a dry run of the script on the CPU (ours built without the cuda feature):
+    python3 scripts/bench_gpu.py --device cpu --shape tiny --seq 64 --qlora target/release/qlora --work /tmp/b
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -88,10 +98,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--loss-steps", type=int, default=5, help="steps of the learning-rate-0 loss check")
+    p.add_argument("--loss-steps", type=int, default=5,
+                   help="steps of the learning-rate-0 loss check (0: compare the first step of the timed runs, "
+                        "which is taken before any update, instead)")
     p.add_argument("--loss-tol", type=float, default=2e-2, help="relative tolerance of the loss check")
     p.add_argument("--only", default="ours,theirs", help="systems to run")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check the script only")
+    p.add_argument("--peer-device", choices=["cuda", "cpu"],
+                   help="where theirs runs (default: --device; cpu with ours on the emulated GPU rehearses the script)")
+    p.add_argument("--results", type=Path, help="the results file (default WORK/results.jsonl)")
+    p.add_argument("--decode", action="store_true",
+                   help="time NF4 greedy decoding of --shape (both systems) instead of training steps")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens each --decode run generates")
+    p.add_argument("--trace", type=Path,
+                   help="one run of each system on --shape with a profile of step 2: ours' trace.json and "
+                        "memory_snapshot.pickle, theirs' torch.profiler chrome trace, into this folder")
     p.add_argument("--peer-no-prepare", action="store_true", help="theirs without prepare_model_for_kbit_training")
     p.add_argument("--report", action="store_true", help="print the table of WORK/results.jsonl and stop")
     p.add_argument("--prepare-bnb", action="store_true",
@@ -135,28 +156,49 @@ def model_dir(work: Path, shape: str) -> Path:
 
 
 def make_model(shape: str, work: Path, device: str) -> None:
-    """Random weights (std 0.02, seed 0) quantized by bitsandbytes (NF4, double quant, bf16 compute) and saved in
-    its folder layout, with a word-level tokenizer (`w0` … `w<vocab-1>`, split on whitespace)."""
+    """Random weights (std 0.02, seed 0), the blocks' linear layers quantized by bitsandbytes (NF4, double quant,
+    blocksize 64, bf16 compute) and written as transformers saves a model loaded with that BitsAndBytesConfig (each
+    weight's packed codes with its quant state beside it), with a word-level tokenizer (`w0` … `w<vocab-1>`, split
+    on whitespace). Made on `device` and quantized there, without a dense copy on disk (16 GB for the 8B shape)."""
+    import bitsandbytes as bnb
     import torch
+    from safetensors.torch import save_file
     from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     out = model_dir(work, shape)
     if (out / "config.json").exists():
         return
-    dense = work / f"model-{shape}-bf16"
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=32768, rope_theta=500000.0, rms_norm_eps=1e-5,
                          initializer_range=0.02, torch_dtype="bfloat16")
     torch.manual_seed(SEED)
+    # Made in bf16 directly: an 8B model in float32 first would take 32 GB.
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(dense)
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(torch.float32)
+    tensors = {}
+    for name, weight in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        module = name.rsplit(".", 1)[0]
+        # transformers quantizes every nn.Linear but the output head (its modules_to_not_convert).
+        if (name.endswith(".weight") and module != "lm_head"
+                and isinstance(model.get_submodule(module), torch.nn.Linear)):
+            codes, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
+                                                        quant_type="nf4")
+            tensors[name] = codes.cpu()
+            tensors.update({f"{name}.{k}": v.cpu() for k, v in state.as_dict(packed=True).items()})
+        else:
+            tensors[name] = weight.detach().cpu().contiguous()
     del model
+    tmp = out.with_suffix(".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
-    model = LlamaForCausalLM.from_pretrained(dense, quantization_config=quant, dtype=torch.bfloat16,
-                                             device_map={"": 0 if device == "cuda" else "cpu"})
-    tmp = out.with_suffix(".partial")
-    model.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps({**config.to_dict(), "quantization_config": quant.to_dict()},
+                                                indent=2, default=str))
     vocab = {f"w{i}": i for i in range(config.vocab_size)}
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
                  "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
@@ -164,7 +206,6 @@ def make_model(shape: str, work: Path, device: str) -> None:
     (tmp / "tokenizer.json").write_text(json.dumps(tokenizer))
     (tmp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     tmp.rename(out)
-    shutil.rmtree(dense)
 
 
 def data_file(work: Path, shape: str, batch: int, seq: int, steps: int) -> Path:
@@ -216,6 +257,7 @@ output_dir = {toml_str(str(out))}
 overwrite_output_dir = true
 use_cpu = {str(spec["device"] == "cpu").lower()}
 bf16 = {str(spec["device"] == "cuda").lower()}
+{spec.get("extra_training", "")}
 per_device_train_batch_size = {spec["batch"]}
 gradient_accumulation_steps = 1
 learning_rate = {spec["lr"]}
@@ -235,6 +277,7 @@ seed = {SEED}
 
 
 def run_ours(qlora: Path, spec: dict, work: Path) -> dict | None:
+    """One `qlora train` run; with `spec["trace"]`, its trace.json and memory_snapshot.pickle are copied there."""
     run_dir = work / "runs" / f"ours-{spec['key']}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = run_dir / "config.toml"
@@ -248,6 +291,9 @@ def run_ours(qlora: Path, spec: dict, work: Path) -> dict | None:
                      key=lambda e: e["step"])
     timeline = json.loads((run_dir / "out" / "memory_timeline.json").read_text())
     peak = max((s.get("peak", 0) for s in timeline.get("samples", [])), default=0)
+    if spec.get("trace"):
+        for name in ("trace.json", "memory_snapshot.pickle"):
+            shutil.copy(run_dir / "out" / name, Path(spec["trace"]) / f"ours-{name}")
     return {"step_seconds": [e["step_seconds"] for e in entries], "tokens": [e["tokens"] for e in entries],
             "losses": [e["loss"] for e in entries], "peak_allocated": peak, "peak_reserved": None,
             "source": timeline.get("source")}
@@ -261,7 +307,7 @@ def theirs_worker(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(SEED)
-    cuda = spec["device"] == "cuda"
+    cuda = spec["peer_device"] == "cuda"
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="sdpa",
                                                  device_map={"": 0 if cuda else "cpu"})
     model.config.use_cache = False
@@ -284,6 +330,13 @@ def theirs_worker(spec: dict) -> dict:
     batch, step_seconds, losses, tokens = spec["batch"], [], [], []
     for step in range(spec["steps"]):
         input_ids = ids[step * batch:(step + 1) * batch].to(device)
+        # With spec["trace"], step 2 runs under torch.profiler (as ours traces step 2), written as a chrome trace.
+        profiler = None
+        if spec.get("trace") and step == 1:
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda
+                                                                  else [])
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
         t = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -293,6 +346,9 @@ def theirs_worker(spec: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         step_seconds.append(time.perf_counter() - t)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            profiler.export_chrome_trace(str(Path(spec["trace"]) / "theirs-trace.json"))
         tokens.append(int(input_ids.numel()))
         print(f"theirs step {step + 1}/{spec['steps']}: loss {losses[-1]:.4f}, {step_seconds[-1]:.3f} s",
               file=sys.stderr)
@@ -305,12 +361,77 @@ def run_theirs(spec: dict, work: Path) -> dict | None:
     spec_path = work / "runs" / f"theirs-{spec['key']}.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
-    child = run_child([sys.executable, str(Path(__file__).resolve()), "--worker", "theirs", "--spec", str(spec_path)])
+    worker = "decode" if spec.get("new_tokens") else "theirs"
+    child = run_child([sys.executable, str(Path(__file__).resolve()), "--worker", worker, "--spec", str(spec_path)])
     result = spec_path.with_suffix(".result.json")
     if child.returncode != 0 or not result.exists():
         print(f"theirs: worker failed (exit code {child.returncode})", file=sys.stderr)
         return None
     return json.loads(result.read_text())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoding: greedy NF4 generation of the same prompt ids, exactly --new-tokens tokens
+# ----------------------------------------------------------------------------------------------------------------
+
+OURS_DECODE_LINE = re.compile(r"^(\d+) tokens in ([0-9.]+) s \(([0-9.]+) tokens/s\)$", re.M)
+
+
+def decode_prompt(shape: str) -> str:
+    rng = random.Random(SEED + 1)
+    return " ".join(f"w{rng.randrange(SHAPES[shape]['vocab_size'])}" for _ in range(32))
+
+
+def decode_ours(qlora: Path, spec: dict) -> dict | None:
+    """`qlora generate` on the bitsandbytes folder (NF4 as stored, bf16 compute on the GPU): one warm-up process of
+    2 tokens (the driver compiles and caches the kernels' PTX), then the timed one. tokens/s is the line it prints,
+    timed around its generation call (prompt included, loading excluded)."""
+    def generate(n: int) -> subprocess.CompletedProcess:
+        return subprocess.run([str(qlora), "generate", "--model", spec["model"], "--device", spec["device"],
+                               "--prompt", spec["prompt"], "--max-new-tokens", str(n), "--ignore-eos"],
+                              capture_output=True, text=True)
+    generate(2)
+    p = generate(spec["new_tokens"])
+    sys.stderr.write(p.stderr[-2000:])
+    m = OURS_DECODE_LINE.search(p.stderr)
+    if p.returncode != 0 or not m:
+        print(f"ours: `qlora generate` failed (exit code {p.returncode})", file=sys.stderr)
+        return None
+    ids = [int(w[1:]) for w in p.stdout.split() if w.startswith("w") and w[1:].isdigit()]
+    return {"tokens": int(m.group(1)), "seconds": float(m.group(2)), "tokens_per_s": float(m.group(3)),
+            "new_ids": ids}
+
+
+def decode_theirs_worker(spec: dict) -> dict:
+    """transformers + bitsandbytes: the same folder, bf16 compute, SDPA, KV cache; a warm-up call of 2 tokens, then
+    `generate` timed with the device synchronized."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = spec["peer_device"] == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 device_map={"": 0 if cuda else "cpu"}).eval()
+    gen = model.generation_config
+    gen.eos_token_id = None
+    gen.pad_token_id = 0
+    gen.do_sample = False
+    gen.temperature = gen.top_p = gen.top_k = None
+    ids = torch.tensor([[int(w[1:]) for w in spec["prompt"].split()]], device=model.device)
+
+    def run(n: int):
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, use_cache=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    run(2)
+    start = time.perf_counter()
+    out = run(spec["new_tokens"])
+    seconds = time.perf_counter() - start
+    new = out[0, ids.shape[1]:].tolist()
+    return {"tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds, "new_ids": new}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,18 +451,33 @@ def tokens_per_second(r: dict, warmup: int) -> float | None:
     return statistics.median(t / s for t, s in timed) if timed else None
 
 
-def report(work: Path, warmup: int, loss_tol: float) -> None:
-    path = work / "results.jsonl"
+def fmt(x, spec=".0f") -> str:
+    return format(x, spec) if x is not None else "—"
+
+
+def losses_agree(ours: list[float] | None, theirs: list[float] | None, loss_tol: float) -> str:
+    if not ours or not theirs:
+        return "not run"
+    worst = max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(ours, theirs))
+    return f"{'agree' if worst <= loss_tol else 'DIFFER'} (max rel. diff {worst:.1e})"
+
+
+def report(path: Path, warmup: int, loss_tol: float) -> None:
     results = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     rows: dict[str, dict] = {}
+    decodes: dict[str, dict] = {}
     for r in results:
-        row = rows.setdefault(r["row"], {"ours": [], "theirs": [], "loss": {}})
+        if r["kind"] == "decode":
+            decodes.setdefault(r["row"], {})[r["system"]] = r["result"]
+            continue
+        row = rows.setdefault(r["row"], {"ours": [], "theirs": [], "loss": {}, "first": {}})
         if r["kind"] == "loss":
             row["loss"][r["system"]] = r["result"]["losses"] if r["result"] else None
-        elif r["result"]:
+        elif r["kind"] == "speed" and r["result"]:
             row[r["system"]].append(r["result"])
+            row["first"].setdefault(r["system"], r["result"]["losses"][:1])
     print("| shape | batch x seq | dropout | ours tokens/s | theirs tokens/s | speed ratio | ours peak GiB | "
-          "theirs peak GiB (reserved) | memory ratio | ours MFU | theirs MFU | losses (lr 0) |")
+          "theirs peak GiB (reserved) | memory ratio | ours MFU | theirs MFU | losses |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for key, row in rows.items():
         shape, bxs, dropout = key.split("/")
@@ -350,22 +486,36 @@ def report(work: Path, warmup: int, loss_tol: float) -> None:
         peak = {s: max((r["peak_allocated"] or 0 for r in row[s]), default=0) / 2**30 for s in ("ours", "theirs")}
         reserved = max((r["peak_reserved"] or 0 for r in row["theirs"]), default=0) / 2**30
         mfu = {s: 6 * params_touched(shape) * speed[s] / PEAK_FLOPS if speed[s] else None for s in speed}
-        ours_l, theirs_l = row["loss"].get("ours"), row["loss"].get("theirs")
-        if ours_l and theirs_l:
-            worst = max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(ours_l, theirs_l))
-            losses = f"{'agree' if worst <= loss_tol else 'DIFFER'} (max rel. diff {worst:.1e})"
+        # The learning-rate-0 runs when there are any, else step 1 of the timed runs (before any update, the LoRA
+        # B matrices are zero, so both systems compute the base model's loss whatever their random A).
+        if row["loss"]:
+            losses = "lr 0: " + losses_agree(row["loss"].get("ours"), row["loss"].get("theirs"), loss_tol)
         else:
-            losses = "not run"
-
-        def f(x, spec=".0f"):
-            return format(x, spec) if x is not None else "—"
+            losses = "step 1: " + losses_agree(row["first"].get("ours"), row["first"].get("theirs"), loss_tol)
         ratio = speed["ours"] / speed["theirs"] if speed["ours"] and speed["theirs"] else None
         mem_ratio = peak["ours"] / peak["theirs"] if peak["ours"] and peak["theirs"] else None
-        print(f"| {shape} | {bxs} | {dropout} | {f(speed['ours'])} | {f(speed['theirs'])} | {f(ratio, '.2f')}× | "
-              f"{f(peak['ours'], '.2f')} | {f(peak['theirs'], '.2f')} ({f(reserved, '.2f')}) | "
-              f"{f(mem_ratio, '.2f')}× | {f(mfu['ours'], '.1%')} | {f(mfu['theirs'], '.1%')} | {losses} |")
-    print(f"\n{len(results)} runs in {path}; tokens/s: median over rounds of the median step after {warmup} warmup "
-          f"steps; MFU: 6 · N · tokens/s / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, N = block linears + head")
+        print(f"| {shape} | {bxs} | {dropout} | {fmt(speed['ours'])} | {fmt(speed['theirs'])} | {fmt(ratio, '.2f')}× | "
+              f"{fmt(peak['ours'], '.2f')} | {fmt(peak['theirs'], '.2f')} ({fmt(reserved, '.2f')}) | "
+              f"{fmt(mem_ratio, '.2f')}× | {fmt(mfu['ours'], '.1%')} | {fmt(mfu['theirs'], '.1%')} | {losses} |")
+    print(f"\ntokens/s: median over rounds of the median step after {warmup} warmup steps; MFU: 6 · N · tokens/s / "
+          f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, N = block linears + head")
+    if decodes:
+        print("\n| shape | new tokens | ours tokens/s | theirs tokens/s | ratio | same greedy tokens |")
+        print("|---|---:|---:|---:|---:|---|")
+        for key, d in decodes.items():
+            ours, theirs = d.get("ours"), d.get("theirs")
+            o = ours["tokens_per_s"] if ours else None
+            t = theirs["tokens_per_s"] if theirs else None
+            same = "—"
+            if ours and theirs:
+                prefix = next((i for i, (a, b) in enumerate(zip(ours["new_ids"], theirs["new_ids"])) if a != b),
+                              min(len(ours["new_ids"]), len(theirs["new_ids"])))
+                same = f"first {prefix} of {len(theirs['new_ids'])}"
+            print(f"| {key} | {(ours or theirs or {}).get('tokens', '—')} | {fmt(o, '.1f')} | {fmt(t, '.1f')} | "
+                  f"{fmt(o / t if o and t else None, '.2f')}× | {same} |")
+        print("\ndecoding: greedy, NF4 (double quantization) as bitsandbytes stored it, bf16 compute, KV cache, the "
+              "same 32 prompt ids; tokens/s of one timed call after a warm-up (prompt included, loading excluded)")
+    print(f"\n{len(results)} runs in {path}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,7 +525,7 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         spec = json.loads(Path(args.spec).read_text())
-        result = theirs_worker(spec)
+        result = decode_theirs_worker(spec) if args.worker == "decode" else theirs_worker(spec)
         Path(args.spec).with_suffix(".result.json").write_text(json.dumps(result))
         return
     if args.prepare_bnb:
@@ -383,13 +533,13 @@ def main() -> None:
         return
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
+    done_path = args.results or work / "results.jsonl"
     if args.report:
-        report(work, args.warmup, args.loss_tol)
+        report(done_path, args.warmup, args.loss_tol)
         return
     rows = ([(args.shape, args.batch, args.seq, args.dropout)] if args.shape else
             ROWS if args.rows == "all" else [ROWS[int(i)] for i in args.rows.split(",")])
     systems = args.only.split(",")
-    done_path = work / "results.jsonl"
     done = {(r["row"], r["system"], r["kind"], r["round"])
             for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else set()
 
@@ -398,28 +548,50 @@ def main() -> None:
             f.write(json.dumps({"row": row_key, "system": system, "kind": kind, "round": rnd, "result": result})
                     + "\n")
 
+    def run(row_key: str, system: str, kind: str, rnd: int, spec: dict) -> None:
+        if (row_key, system, kind, rnd) in done:
+            return
+        print(f"--- {system}, {kind} run {rnd} ({row_key})", file=sys.stderr, flush=True)
+        if kind == "decode":
+            result = decode_ours(args.qlora, spec) if system == "ours" else run_theirs(spec, work)
+        else:
+            result = run_ours(args.qlora, spec, work) if system == "ours" else run_theirs(spec, work)
+        record(row_key, system, kind, rnd, result)
+
     for shape, batch, seq, dropout in rows:
         print(f"\n=== {shape} {batch} x {seq}, dropout {dropout} ===", file=sys.stderr, flush=True)
         t = time.perf_counter()
-        make_model(shape, work, args.device)
+        make_model(shape, work, args.peer_device or args.device)
         print(f"model ready ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+        base = {"model": str(model_dir(work, shape)), "batch": batch, "seq": seq, "dropout": dropout,
+                "device": args.device, "peer_device": args.peer_device or args.device,
+                "peer_prepare": not args.peer_no_prepare}
+        if args.decode:
+            spec = {**base, "prompt": decode_prompt(shape), "new_tokens": args.new_tokens,
+                    "key": f"{shape}-decode-{args.new_tokens}"}
+            for system in systems:
+                run(f"{shape}/decode", system, "decode", 0, spec)
+            continue
         row_key = f"{shape}/{batch}x{seq}/{dropout}"
         steps = args.warmup + args.steps
-        base = {"model": str(model_dir(work, shape)), "batch": batch, "seq": seq, "dropout": dropout,
-                "device": args.device, "peer_prepare": not args.peer_no_prepare}
-        runs = [("loss", 0, {**base, "lr": 0.0, "steps": args.loss_steps})]
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            spec = {**base, "lr": LEARNING_RATE, "steps": 3, "trace": str(args.trace),
+                    "extra_training": "memory_snapshot = true\ntrace_steps = [2]"}
+            spec["data"] = str(data_file(work, shape, batch, seq, spec["steps"]))
+            spec["key"] = f"{shape}-{batch}x{seq}-{dropout}-trace"
+            for system in systems:
+                run(row_key, system, "trace", 0, spec)
+            continue
+        runs = [("loss", 0, {**base, "lr": 0.0, "steps": args.loss_steps})] if args.loss_steps else []
         runs += [("speed", r, {**base, "lr": LEARNING_RATE, "steps": steps}) for r in range(args.rounds)]
         for kind, rnd, spec in runs:
             spec["data"] = str(data_file(work, shape, batch, seq, spec["steps"]))
             spec["key"] = f"{shape}-{batch}x{seq}-{dropout}-{kind}"
             order = systems if rnd % 2 == 0 else systems[::-1]
             for system in order:
-                if (row_key, system, kind, rnd) in done:
-                    continue
-                print(f"--- {system}, {kind} run {rnd}", file=sys.stderr, flush=True)
-                result = run_ours(args.qlora, spec, work) if system == "ours" else run_theirs(spec, work)
-                record(row_key, system, kind, rnd, result)
-    report(work, args.warmup, args.loss_tol)
+                run(row_key, system, kind, rnd, spec)
+    report(done_path, args.warmup, args.loss_tol)
 
 
 if __name__ == "__main__":

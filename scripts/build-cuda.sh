@@ -9,8 +9,8 @@
 #   scripts/build-cuda.sh emulate    # build the emulator and the `cuda` test binary, run the emulator's self-tests
 #                                    # and the GPU suite (tests/integration/cuda.rs) on it in the race-check mode;
 #                                    # non-zero exit on any failure (CI runs this)
-#   eval "$(scripts/build-cuda.sh emulate-env)"  # a shell whose $QLORA_CUDA_BIN (the `cuda` qlora) runs on the
-#                                    # emulated device
+#   eval "$(scripts/build-cuda.sh emulate-env)"  # a shell whose $QLORA_CUDA_BIN (the `cuda` qlora) and
+#                                    # $QLORA_CUDA_TESTS (the `cuda` integration tests) run on the emulated device
 #   scripts/build-cuda.sh            # the release `qlora`, the integration-test binary and the transfer counter
 #                                    # (scripts/count_transfers.c) for a real GPU, then how to carry them
 #   scripts/build-cuda.sh check      # compile-check only: every kernel to PTX, `cargo clippy --features nccl`
@@ -210,11 +210,13 @@ case "$mode" in
       setup_env
       setup_link
       cd "$root"
-      cargo build --features nccl --bin qlora
+      # The test build links the `cuda` qlora too.
+      test_bin="$(test_binary nccl)"
       cp "$target/debug/qlora" "$emu/bin/qlora"
     } >&2
     printf 'export LD_LIBRARY_PATH=%q\n' "$emu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     printf 'export QLORA_CUDA_BIN=%q\n' "$emu/bin/qlora"
+    printf 'export QLORA_CUDA_TESTS=%q\n' "$test_bin"
     printf 'export CUDA_EMU_MEMORY=%q\n' "${CUDA_EMU_MEMORY:-16GiB}"
     ;;
   build)
@@ -230,6 +232,8 @@ case "$mode" in
       strip -o "$root/.gpu/${pair##*:}" "${pair%%:*}"
       xz -T0 -6 -f "$root/.gpu/${pair##*:}"
     done
+    # The tests run `qlora` at the path cargo built it to: scripts/gpu-check.sh links it there on the GPU machine.
+    echo "$target/release/qlora" >"$root/.gpu/qlora.path"
     cc -shared -fPIC -O2 -Wall -I"$cupti/include" -I"$CUDA_HOME/include" scripts/count_transfers.c \
       -o "$root/.gpu/libcount_transfers.so" -L"$cupti/lib" -l:libcupti.so."${cuda_version%%.*}"
     cat <<EOF
@@ -238,7 +242,8 @@ they need NVIDIA driver $([ "$cuda_version" = 12.4 ] && echo 550 || echo 580) or
 PyTorch's nvidia-* wheels). On the GPU machine, with the repository as the working directory (the tests read
 tests/data/):
   xz -dkf .gpu/qlora.xz .gpu/integration.xz
-  export LD_LIBRARY_PATH="\$(python3 -c 'import nvidia, os, glob; print(":".join(glob.glob(os.path.dirname(nvidia.__file__) + "/*/lib")))'):\${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="\$(python3 -c 'import nvidia, glob; print(":".join(p for d in nvidia.__path__ for p in glob.glob(d + "/*/lib")))'):\${LD_LIBRARY_PATH:-}"
+  mkdir -p "\$(dirname "\$(cat .gpu/qlora.path)")" && ln -sf "\$PWD/.gpu/qlora" "\$(cat .gpu/qlora.path)"   # the tests run it there
   .gpu/integration cuda:: --test-threads 1
   CUDA_INJECTION64_PATH=.gpu/libcount_transfers.so .gpu/qlora train ...   # prints the host<->device copies at exit
 Carry the folder .gpu (ignored by git) with the working tree, e.g. the device tool's carry: [".gpu"].

@@ -118,6 +118,30 @@ impl Precision {
     }
 }
 
+/// The device a command computes on: CUDA GPU `ordinal` when this build has the `cuda` feature, a GPU answers and
+/// `use_cpu` is off; otherwise the CPU, with a note on stderr naming `what` ("training", "generating") when a GPU was
+/// wanted but none answered. A GPU that answers but cannot run this build's kernels (too old a driver or compute
+/// capability) is an error saying what to do.
+pub fn select_device(use_cpu: bool, ordinal: usize, what: &str) -> Result<Device> {
+    if use_cpu || !cfg!(feature = "cuda") {
+        return Ok(Device::Cpu);
+    }
+    match Device::new_cuda(ordinal) {
+        Ok(device) => {
+            #[cfg(feature = "cuda")]
+            {
+                crate::cuda::check_device(device.as_cuda_device()?)?;
+                check_gpu_capability(device.as_cuda_device()?)?;
+            }
+            Ok(device)
+        }
+        Err(e) => {
+            eprintln!("note: no CUDA GPU answered ({e}); {what} on the CPU");
+            Ok(Device::Cpu)
+        }
+    }
+}
+
 /// Why a GPU of compute capability `device` (major · 10 + minor) running kernels built for compute `build` cannot
 /// compute in `dtype`, or `None` when it can: bfloat16 tensor cores start at 8.0 (A100, A10, L4, RTX 30xx), so a
 /// T4 or V100 — and a build for one (`CUDA_COMPUTE_CAP=75`, which leaves the bf16 kernels out) — trains in float16

@@ -21,7 +21,7 @@ use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedMo
 use candle_qlora::lora::TargetModules;
 use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::optim::OptimizerName;
-use candle_qlora::precision::TorchDtype;
+use candle_qlora::precision::{is_bf16_supported, select_device, TorchDtype};
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
 use candle_qlora::trainer::{evaluate, DpoConfig, RunConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
@@ -376,6 +376,8 @@ fn merge(args: MergeArgs) -> anyhow::Result<()> {
         revision: args.revision.clone(),
         quantize: Some(QuantizeOnLoad::None),
         adapter: Some(args.adapter.clone()),
+        // Merging is exact float32 arithmetic on the host, whatever the build.
+        device: ComputeOn::Cpu,
     };
     let loaded = margs.load()?;
     let dtype = match args.dtype {
@@ -444,18 +446,48 @@ struct ModelArgs {
     /// A PEFT LoRA adapter folder to apply (unmerged).
     #[arg(long, value_parser = folder)]
     adapter: Option<PathBuf>,
+    /// Where to compute: auto = CUDA GPU 0 in bf16 (fp16 where the GPU has no bf16) when this build has the cuda
+    /// feature and a GPU answers, else the CPU in f32; cpu; cuda = GPU 0, or an error.
+    #[arg(long, value_enum, default_value_t = ComputeOn::Auto)]
+    device: ComputeOn,
+}
+
+/// `--device` of the commands that load a model.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ComputeOn {
+    Auto,
+    Cpu,
+    Cuda,
 }
 
 impl ModelArgs {
     fn load(&self) -> anyhow::Result<LoadedModel> {
         let start = std::time::Instant::now();
         let (quantization, why) = self.base_quantization()?;
+        let device = select_device(self.device == ComputeOn::Cpu, 0, "computing")?;
+        if self.device == ComputeOn::Cuda && device.is_cpu() {
+            anyhow::bail!(
+                "--device cuda: no CUDA GPU{}; use --device auto or cpu",
+                match cfg!(feature = "cuda") {
+                    true => " answered",
+                    false =>
+                        " in this build (it has no cuda feature: docs/gpu.md says how to build one)",
+                }
+            );
+        }
+        // As a GPU training run computes (bf16 autocast); the CPU computes in f32, where it is fastest.
+        let compute_dtype = match (device.is_cpu(), is_bf16_supported(&device)) {
+            (true, _) => DType::F32,
+            (false, true) => DType::BF16,
+            (false, false) => DType::F16,
+        };
         let opts = LoadOptions {
             quantization,
-            compute_dtype: DType::F32,
+            compute_dtype,
         };
         let mut loaded = load_model(&self.model, self.revision.as_deref(), &opts)
             .with_context(|| format!("loading model `{}`", self.model))?;
+        loaded.model = loaded.model.to_device(&device)?;
         if let Some(dir) = &self.adapter {
             load_adapter(&mut loaded.model, dir, "default")
                 .with_context(|| format!("loading adapter `{}`", dir.display()))?;
@@ -475,10 +507,14 @@ impl ModelArgs {
             None => "base as stored".to_string(),
         };
         eprintln!(
-            "loaded {} ({} layers, {:.1} MiB of weights; {base}{why}) in {:.1} s",
+            "loaded {} ({} layers, {:.1} MiB of weights; {base}{why}; {}) in {:.1} s",
             loaded.source,
             loaded.model.config().num_hidden_layers,
             loaded.model.weight_bytes() as f64 / (1 << 20) as f64,
+            match device.is_cpu() {
+                true => "on the CPU".to_string(),
+                false => format!("on the GPU, {compute_dtype:?} compute"),
+            },
             start.elapsed().as_secs_f64()
         );
         Ok(loaded)

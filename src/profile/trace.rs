@@ -23,7 +23,8 @@ static EVENTS: Mutex<Vec<TraceEvent>> = Mutex::new(Vec::new());
 /// What the memory counter reads (the trainer's device's bytes in use), while tracing.
 static MEMORY: Mutex<Option<MemoryReader>> = Mutex::new(None);
 
-/// Reads the bytes in use on the traced device.
+/// Reads the bytes in use on the traced device, after waiting for the work queued on it: a GPU runs the work a span
+/// queued after the span's code has returned, so without the wait a span would time the queueing.
 pub type MemoryReader = Box<dyn Fn() -> Option<u64> + Send>;
 
 /// The trace's time origin.
@@ -116,14 +117,21 @@ pub struct Span {
 /// A span named `name` in category `cat`, from now until the guard drops (nothing when tracing is off).
 pub fn span(name: impl Into<Cow<'static, str>>, cat: &'static str) -> Span {
     Span {
-        open: enabled().then(|| (Instant::now(), name.into(), cat)),
+        open: enabled().then(|| (start(), name.into(), cat)),
     }
+}
+
+/// A span's start: after the work queued before it has run (the reader waits for it), so that a span times its own
+/// work only.
+fn start() -> Instant {
+    memory_in_use();
+    Instant::now()
 }
 
 /// [`span`] with a name built only when tracing is on.
 pub fn span_with(name: impl FnOnce() -> String, cat: &'static str) -> Span {
     Span {
-        open: enabled().then(|| (Instant::now(), Cow::Owned(name()), cat)),
+        open: enabled().then(|| (start(), Cow::Owned(name()), cat)),
     }
 }
 
@@ -132,6 +140,9 @@ impl Drop for Span {
         let Some((start, name, cat)) = self.open.take() else {
             return;
         };
+        // The reader waits for the device's queued work first (see `MemoryReader`), so the span ends when its work
+        // has run, not when it was queued.
+        let memory = memory_in_use();
         let end = Instant::now();
         let (ts, end_us) = (now_us(start), now_us(end));
         let mut events = vec![TraceEvent {
@@ -144,7 +155,7 @@ impl Drop for Span {
             tid: 0,
             args: Default::default(),
         }];
-        if let Some(bytes) = memory_in_use() {
+        if let Some(bytes) = memory {
             let mut args = serde_json::Map::new();
             args.insert("bytes".into(), bytes.into());
             events.push(TraceEvent {

@@ -396,3 +396,36 @@ fn a_launch_that_cannot_run_is_refused_before_a_rank_starts() {
         );
     }
 }
+
+/// `--device` of eval and generate: `cpu` computes in float32 on the CPU; `cuda` in a build without the `cuda`
+/// feature is an error saying so, before anything loads. (The GPU suite runs `--device cuda` on a GPU.)
+#[test]
+fn generation_says_where_it_computes() {
+    let model = crate::common::data_path("models/tiny-llama");
+    let model = model.to_str().unwrap();
+    let (ok, said) = qlora(&[
+        "generate",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "2",
+        "--ignore-eos",
+    ]);
+    assert!(ok, "{said}");
+    assert!(said.contains("; on the CPU) in"), "{said}");
+    assert!(said.contains("2 tokens in"), "{said}");
+    if !cfg!(feature = "cuda") {
+        let (ok, said) = qlora(&[
+            "generate", "--model", model, "--device", "cuda", "--prompt", "hello",
+        ]);
+        assert!(!ok);
+        assert!(
+            said.contains("--device cuda: no CUDA GPU in this build"),
+            "{said}"
+        );
+    }
+}

@@ -2074,3 +2074,34 @@ fn ddp_ranks_from_torchrun_variables_resume_exactly_and_stop_when_one_dies() {
     );
     assert!(waited < 30.0, "rank 0 took {waited:.1} s to stop");
 }
+
+/// `qlora generate --device cuda` loads the model onto the GPU in bf16 (fp16 on a GPU without it), as a GPU
+/// training run computes, and generates there; `--device auto` picks the GPU too.
+#[test]
+fn the_command_generates_on_the_gpu() {
+    let model = data_path("models/tiny-llama");
+    let dtype = match candle_qlora::precision::is_bf16_supported(&gpu()) {
+        true => "BF16",
+        false => "F16",
+    };
+    for device in ["cuda", "auto"] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args([
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--device",
+                device,
+            ])
+            .args(["--prompt", "hello", "--max-new-tokens", "3", "--ignore-eos"])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{said}");
+        assert!(
+            said.contains(&format!("; on the GPU, {dtype} compute) in")),
+            "{said}"
+        );
+        assert!(said.contains("3 tokens in"), "{said}");
+    }
+}

@@ -939,8 +939,8 @@ fn tensorboard_reads_back_exactly_the_logged_scalars() {
 
 /// `trace_steps = [2]` writes `trace.json` in Chrome's trace-event format: one `step 2` span, spans that nest
 /// (none overlaps another without containing it), a span per layer in each forward and each checkpointed layer's
-/// recomputation and backward under it, the loss, the optimizer, data loading and the checkpoint, memory
-/// counters, and top-level spans whose durations add up to the step (90% of it at least: the glue between
+/// recomputation and backward under it, our ops' forwards and backwards inside, the loss, the optimizer, data
+/// loading and the checkpoint, memory counters, and top-level spans whose durations add up to the step (90% of it at least: the glue between
 /// them is not traced).
 #[test]
 fn step_traces_nest_and_add_up_to_the_step() {
@@ -997,6 +997,10 @@ fn step_traces_nest_and_add_up_to_the_step() {
     }
     assert_eq!(count("optimizer", "optimizer"), 1);
     assert_eq!(count("checkpoint", "checkpoint"), 1);
+    // Our ops inside the layers, forward and backward: the LoRA linears and the norms.
+    for op in ["low-rank-linear", "rms-norm"] {
+        assert!(count(op, "op") > 0 && count(op, "op backward") > 0, "{op}");
+    }
     assert!(events
         .iter()
         .any(|e| e["ph"] == "C" && e["args"]["bytes"].as_u64().is_some_and(|b| b > 0)));

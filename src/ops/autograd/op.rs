@@ -6,6 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::profile::context as snapshot_context;
+use crate::profile::trace;
 
 use candle_core::op::BackpropOp;
 use candle_core::{
@@ -167,6 +168,12 @@ fn contiguous_copy(storage: &CpuStorage, layout: &Layout) -> Result<CpuStorage> 
 // Candle's custom-op traits, one per arity: the forward hands over the value, the backward calls `Op::bwd` on
 // detached tensors.
 
+/// An op's scope: its name in the memory snapshot's context and, while a step is traced, a span of the trace
+/// (category `cat`: "op" for the forward, "op backward").
+fn op_scope(name: &'static str, cat: &'static str) -> (snapshot_context::Scope, trace::Span) {
+    (snapshot_context::op(name), trace::span(name, cat))
+}
+
 impl<O: Op<1>> CustomOp1 for Node<O> {
     fn name(&self) -> &'static str {
         O::NAME
@@ -183,7 +190,7 @@ impl<O: Op<1>> CustomOp1 for Node<O> {
         self.take_cuda(O::NAME)
     }
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let _op = snapshot_context::op(O::NAME);
+        let _op = op_scope(O::NAME, "op backward");
         let [gx] = self
             .op
             .bwd_with_output([&x.detach()], &res.detach(), &grad.detach(), [true])?;
@@ -221,7 +228,7 @@ impl<O: Op<2>> CustomOp2 for Node<O> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let _op = snapshot_context::op(O::NAME);
+        let _op = op_scope(O::NAME, "op backward");
         let needs = [a.track_op(), b.track_op()];
         let inputs = [&a.detach(), &b.detach()];
         let [ga, gb] = self
@@ -266,7 +273,7 @@ impl<O: Op<3>> CustomOp3 for Node<O> {
         res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let _op = snapshot_context::op(O::NAME);
+        let _op = op_scope(O::NAME, "op backward");
         let needs = [a.track_op(), b.track_op(), c.track_op()];
         let inputs = [&a.detach(), &b.detach(), &c.detach()];
         let [ga, gb, gc] = self
@@ -279,7 +286,7 @@ impl<O: Op<3>> CustomOp3 for Node<O> {
 impl<O: Op<1>> Apply<1> for O {
     fn apply(mut self, [x]: [&Tensor; 1]) -> Result<Tensor> {
         let value = {
-            let _op = snapshot_context::op(O::NAME);
+            let _op = op_scope(O::NAME, "op");
             self.fwd([x])?
         };
         if !x.track_op() {
@@ -292,7 +299,7 @@ impl<O: Op<1>> Apply<1> for O {
 impl<O: Op<2>> Apply<2> for O {
     fn apply(mut self, [a, b]: [&Tensor; 2]) -> Result<Tensor> {
         let value = {
-            let _op = snapshot_context::op(O::NAME);
+            let _op = op_scope(O::NAME, "op");
             self.fwd([a, b])?
         };
         if !a.track_op() && !b.track_op() {
@@ -305,7 +312,7 @@ impl<O: Op<2>> Apply<2> for O {
 impl<O: Op<3>> Apply<3> for O {
     fn apply(mut self, [a, b, c]: [&Tensor; 3]) -> Result<Tensor> {
         let value = {
-            let _op = snapshot_context::op(O::NAME);
+            let _op = op_scope(O::NAME, "op");
             self.fwd([a, b, c])?
         };
         if !a.track_op() && !b.track_op() && !c.track_op() {

@@ -52,7 +52,11 @@ impl Trainer {
                 let next = self.state.global_step + 1;
                 let device = self.model.device().clone();
                 let tracing = trace::trace_if(run.args.trace_steps.contains(&next), || {
-                    Box::new(move || crate::memory::stats(&device).allocated)
+                    Box::new(move || {
+                        // Spans of a traced step time the device's work (a GPU runs it asynchronously).
+                        device.synchronize().ok()?;
+                        crate::memory::stats(&device).allocated
+                    })
                 });
                 let step_span = trace::span_with(|| format!("step {next}"), "step");
                 let entry = self.step(&mut run, window, first_micro, epoch_done)?;

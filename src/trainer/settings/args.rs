@@ -329,25 +329,12 @@ impl TrainingArguments {
     /// off; otherwise the CPU (with a note on stderr when a GPU was wanted but none answered). A GPU that answers
     /// but cannot run this build's kernels (too old a driver or compute capability) is an error saying what to do.
     pub fn device(&self) -> Result<candle_core::Device> {
-        if self.use_cpu || !cfg!(feature = "cuda") {
-            return Ok(candle_core::Device::Cpu);
-        }
         // A rank of a distributed run trains on the GPU of its LOCAL_RANK.
-        let ordinal = WorldEnv::from_env()?.map_or(0, |w| w.local_rank);
-        match candle_core::Device::new_cuda(ordinal) {
-            Ok(device) => {
-                #[cfg(feature = "cuda")]
-                {
-                    crate::cuda::check_device(device.as_cuda_device()?)?;
-                    crate::precision::check_gpu_capability(device.as_cuda_device()?)?;
-                }
-                Ok(device)
-            }
-            Err(e) => {
-                eprintln!("note: no CUDA GPU answered ({e}); training on the CPU");
-                Ok(candle_core::Device::Cpu)
-            }
-        }
+        let ordinal = match self.use_cpu || !cfg!(feature = "cuda") {
+            true => 0,
+            false => WorldEnv::from_env()?.map_or(0, |w| w.local_rank),
+        };
+        crate::precision::select_device(self.use_cpu, ordinal, "training")
     }
 
     /// Reads the `[training]` table; `path` names the file in errors.
