@@ -16,7 +16,7 @@ use crate::ops::autograd::op::Value;
 const THREADS: u32 = 128;
 /// Query rows per forward block, keys per backward block (16 per warp); queries per backward tile.
 const FWD_ROWS: usize = 64;
-const FWD_KEYS: usize = 32;
+const FWD_KEYS: usize = 64;
 const BWD_KEYS: usize = 64;
 const BWD_QUERIES: usize = 32;
 
@@ -32,7 +32,7 @@ pub(super) fn applies(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> bool {
 }
 
 /// Whether both kernels' tiles for head dim `d` fit the GPU's shared memory per block (with the opt-in): a T4
-/// (64 KiB) has no room for the backward's tiles of heads of 128 (82 KiB), which then take the composed path.
+/// (64 KiB) has no room for the backward's tiles of heads of 128 (67 KiB), which then take the composed path.
 fn tiles_fit(q: &Tensor, d: usize) -> bool {
     use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
     let Ok(device) = device_of(q) else {
@@ -46,15 +46,19 @@ fn tiles_fit(q: &Tensor, d: usize) -> bool {
     fwd_shared_bytes(d).max(bwd_shared_bytes(d)) <= limit
 }
 
-/// Dynamic shared memory of the forward kernel for head dim `d` (the layout at the top of `attn_fwd`).
+/// Dynamic shared memory of the forward kernel for head dim `d` (the layout at the top of `attn_fwd`; the score
+/// and probability tiles' rows are padded by 4 floats and 8 halves against bank conflicts).
 fn fwd_shared_bytes(d: usize) -> usize {
-    (FWD_ROWS * d + 2 * FWD_KEYS * d) * 2 + FWD_ROWS * FWD_KEYS * 4 + FWD_ROWS * FWD_KEYS * 2
+    (FWD_ROWS * d + 2 * FWD_KEYS * d) * 2
+        + FWD_ROWS * (FWD_KEYS + 4) * 4
+        + FWD_ROWS * (FWD_KEYS + 8) * 2
 }
 
-/// Dynamic shared memory of the backward kernel for head dim `d` (the layout at the top of `attn_bwd`).
+/// Dynamic shared memory of the backward kernel for head dim `d` (the layout at the top of `attn_bwd`, padded as
+/// the forward's).
 fn bwd_shared_bytes(d: usize) -> usize {
-    let halves = 2 * BWD_KEYS * d + 2 * BWD_QUERIES * d + 2 * BWD_KEYS * BWD_QUERIES;
-    let floats = 4 * 16 * BWD_QUERIES + 2 * BWD_QUERIES + BWD_QUERIES * d;
+    let halves = 2 * BWD_KEYS * d + 2 * BWD_QUERIES * d + 2 * BWD_KEYS * (BWD_QUERIES + 8);
+    let floats = 4 * 16 * (BWD_QUERIES + 4) + 2 * BWD_QUERIES;
     halves * 2 + floats * 4
 }
 
