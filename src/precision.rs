@@ -119,7 +119,7 @@ impl Precision {
 }
 
 /// The device a command computes on: CUDA GPU `ordinal` when this build has the `cuda` feature, a GPU answers and
-/// `use_cpu` is off; otherwise the CPU, with a note on stderr naming `what` ("training", "generating") when a GPU was
+/// `use_cpu` is off; otherwise the CPU, with a note on stderr naming `what` ("training", "computing") when a GPU was
 /// wanted but none answered. A GPU that answers but cannot run this build's kernels (too old a driver or compute
 /// capability) is an error saying what to do.
 pub fn select_device(use_cpu: bool, ordinal: usize, what: &str) -> Result<Device> {
