@@ -102,6 +102,13 @@ struct EstimateCliArgs {
     /// checkpointing, as `activation_memory_budget_mib` in a run config).
     #[arg(long = "activation-memory-budget-mib")]
     activation_memory_budget_mib: Option<f64>,
+    /// Tiled MLP (`tiled_mlp` in a run config): the MLP runs over slices of the tokens.
+    #[arg(long = "tiled-mlp")]
+    tiled_mlp: bool,
+    /// A GPU's memory (e.g. 24GiB, 80GB): also print the longest sequence whose estimated peak fits in 91% of it,
+    /// for these settings and with --tiled-mlp (JSON: max_seq_len, max_seq_len_tiled_mlp).
+    #[arg(long = "gpu-memory", value_parser = memory_size)]
+    gpu_memory: Option<u64>,
     /// Base weights: NF4 (QLoRA) or the compute dtype (LoRA).
     #[arg(long, value_enum, default_value = "nf4")]
     quantize: QuantizeArg,
@@ -124,7 +131,9 @@ struct EstimateCliArgs {
 }
 
 fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
-    use candle_qlora::memory::{comparison, human_bytes, DeviceKind, EstimateArgs};
+    use candle_qlora::memory::{
+        comparison, human_bytes, max_seq_len, DeviceKind, EstimateArgs, USABLE_GPU_MEMORY,
+    };
     // What `train` refuses has no estimate either: the same rule as its ranks'.
     if let Some(why) = args
         .dpo
@@ -149,6 +158,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         optim: args.optim,
         gradient_checkpointing: args.gradient_checkpointing,
         activation_memory_budget_mib: args.activation_memory_budget_mib,
+        tiled_mlp: args.tiled_mlp,
         quantize: matches!(args.quantize, QuantizeArg::Nf4),
         device: match args.device {
             DeviceArg::Cpu => DeviceKind::Cpu,
@@ -160,8 +170,30 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;
+    // The longest sequences that fit --gpu-memory: as asked, and with the MLP tiled.
+    let longest = match args.gpu_memory {
+        Some(memory) => {
+            let usable = (memory as f64 * USABLE_GPU_MEMORY) as u64;
+            let tiled = EstimateArgs {
+                tiled_mlp: true,
+                ..request.clone()
+            };
+            Some((
+                memory,
+                usable,
+                max_seq_len(&config, &request, usable)?,
+                max_seq_len(&config, &tiled, usable)?,
+            ))
+        }
+        None => None,
+    };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(asked)?);
+        let mut json = serde_json::to_value(asked)?;
+        if let Some((_, _, plain, tiled)) = longest {
+            json["max_seq_len"] = serde_json::json!(plain);
+            json["max_seq_len_tiled_mlp"] = serde_json::json!(tiled);
+        }
+        println!("{}", serde_json::to_string_pretty(&json)?);
         return Ok(());
     }
     println!(
@@ -210,6 +242,18 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             d.buckets,
             human_bytes(d.bytes_sent_per_gpu),
             d.bytes_sent_per_gpu as f64 / 100e9 * 1e3,
+        );
+    }
+    if let Some((memory, usable, plain, tiled)) = longest {
+        let tokens = |n: Option<usize>| n.map_or("none".to_string(), |n| format!("{n} tokens"));
+        println!(
+            "\nlongest sequence (per row, batch {}) whose estimated peak fits {} of {}: {} as asked; {} with \
+             --tiled-mlp",
+            args.batch,
+            human_bytes(usable),
+            human_bytes(memory),
+            tokens(plain),
+            tokens(tiled),
         );
     }
     println!("\nassumed:");
@@ -613,6 +657,39 @@ fn count(text: &str) -> Result<usize, String> {
         Ok(n) => usize::try_from(n)
             .map_err(|_| format!("{n} is out of range: give a whole number, 1 or more")),
         Err(_) => Err(format!("`{text}` is not a whole number (give 1 or more)")),
+    }
+}
+
+/// `--gpu-memory`: bytes, with a binary (KiB, MiB, GiB, TiB) or decimal (KB, MB, GB, TB) unit, or none (bytes).
+fn memory_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = (&t[..split], t[split..].trim());
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "mib" => 1024f64.powi(2),
+        "gib" => 1024f64.powi(3),
+        "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (give e.g. 24GiB, 80GB or a number of bytes)"
+            ))
+        }
+    };
+    match number.parse::<f64>() {
+        Ok(n) if n > 0.0 && (n * scale).is_finite() && n * scale < u64::MAX as f64 => {
+            Ok((n * scale) as u64)
+        }
+        _ => Err(format!(
+            "`{text}` is not a memory size (give e.g. 24GiB, 80GB or a number of bytes, more than 0)"
+        )),
     }
 }
 

@@ -7,7 +7,7 @@ use serde::Serialize;
 use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{LoraConfig, TargetModules};
-use crate::models::ModelConfig;
+use crate::models::{mlp_slice_rows, ModelConfig};
 use crate::ops::attention::{CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
 use crate::optim::OptimizerName;
@@ -42,6 +42,9 @@ pub struct EstimateArgs {
     /// Memory-aware checkpointing: the last layers keep their activations while they fit in this many MiB
     /// (`TrainingArguments::activation_memory_budget_mib`).
     pub activation_memory_budget_mib: Option<f64>,
+    /// Tiled MLP (`TrainingArguments::tiled_mlp`): each layer's MLP runs over slices of the micro-batch's tokens,
+    /// so its intermediates and their gradients exist for one slice at a time and a layer saves only its input.
+    pub tiled_mlp: bool,
     /// NF4 base (QLoRA) instead of a base in the compute dtype (LoRA).
     pub quantize: bool,
     /// Device.
@@ -144,6 +147,9 @@ impl EstimateArgs {
         if let Some(budget) = self.activation_memory_budget_mib {
             flags += &format!(" --activation-memory-budget-mib {budget}");
         }
+        if self.tiled_mlp {
+            flags += " --tiled-mlp";
+        }
         flags += &format!(
             " --quantize {} --device {} --dtype {}",
             if self.quantize { "nf4" } else { "none" },
@@ -173,6 +179,7 @@ impl Default for EstimateArgs {
             optim: OptimizerName::PagedAdamW8bit,
             gradient_checkpointing: false,
             activation_memory_budget_mib: None,
+            tiled_mlp: false,
             quantize: true,
             device: DeviceKind::Cpu,
             dtype: None,
@@ -513,15 +520,27 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     let tokens = (args.batch * args.seq) as u64;
     let (h, hq, _, i) = widths(c);
     let layer_elements = layer_elements_per_token(c, args.device);
-    let layer = layer_elements * tokens * dtype_bytes;
+    // A tiled MLP keeps its gate, up and activation outputs (3·i a token) for one slice of `slice` tokens, while
+    // it runs that slice's forward and backward, instead of for every token.
+    let slice = match args.tiled_mlp {
+        true => mlp_slice_rows(tokens as usize, c.hidden_size) as u64,
+        false => tokens,
+    };
+    let untiled_elements = layer_elements - if args.tiled_mlp { 3 * i } else { 0 };
+    let layer = untiled_elements * tokens * dtype_bytes;
+    let mlp_slice = if args.tiled_mlp {
+        3 * i * slice * dtype_bytes
+    } else {
+        0
+    };
     let gradients_in_flight = match args.device {
         // The MLP's backward is the widest moment: the SwiGLU, gate and up gradients, each added by Candle into a
         // zeroed accumulator of its own (one of which is live at a time), and three hidden-state gradients.
-        DeviceKind::Cpu => 4 * i + 3 * h,
-        // As measured on an H100, where the layer keeps each projection's output too.
-        DeviceKind::Cuda => layer_elements / 2,
-    } * tokens
-        * dtype_bytes;
+        DeviceKind::Cpu => 4 * i * slice + 3 * h * tokens,
+        // As measured on an H100, where the layer keeps each projection's output too (half of the MLP's part for
+        // a slice when it is tiled).
+        DeviceKind::Cuda => (layer_elements / 2).saturating_sub(2 * i) * tokens + 2 * i * slice,
+    } * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
         let kept = kept_layers(
@@ -531,13 +550,13 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
             dtype_bytes,
             args.activation_memory_budget_mib,
         ) as u64;
-        let recomputed = if kept < layers { layer } else { 0 };
+        let recomputed = if kept < layers { layer + mlp_slice } else { 0 };
         (
             (layers - kept) * tokens * h * dtype_bytes + kept * layer,
             recomputed,
         )
     } else {
-        (layers * layer, 0)
+        (layers * layer, mlp_slice)
     };
     let embeddings_and_final_norm = 2 * tokens * h * dtype_bytes;
     let attention_kernels =
@@ -571,6 +590,44 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         }
     };
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
+}
+
+/// The share of a GPU's memory an estimated peak may take in [`max_seq_len`]: the rest is left for allocator
+/// fragmentation and what the estimate does not count (21.8 GiB of a 24 GiB card).
+pub const USABLE_GPU_MEMORY: f64 = 0.91;
+
+/// The longest sequence (tokens per row, the other arguments as given) whose estimated peak is at most `bytes`;
+/// `None` when not even one token fits. The estimate grows with the length (memory-aware checkpointing keeps fewer
+/// layers as rows grow, so it can step back by one layer's tensors, which the search may miss), and the search
+/// halves the range of lengths until one is left.
+pub fn max_seq_len(
+    c: &ModelConfig,
+    args: &EstimateArgs,
+    bytes: u64,
+) -> crate::Result<Option<usize>> {
+    let fits = |seq: usize| -> crate::Result<bool> {
+        let at = EstimateArgs {
+            seq,
+            ..args.clone()
+        };
+        Ok(estimate(c, &at)?.total_bytes <= bytes)
+    };
+    if !fits(1)? {
+        return Ok(None);
+    }
+    let (mut lo, mut hi) = (1, MAX_ESTIMATE_TOKENS / args.batch.max(1));
+    if fits(hi)? {
+        return Ok(Some(hi));
+    }
+    // fits(lo) and not fits(hi).
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match fits(mid)? {
+            true => lo = mid,
+            false => hi = mid,
+        }
+    }
+    Ok(Some(lo))
 }
 
 fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate {
@@ -679,6 +736,15 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
         },
     ];
+    if args.tiled_mlp {
+        let tokens = args.batch * args.seq;
+        let slice = mlp_slice_rows(tokens, c.hidden_size);
+        assumptions.push(format!(
+            "tiled MLP: {} slices of at most {slice} tokens; a layer saves its MLP's input only, and the MLP's \
+             intermediates and their gradients exist for one slice at a time",
+            tokens.div_ceil(slice)
+        ));
+    }
     let routing = Routing::of(c, (args.batch * args.seq) as u64);
     if let (Some(r), Some(m)) = (&routing, &c.moe) {
         assumptions.push(format!(
@@ -1007,6 +1073,7 @@ mod tests {
             target_modules: None,
             gradient_checkpointing: true,
             activation_memory_budget_mib: Some(512.0),
+            tiled_mlp: true,
             device: DeviceKind::Cuda,
             world_size: 2,
             preference: true,
@@ -1015,7 +1082,7 @@ mod tests {
         assert_eq!(
             args.flags().unwrap(),
             "--batch 4 --seq 58 --lora-r 16 --target-modules q_proj,v_proj --optim paged_adamw_8bit \
-             --gradient-checkpointing --activation-memory-budget-mib 512 --quantize nf4 --device cuda \
+             --gradient-checkpointing --activation-memory-budget-mib 512 --tiled-mlp --quantize nf4 --device cuda \
              --dtype bfloat16 --world-size 2 --dpo"
         );
         assert_eq!(
@@ -1028,6 +1095,71 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(regex.flags(), None);
+    }
+
+    /// A tiled MLP keeps its intermediates (3 · 11,008 a token) and, on CUDA, its share of the gradients in flight
+    /// (2 · 11,008) for one slice of at most 4,096 tokens instead of all of them: at 32,768 tokens, checkpointed,
+    /// the activations drop by exactly 5 · 11,008 · (32,768 − 4,096) bf16 elements, and the assumptions say so.
+    #[test]
+    fn a_tiled_mlp_holds_one_slice_of_intermediates() {
+        let c = llama2_7b();
+        let args = |tiled_mlp: bool| EstimateArgs {
+            seq: 32_768,
+            gradient_checkpointing: true,
+            device: DeviceKind::Cuda,
+            tiled_mlp,
+            ..Default::default()
+        };
+        let (plain, tiled) = (
+            estimate(&c, &args(false)).unwrap(),
+            estimate(&c, &args(true)).unwrap(),
+        );
+        assert_eq!(
+            plain.activations_bytes - tiled.activations_bytes,
+            5 * 11_008 * (32_768 - 4_096) * 2
+        );
+        assert_eq!(
+            plain.total_bytes - tiled.total_bytes,
+            plain.activations_bytes - tiled.activations_bytes
+        );
+        assert!(
+            tiled
+                .assumptions
+                .iter()
+                .any(|a| a.contains("tiled MLP: 8 slices of at most 4096 tokens")),
+            "{:?}",
+            tiled.assumptions
+        );
+    }
+
+    /// `max_seq_len` finds the boundary: the length it returns fits, one more token does not; none fits a budget
+    /// below the weights; the tiled MLP fits a longer one.
+    #[test]
+    fn the_longest_sequence_that_fits_is_the_boundary() {
+        let c = llama2_7b();
+        let args = EstimateArgs {
+            gradient_checkpointing: true,
+            device: DeviceKind::Cuda,
+            ..Default::default()
+        };
+        let budget = (21.8 * GIB) as u64;
+        let total = |a: &EstimateArgs, seq: usize| {
+            estimate(&c, &EstimateArgs { seq, ..a.clone() })
+                .unwrap()
+                .total_bytes
+        };
+        let longest = max_seq_len(&c, &args, budget).unwrap().unwrap();
+        assert!(total(&args, longest) <= budget && total(&args, longest + 1) > budget);
+        let tiled = EstimateArgs {
+            tiled_mlp: true,
+            ..args.clone()
+        };
+        let longest_tiled = max_seq_len(&c, &tiled, budget).unwrap().unwrap();
+        assert!(longest_tiled > longest, "{longest_tiled} vs {longest}");
+        assert!(
+            total(&tiled, longest_tiled) <= budget && total(&tiled, longest_tiled + 1) > budget
+        );
+        assert_eq!(max_seq_len(&c, &args, 1 << 30).unwrap(), None);
     }
 
     fn llama2_7b() -> ModelConfig {

@@ -15,8 +15,8 @@ pub mod timeline;
 
 pub use allocator::{keep_freed_memory, TrackingAllocator};
 pub use estimate::{
-    comparison, estimate, kept_layers, DataParallel, DeviceKind, Estimate, EstimateArgs, Regime,
-    RunEstimate, DDP_BUCKET_CAP_MB,
+    comparison, estimate, kept_layers, max_seq_len, DataParallel, DeviceKind, Estimate,
+    EstimateArgs, Regime, RunEstimate, DDP_BUCKET_CAP_MB, USABLE_GPU_MEMORY,
 };
 pub use heap::{allocated, tracking};
 pub use stats::{

@@ -96,7 +96,7 @@ impl Run {
 impl Trainer {
     /// What `qlora estimate` predicts for this run's longest micro-batch (drawn on the memory chart): its batch and
     /// longest example, the adapter's rank and target modules, optimizer, checkpointing and its activation budget,
-    /// base, device and compute dtype. `None` when the estimate refuses the sizes.
+    /// the tiled MLP, base, device and compute dtype. `None` when the estimate refuses the sizes.
     fn run_estimate(&self, args: &TrainingArguments, world_size: usize) -> Option<RunEstimate> {
         let lora = self.model.adapter_configs.get(ADAPTER)?;
         let quantize = self
@@ -112,6 +112,7 @@ impl Trainer {
             optim: args.optim,
             gradient_checkpointing: args.checkpointing(),
             activation_memory_budget_mib: args.activation_memory_budget_mib,
+            tiled_mlp: args.tiled_mlp,
             quantize,
             device: if self.model.device().is_cpu() {
                 DeviceKind::Cpu
