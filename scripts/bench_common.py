@@ -1,8 +1,13 @@
-"""Pieces the CPU bench scripts share: what a benchmark ran on, and the transformers (+ bitsandbytes) peer model."""
+"""Pieces the bench scripts share: what a benchmark ran on, the transformers (+ bitsandbytes) peer model, and the
+line `qlora generate` ends with."""
 
 import importlib.metadata
 import os
 import platform
+import re
+
+# The line `qlora generate` prints at its end: new tokens, seconds of its generation call, tokens/s.
+OURS_GENERATE_LINE = re.compile(r"^(\d+) tokens in ([0-9.]+) s \(([0-9.]+) tokens/s\)$", re.M)
 
 
 def machine_info(packages: tuple[str, ...]) -> dict:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import shutil
 import statistics
@@ -61,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import load_causal_lm, machine_info
+from bench_common import OURS_GENERATE_LINE, load_causal_lm, machine_info
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_MODEL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +78,6 @@ LLAMA_1B = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
 }
-OURS_LINE = re.compile(r"^(\d+) tokens in ([0-9.]+) s \(([0-9.]+) tokens/s\)$", re.M)
 
 
 def parse_args() -> argparse.Namespace:
@@ -288,7 +286,7 @@ def generate_once(system: str, model_dir: Path, args: argparse.Namespace) -> dic
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             raise SystemExit(f"{system} failed:\n{p.stderr}")
-        m = OURS_LINE.search(p.stderr)
+        m = OURS_GENERATE_LINE.search(p.stderr)
         if not m or int(m.group(1)) != args.new_tokens:
             raise SystemExit(f"{system}: no '{args.new_tokens} tokens in ...' line in:\n{p.stderr}")
         tokens, seconds = int(m.group(1)), float(m.group(2))

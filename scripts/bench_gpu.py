@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -63,6 +62,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import OURS_GENERATE_LINE  # noqa: E402
 from bench_vs_peft import run_child, toml_str  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -374,9 +374,6 @@ def run_theirs(spec: dict, work: Path) -> dict | None:
 # Decoding: greedy NF4 generation of the same prompt ids, exactly --new-tokens tokens
 # ----------------------------------------------------------------------------------------------------------------
 
-OURS_DECODE_LINE = re.compile(r"^(\d+) tokens in ([0-9.]+) s \(([0-9.]+) tokens/s\)$", re.M)
-
-
 def decode_prompt(shape: str) -> str:
     rng = random.Random(SEED + 1)
     return " ".join(f"w{rng.randrange(SHAPES[shape]['vocab_size'])}" for _ in range(32))
@@ -393,7 +390,7 @@ def decode_ours(qlora: Path, spec: dict) -> dict | None:
     generate(2)
     p = generate(spec["new_tokens"])
     sys.stderr.write(p.stderr[-2000:])
-    m = OURS_DECODE_LINE.search(p.stderr)
+    m = OURS_GENERATE_LINE.search(p.stderr)
     if p.returncode != 0 or not m:
         print(f"ours: `qlora generate` failed (exit code {p.returncode})", file=sys.stderr)
         return None

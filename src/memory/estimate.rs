@@ -537,9 +537,9 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         // The MLP's backward is the widest moment: the SwiGLU, gate and up gradients, each added by Candle into a
         // zeroed accumulator of its own (one of which is live at a time), and three hidden-state gradients.
         DeviceKind::Cpu => 4 * i * slice + 3 * h * tokens,
-        // As measured on an H100, where the layer keeps each projection's output too (half of the MLP's part for
-        // a slice when it is tiled).
-        DeviceKind::Cuda => (layer_elements / 2).saturating_sub(2 * i) * tokens + 2 * i * slice,
+        // As measured on an H100, where the layer keeps each projection's output too; a tiled MLP's share of it
+        // (2·i a token) is held for one slice.
+        DeviceKind::Cuda => (layer_elements / 2 * tokens).saturating_sub(2 * i * (tokens - slice)),
     } * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {

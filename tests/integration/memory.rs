@@ -10,12 +10,27 @@ use candle_qlora::quant::QuantConfig;
 
 use crate::common::data_path;
 
-/// `qlora train --config config`, run to its end.
-fn qlora_train(config: &Path) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+/// `qlora train --config config` with `extra` arguments and `env`, run to its end (a failure panics with its
+/// stderr): its stderr, and the memory timeline it wrote to `out_dir`.
+fn train_timeline(
+    config: &Path,
+    extra: &[String],
+    env: &[(&str, &str)],
+    out_dir: &Path,
+) -> (String, serde_json::Value) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
         .args(["train", "--config", config.to_str().unwrap()])
+        .args(extra)
+        .envs(env.iter().copied())
         .output()
-        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{text}");
+    let timeline =
+        std::fs::read_to_string(out_dir.join("memory_timeline.json")).unwrap_or_else(|e| {
+            panic!("{}: {e}", out_dir.display());
+        });
+    (text, serde_json::from_str(&timeline).unwrap())
 }
 
 /// The NF4 SmolLM2's base-weight bytes are 4.127 bits per quantized parameter plus the unquantized tensors, and
@@ -77,17 +92,11 @@ fn the_trainer_records_where_memory_goes() {
         ),
     )
     .unwrap();
-    let out = qlora_train(&config);
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    let (text, timeline) = train_timeline(&config, &[], &[], &dir.path().join("out"));
     assert!(
         text.contains("peak memory") && text.contains("activations"),
         "{text}"
     );
-    let timeline: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("out/memory_timeline.json")).unwrap(),
-    )
-    .unwrap();
     assert_eq!(timeline["source"], "heap");
     let phases: Vec<&str> = timeline["samples"]
         .as_array()
@@ -142,20 +151,8 @@ fn micro_batches_do_not_keep_each_others_activations() {
     .unwrap();
     // One worker thread: the matrix kernels keep a scratch buffer per thread, made the first time a thread
     // multiplies, which on a loaded machine can be a thread that first works in a later micro-batch.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-        .args(["train", "--config", config.to_str().unwrap()])
-        .env("RAYON_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let timeline: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("out/memory_timeline.json")).unwrap(),
-    )
-    .unwrap();
+    let one_thread = [("RAYON_NUM_THREADS", "1")];
+    let (_, timeline) = train_timeline(&config, &[], &one_thread, &dir.path().join("out"));
     // Live bytes at the end of micro-batch `k`'s forward.
     let live = |k: u64| {
         let samples = timeline["samples"].as_array().unwrap();
@@ -205,11 +202,7 @@ fn the_charts_estimate_is_qlora_estimates_for_the_runs_settings() {
         ),
     )
     .unwrap();
-    let text = crate::families::qlora(&["train", "--config", config.to_str().unwrap()]);
-    let timeline: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("out/memory_timeline.json")).unwrap(),
-    )
-    .unwrap();
+    let (text, timeline) = train_timeline(&config, &[], &[], &dir.path().join("out"));
     let drawn = timeline["estimate"]["prediction"]["total_bytes"]
         .as_u64()
         .unwrap();
@@ -524,27 +517,16 @@ fn tiled_mlp_lowers_the_activation_peak_at_a_longer_sequence() {
     .unwrap();
     let peak = |tiled: bool, checkpointing: bool| {
         let out_dir = dir.path().join(format!("out-{tiled}-{checkpointing}"));
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
-            .args(["train", "--config", config.to_str().unwrap(), "--set"])
-            .arg(format!("training.tiled_mlp={tiled}"))
-            .arg("--set")
-            .arg(format!("training.gradient_checkpointing={checkpointing}"))
-            .arg("--set")
-            .arg(format!(
-                "training.output_dir={:?}",
-                out_dir.to_str().unwrap()
-            ))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let timeline: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(out_dir.join("memory_timeline.json")).unwrap(),
-        )
-        .unwrap();
+        let settings = [
+            format!("training.tiled_mlp={tiled}"),
+            format!("training.gradient_checkpointing={checkpointing}"),
+            format!("training.output_dir={:?}", out_dir.to_str().unwrap()),
+        ];
+        let extra: Vec<String> = settings
+            .into_iter()
+            .flat_map(|s| ["--set".to_string(), s])
+            .collect();
+        let (_, timeline) = train_timeline(&config, &extra, &[], &out_dir);
         let estimated = timeline["estimate"]["prediction"]["activations_bytes"]
             .as_f64()
             .unwrap();
