@@ -105,8 +105,14 @@ struct EstimateCliArgs {
     /// Tiled MLP (`tiled_mlp` in a run config): the MLP runs over slices of the tokens.
     #[arg(long = "tiled-mlp")]
     tiled_mlp: bool,
+    /// Activation offload (`activation_offloading` in a run config; with --gradient-checkpointing): the recomputed
+    /// layers' inputs wait in pinned host memory (counted apart: JSON host_bytes).
+    #[arg(long = "activation-offloading")]
+    activation_offloading: bool,
     /// A GPU's memory (e.g. 24GiB, 80GB): also print the longest sequence whose estimated peak fits in 91% of it,
-    /// for these settings and with --tiled-mlp (JSON: max_seq_len, max_seq_len_tiled_mlp).
+    /// for these settings, with --tiled-mlp, with --activation-offloading and with both (JSON: max_seq_len,
+    /// max_seq_len_tiled_mlp, max_seq_len_offloaded, max_seq_len_offloaded_tiled_mlp, and the host bytes the
+    /// offload pins at those lengths).
     #[arg(long = "gpu-memory", value_parser = memory_size)]
     gpu_memory: Option<u64>,
     /// Base weights: NF4 (QLoRA) or the compute dtype (LoRA).
@@ -132,7 +138,7 @@ struct EstimateCliArgs {
 
 fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     use candle_qlora::memory::{
-        comparison, human_bytes, max_seq_len, DeviceKind, EstimateArgs, USABLE_GPU_MEMORY,
+        comparison, estimate, human_bytes, max_seq_len, DeviceKind, EstimateArgs, USABLE_GPU_MEMORY,
     };
     // What `train` refuses has no estimate either: the same rule as its ranks'.
     if let Some(why) = args
@@ -159,6 +165,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         gradient_checkpointing: args.gradient_checkpointing,
         activation_memory_budget_mib: args.activation_memory_budget_mib,
         tiled_mlp: args.tiled_mlp,
+        activation_offloading: args.activation_offloading,
         quantize: matches!(args.quantize, QuantizeArg::Nf4),
         device: match args.device {
             DeviceArg::Cpu => DeviceKind::Cpu,
@@ -170,28 +177,45 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;
-    // The longest sequences that fit --gpu-memory: as asked, and with the MLP tiled.
+    // The longest sequences that fit --gpu-memory: as asked, with the MLP tiled, with the layer inputs offloaded
+    // (checkpointed; on CUDA only) and with both.
     let longest = match args.gpu_memory {
         Some(memory) => {
             let usable = (memory as f64 * USABLE_GPU_MEMORY) as u64;
-            let tiled = EstimateArgs {
-                tiled_mlp: true,
-                ..request.clone()
-            };
-            Some((
-                memory,
-                usable,
-                max_seq_len(&config, &request, usable)?,
-                max_seq_len(&config, &tiled, usable)?,
-            ))
+            let mut rows = Vec::new();
+            for (key, tiled, offload) in [
+                ("max_seq_len", false, false),
+                ("max_seq_len_tiled_mlp", true, false),
+                ("max_seq_len_offloaded", false, true),
+                ("max_seq_len_offloaded_tiled_mlp", true, true),
+            ] {
+                if offload && request.device == DeviceKind::Cpu {
+                    continue;
+                }
+                let at = EstimateArgs {
+                    tiled_mlp: request.tiled_mlp || tiled,
+                    activation_offloading: request.activation_offloading || offload,
+                    gradient_checkpointing: request.gradient_checkpointing || offload,
+                    ..request.clone()
+                };
+                let longest = max_seq_len(&config, &at, usable)?;
+                let host = match longest {
+                    Some(seq) => estimate(&config, &EstimateArgs { seq, ..at })?.host_bytes,
+                    None => 0,
+                };
+                rows.push((key, tiled, offload, longest, host));
+            }
+            Some((memory, usable, rows))
         }
         None => None,
     };
     if args.json {
         let mut json = serde_json::to_value(asked)?;
-        if let Some((_, _, plain, tiled)) = longest {
-            json["max_seq_len"] = serde_json::json!(plain);
-            json["max_seq_len_tiled_mlp"] = serde_json::json!(tiled);
+        for (key, _, offload, longest, host) in longest.iter().flat_map(|l| &l.2) {
+            json[*key] = serde_json::json!(longest);
+            if *offload || request.activation_offloading {
+                json[format!("{key}_host_bytes")] = serde_json::json!(host);
+            }
         }
         println!("{}", serde_json::to_string_pretty(&json)?);
         return Ok(());
@@ -244,17 +268,27 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             d.bytes_sent_per_gpu as f64 / 100e9 * 1e3,
         );
     }
-    if let Some((memory, usable, plain, tiled)) = longest {
-        let tokens = |n: Option<usize>| n.map_or("none".to_string(), |n| format!("{n} tokens"));
+    if let Some((memory, usable, rows)) = longest {
         println!(
-            "\nlongest sequence (per row, batch {}) whose estimated peak fits {} of {}: {} as asked; {} with \
-             --tiled-mlp",
+            "\nlongest sequence (per row, batch {}) whose estimated peak fits {} of {}:",
             args.batch,
             human_bytes(usable),
             human_bytes(memory),
-            tokens(plain),
-            tokens(tiled),
         );
+        for (_, tiled, offload, longest, host) in rows {
+            let how = match (tiled, offload) {
+                (false, false) => "as asked".to_string(),
+                (true, false) => "with --tiled-mlp".to_string(),
+                (false, true) => "with --activation-offloading".to_string(),
+                (true, true) => "with --activation-offloading --tiled-mlp".to_string(),
+            };
+            let tokens = longest.map_or("none".to_string(), |n| format!("{n} tokens"));
+            let pinned = match host {
+                0 => String::new(),
+                bytes => format!(" ({} of pinned host memory)", human_bytes(bytes)),
+            };
+            println!("  {how:<42} {tokens}{pinned}");
+        }
     }
     println!("\nassumed:");
     for e in &table {

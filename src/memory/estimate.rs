@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use super::stats::human_bytes;
 use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{LoraConfig, TargetModules};
@@ -45,6 +46,10 @@ pub struct EstimateArgs {
     /// Tiled MLP (`TrainingArguments::tiled_mlp`): each layer's MLP runs over slices of the micro-batch's tokens,
     /// so its intermediates and their gradients exist for one slice at a time and a layer saves only its input.
     pub tiled_mlp: bool,
+    /// Activation offload (`TrainingArguments::activation_offloading`; needs `gradient_checkpointing`): on CUDA the
+    /// recomputed layers' inputs wait in pinned host memory ([`Estimate::host_bytes`]), the GPU holds three of them
+    /// (the first layer's, the one being copied out or read back, and the next); on the CPU it changes nothing.
+    pub activation_offloading: bool,
     /// NF4 base (QLoRA) instead of a base in the compute dtype (LoRA).
     pub quantize: bool,
     /// Device.
@@ -101,6 +106,13 @@ impl EstimateArgs {
         {
             return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
         }
+        if self.activation_offloading && !self.gradient_checkpointing {
+            return bad(
+                "activation offloading moves the inputs of recomputed layers to the host, and no layer is \
+                 recomputed without gradient checkpointing: add --gradient-checkpointing"
+                    .into(),
+            );
+        }
         if self.world_size > 1 && self.device == DeviceKind::Cpu {
             return bad(format!(
                 "world_size {}: data-parallel training runs on GPUs (one per rank); estimate it for device cuda \
@@ -147,6 +159,9 @@ impl EstimateArgs {
         if let Some(budget) = self.activation_memory_budget_mib {
             flags += &format!(" --activation-memory-budget-mib {budget}");
         }
+        if self.activation_offloading {
+            flags += " --activation-offloading";
+        }
         if self.tiled_mlp {
             flags += " --tiled-mlp";
         }
@@ -180,6 +195,7 @@ impl Default for EstimateArgs {
             gradient_checkpointing: false,
             activation_memory_budget_mib: None,
             tiled_mlp: false,
+            activation_offloading: false,
             quantize: true,
             device: DeviceKind::Cpu,
             dtype: None,
@@ -232,6 +248,9 @@ pub struct Estimate {
     pub gradients_bytes: u64,
     /// Activations at the peak (saved tensors, recomputation, gradients in flight, block temporaries).
     pub activations_bytes: u64,
+    /// Pinned host memory the offloaded layer inputs wait in (with `activation_offloading` on CUDA; not part of
+    /// `total_bytes`, which is the device's peak).
+    pub host_bytes: u64,
     /// Runtime overhead counted (the CUDA context on GPU; 0 on CPU).
     pub other_bytes: u64,
     /// The sum.
@@ -543,16 +562,15 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     } * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
-        let kept = kept_layers(
-            c,
-            args.device,
-            tokens,
-            dtype_bytes,
-            args.activation_memory_budget_mib,
-        ) as u64;
+        let kept = layers - recomputed_layers(c, args, dtype_bytes);
         let recomputed = if kept < layers { layer + mlp_slice } else { 0 };
+        // Offloaded, the device holds the first layer's input (the graph's) and two in flight.
+        let inputs_on_device = match offloaded(args) {
+            true => (layers - kept).min(3),
+            false => layers - kept,
+        };
         (
-            (layers - kept) * tokens * h * dtype_bytes + kept * layer,
+            inputs_on_device * tokens * h * dtype_bytes + kept * layer,
             recomputed,
         )
     } else {
@@ -590,6 +608,36 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
         }
     };
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
+}
+
+/// Whether the recomputed layers' inputs go to the host: offloading asked, with checkpointing, on CUDA.
+fn offloaded(args: &EstimateArgs) -> bool {
+    args.activation_offloading && args.gradient_checkpointing && args.device == DeviceKind::Cuda
+}
+
+/// Pinned host bytes of an offloaded run: the inputs of the recomputed layers after the first, one buffer each
+/// (0 when nothing is offloaded).
+pub fn offloaded_host_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
+    if !offloaded(args) {
+        return 0;
+    }
+    let tokens = (args.batch * args.seq) as u64;
+    recomputed_layers(c, args, dtype_bytes).saturating_sub(1)
+        * tokens
+        * c.hidden_size as u64
+        * dtype_bytes
+}
+
+/// How many layers a checkpointed run recomputes: those memory-aware checkpointing does not keep.
+fn recomputed_layers(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
+    let kept = kept_layers(
+        c,
+        args.device,
+        (args.batch * args.seq) as u64,
+        dtype_bytes,
+        args.activation_memory_budget_mib,
+    );
+    c.num_hidden_layers.saturating_sub(kept) as u64
 }
 
 /// The share of a GPU's memory an estimated peak may take in [`max_seq_len`]: the rest is left for allocator
@@ -642,6 +690,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
         activations_bytes,
         other_bytes,
         total_bytes: parts.iter().sum(),
+        host_bytes: 0,
         assumptions,
         data_parallel: None,
         routing: None,
@@ -736,6 +785,16 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             DeviceKind::Cuda => "other: 512 MiB for the CUDA context; allocator fragmentation not counted".into(),
         },
     ];
+    if args.activation_offloading {
+        assumptions.push(match offloaded(args) {
+            true => format!(
+                "activation offload: the recomputed layers' inputs wait in {} of pinned host memory (not in the \
+                 total), copied out while each layer computes and back one layer ahead of its recomputation",
+                human_bytes(offloaded_host_bytes(c, args, e))
+            ),
+            false => "activation offload: no effect on the CPU (its host memory is the device's)".into(),
+        });
+    }
     if args.tiled_mlp {
         let tokens = args.batch * args.seq;
         let slice = mlp_slice_rows(tokens, c.hidden_size);
@@ -774,6 +833,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         ],
         assumptions,
     );
+    estimate.host_bytes = offloaded_host_bytes(c, args, e);
     estimate.data_parallel = data_parallel;
     estimate.routing = routing;
     Ok(estimate)
@@ -1134,6 +1194,61 @@ mod tests {
 
     /// `max_seq_len` finds the boundary: the length it returns fits, one more token does not; none fits a budget
     /// below the weights; the tiled MLP fits a longer one.
+    /// Offloaded, the GPU keeps three layer inputs instead of 32 and the host pins the other 31; on the CPU and
+    /// without checkpointing nothing changes (the latter is refused).
+    #[test]
+    fn offloading_moves_the_layer_inputs_to_the_host() {
+        let c = llama2_7b();
+        let args = |device, activation_offloading| EstimateArgs {
+            seq: 8_192,
+            gradient_checkpointing: true,
+            device,
+            activation_offloading,
+            ..Default::default()
+        };
+        let input = 8_192 * 4_096 * 2; // one layer's input, bf16
+        let plain = estimate(&c, &args(DeviceKind::Cuda, false)).unwrap();
+        let offloaded = estimate(&c, &args(DeviceKind::Cuda, true)).unwrap();
+        assert_eq!(plain.total_bytes - offloaded.total_bytes, (32 - 3) * input);
+        assert_eq!((plain.host_bytes, offloaded.host_bytes), (0, 31 * input));
+        assert!(offloaded
+            .assumptions
+            .iter()
+            .any(|a| a
+                .contains("activation offload: the recomputed layers' inputs wait in 1.94 GiB")));
+        // With a budget, only the recomputed layers' inputs go.
+        let budget = EstimateArgs {
+            activation_memory_budget_mib: Some(2_000.0),
+            ..args(DeviceKind::Cuda, true)
+        };
+        let kept = kept_layers(&c, DeviceKind::Cuda, 8_192, 2, Some(2_000.0)) as u64;
+        assert!(kept > 0);
+        assert_eq!(
+            estimate(&c, &budget).unwrap().host_bytes,
+            (31 - kept) * input
+        );
+        let cpu = (
+            estimate(&c, &args(DeviceKind::Cpu, false)).unwrap(),
+            estimate(&c, &args(DeviceKind::Cpu, true)).unwrap(),
+        );
+        assert_eq!(cpu.0.total_bytes, cpu.1.total_bytes);
+        assert_eq!(cpu.1.host_bytes, 0);
+        assert_eq!(
+            args(DeviceKind::Cuda, true)
+                .flags()
+                .unwrap()
+                .matches("--activation-offloading")
+                .count(),
+            1
+        );
+        let unchecked = EstimateArgs {
+            gradient_checkpointing: false,
+            ..args(DeviceKind::Cuda, true)
+        };
+        let err = estimate(&c, &unchecked).unwrap_err().to_string();
+        assert!(err.contains("--gradient-checkpointing"), "{err}");
+    }
+
     #[test]
     fn the_longest_sequence_that_fits_is_the_boundary() {
         let c = llama2_7b();

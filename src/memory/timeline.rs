@@ -153,6 +153,10 @@ pub struct MemoryTimeline {
     /// drawn in `memory.svg` as a line to compare the measured phases with; `None`: no line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimate: Option<RunEstimate>,
+    /// Pinned host memory the run's offloaded activations wait in (`activation_offloading`; not part of `source`'s
+    /// bytes).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub host_pinned_bytes: u64,
     base_weights: u64,
     lora: u64,
     other: u64,
@@ -164,6 +168,10 @@ pub struct MemoryTimeline {
     /// The device measured (`None`: the CPU).
     #[serde(skip)]
     device: Option<Device>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Bytes live now and the peak since the last reset, from the best source available for `device`.
@@ -275,6 +283,12 @@ impl MemoryTimeline {
         );
         if b.gradients == 0 {
             text += "\n  (no gradients at this peak: it came before the step's first backward pass made any)";
+        }
+        if self.host_pinned_bytes > 0 {
+            text += &format!(
+                "\n  (and {} of pinned host memory holding the offloaded layer inputs)",
+                human_bytes(self.host_pinned_bytes)
+            );
         }
         if self.source == "resident set" {
             text += "\n  (measured as the resident set: without memory::TrackingAllocator as the global allocator \

@@ -526,6 +526,9 @@ pub struct Checkpointing {
     pub tiled_mlp: bool,
     /// With `tiled_mlp`, rows per slice; `None` chooses [`crate::models::mlp_slice_rows`].
     pub mlp_slice_rows: Option<usize>,
+    /// With `enabled`, where the recomputed layers' inputs wait for the backward: pinned host memory
+    /// (`TrainingArguments::activation_offloading`), or the device (`None`).
+    pub offload: Option<ops::ActivationOffload>,
 }
 
 /// The labels each position predicts (`[b, t]`): position i predicts token i + 1, so the labels shift left by one and
@@ -923,43 +926,52 @@ impl LlamaModel {
             params: checkpointing.params.clone(),
             slice_rows: checkpointing.mlp_slice_rows,
         });
-        let recomputed = self.layers.len().saturating_sub(checkpointing.kept_layers);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let checkpointed = checkpointing.enabled && i < recomputed;
-            let ffn = FeedForwardRun {
-                router: router.map(|record| RouterSink {
-                    record: record.clone(),
-                    layer: i,
-                    checkpointed,
-                }),
-                tiling: tiling.clone(),
-            };
-            x = if checkpointed {
-                let (layer, tables, segments) = (layer.clone(), tables.clone(), segments.clone());
+        let recomputed = match checkpointing.enabled {
+            true => self.layers.len().saturating_sub(checkpointing.kept_layers),
+            false => 0,
+        };
+        let ffn = |i: usize| FeedForwardRun {
+            router: router.map(|record| RouterSink {
+                record: record.clone(),
+                layer: i,
+                checkpointed: i < recomputed,
+            }),
+            tiling: tiling.clone(),
+        };
+        // The recomputed layers run as one checkpointed chain (their inputs offloaded when asked), the kept ones
+        // after it with their graphs.
+        let chain: Vec<ops::LabeledBlock> = (0..recomputed)
+            .map(|i| {
+                let (layer, tables, segments) =
+                    (self.layers[i].clone(), tables.clone(), segments.clone());
+                let ffn = ffn(i);
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
                     let _layer = snapshot_context::layer(i);
                     let _span = (pass == Pass::Forward)
                         .then(|| trace::span_with(|| format!("model.layers.{i}"), "forward"));
                     layer.run(x, &tables, None, segments.as_ref(), pass, &ffn)
                 });
-                let label = if trace::enabled() {
-                    format!("model.layers.{i}")
-                } else {
-                    String::new()
+                let label = match trace::enabled() {
+                    true => format!("model.layers.{i}"),
+                    false => String::new(),
                 };
-                ops::checkpoint_labeled(
-                    &x,
-                    block,
-                    &checkpointing.params,
-                    &checkpointing.sink,
-                    label,
-                )?
-            } else {
-                let _layer = snapshot_context::layer(i);
-                let _span = trace::span_with(|| format!("model.layers.{i}"), "forward");
-                let run = layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward, &ffn);
-                run?.0
-            };
+                ops::LabeledBlock { block, label }
+            })
+            .collect();
+        if !chain.is_empty() {
+            x = ops::checkpoint_chain(
+                &x,
+                chain,
+                &checkpointing.params,
+                &checkpointing.sink,
+                checkpointing.offload.clone(),
+            )?;
+        }
+        for (i, layer) in self.layers.iter().enumerate().skip(recomputed) {
+            let _layer = snapshot_context::layer(i);
+            let _span = trace::span_with(|| format!("model.layers.{i}"), "forward");
+            let run = layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward, &ffn(i));
+            x = run?.0;
         }
         rms_norm(&x, &self.norm, self.config.rms_norm_eps)
     }

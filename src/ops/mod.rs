@@ -25,6 +25,7 @@
 //! | [`linear_cross_entropy_capped`], [`softcap()`] | the same with the logits soft-capped, `cap·tanh(z/cap)` |
 //! | [`embedding()`] | row lookup |
 //! | [`checkpoint()`] | a block recomputed in the backward |
+//! | [`checkpoint_chain()`] | a chain of blocks (the layers) recomputed in turn, inputs offloaded with [`ActivationOffload`] |
 //! | [`tiled_rows()`] | a row-wise block (the MLP) run slice by slice of its rows, forward and backward |
 
 pub mod attention;
@@ -46,7 +47,10 @@ pub mod swiglu;
 pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
 };
-pub use autograd::{checkpoint, checkpoint_labeled, tiled_rows, Block, GradSink, Pass, RowBlock};
+pub use autograd::{
+    checkpoint, checkpoint_chain, tiled_rows, ActivationOffload, Block, GradSink, LabeledBlock,
+    Pass, RowBlock,
+};
 pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};
 pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;

@@ -1217,6 +1217,54 @@ fn long_examples(model: &str) -> Vec<candle_qlora::data::TokenizedExample> {
         .collect()
 }
 
+/// Activation offload changes where the layer inputs wait, not what is computed: the same losses and adapter, bit
+/// for bit, with the MLP tiled or not and with a mixture of experts' router loss (on the CPU the inputs stay in
+/// place; the GPU suite checks the copies). It needs checkpointing.
+#[test]
+fn activation_offloading_trains_as_without_it() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, tiled_mlp) in [
+        ("tiny-llama", false),
+        ("tiny-llama", true),
+        ("tiny-qwen2-moe", false),
+    ] {
+        let run = |activation_offloading| {
+            let how = TiledRun {
+                model,
+                compute_dtype: candle_core::DType::F32,
+                tiled_mlp,
+                gradient_checkpointing: true,
+                lora_dropout: 0.0,
+                activation_offloading,
+            };
+            let out = dir
+                .path()
+                .join(format!("{model}-{tiled_mlp}-{activation_offloading}"));
+            tiled_run(&out, &how).unwrap()
+        };
+        let ((l0, a0), (l1, a1)) = (run(false), run(true));
+        assert_eq!(l0, l1, "{model}, tiled MLP {tiled_mlp}");
+        for (k, t) in &a0 {
+            assert_eq!(crate::common::max_abs_diff(t, &a1[k]), 0.0, "{k}");
+        }
+    }
+    let unchecked = TiledRun {
+        model: "tiny-llama",
+        compute_dtype: candle_core::DType::F32,
+        tiled_mlp: false,
+        gradient_checkpointing: false,
+        lora_dropout: 0.0,
+        activation_offloading: true,
+    };
+    let err = tiled_run(&dir.path().join("unchecked"), &unchecked)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("activation_offloading") && err.contains("gradient_checkpointing = true"),
+        "{err}"
+    );
+}
+
 /// How a [`tiled_run`] runs.
 struct TiledRun {
     model: &'static str,
@@ -1224,6 +1272,7 @@ struct TiledRun {
     tiled_mlp: bool,
     gradient_checkpointing: bool,
     lora_dropout: f64,
+    activation_offloading: bool,
 }
 
 /// A 4-step run of a tiny model (NF4 base, AdamW, LoRA r 4 on every projection, evaluated every 2 steps) as `run`
@@ -1252,6 +1301,7 @@ fn tiled_run(
         save_steps: 100.0,
         gradient_checkpointing: run.gradient_checkpointing,
         tiled_mlp: run.tiled_mlp,
+        activation_offloading: run.activation_offloading,
         eval_strategy: IntervalStrategy::Steps,
         eval_steps: Some(2.0),
         ..Default::default()
@@ -1311,6 +1361,7 @@ fn tiled_mlp_trains_as_the_untiled_mlp() {
                 tiled_mlp,
                 gradient_checkpointing: checkpointing,
                 lora_dropout: 0.0,
+                activation_offloading: false,
             };
             tiled_run(&out, &how).unwrap()
         };
@@ -1344,6 +1395,7 @@ fn tiled_mlp_trains_as_the_untiled_mlp() {
         tiled_mlp,
         gradient_checkpointing: true,
         lora_dropout,
+        activation_offloading: false,
     };
     let (l0, a0) = tiled_run(&dir.path().join("f32-plain"), &f32_run(false, 0.0)).unwrap();
     let (l1, a1) = tiled_run(&dir.path().join("f32-tiled"), &f32_run(true, 0.0)).unwrap();

@@ -1,7 +1,9 @@
 //! Gradient checkpointing with non-reentrant semantics: a block runs without keeping its graph; in the backward
-//! it is recomputed from its saved input and differentiated then. Only block inputs stay alive between forward and
-//! backward, and the gradients equal the plain run's up to summation order (the block must be a pure function of its input:
-//! dropout masks must come from seeds the block captures, so the recomputation replays them).
+//! it is recomputed from its saved input and differentiated then. A chain of blocks (a model's layers) is one graph
+//! node whose inputs the op itself keeps, so they can wait in pinned host memory ([`ActivationOffload`]) instead of
+//! the device's. Only block inputs stay alive between forward and backward, and the gradients equal the plain
+//! run's up to summation order (the block must be a pure function of its input: dropout masks must come from seeds
+//! the block captures, so the recomputation replays them).
 //!
 //! Parameter gradients found during recomputation go to a [`GradSink`]; merge it into the main `GradStore` after
 //! `loss.backward()` with [`GradSink::merge_into`].
@@ -11,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
+use super::offload::{ActivationOffload, Saved};
 use super::op::{Apply, Op, Value};
 use crate::profile::context::{self as snapshot_context, Phase as SnapshotPhase};
 use crate::profile::trace;
@@ -67,42 +70,52 @@ impl GradSink {
     }
 }
 
-/// The checkpoint op: inputs `[x, anchor]` (the anchor is a parameter the block uses, so the block is
-/// differentiated even when `x` needs no gradient); the backward recomputes the block and differentiates it.
-struct Checkpoint {
-    block: Block,
-    /// What the block is, for the step trace (`model.layers.3`).
-    label: String,
-    params: Vec<Var>,
-    sink: GradSink,
+/// A checkpointed block and its name in step traces (`model.layers.3`: its recomputation and backward nest under
+/// it).
+#[derive(Clone)]
+pub struct LabeledBlock {
+    /// The block.
+    pub block: Block,
+    /// Its name in step traces.
+    pub label: String,
 }
 
-impl Op<2> for Checkpoint {
-    const NAME: &'static str = "checkpoint";
+/// The checkpoint op over a chain of blocks, each one's output the next one's input: inputs `[x, anchor]` (the
+/// anchor is a parameter the blocks use, so they are differentiated even when `x` needs no gradient). The forward
+/// keeps the input of every block after the first (in `offload`'s pinned host memory when given; the first one's is
+/// `x`, which the graph holds); the backward walks the chain from its end, recomputing each block from its input
+/// and differentiating it, the gradient of its input handed to the block before.
+struct CheckpointChain {
+    blocks: Vec<LabeledBlock>,
+    params: Vec<Var>,
+    sink: GradSink,
+    offload: Option<ActivationOffload>,
+    /// The inputs of blocks 1.., filled by the forward, taken by the backward.
+    saved: Mutex<Vec<Saved>>,
+}
 
-    fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
-        Ok(Value::Tensor(
-            (self.block)(&x.detach(), Pass::Forward)?.0.detach(),
-        ))
-    }
-
-    fn bwd(
+impl CheckpointChain {
+    /// Recomputes block `k` from `input` and differentiates it for `grad`, the gradient of its output: the
+    /// parameters' gradients go to the sink; returns the input's (when `input_needs_grad`).
+    fn backward_block(
         &self,
-        [x, _anchor]: [&Tensor; 2],
+        k: usize,
+        input: &Tensor,
         grad: &Tensor,
-        needs: [bool; 2],
-    ) -> Result<[Option<Tensor>; 2]> {
-        let input = if needs[0] {
-            Some(Var::from_tensor(x)?)
+        input_needs_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let LabeledBlock { block, label } = &self.blocks[k];
+        let var = if input_needs_grad {
+            Some(Var::from_tensor(input)?)
         } else {
             None
         };
-        let _span = trace::span_with(|| self.label.clone(), "backward");
+        let _span = trace::span_with(|| label.clone(), "backward");
         let (y, extra) = {
             let _phase = snapshot_context::phase(SnapshotPhase::Recompute);
             let _span = trace::span("recompute", "recompute");
-            (self.block)(
-                input.as_ref().map(|v| v.as_tensor()).unwrap_or(x),
+            block(
+                var.as_ref().map(|v| v.as_tensor()).unwrap_or(input),
                 Pass::Recompute,
             )?
         };
@@ -119,7 +132,66 @@ impl Op<2> for Checkpoint {
                 self.sink.add(p, g)?;
             }
         }
-        let dx = input.and_then(|v| grads.get(&v).cloned());
+        Ok(var.and_then(|v| grads.get(&v).cloned()))
+    }
+}
+
+impl Op<2> for CheckpointChain {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
+        let saved = self
+            .saved
+            .get_mut()
+            .map_err(|_| candle_core::Error::Msg("checkpoint: poisoned inputs".into()))?;
+        let mut h = x.detach();
+        for (k, LabeledBlock { block, .. }) in self.blocks.iter().enumerate() {
+            // The copy to the host runs while the block computes; the block's input is let go once it has run.
+            let input = match (k, &self.offload) {
+                (0, _) => None,
+                (_, Some(offload)) => Some(offload.save(&h)?),
+                (_, None) => Some(Saved::Kept(h.clone())),
+            };
+            h = block(&h, Pass::Forward)?.0.detach();
+            if let Some(mut input) = input {
+                input.release_source()?;
+                saved.push(input);
+            }
+        }
+        Ok(Value::Tensor(h))
+    }
+
+    fn bwd(
+        &self,
+        [x, _anchor]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        let mut saved = std::mem::take(
+            &mut *self
+                .saved
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("checkpoint: poisoned inputs".into()))?,
+        );
+        if saved.len() + 1 != self.blocks.len() {
+            candle_core::bail!("checkpoint: the backward ran twice");
+        }
+        // Block k's input is brought back while block k + 1 is recomputed.
+        let mut next = saved.pop().map(Saved::load).transpose()?;
+        let mut grad = grad.clone();
+        for k in (1..self.blocks.len()).rev() {
+            let input = match next.take() {
+                Some(loading) => loading.wait()?,
+                None => candle_core::bail!("checkpoint: block {k}'s input is missing"),
+            };
+            next = saved.pop().map(Saved::load).transpose()?;
+            // A block whose output does not depend on its input passes no gradient on.
+            grad = match self.backward_block(k, &input, &grad, true)? {
+                Some(g) => g,
+                None => input.zeros_like()?,
+            };
+        }
+        let dx = self.backward_block(0, x, &grad, needs[0])?;
         Ok([dx, None])
     }
 }
@@ -127,28 +199,44 @@ impl Op<2> for Checkpoint {
 /// Runs `block` on `x` checkpointed. `params` are the trainable variables the block uses; their gradients go to
 /// `sink`. `x` itself need not require a gradient (its gradient is returned only if it does).
 pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> Result<Tensor> {
-    checkpoint_labeled(x, block, params, sink, "block".into())
+    let block = LabeledBlock {
+        block,
+        label: "block".into(),
+    };
+    checkpoint_chain(x, vec![block], params, sink, None)
 }
 
-/// [`checkpoint`], with the block named `label` in step traces (its recomputation and backward nest under it).
-pub fn checkpoint_labeled(
+/// Runs `blocks` one after the other from `x`, checkpointed as a chain: only the blocks' inputs are kept for the
+/// backward (those after the first in `offload`'s pinned host memory when given), each block recomputed there in
+/// turn. Gradients equal those of checkpointing each block on its own; `params` and `sink` as for [`checkpoint`].
+pub fn checkpoint_chain(
     x: &Tensor,
-    block: Block,
+    blocks: Vec<LabeledBlock>,
     params: &[Var],
     sink: &GradSink,
-    label: String,
+    offload: Option<ActivationOffload>,
 ) -> Result<Tensor> {
-    // The graph node hangs on a parameter, so the block is differentiated even when `x` needs no gradient.
+    // The graph node hangs on a parameter, so the blocks are differentiated even when `x` needs no gradient.
     let anchor = match params.first() {
         Some(p) => p.as_tensor().clone(),
         None if x.track_op() => x.clone(),
-        None => return Ok(block(&x.detach(), Pass::Forward)?.0.detach()),
+        None => {
+            let mut h = x.detach();
+            for LabeledBlock { block, .. } in &blocks {
+                h = block(&h, Pass::Forward)?.0.detach();
+            }
+            return Ok(h);
+        }
     };
-    Checkpoint {
-        block,
-        label,
+    if blocks.is_empty() {
+        return Ok(x.clone());
+    }
+    CheckpointChain {
+        blocks,
         params: params.to_vec(),
         sink: sink.clone(),
+        offload,
+        saved: Mutex::new(Vec::new()),
     }
     .apply([x, &anchor])
 }
@@ -215,6 +303,57 @@ mod tests {
             }
             // Only the block inputs are in the checkpointed graph: far fewer nodes than the plain one.
             assert!(ck.sorted_nodes().len() < plain.sorted_nodes().len() / 2);
+        }
+    }
+
+    /// A chain of blocks, its inputs kept or offloaded (on the CPU they stay where they are), gives the gradients
+    /// of checkpointing each block on its own, bit for bit; its backward runs once.
+    #[test]
+    fn a_chain_equals_blocks_checkpointed_one_by_one() {
+        let a = Var::from_tensor(&rand_f64(&[6, 4], 11)).unwrap();
+        let b = Var::from_tensor(&rand_f64(&[6, 4], 12)).unwrap();
+        let norm = (rand_f64(&[4], 13) + 1.0).unwrap();
+        let f = block(a.clone(), b.clone(), norm);
+        let params = [a.clone(), b.clone()];
+        let x = Var::from_tensor(&rand_f64(&[2, 3, 4], 14)).unwrap();
+        let one_by_one = {
+            let sink = GradSink::new();
+            let mut h = x.as_tensor().clone();
+            for _ in 0..3 {
+                h = checkpoint(&h, f.clone(), &params, &sink).unwrap();
+            }
+            let loss = h.sqr().unwrap().sum_all().unwrap();
+            let mut grads = loss.backward().unwrap();
+            sink.merge_into(&mut grads).unwrap();
+            (loss.to_scalar::<f64>().unwrap(), grads)
+        };
+        for offload in [None, Some(ActivationOffload::new())] {
+            let sink = GradSink::new();
+            let blocks = vec![
+                LabeledBlock {
+                    block: f.clone(),
+                    label: String::new()
+                };
+                3
+            ];
+            let h =
+                checkpoint_chain(x.as_tensor(), blocks, &params, &sink, offload.clone()).unwrap();
+            let loss = h.sqr().unwrap().sum_all().unwrap();
+            assert_eq!(loss.to_scalar::<f64>().unwrap(), one_by_one.0);
+            let mut grads = loss.backward().unwrap();
+            sink.merge_into(&mut grads).unwrap();
+            for v in [&a, &b, &x] {
+                assert_eq!(
+                    max_abs_diff(grads.get(v).unwrap(), one_by_one.1.get(v).unwrap()),
+                    0.0
+                );
+            }
+            // Nothing is pinned on the CPU.
+            if let Some(offload) = &offload {
+                assert_eq!(offload.host_bytes(), 0);
+            }
+            let err = loss.backward().unwrap_err().to_string();
+            assert!(err.contains("backward ran twice"), "{err}");
         }
     }
 }

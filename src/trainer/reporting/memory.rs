@@ -11,6 +11,7 @@ use super::oom::oom_report;
 use crate::error::{Error, Result};
 use crate::memory::snapshot::{write_snapshot, Recording, Source};
 use crate::memory::{is_out_of_memory, MemoryTimeline, Phase};
+use crate::ops::ActivationOffload;
 use crate::trainer::settings::args::TrainingArguments;
 
 /// The memory snapshot `memory_snapshot` writes, for pytorch.org/memory_viz.
@@ -35,11 +36,17 @@ pub(crate) struct StepMemory {
     pub optimizer_bytes: u64,
     /// Where the memory snapshot is written when a step runs out of memory (`memory_snapshot`, the writing rank).
     pub snapshot_on_oom: Option<PathBuf>,
+    /// The pinned host memory the recomputed layers' inputs wait in (`activation_offloading`), kept from step to
+    /// step.
+    pub offload: Option<ActivationOffload>,
 }
 
 impl StepMemory {
     /// Ends the current phase of micro-batch `micro_batch` with `gradients` bytes of gradients held.
     pub(crate) fn end_phase(&mut self, micro_batch: usize, gradients: u64) {
+        if let Some(offload) = &self.offload {
+            self.timeline.host_pinned_bytes = offload.host_bytes();
+        }
         self.timeline
             .end_phase(self.step, micro_batch, self.optimizer_bytes, gradients);
     }

@@ -4,12 +4,14 @@
 
 use std::path::Path;
 
+use super::fits::{check_memory_fits, RunShape};
 use super::trainer::{Prepared, Trainer, ADAPTER};
-use crate::adapter::load_adapter;
+use crate::adapter::{load_adapter, ADAPTER_CONFIG};
 use crate::distributed::{RanksFrom, WorldEnv};
 use crate::error::Result;
 use crate::loading::model::no_tokenizer;
-use crate::loading::{load_model, load_tokenizer, LoadOptions};
+use crate::loading::{load_model, load_model_config, load_tokenizer, LoadOptions};
+use crate::lora::LoraConfig;
 use crate::memory::{human_bytes, process_memory};
 use crate::precision::Precision;
 use crate::trainer::methods;
@@ -31,7 +33,8 @@ impl Trainer {
         // output folder, resume checkpoint), so a mistake is reported in seconds, not after loading the weights.
         let args = &config.training;
         // A rank of a job this build, machine or config cannot run stops before anything loads.
-        if let Some(world) = WorldEnv::from_env()? {
+        let world = WorldEnv::from_env()?;
+        if let Some(world) = &world {
             config.check_ranks(
                 world.world_size,
                 world.local_world_size,
@@ -60,8 +63,27 @@ impl Trainer {
         let device = args.device()?;
         let quant_compute = config.quant_compute_dtype().map(|d| d.dtype());
         let precision = Precision::from_flags(args.bf16, args.fp16, quant_compute, &device)?;
+        let quantization = config.quant_config()?;
+        if let Some(longest) = method.train_lengths().into_iter().max() {
+            let lora = match &config.model.adapter {
+                Some(dir) => LoraConfig::from_file(&dir.join(ADAPTER_CONFIG))?,
+                None => config.lora.clone(),
+            };
+            let run = RunShape {
+                args,
+                lora: &lora,
+                longest,
+                quantize: quantization.is_some(),
+                device: &device,
+                compute_dtype: precision.compute_dtype,
+                world_size: world.as_ref().map_or(1, |w| w.world_size),
+                preference: method.runs_pairs(),
+            };
+            let model_config = load_model_config(model_name, revision)?;
+            check_memory_fits(&model_config, &run, &config.path.display().to_string())?;
+        }
         let options = LoadOptions {
-            quantization: config.quant_config()?,
+            quantization,
             compute_dtype: precision.compute_dtype,
         };
         // A memory snapshot records from before the load, so the weights are in it.

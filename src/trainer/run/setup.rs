@@ -9,6 +9,7 @@ use candle_core::Var;
 
 #[cfg(feature = "nccl")]
 use super::ddp::Ddp;
+use super::fits::RunShape;
 use super::interrupt;
 use super::sampler::DataPlan;
 use super::trainer::{Trainer, ADAPTER};
@@ -17,9 +18,9 @@ use crate::distributed::{check_ranks, RanksFrom, WorldEnv};
 use crate::error::Result;
 use crate::files::lock::OutputLock;
 use crate::memory::snapshot::Recording;
-use crate::memory::{DeviceKind, EstimateArgs, MemoryTimeline, RunEstimate};
+use crate::memory::{MemoryTimeline, RunEstimate};
+use crate::ops::ActivationOffload;
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
-use crate::precision::TorchDtype;
 use crate::trainer::reporting::callbacks::TrainerControl;
 use crate::trainer::reporting::memory::{start_memory_snapshot, StepMemory, MEMORY_SNAPSHOT_FILE};
 use crate::trainer::reporting::progress::Progress;
@@ -94,9 +95,8 @@ impl Run {
 }
 
 impl Trainer {
-    /// What `qlora estimate` predicts for this run's longest micro-batch (drawn on the memory chart): its batch and
-    /// longest example, the adapter's rank and target modules, optimizer, checkpointing and its activation budget,
-    /// the tiled MLP, base, device and compute dtype. `None` when the estimate refuses the sizes.
+    /// What `qlora estimate` predicts for this run's longest micro-batch (drawn on the memory chart; see
+    /// [`RunShape::estimate_args`]). `None` when the estimate refuses the sizes.
     fn run_estimate(&self, args: &TrainingArguments, world_size: usize) -> Option<RunEstimate> {
         let lora = self.model.adapter_configs.get(ADAPTER)?;
         let quantize = self
@@ -104,26 +104,17 @@ impl Trainer {
             .linears()
             .iter()
             .any(|(_, l)| !matches!(l.base.weight, crate::ops::FrozenWeight::Dense(_)));
-        let estimate_args = EstimateArgs {
-            batch: args.per_device_train_batch_size,
-            seq: self.method.train_lengths().into_iter().max()?,
-            lora_r: lora.r,
-            target_modules: lora.target_modules.clone(),
-            optim: args.optim,
-            gradient_checkpointing: args.checkpointing(),
-            activation_memory_budget_mib: args.activation_memory_budget_mib,
-            tiled_mlp: args.tiled_mlp,
+        let run = RunShape {
+            args,
+            lora,
+            longest: self.method.train_lengths().into_iter().max()?,
             quantize,
-            device: if self.model.device().is_cpu() {
-                DeviceKind::Cpu
-            } else {
-                DeviceKind::Cuda
-            },
-            dtype: Some(TorchDtype::of(self.model.compute_dtype())),
+            device: self.model.device(),
+            compute_dtype: self.model.compute_dtype(),
             world_size,
             preference: self.method.runs_pairs(),
         };
-        RunEstimate::new(self.model.config(), estimate_args).ok()
+        RunEstimate::new(self.model.config(), run.estimate_args()).ok()
     }
 
     /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored
@@ -199,6 +190,7 @@ impl Trainer {
             optimizer_bytes: optimizer.resident_bytes() as u64,
             snapshot_on_oom: (args.memory_snapshot && shard.is_main())
                 .then(|| out.join(MEMORY_SNAPSHOT_FILE)),
+            offload: args.activation_offloading.then(ActivationOffload::new),
         };
         let every = Intervals {
             log: TrainingArguments::interval(args.logging_steps, total),

@@ -148,6 +148,14 @@ pub struct TrainingArguments {
     /// slice (another summation order). Needs `lora_dropout = 0` on the MLP projections. Mixture-of-experts layers
     /// run each expert tiled over its own tokens.
     pub tiled_mlp: bool,
+    /// candle-qlora: activation offload (torchtune's `enable_activation_offloading`). With gradient checkpointing,
+    /// the input each recomputed layer saves for the backward waits in pinned host memory instead of on the GPU:
+    /// copied out on a copy stream while the layer computes, brought back one layer ahead of its recomputation, so
+    /// the GPU holds two layer inputs instead of one per layer. The pinned buffers (about `(layers − 1) × tokens ×
+    /// hidden_size` elements of the compute dtype) are kept for the next step and reported in
+    /// `memory_timeline.json` (`host_pinned_bytes`). Losses and gradients are the run's without it, bit for bit.
+    /// On the CPU the host memory is the device's, and the setting changes nothing.
+    pub activation_offloading: bool,
     /// Seed of initialization, dropout and shuffling.
     pub seed: u64,
     /// Seed of the data order (defaults to `seed`).
@@ -253,6 +261,7 @@ impl Default for TrainingArguments {
             activation_checkpointing_kwargs: None,
             activation_memory_budget_mib: None,
             tiled_mlp: false,
+            activation_offloading: false,
             memory_snapshot: false,
             trace_steps: Vec::new(),
             memory_snapshot_max_entries: 100_000,
@@ -467,6 +476,13 @@ impl TrainingArguments {
             .is_some_and(|b| !b.is_finite() || b < 0.0)
         {
             return bad("activation_memory_budget_mib must be a number of MiB, 0 or more".into());
+        }
+        if self.activation_offloading && !self.checkpointing() {
+            return bad(
+                "`activation_offloading` = true offloads the inputs recomputed layers save, and no layer is \
+                 recomputed: set gradient_checkpointing = true too (or activation_offloading = false)"
+                    .into(),
+            );
         }
         // The schedule's keyword arguments, as transformers' schedule function would take them.
         if let Err(e) = check_kwargs(

@@ -11,6 +11,7 @@ use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::Result;
 use crate::memory::{kept_layers, DeviceKind, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
+use crate::ops::ActivationOffload;
 use crate::profile::trace;
 use crate::trainer::reporting::memory::{gradient_bytes, StepMemory};
 use crate::trainer::settings::args::TrainingArguments;
@@ -21,13 +22,14 @@ pub(crate) fn micro_batch_seed(seed: u64, index: usize) -> u64 {
 }
 
 /// How a training forward of `tokens` input tokens runs its layers: checkpointed as `args` ask, keeping as many
-/// of the last layers as `activation_memory_budget_mib` allows, MLPs tiled with `tiled_mlp`, with `vars` the
-/// trainable parameters.
+/// of the last layers as `activation_memory_budget_mib` allows, MLPs tiled with `tiled_mlp`, the recomputed layers'
+/// inputs in `offload`'s host memory, with `vars` the trainable parameters.
 fn checkpointing(
     model: &LlamaModel,
     args: &TrainingArguments,
     tokens: u64,
     vars: &[Var],
+    offload: Option<&ActivationOffload>,
 ) -> Checkpointing {
     Checkpointing {
         enabled: args.checkpointing(),
@@ -44,6 +46,7 @@ fn checkpointing(
         ),
         params: vars.to_vec(),
         tiled_mlp: args.tiled_mlp,
+        offload: offload.cloned(),
         ..Default::default()
     }
 }
@@ -74,7 +77,13 @@ pub(crate) fn forward_micro_batch(
         let _data = trace::span("data", "data");
         collate(rows, &Device::Cpu)?
     };
-    let ck = checkpointing(model, args, batch.ids.elem_count() as u64, vars);
+    let ck = checkpointing(
+        model,
+        args,
+        batch.ids.elem_count() as u64,
+        vars,
+        memory.offload.as_ref(),
+    );
     let _forward = trace::span("forward", "forward");
     memory.timeline.start_phase(Phase::Forward);
     let mut embeds = model.embed(&batch.ids)?;

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "emu.h"
@@ -129,6 +130,71 @@ std::string check_operand(const char *name, const void *p, int type, long long r
     return bad.empty() ? bad : format("operand %s (%lld × %lld, ld %lld): %s", name, rows, cols, ld, bad.c_str());
 }
 
+// One tile of the product: 2 × 16 bytes of rows of the four columns from j0, the rows' values of op(A) in `panel`
+// (k × rows, p-major, so the loop reads it in order), the sums kept in vector registers (GCC's vector extension:
+// lane-wise IEEE arithmetic, nothing reassociated) while p runs. Each element is Σ_p a[i, p] · b[p, j] added in
+// ascending p from zero, the order every tile, panel and thread count keeps, so the rounding never depends on them.
+template <typename T>
+inline void product_tile(const T *panel, const T *pb, T *acc, long long m, long long k, long long i0, long long j0) {
+    typedef T Lanes __attribute__((vector_size(16)));
+    constexpr long long L = 16 / sizeof(T);  // two vectors of rows, four columns: eight sums
+    Lanes s00 = {}, s01 = {}, s10 = {}, s11 = {}, s20 = {}, s21 = {}, s30 = {}, s31 = {};
+    const T *b0 = pb + j0 * k, *b1 = b0 + k, *b2 = b1 + k, *b3 = b2 + k;
+    for (long long p = 0; p < k; p++) {
+        Lanes c0, c1;
+        __builtin_memcpy(&c0, panel + p * 2 * L, sizeof(c0));
+        __builtin_memcpy(&c1, panel + p * 2 * L + L, sizeof(c1));
+        s00 += c0 * b0[p], s01 += c1 * b0[p];
+        s10 += c0 * b1[p], s11 += c1 * b1[p];
+        s20 += c0 * b2[p], s21 += c1 * b2[p];
+        s30 += c0 * b3[p], s31 += c1 * b3[p];
+    }
+    const Lanes out[8] = {s00, s01, s10, s11, s20, s21, s30, s31};
+    for (long long jj = 0; jj < 4; jj++) __builtin_memcpy(acc + (j0 + jj) * m + i0, &out[2 * jj], 2 * sizeof(Lanes));
+}
+
+// The edge of the product the full tiles leave: every element one by one, in the same order.
+template <typename T>
+void product_edge(const T *pa, const T *pb, T *acc, long long m, long long k, long long i0, long long i1,
+                  long long j0, long long j1) {
+    for (long long j = j0; j < j1; j++)
+        for (long long i = i0; i < i1; i++) {
+            T sum = 0;
+            for (long long p = 0; p < k; p++) sum += pa[p * m + i] * pb[j * k + p];
+            acc[j * m + i] = sum;
+        }
+}
+
+// Columns j0 … j1 of acc = op(A) · op(B) (op(A) packed column-major m × k, op(B) k × n): panel by panel of rows
+// (copied p-major, so a panel stays in cache while every column tile reads it), then the edges.
+template <typename T>
+void product_columns(const T *pa, const T *pb, T *acc, long long m, long long k, long long j0, long long j1) {
+    constexpr long long TI = 2 * 16 / sizeof(T), TJ = 4;
+    const long long m_full = m - m % TI, j_full = j0 + (j1 - j0) / TJ * TJ;
+    std::vector<T> panel(static_cast<size_t>(k * TI));
+    for (long long i0 = 0; i0 < m_full; i0 += TI) {
+        for (long long p = 0; p < k; p++) std::copy(pa + p * m + i0, pa + p * m + i0 + TI, &panel[p * TI]);
+        for (long long j = j0; j < j_full; j += TJ) product_tile<T>(panel.data(), pb, acc, m, k, i0, j);
+    }
+    product_edge(pa, pb, acc, m, k, m_full, m, j0, j_full);
+    product_edge(pa, pb, acc, m, k, 0, m, j_full, j1);
+}
+
+// acc = op(A) · op(B), the column tiles shared among the host's cores (CUDA_EMU_THREADS, default all): each thread
+// writes its own columns, and each element's sum order is fixed, so the result is the same for any thread count.
+template <typename T>
+void accumulate(const std::vector<T> &pa, const std::vector<T> &pb, std::vector<T> &acc, long long m, long long n,
+                long long k) {
+    const long long work = m * n * k;
+    const long long threads = std::max<long long>(1, std::min<long long>(config().threads, work / (1 << 20)));
+    const long long per_thread = ((n + threads - 1) / threads + 3) / 4 * 4;  // whole column tiles
+    std::vector<std::thread> pool;
+    for (long long j0 = per_thread; j0 < n; j0 += per_thread)
+        pool.emplace_back(product_columns<T>, pa.data(), pb.data(), acc.data(), m, k, j0, std::min(n, j0 + per_thread));
+    product_columns<T>(pa.data(), pb.data(), acc.data(), m, k, 0, std::min(n, per_thread));
+    for (auto &t : pool) t.join();
+}
+
 int run(const Gemm &g) {
     if (!g.handle || !live(g.handle)) return refuse(NOT_INITIALIZED, g.api, "the handle is not a live cublasCreate handle");
     if (sticky_error()) return refuse(EXECUTION_FAILED, g.api, earlier_failure());
@@ -165,7 +231,6 @@ int run(const Gemm &g) {
     const size_t mk = static_cast<size_t>(g.m * g.k), kn = static_cast<size_t>(g.k * g.n), mn = static_cast<size_t>(g.m * g.n);
     if (g.wide) wa.resize(mk), wb.resize(kn), wacc.resize(mn);
     else fa.resize(mk), fb.resize(kn), facc.resize(mn);
-    constexpr long long J_BLOCK = 8, I_BLOCK = 512;
     for (long long batch = 0; batch < g.batch; batch++) {
         const char *a = static_cast<const char *>(g.a) + batch * g.stride_a * es_a;
         const char *b = static_cast<const char *>(g.b) + batch * g.stride_b * es_b;
@@ -182,26 +247,8 @@ int run(const Gemm &g) {
                 if (g.wide) wb[j * g.k + p] = v;
                 else fb[j * g.k + p] = static_cast<float>(v);
             }
-        // acc[:, j] = Σ_p op(A)[:, p] · op(B)[p, j], p ascending: column axpys that vectorize without reordering
-        // the sum, blocked so a few columns of the result stay in cache while op(A) streams once per block.
-        auto accumulate = [&](auto &pa, auto &pb, auto &acc) {
-            using T = typename std::decay_t<decltype(acc)>::value_type;
-            std::fill(acc.begin(), acc.end(), T(0));
-            for (long long j0 = 0; j0 < g.n; j0 += J_BLOCK)
-                for (long long i0 = 0; i0 < g.m; i0 += I_BLOCK) {
-                    const long long j1 = std::min(g.n, j0 + J_BLOCK), i1 = std::min(g.m, i0 + I_BLOCK);
-                    for (long long p = 0; p < g.k; p++) {
-                        const T *col = &pa[p * g.m];
-                        for (long long j = j0; j < j1; j++) {
-                            const T scale = pb[j * g.k + p];
-                            T *out = &acc[j * g.m];
-                            for (long long i = i0; i < i1; i++) out[i] += col[i] * scale;
-                        }
-                    }
-                }
-        };
-        if (g.wide) accumulate(wa, wb, wacc);
-        else accumulate(fa, fb, facc);
+        if (g.wide) accumulate(wa, wb, wacc, g.m, g.n, g.k);
+        else accumulate(fa, fb, facc, g.m, g.n, g.k);
         for (long long j = 0; j < g.n; j++)
             for (long long i = 0; i < g.m; i++) {
                 const size_t at = static_cast<size_t>(j * g.ldc + i);

@@ -384,7 +384,10 @@ CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
     return CUDA_SUCCESS;
 }
 
-CUresult CUDAAPI cuCtxSynchronize(void) { return ready("cuCtxSynchronize"); }
+CUresult CUDAAPI cuCtxSynchronize(void) {
+    count_host_wait();
+    return ready("cuCtxSynchronize");
+}
 
 CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags) {
     if (CUresult r = ready("cuCtxGetFlags")) return r;
@@ -588,6 +591,7 @@ CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool, size_t keep) {
 // ---- copies and fills ----
 
 CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
+    count_host_wait();
     return copy(reinterpret_cast<void *>(dst), reinterpret_cast<const void *>(src), bytes, "cuMemcpy");
 }
 CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
@@ -595,6 +599,7 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t bytes, C
     return copy(reinterpret_cast<void *>(dst), reinterpret_cast<const void *>(src), bytes, "cuMemcpyAsync");
 }
 CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t bytes) {
+    count_host_wait();
     return copy(reinterpret_cast<void *>(dst), src, bytes, "cuMemcpyHtoD");
 }
 CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t bytes, CUstream s) {
@@ -602,6 +607,7 @@ CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t byte
     return copy(reinterpret_cast<void *>(dst), src, bytes, "cuMemcpyHtoDAsync");
 }
 CUresult CUDAAPI cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t bytes) {
+    count_host_wait();
     return copy(dst, reinterpret_cast<const void *>(src), bytes, "cuMemcpyDtoH");
 }
 CUresult CUDAAPI cuMemcpyDtoHAsync(void *dst, CUdeviceptr src, size_t bytes, CUstream s) {
@@ -688,6 +694,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
 }
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+    count_host_wait();
     if (CUresult r = ready("cuStreamSynchronize")) return r;
     return check_stream(stream, "cuStreamSynchronize");
 }
@@ -699,6 +706,7 @@ CUresult CUDAAPI cuStreamQuery(CUstream stream) {
 
 CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int) {
     if (CUresult r = check_stream(stream, "cuStreamWaitEvent")) return r;
+    count_stream_wait();
     std::lock_guard<std::mutex> g(g_lock);
     if (!g_events.count(event)) return result(fail(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent: not a live event"));
     return CUDA_SUCCESS;
@@ -782,7 +790,10 @@ CUresult CUDAAPI cuEventQuery(CUevent event) {
     return CUDA_SUCCESS;
 }
 
-CUresult CUDAAPI cuEventSynchronize(CUevent event) { return cuEventQuery(event); }
+CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+    count_host_wait();
+    return cuEventQuery(event);
+}
 
 CUresult CUDAAPI cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
     std::lock_guard<std::mutex> g(g_lock);

@@ -17,6 +17,8 @@ struct Config {
     int driver_version;         // CUDA_EMU_DRIVER_VERSION: e.g. 13000 (CUDA 13.0, default) or 12040
     int devices;                // CUDA_EMU_DEVICES: how many GPUs (default 1)
     bool race_check;            // CUDA_EMU_RACECHECK=1: threads run in reverse order, shared-memory races reported
+    int threads;                // CUDA_EMU_THREADS: host threads for GEMMs (default: every core)
+    bool fast;                  // CUDA_EMU_FAST=1: kernels' memory accesses unchecked (see launch.cpp)
     bool abort_on_error;        // CUDA_EMU_ABORT=1: abort the process at the first error the emulator reports
     std::string counters_path;  // CUDA_EMU_COUNTERS: the counters are written there as JSON at exit
     std::string kernels_dir;    // CUDA_EMU_KERNELS: the CPU builds of kernel modules (default: kernels/ beside us)
@@ -52,7 +54,9 @@ struct Allocation {
 };
 // Reserves the arena where every device allocation, pinned host allocation and block shared memory lives.
 void init_memory();
-bool in_arena(uintptr_t addr);
+// The arena's address range (set once by init_memory), read inline on the hot path of every checked access.
+extern uintptr_t g_lo, g_len;
+inline bool in_arena(uintptr_t addr) { return addr - g_lo < g_len; }
 // A new allocation of `size` bytes; CUDA_ERROR_OUT_OF_MEMORY past the capacity (device memory only).
 int allocate(size_t size, Kind kind, uintptr_t *out, const char *api);
 // Frees the allocation starting at `ptr` (of `kind`); its pages become inaccessible (use after free faults).
@@ -78,9 +82,14 @@ void reset_pool_high(bool used, bool reserved);
 uint64_t release_threshold();
 void set_release_threshold(uint64_t bytes);
 
-// ---- counters (what a test can read: copies, launches, allocations) ----
+// ---- counters (what a test can read: copies, launches, allocations, waits) ----
 enum class Copy { HostToDevice, DeviceToHost, DeviceToDevice, HostToHost };
 void count_copy(Copy direction, size_t bytes);
+// The host waiting for the device (a context, stream or event synchronization, a synchronous copy), and a stream
+// waiting for an event: the calls that order work, which a program that overlaps copies with compute keeps off the
+// host.
+void count_host_wait();
+void count_stream_wait();
 void count_launch(const std::string &kernel);
 void count_allocation(size_t bytes);
 // The counters as JSON.

@@ -40,7 +40,6 @@ Arena &arena() {
 }
 
 uint64_t g_free_generation = 0;
-uintptr_t g_lo = 0, g_len = 0;  // the arena, for the hot path of every checked access
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -63,6 +62,8 @@ const char *kind_name(Kind k) {
 
 }  // namespace
 
+uintptr_t g_lo = 0, g_len = 0;  // the arena, for the hot path of every checked access
+
 void init_memory() {
     Arena &a = arena();
     std::lock_guard<std::mutex> g(a.lock);
@@ -80,8 +81,6 @@ void init_memory() {
     }
     fail(2, "cannot reserve address space for the emulated device's memory");
 }
-
-bool in_arena(uintptr_t addr) { return addr - g_lo < g_len; }
 
 int allocate(size_t size, Kind kind, uintptr_t *out, const char *api) {
     init_memory();

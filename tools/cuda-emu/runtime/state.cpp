@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdarg>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "emu.h"
 
@@ -65,6 +67,10 @@ Config read_config() {
     if (const char *v = getenv("CUDA_EMU_DEVICES")) c.devices = atoi(v) > 0 ? atoi(v) : 1;
     const char *race = getenv("CUDA_EMU_RACECHECK");
     c.race_check = race && *race && strcmp(race, "0") != 0;
+    c.threads = (int)std::max(1u, std::thread::hardware_concurrency());
+    if (const char *v = getenv("CUDA_EMU_THREADS")) c.threads = atoi(v) > 0 ? atoi(v) : c.threads;
+    const char *fast = getenv("CUDA_EMU_FAST");
+    c.fast = fast && *fast && strcmp(fast, "0") != 0 && !c.race_check;
     const char *abort_env = getenv("CUDA_EMU_ABORT");
     c.abort_on_error = abort_env && *abort_env && strcmp(abort_env, "0") != 0;
     if (const char *p = getenv("CUDA_EMU_COUNTERS")) c.counters_path = p;
@@ -84,6 +90,7 @@ struct Counters {
     std::mutex lock;
     uint64_t copies[4] = {0, 0, 0, 0}, copy_bytes[4] = {0, 0, 0, 0};
     uint64_t allocations = 0, allocated_bytes = 0, launches = 0;
+    uint64_t host_waits = 0, stream_waits = 0;
     std::map<std::string, uint64_t> launches_by_kernel;
 };
 Counters &counters() {
@@ -165,6 +172,18 @@ void count_launch(const std::string &kernel) {
     c.launches_by_kernel[kernel] += 1;
 }
 
+void count_host_wait() {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.host_waits += 1;
+}
+
+void count_stream_wait() {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.stream_waits += 1;
+}
+
 void count_allocation(size_t bytes) {
     Counters &c = counters();
     std::lock_guard<std::mutex> g(c.lock);
@@ -185,6 +204,8 @@ std::string counters_json() {
     out += format("}, \"allocations\": {\"count\": %llu, \"bytes\": %llu}, \"pool\": {\"used\": %llu, \"peak\": %llu}",
                   (unsigned long long)c.allocations, (unsigned long long)c.allocated_bytes,
                   (unsigned long long)pool.used, (unsigned long long)pool.used_high);
+    out += format(", \"waits\": {\"host\": %llu, \"stream\": %llu}", (unsigned long long)c.host_waits,
+                  (unsigned long long)c.stream_waits);
     out += format(", \"launches\": {\"count\": %llu, \"by_kernel\": {", (unsigned long long)c.launches);
     bool first = true;
     for (const auto &kv : c.launches_by_kernel) {
@@ -200,6 +221,7 @@ void reset_counters() {
     std::lock_guard<std::mutex> g(c.lock);
     for (int i = 0; i < 4; ++i) c.copies[i] = c.copy_bytes[i] = 0;
     c.allocations = c.allocated_bytes = c.launches = 0;
+    c.host_waits = c.stream_waits = 0;
     c.launches_by_kernel.clear();
 }
 
