@@ -183,27 +183,32 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         Some(memory) => {
             let usable = (memory as f64 * USABLE_GPU_MEMORY) as u64;
             let mut rows = Vec::new();
-            for (key, tiled, offload) in [
-                ("max_seq_len", false, false),
-                ("max_seq_len_tiled_mlp", true, false),
-                ("max_seq_len_offloaded", false, true),
-                ("max_seq_len_offloaded_tiled_mlp", true, true),
+            for (key, how, tiled, offload) in [
+                ("max_seq_len", "as asked", false, false),
+                ("max_seq_len_tiled_mlp", "with --tiled-mlp", true, false),
+                (
+                    "max_seq_len_offloaded",
+                    "with --activation-offloading",
+                    false,
+                    true,
+                ),
+                (
+                    "max_seq_len_offloaded_tiled_mlp",
+                    "with --activation-offloading --tiled-mlp",
+                    true,
+                    true,
+                ),
             ] {
                 if offload && request.device == DeviceKind::Cpu {
                     continue;
                 }
-                let at = EstimateArgs {
-                    tiled_mlp: request.tiled_mlp || tiled,
-                    activation_offloading: request.activation_offloading || offload,
-                    gradient_checkpointing: request.gradient_checkpointing || offload,
-                    ..request.clone()
-                };
+                let at = request.adding(tiled, offload);
                 let longest = max_seq_len(&config, &at, usable)?;
                 let host = match longest {
                     Some(seq) => estimate(&config, &EstimateArgs { seq, ..at })?.host_bytes,
                     None => 0,
                 };
-                rows.push((key, tiled, offload, longest, host));
+                rows.push((key, how, offload, longest, host));
             }
             Some((memory, usable, rows))
         }
@@ -275,13 +280,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             human_bytes(usable),
             human_bytes(memory),
         );
-        for (_, tiled, offload, longest, host) in rows {
-            let how = match (tiled, offload) {
-                (false, false) => "as asked".to_string(),
-                (true, false) => "with --tiled-mlp".to_string(),
-                (false, true) => "with --activation-offloading".to_string(),
-                (true, true) => "with --activation-offloading --tiled-mlp".to_string(),
-            };
+        for (_, how, _, longest, host) in rows {
             let tokens = longest.map_or("none".to_string(), |n| format!("{n} tokens"));
             let pinned = match host {
                 0 => String::new(),

@@ -123,6 +123,17 @@ impl EstimateArgs {
         Ok(())
     }
 
+    /// These arguments with the tiled MLP and/or activation offload added where `tiled_mlp` / `offload` say
+    /// (offload brings gradient checkpointing, which it needs).
+    pub fn adding(&self, tiled_mlp: bool, offload: bool) -> EstimateArgs {
+        EstimateArgs {
+            tiled_mlp: self.tiled_mlp || tiled_mlp,
+            activation_offloading: self.activation_offloading || offload,
+            gradient_checkpointing: self.gradient_checkpointing || offload,
+            ..self.clone()
+        }
+    }
+
     /// The compute dtype: the one asked, else the device's default.
     pub fn compute_dtype(&self) -> TorchDtype {
         self.dtype.unwrap_or(match self.device {

@@ -19,13 +19,12 @@ pub struct ActivationOffload {
     inner: Arc<Mutex<Pool>>,
 }
 
-/// The copy stream and the pinned buffers not in use, and what was pinned and copied in all.
+/// The copy stream and the pinned buffers not in use, and the bytes pinned in all.
 #[derive(Default)]
 struct Pool {
     #[cfg(feature = "cuda")]
     cuda: super::offload_cuda::Buffers,
     pinned_bytes: u64,
-    copies_to_host: u64,
 }
 
 impl ActivationOffload {
@@ -37,11 +36,6 @@ impl ActivationOffload {
     /// Bytes of pinned host memory this store holds (its high-water mark: buffers are kept for reuse).
     pub fn host_bytes(&self) -> u64 {
         self.inner.lock().map(|p| p.pinned_bytes).unwrap_or(0)
-    }
-
-    /// How many block inputs went to the host so far.
-    pub fn copies_to_host(&self) -> u64 {
-        self.inner.lock().map(|p| p.copies_to_host).unwrap_or(0)
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -65,7 +59,6 @@ impl ActivationOffload {
                     &mut pool.cuda,
                     &mut pool.pinned_bytes,
                 )?;
-                pool.copies_to_host += 1;
                 Ok(Saved::Host {
                     copy,
                     pool: self.clone(),

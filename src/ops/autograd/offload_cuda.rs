@@ -20,21 +20,12 @@ use candle_core::{DType, Result, Shape, Tensor};
 
 use crate::cuda::{alloc, hold, tensor};
 
-/// A pinned host allocation of one element type, held so it lives as long as its [`Pinned`] (the copies go through
-/// the address read when it was made).
-#[allow(dead_code)]
-enum PinnedMemory {
-    F64(PinnedHostSlice<f64>),
-    F32(PinnedHostSlice<f32>),
-    BF16(PinnedHostSlice<half::bf16>),
-    F16(PinnedHostSlice<half::f16>),
-}
-
 /// A pinned host buffer: its allocation, and its address read once when it was made (cudarc's accessors wait for
 /// the host each time; the copies here are ordered by the copy stream instead). It holds up to `len` elements of
 /// `dtype`; a copy may use its start only.
 pub(crate) struct Pinned {
-    _memory: PinnedMemory,
+    /// The `PinnedHostSlice` of the buffer's dtype, held so the memory lives as long as this.
+    _memory: Box<dyn std::any::Any + Send + Sync>,
     address: usize,
     len: usize,
     dtype: DType,
@@ -82,15 +73,13 @@ impl Pinned {
     /// A new buffer of `len` elements of `dtype` on `device`'s context.
     fn new(device: &CudaDevice, dtype: DType, len: usize) -> Result<Self> {
         let context = device.cuda_stream().context().clone();
-        let (memory, address) = match dtype {
-            DType::F64 => pin::<f64>(&context, len).map(|(m, a)| (PinnedMemory::F64(m), a))?,
-            DType::F32 => pin::<f32>(&context, len).map(|(m, a)| (PinnedMemory::F32(m), a))?,
-            DType::BF16 => pin::<half::bf16>(&context, len).map(|(m, a)| (PinnedMemory::BF16(m), a))?,
-            DType::F16 => pin::<half::f16>(&context, len).map(|(m, a)| (PinnedMemory::F16(m), a))?,
-            other => candle_core::bail!(
-                "activation offload: no host copy for {other:?} activations (float64, float32, bfloat16 or float16)"
-            ),
-        };
+        let (memory, address) = with_pinned_type!(dtype, T, {
+            let (memory, address) = pin::<T>(&context, len)?;
+            (
+                Box::new(memory) as Box<dyn std::any::Any + Send + Sync>,
+                address,
+            )
+        });
         Ok(Pinned {
             _memory: memory,
             address,

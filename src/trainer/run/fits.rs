@@ -140,13 +140,7 @@ fn what_fits(c: &ModelConfig, asked: &EstimateArgs, usable: u64) -> Result<Strin
         if (offload && asked.activation_offloading) || (tiled && asked.tiled_mlp) {
             continue;
         }
-        let at = EstimateArgs {
-            activation_offloading: asked.activation_offloading || offload,
-            gradient_checkpointing: asked.gradient_checkpointing || offload,
-            tiled_mlp: asked.tiled_mlp || tiled,
-            ..asked.clone()
-        };
-        if let Some(e) = fits(&at) {
+        if let Some(e) = fits(&asked.adding(tiled, offload)) {
             let mut keys = Vec::new();
             if offload {
                 if !asked.gradient_checkpointing {
