@@ -499,17 +499,12 @@ fn optimizer_bytes(name: OptimizerName, sizes: &[u64]) -> u64 {
 }
 
 /// Elements per token that one decoder layer keeps alive for the backward, as this library's ops and Candle's
-/// graph hold them: the norms, the rotated query/key heads and the value heads, the attention output, the gate and
-/// up projections, SwiGLU and the residual sums (LoRA runs as one fused op that saves nothing but its inputs). On the
-/// CPU the query/key/value projections leave as heads, the output projection takes heads, and the output and down
-/// projections add their residual, all inside their fused ops; on CUDA each projection's token-major output is kept
-/// too, the query/key split is a copy of its own before the rotation, and the attention output has a merged copy.
-pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
+/// graph hold them: the normed input, the rotated query/key heads and the value heads, the attention output, the
+/// gate and up projections and SwiGLU, the residual sums and the second norm. LoRA runs as one fused op that saves
+/// nothing but its inputs: the query/key/value projections leave as (rotated) heads, the output projection takes
+/// heads, and the output and down projections accumulate their residual — on the CPU and on CUDA alike.
+pub fn layer_elements_per_token(c: &ModelConfig) -> u64 {
     let (h, hq, hkv, i) = widths(c);
-    let (q, k, v, attention, projection_outputs) = match device {
-        DeviceKind::Cpu => (hq, hkv, hkv, hq, 0),
-        DeviceKind::Cuda => (3 * hq, 3 * hkv, 2 * hkv, 2 * hq, 2 * h),
-    };
     // Gate, up, SwiGLU; a mixture of experts also keeps each token's rows gathered for its experts, their outputs
     // and their weighted outputs, and the router's logits and probabilities.
     let mlp = 3 * i
@@ -517,16 +512,14 @@ pub fn layer_elements_per_token(c: &ModelConfig, device: DeviceKind) -> u64 {
             (3 * m.num_experts_per_tok as u64) * h + 2 * m.num_experts as u64
         });
     let norms_and_sums = 4 * h;
-    q + k + v + attention + projection_outputs + mlp + norms_and_sums
+    hq + 2 * hkv + hq + mlp + norms_and_sums
 }
 
 /// How many of the last layers keep their activations under memory-aware checkpointing (see
 /// `TrainingArguments::activation_memory_budget_mib`): as many as fit in `budget_mib`, each costing its saved
-/// tensors on `device` beyond the input a checkpointed layer keeps, for `tokens` tokens of `dtype_bytes`. 0 without
-/// a budget.
+/// tensors beyond the input a checkpointed layer keeps, for `tokens` tokens of `dtype_bytes`. 0 without a budget.
 pub fn kept_layers(
     c: &ModelConfig,
-    device: DeviceKind,
     tokens: u64,
     dtype_bytes: u64,
     budget_mib: Option<f64>,
@@ -534,7 +527,7 @@ pub fn kept_layers(
     let Some(budget) = budget_mib else {
         return 0;
     };
-    let extra = (layer_elements_per_token(c, device) - c.hidden_size as u64) * tokens * dtype_bytes;
+    let extra = (layer_elements_per_token(c) - c.hidden_size as u64) * tokens * dtype_bytes;
     let fit = (budget * (1u64 << 20) as f64 / extra.max(1) as f64).floor() as usize;
     fit.min(c.num_hidden_layers)
 }
@@ -548,8 +541,8 @@ pub fn kept_layers(
 /// one `QUERY_BLOCK` of queries, or, with the CUDA kernels, their float32 query-gradient accumulator).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
-    let (h, hq, _, i) = widths(c);
-    let layer_elements = layer_elements_per_token(c, args.device);
+    let (h, hq, hkv, i) = widths(c);
+    let layer_elements = layer_elements_per_token(c);
     // A tiled MLP keeps its gate, up and activation outputs (3·i a token) for one slice of `slice` tokens, while
     // it runs that slice's forward and backward, instead of for every token.
     let slice = match args.tiled_mlp {
@@ -563,13 +556,19 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     } else {
         0
     };
+    // The MLP's backward: the SwiGLU, gate and up gradients, each added by Candle into a zeroed accumulator of its
+    // own (one of which is live at a time), and the hidden-state gradients.
+    let mlp_backward = 4 * i * slice + 3 * h * tokens;
     let gradients_in_flight = match args.device {
-        // The MLP's backward is the widest moment: the SwiGLU, gate and up gradients, each added by Candle into a
-        // zeroed accumulator of its own (one of which is live at a time), and three hidden-state gradients.
-        DeviceKind::Cpu => 4 * i * slice + 3 * h * tokens,
-        // As measured on an H100, where the layer keeps each projection's output too; a tiled MLP's share of it
-        // (2·i a token) is held for one slice.
-        DeviceKind::Cuda => (layer_elements / 2 * tokens).saturating_sub(2 * i * (tokens - slice)),
+        DeviceKind::Cpu => mlp_backward,
+        // Held through a recomputed layer's backward: the chain's output gradient (Candle's backward holds it while
+        // the chain runs), the layer's output gradient and its copy as the output's own; then the wider of the
+        // MLP's moment and the attention's (the residual sum's gradient, the output heads', the query's and the
+        // key/value heads').
+        DeviceKind::Cuda => {
+            let attention_backward = (h + 2 * hq + 2 * hkv) * tokens;
+            3 * h * tokens + attention_backward.max(mlp_backward - h * tokens)
+        }
     } * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
     let (saved, recomputed) = if args.gradient_checkpointing {
@@ -643,7 +642,6 @@ pub fn offloaded_host_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u
 fn recomputed_layers(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let kept = kept_layers(
         c,
-        args.device,
         (args.batch * args.seq) as u64,
         dtype_bytes,
         args.activation_memory_budget_mib,
@@ -764,7 +762,6 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
                      and one recomputed at a time",
                     kept_layers(
                         c,
-                        args.device,
                         (args.batch * args.seq) as u64,
                         e,
                         Some(budget)
@@ -908,16 +905,12 @@ mod tests {
     fn kept_layers_fill_the_budget() {
         let c = llama2_7b();
         let tokens = 2048u64;
-        let layer_mib = ((layer_elements_per_token(&c, DeviceKind::Cuda) - 4096) * tokens * 2)
-            as f64
-            / (1u64 << 20) as f64;
-        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, None), 0);
-        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(0.0)), 0);
-        assert_eq!(
-            kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(2.5 * layer_mib)),
-            2
-        );
-        assert_eq!(kept_layers(&c, DeviceKind::Cuda, tokens, 2, Some(1e9)), 32);
+        let layer_mib =
+            ((layer_elements_per_token(&c) - 4096) * tokens * 2) as f64 / (1u64 << 20) as f64;
+        assert_eq!(kept_layers(&c, tokens, 2, None), 0);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(0.0)), 0);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(2.5 * layer_mib)), 2);
+        assert_eq!(kept_layers(&c, tokens, 2, Some(1e9)), 32);
         let args = |ckpt: bool, budget: Option<f64>| EstimateArgs {
             seq: 2048,
             gradient_checkpointing: ckpt,
@@ -1168,9 +1161,11 @@ mod tests {
         assert_eq!(regex.flags(), None);
     }
 
-    /// A tiled MLP keeps its intermediates (3 · 11,008 a token) and, on CUDA, its share of the gradients in flight
-    /// (2 · 11,008) for one slice of at most 4,096 tokens instead of all of them: at 32,768 tokens, checkpointed,
-    /// the activations drop by exactly 5 · 11,008 · (32,768 − 4,096) bf16 elements, and the assumptions say so.
+    /// A tiled MLP keeps its intermediates (3 · 11,008 a token) for one slice of at most 4,096 tokens instead of
+    /// all of them, and its backward's gradients too, so that the widest moment of a layer's backward on CUDA becomes
+    /// the attention's: at 32,768 tokens, checkpointed, the activations drop by exactly 3 · 11,008 · (32,768 −
+    /// 4,096) bf16 elements plus, for every token, the untiled MLP's moment (4 · 11,008 + 2 · 4,096) less the
+    /// attention's (4,096 + 2 · 4,096 + 2 · 4,096), and the assumptions say so.
     #[test]
     fn a_tiled_mlp_holds_one_slice_of_intermediates() {
         let c = llama2_7b();
@@ -1187,7 +1182,7 @@ mod tests {
         );
         assert_eq!(
             plain.activations_bytes - tiled.activations_bytes,
-            5 * 11_008 * (32_768 - 4_096) * 2
+            (3 * 11_008 * (32_768 - 4_096) + (4 * 11_008 + 2 * 4_096 - 5 * 4_096) * 32_768) * 2
         );
         assert_eq!(
             plain.total_bytes - tiled.total_bytes,
@@ -1232,7 +1227,7 @@ mod tests {
             activation_memory_budget_mib: Some(2_000.0),
             ..args(DeviceKind::Cuda, true)
         };
-        let kept = kept_layers(&c, DeviceKind::Cuda, 8_192, 2, Some(2_000.0)) as u64;
+        let kept = kept_layers(&c, 8_192, 2, Some(2_000.0)) as u64;
         assert!(kept > 0);
         assert_eq!(
             estimate(&c, &budget).unwrap().host_bytes,

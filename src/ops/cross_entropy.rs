@@ -13,6 +13,8 @@
 //! `final_logit_softcapping`), the gradient through it `1 − tanh²(z/cap)`; [`softcap`] is the same map on a logits
 //! tensor (evaluation, generation). On CUDA a capped loss runs the composed path (the kernels do not cap).
 
+use std::sync::Mutex;
+
 use candle_core::{DType, Result, Tensor, D};
 use rayon::prelude::*;
 
@@ -69,7 +71,7 @@ pub fn linear_cross_entropy_capped(
     let op = LinearCrossEntropy {
         labels,
         softcap,
-        hidden_gradient: None,
+        hidden_gradient: Mutex::new(None),
     };
     Ok((op.apply([hidden, weight])?, counted))
 }
@@ -94,8 +96,9 @@ struct LinearCrossEntropy {
     labels: Vec<i64>,
     /// `cap` of `z → cap·tanh(z/cap)` on the logits, if they are capped.
     softcap: Option<f64>,
-    /// `d loss / d hidden`, computed in the forward by the slice path (see the module doc).
-    hidden_gradient: Option<Tensor>,
+    /// `d loss / d hidden`, computed in the forward by the slice path (see the module doc); the backward takes it,
+    /// so that it is not held through the rest of the step's backward (a second backward recomputes it).
+    hidden_gradient: Mutex<Option<Tensor>>,
 }
 
 /// Logits of one block of tokens (soft-capped with `softcap`) and their log-sum-exp, and with a cap the
@@ -124,6 +127,14 @@ fn block_logits(
 }
 
 impl LinearCrossEntropy {
+    /// The gradient slot the forward fills (`&mut self`: no other borrow exists).
+    fn stored_gradient(&mut self) -> &mut Option<Tensor> {
+        match self.hidden_gradient.get_mut() {
+            Ok(slot) => slot,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
     /// The loss, and the hidden states' gradient when `hidden` needs one, block by block on CPU slices.
     fn cpu_fwd<T: CpuFloat>(&mut self, hidden: &Tensor, weight: &Tensor) -> Result<Value> {
         let (n, d) = hidden.dims2()?;
@@ -162,7 +173,7 @@ impl LinearCrossEntropy {
             Ok((total, dh))
         })?;
         if with_grad {
-            self.hidden_gradient = Some(Tensor::from_vec(dh, (n, d), hidden.device())?);
+            *self.stored_gradient() = Some(Tensor::from_vec(dh, (n, d), hidden.device())?);
         }
         Ok(Value::Tensor(Tensor::new(
             T::from_f64(total),
@@ -363,7 +374,7 @@ impl LinearCrossEntropy {
                 }
             }
             if with_grad {
-                self.hidden_gradient = Some(tensor(dh, &device, (n, h)));
+                *self.stored_gradient() = Some(tensor(dh, &device, (n, h)));
             }
         });
         // Summed by a kernel of ours: Candle's reduction would upload the layout, a copy per micro-batch.
@@ -399,11 +410,16 @@ impl Op<2> for LinearCrossEntropy {
         grad: &Tensor,
         needs: [bool; 2],
     ) -> Result<[Option<Tensor>; 2]> {
-        match &self.hidden_gradient {
+        let stored = self
+            .hidden_gradient
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("cross-entropy: poisoned gradient".into()))?
+            .take();
+        match stored {
             Some(dh) => {
                 #[cfg(feature = "cuda")]
                 if dh.device().is_cuda() {
-                    return Ok([Some(Self::cuda_scale(dh, grad, inputs[0].dtype())?), None]);
+                    return Ok([Some(Self::cuda_scale(&dh, grad, inputs[0].dtype())?), None]);
                 }
                 let scaled = dh.broadcast_mul(&grad.to_dtype(dh.dtype())?)?;
                 Ok([Some(scaled.to_dtype(inputs[0].dtype())?), None])

@@ -21,8 +21,8 @@ pub(crate) enum RowLayout {
     HeadMajor,
 }
 
-/// The op (input `x` in `from`; the output in `to`).
-struct MoveRows {
+/// The op (input `x` in `from`; the output in `to`); also run without a graph inside other ops.
+pub(crate) struct MoveRows {
     dims: HeadDims,
     /// cos and sin, float32 `[1 or b, 1, t, d]`, contiguous.
     tables: Option<(Tensor, Tensor)>,
@@ -46,38 +46,65 @@ pub(crate) fn move_rows(
     from: RowLayout,
     to: RowLayout,
 ) -> Result<Tensor> {
-    let HeadDims { b, t, d, .. } = dims;
-    let mut per_sequence = false;
-    let tables = match tables {
-        None => None,
-        Some((cos, sin)) => {
-            let (cb, one, ct, cd) = cos.dims4()?;
-            if sin.dims() != cos.dims()
-                || !(cb == 1 || cb == b)
-                || (one, ct, cd) != (1, t, d)
-                || d % 2 != 0
-            {
-                candle_core::bail!(
-                    "rope: tables of shape {:?} do not fit heads of {d} over {t} positions",
-                    cos.dims()
-                );
-            }
-            per_sequence = cb > 1;
-            let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
-            Some((table(cos)?, table(sin)?))
-        }
-    };
-    MoveRows {
-        dims,
-        tables,
-        per_sequence,
-        from,
-        to,
-    }
-    .apply([x])
+    MoveRows::new(dims, tables, from, to)?.apply([x])
 }
 
 impl MoveRows {
+    /// The move of rows of `dims` from `from` to `to`, rotated by `tables` (cos, sin of `[1 or b, 1, t, d]`) when
+    /// given.
+    pub(crate) fn new(
+        dims: HeadDims,
+        tables: Option<(&Tensor, &Tensor)>,
+        from: RowLayout,
+        to: RowLayout,
+    ) -> Result<Self> {
+        let HeadDims { b, t, d, .. } = dims;
+        let mut per_sequence = false;
+        let tables = match tables {
+            None => None,
+            Some((cos, sin)) => {
+                let (cb, one, ct, cd) = cos.dims4()?;
+                if sin.dims() != cos.dims()
+                    || !(cb == 1 || cb == b)
+                    || (one, ct, cd) != (1, t, d)
+                    || d % 2 != 0
+                {
+                    candle_core::bail!(
+                        "rope: tables of shape {:?} do not fit heads of {d} over {t} positions",
+                        cos.dims()
+                    );
+                }
+                per_sequence = cb > 1;
+                let table = |x: &Tensor| x.to_dtype(DType::F32)?.contiguous();
+                Some((table(cos)?, table(sin)?))
+            }
+        };
+        Ok(MoveRows {
+            dims,
+            tables,
+            per_sequence,
+            from,
+            to,
+        })
+    }
+
+    /// `x` moved and rotated, without a graph.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Value> {
+        if x.dims() != self.shape(self.from).as_slice() {
+            candle_core::bail!(
+                "heads: input of shape {:?}, expected {:?}",
+                x.dims(),
+                self.shape(self.from)
+            );
+        }
+        self.launch(x, self.from, self.to, false)
+    }
+
+    /// The gradient of the input for the output's `grad`: moved back and rotated by `−sin`.
+    pub(crate) fn backward(&self, grad: &Tensor) -> Result<Tensor> {
+        self.launch(grad, self.to, self.from, true)?.into_tensor()
+    }
+
     /// The dims of a tensor in `layout`.
     fn shape(&self, layout: RowLayout) -> Vec<usize> {
         let HeadDims { b, t, h, d } = self.dims;
@@ -133,19 +160,10 @@ impl Op<1> for MoveRows {
     const NAME: &'static str = "move-rows";
 
     fn fwd(&mut self, [x]: [&Tensor; 1]) -> Result<Value> {
-        if x.dims() != self.shape(self.from).as_slice() {
-            candle_core::bail!(
-                "heads: input of shape {:?}, expected {:?}",
-                x.dims(),
-                self.shape(self.from)
-            );
-        }
-        self.launch(x, self.from, self.to, false)
+        self.forward(x)
     }
 
     fn bwd(&self, _: [&Tensor; 1], grad: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
-        Ok([Some(
-            self.launch(grad, self.to, self.from, true)?.into_tensor()?,
-        )])
+        Ok([Some(self.backward(grad)?)])
     }
 }

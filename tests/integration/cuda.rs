@@ -408,6 +408,87 @@ fn low_rank_linear_kernel_matches_the_cpu_op() {
     }
 }
 
+/// The projection's fused forms on the GPU (one op each: the output moved into rotated heads, heads merged into
+/// the input, a residual accumulated) against the CPU ops, forward and every gradient, with dropout.
+#[test]
+fn low_rank_linear_head_and_residual_forms_match_the_cpu_ops() {
+    use candle_qlora::ops::{
+        low_rank_linear_from_heads, low_rank_linear_plus, low_rank_linear_to_heads, BranchDropout,
+        FrozenLinear, FrozenWeight, LowRank, OutputValue, RopeTables,
+    };
+    use std::sync::Arc;
+    let w = randn(&[192, 128], 0.05);
+    let q = Arc::new(Nf4Tensor::quantize(&w, &QuantConfig::nf4()).unwrap());
+    let cpu_base = Arc::new(FrozenLinear::new(FrozenWeight::Nf4(q), None));
+    let gpu_base = Arc::new(cpu_base.to_device(&gpu()).unwrap());
+    let layer = |x: &Tensor| {
+        if x.device().is_cuda() {
+            &gpu_base
+        } else {
+            &cpu_base
+        }
+    };
+    fn branch(xs: &[Tensor]) -> LowRank<'_> {
+        LowRank {
+            a: &xs[1],
+            b: &xs[2],
+            scaling: 2.0,
+            dropout: Some(BranchDropout { p: 0.1, seed: 5 }),
+        }
+    }
+    let factors = |inp: usize, out: usize| {
+        [
+            input(randn(&[8, inp], 0.1), DType::F32, true),
+            input(randn(&[out, 8], 0.1), DType::F32, true),
+        ]
+    };
+    let tables = |device: &Device| {
+        RopeTables::new(64, 64, 10_000.0, None, device)
+            .unwrap()
+            .range(3, 9)
+            .unwrap()
+    };
+    for dtype in half_dtypes() {
+        let [a, b] = factors(128, 192);
+        compare_op(
+            "low_rank_linear_to_heads",
+            |xs| {
+                let (cos, sin) = tables(xs[0].device());
+                low_rank_linear_to_heads(&xs[0], layer(&xs[0]), &branch(xs), 3, Some((&cos, &sin)))
+            },
+            &[input(randn(&[2, 9, 128], 1.0), dtype, true), a, b],
+            3e-2,
+        );
+        let [a, b] = factors(128, 192);
+        compare_op(
+            "low_rank_linear_plus",
+            |xs| {
+                let output = OutputValue::Computed;
+                low_rank_linear_plus(&xs[0], layer(&xs[0]), &branch(xs), output, &xs[3])
+            },
+            &[
+                input(randn(&[2, 9, 128], 1.0), dtype, true),
+                a,
+                b,
+                input(randn(&[2, 9, 192], 1.0), dtype, true),
+            ],
+            3e-2,
+        );
+        let [a, b] = factors(128, 192);
+        compare_op(
+            "low_rank_linear_from_heads",
+            |xs| low_rank_linear_from_heads(&xs[0], layer(&xs[0]), &branch(xs), Some(&xs[3])),
+            &[
+                input(randn(&[2, 2, 9, 64], 1.0), dtype, true),
+                a,
+                b,
+                input(randn(&[2, 9, 192], 1.0), dtype, true),
+            ],
+            3e-2,
+        );
+    }
+}
+
 /// Attention on tensor cores against the CPU op: grouped-query heads of 64 and 128, sequences across several
 /// tiles, queries after cached keys, and packed rows.
 #[test]

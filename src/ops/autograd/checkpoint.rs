@@ -100,32 +100,33 @@ impl CheckpointChain {
     fn backward_block(
         &self,
         k: usize,
-        input: &Tensor,
+        input: Tensor,
         grad: &Tensor,
         input_needs_grad: bool,
     ) -> Result<Option<Tensor>> {
         let LabeledBlock { block, label } = &self.blocks[k];
-        let var = if input_needs_grad {
-            Some(Var::from_tensor(input)?)
+        // Candle's variable is a copy: the input itself is let go (when the chain alone holds it) before the
+        // block is recomputed.
+        let (var, input) = if input_needs_grad {
+            let var = Var::from_tensor(&input)?;
+            drop(input);
+            let tracked = var.as_tensor().clone();
+            (Some(var), tracked)
         } else {
-            None
+            (None, input)
         };
         let _span = trace::span_with(|| label.clone(), "backward");
         let (y, extra) = {
             let _phase = snapshot_context::phase(SnapshotPhase::Recompute);
             let _span = trace::span("recompute", "recompute");
-            block(
-                var.as_ref().map(|v| v.as_tensor()).unwrap_or(input),
-                Pass::Recompute,
-            )?
+            block(&input, Pass::Recompute)?
         };
         let _span = trace::span("backward", "backward");
-        // The vector-Jacobian product: Candle seeds a backward with ones, so y·grad needs no sum (a reduction on
-        // a GPU would upload its layout every layer) unless a scalar joins it.
-        let product = (y * grad)?;
+        let seed = OutputGradient { grad: grad.clone() }.apply([&y])?;
+        drop(y);
         let grads = match extra {
-            None => product.backward()?,
-            Some(e) => (product.to_dtype(e.dtype())?.sum_all()? + e)?.backward()?,
+            None => seed.backward()?,
+            Some(e) => (seed.to_dtype(e.dtype())? + e)?.backward()?,
         };
         for p in &self.params {
             if let Some(g) = grads.get(p) {
@@ -133,6 +134,25 @@ impl CheckpointChain {
             }
         }
         Ok(var.and_then(|v| grads.get(&v).cloned()))
+    }
+}
+
+/// The root of a recomputed block's backward: a scalar (zero) whose backward hands the block's output `y` the
+/// gradient it was given. Candle starts a backward from ones; the product `y·grad` would hold the product, the ones
+/// and a gradient for `grad` itself (three activation-sized tensors) through the block's whole backward.
+struct OutputGradient {
+    grad: Tensor,
+}
+
+impl Op<1> for OutputGradient {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, [y]: [&Tensor; 1]) -> Result<Value> {
+        Ok(Value::Tensor(Tensor::zeros((), y.dtype(), y.device())?))
+    }
+
+    fn bwd(&self, _: [&Tensor; 1], _: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        Ok([Some(self.grad.clone())])
     }
 }
 
@@ -186,12 +206,14 @@ impl Op<2> for CheckpointChain {
             };
             next = saved.pop().map(Saved::load).transpose()?;
             // A block whose output does not depend on its input passes no gradient on.
-            grad = match self.backward_block(k, &input, &grad, true)? {
+            let (shape, dtype, device) =
+                (input.shape().clone(), input.dtype(), input.device().clone());
+            grad = match self.backward_block(k, input, &grad, true)? {
                 Some(g) => g,
-                None => input.zeros_like()?,
+                None => Tensor::zeros(shape, dtype, &device)?,
             };
         }
-        let dx = self.backward_block(0, x, &grad, needs[0])?;
+        let dx = self.backward_block(0, x.clone(), &grad, needs[0])?;
         Ok([dx, None])
     }
 }

@@ -12,8 +12,9 @@ use crate::cuda::{
     alloc, device_of, grid, hold, kernel, product, run, storage, suffix, tensor, with_float_type,
     GemmShape, DROPOUT,
 };
-use crate::ops::autograd::op::Value;
+use crate::ops::autograd::op::{Op, Value};
 use crate::ops::frozen_linear::decoding_device_codes;
+use crate::ops::rows_cuda::MoveRows;
 
 /// Whether the CUDA path takes these inputs: float activations on a GPU, float32 masters.
 pub(super) fn applies(x: &Tensor, a: &Tensor, b: &Tensor) -> bool {
@@ -48,8 +49,13 @@ impl LowRankComposed {
         })
     }
 
-    /// The forward on the device.
-    pub(super) fn cuda_fwd(&self, [x, a, b]: [&Tensor; 3]) -> Result<Value> {
+    /// The forward on the device; with `start` (a residual of the output's shape) the products accumulate onto a
+    /// copy of it, so no separate projection output exists.
+    pub(super) fn cuda_fwd(
+        &self,
+        [x, a, b]: [&Tensor; 3],
+        start: Option<&Tensor>,
+    ) -> Result<Value> {
         let CallShapes {
             inp,
             rows,
@@ -61,7 +67,11 @@ impl LowRankComposed {
         let r = a.dim(0)?;
         let x = x.contiguous()?;
         // A decoding step multiplies by the 4-bit codes in place; otherwise the weight is dequantized for cuBLAS.
-        let codes = decoding_device_codes(&self.base.weight, &x, rows);
+        let codes = match start {
+            Some(_) => None,
+            None => decoding_device_codes(&self.base.weight, &x, rows),
+        };
+        let start = start.map(|s| s.to_dtype(dtype)?.contiguous()).transpose()?;
         let xd = self.dropped_out(&x)?;
         let (a, b) = (
             a.to_dtype(dtype)?.contiguous()?,
@@ -70,6 +80,17 @@ impl LowRankComposed {
         let device = device_of(&x)?;
         let y = with_float_type!(dtype, T => {
             let mut y = alloc::<T>(&device, rows * out)?;
+            let base_beta = match &start {
+                Some(start) => {
+                    let held = hold(start)?;
+                    device
+                        .cuda_stream()
+                        .memcpy_dtod(&held.view::<T>()?, &mut y)
+                        .map_err(candle_core::Error::wrap)?;
+                    1.0
+                }
+                None => 0.0,
+            };
             let mut h = alloc::<T>(&device, rows * r)?;
             let held = [hold(&x)?, hold(&xd)?, hold(&a)?, hold(&b)?];
             let [xv, xdv, av, bv] = [0, 1, 2, 3].map(|i| held[i].view::<T>());
@@ -80,7 +101,7 @@ impl LowRankComposed {
                 None => {
                     let w = self.base.weight.to_dense(dtype)?.contiguous()?;
                     let wh = hold(&w)?;
-                    let base = GemmShape { m: rows, n: out, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: 0.0 };
+                    let base = GemmShape { m: rows, n: out, k: inp, a_t: false, b_t: true, alpha: 1.0, beta: base_beta };
                     product(&device, base, (&xv, dtype), (&wh.view::<T>()?, dtype), (&mut y, dtype))?;
                 }
             }
@@ -187,5 +208,95 @@ impl LowRankComposed {
             };
             Ok([gx, ga, gb])
         })
+    }
+}
+
+/// [`LowRankComposed`] with its output moved into attention heads (`[b, t, h·d]` → `[b, h, t, d]`, rotated when
+/// the mover has RoPE tables) as one op: inputs `[x, A, B]`. The graph keeps neither the token-major projection
+/// nor a copy of it; the backward moves the heads' gradient back (rotated by `−sin`) and differentiates the
+/// projection.
+pub(super) struct ToHeads {
+    pub(super) linear: LowRankComposed,
+    pub(super) rows: MoveRows,
+}
+
+impl Op<3> for ToHeads {
+    const NAME: &'static str = "low-rank-linear";
+
+    fn fwd(&mut self, inputs: [&Tensor; 3]) -> Result<Value> {
+        let y = self.linear.cuda_fwd(inputs, None)?.into_tensor()?;
+        self.rows.forward(&y)
+    }
+
+    fn bwd(
+        &self,
+        inputs: [&Tensor; 3],
+        grad: &Tensor,
+        needs: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let token_major = self.rows.backward(grad)?;
+        self.linear.cuda_bwd(inputs, &token_major, needs)
+    }
+}
+
+/// `residual + LowRankComposed(x)` as one op: inputs `[x, A‖B, residual]` (`A` and `B` flattened and
+/// concatenated: Candle's ops take three inputs). The products accumulate onto a copy of the residual, so the graph
+/// keeps no projection output apart from the sum. With `heads`, `x` is attention heads `[b, h, t, d]` merged into
+/// `[b, t, h·d]` first; the merged copy exists only while a product reads it.
+pub(super) struct PlusResidual {
+    pub(super) linear: LowRankComposed,
+    /// Moves attention heads to token-major rows, when the input is heads.
+    pub(super) heads: Option<MoveRows>,
+    /// `A`'s shape `[r, in]` and `B`'s `[out, r]`.
+    pub(super) factors: ((usize, usize), (usize, usize)),
+}
+
+impl PlusResidual {
+    /// `A` and `B` out of their concatenation.
+    fn factors(&self, ab: &Tensor) -> Result<(Tensor, Tensor)> {
+        let ((r, inp), (out, r2)) = self.factors;
+        let a = ab.narrow(0, 0, r * inp)?.reshape((r, inp))?;
+        let b = ab.narrow(0, r * inp, out * r2)?.reshape((out, r2))?;
+        Ok((a, b))
+    }
+
+    /// The projection's token-major input.
+    fn rows(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.heads {
+            Some(mover) => mover.forward(x)?.into_tensor(),
+            None => Ok(x.clone()),
+        }
+    }
+}
+
+impl Op<3> for PlusResidual {
+    const NAME: &'static str = "low-rank-linear";
+
+    fn fwd(&mut self, [x, ab, residual]: [&Tensor; 3]) -> Result<Value> {
+        let rows = self.rows(x)?;
+        let (a, b) = self.factors(ab)?;
+        self.linear.cuda_fwd([&rows, &a, &b], Some(residual))
+    }
+
+    fn bwd(
+        &self,
+        [x, ab, _]: [&Tensor; 3],
+        grad: &Tensor,
+        [needs_x, needs_ab, needs_residual]: [bool; 3],
+    ) -> Result<[Option<Tensor>; 3]> {
+        let rows = self.rows(x)?;
+        let (a, b) = self.factors(ab)?;
+        let needs = [needs_x, needs_ab, needs_ab];
+        let [gx, ga, gb] = self.linear.cuda_bwd([&rows, &a, &b], grad, needs)?;
+        drop(rows);
+        let gx = match (&self.heads, gx) {
+            (Some(mover), Some(g)) => Some(mover.backward(&g)?),
+            (_, gx) => gx,
+        };
+        let g_ab = match (ga, gb) {
+            (Some(ga), Some(gb)) => Some(Tensor::cat(&[ga.flatten_all()?, gb.flatten_all()?], 0)?),
+            _ => None,
+        };
+        Ok([gx, g_ab, needs_residual.then(|| grad.clone())])
     }
 }

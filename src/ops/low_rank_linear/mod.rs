@@ -9,7 +9,11 @@
 //!
 //! On the CPU in f32/f64 the op runs on slices (its `cpu` module): the bias, the scaling, a residual and the sum of the two
 //! paths are folded into the GEMMs, and a change of layout to or from attention heads (with RoPE) is fused in, so
-//! each direction is its matrix products and one pass. Other dtypes and devices compose Candle's ops (same maths).
+//! each direction is its matrix products and one pass. On a CUDA device (`cuda` module) the products are cuBLAS
+//! GEMMs, and the head layouts (with RoPE) and a residual are fused in as well — the moves of `rows_cuda` run
+//! inside the op, the products accumulate onto a copy of the residual — so the graph keeps neither a token-major
+//! projection, a merged copy of the heads, nor a projection output apart from its residual sum. Other dtypes and
+//! devices compose Candle's ops (same maths).
 
 mod branch;
 mod composed;
@@ -79,7 +83,13 @@ pub fn low_rank_linear_plus(
     match slice_path(x, base, branch) {
         Some(DType::F32) => on_slices::<f32>(x, base, branch, output, residual),
         Some(DType::F64) => on_slices::<f64>(x, base, branch, output, residual),
-        _ => residual + composed(x, base, branch)?,
+        _ => {
+            #[cfg(feature = "cuda")]
+            if let Some(y) = cuda_plus(x, x.dims(), None, base, branch, residual)? {
+                return Ok(y);
+            }
+            residual + composed(x, base, branch)?
+        }
     }
 }
 
@@ -136,6 +146,13 @@ pub fn low_rank_linear_to_heads(
     if let Some(y) = fused {
         return Ok(y);
     }
+    #[cfg(feature = "cuda")]
+    if cuda::applies(x, branch.a, branch.b) {
+        use crate::ops::rows_cuda::{MoveRows, RowLayout};
+        let rows = MoveRows::new(dims, rope, RowLayout::TokenMajor, RowLayout::HeadMajor)?;
+        let linear = composed_op(x.dims(), base, branch)?;
+        return cuda::ToHeads { linear, rows }.apply([x, branch.a, branch.b]);
+    }
     let y = low_rank_linear(x, base, branch, OutputValue::Computed)?;
     match rope {
         Some((cos, sin)) => rope_split_heads(&y, heads, cos, sin),
@@ -172,6 +189,16 @@ pub fn low_rank_linear_from_heads(
         Some(DType::F32) => on_slices::<f32>(y, base, branch, heads, residual),
         Some(DType::F64) => on_slices::<f64>(y, base, branch, heads, residual),
         _ => {
+            #[cfg(feature = "cuda")]
+            if let Some(res) = residual {
+                use crate::ops::rows_cuda::{MoveRows, RowLayout};
+                let mover =
+                    MoveRows::new(heads, None, RowLayout::HeadMajor, RowLayout::TokenMajor)?;
+                let rows_dims = [batch, t, h * d];
+                if let Some(out) = cuda_plus(y, &rows_dims, Some(mover), base, branch, res)? {
+                    return Ok(out);
+                }
+            }
             let merged = merge_heads(y)?;
             let computed = OutputValue::Computed;
             match residual {
@@ -196,14 +223,54 @@ fn slice_path(x: &Tensor, base: &FrozenLinear, branch: &LowRank) -> Option<DType
 
 /// [`low_rank_linear`] off the CPU slice path.
 fn composed(x: &Tensor, base: &Arc<FrozenLinear>, branch: &LowRank) -> Result<Tensor> {
-    let shapes = CallShapes::of_dims(x.dims(), base)?;
-    LowRankComposed {
+    composed_op(x.dims(), base, branch)?.apply([x, branch.a, branch.b])
+}
+
+/// The op off the CPU slice path for an input of `dims`.
+fn composed_op(
+    dims: &[usize],
+    base: &Arc<FrozenLinear>,
+    branch: &LowRank,
+) -> Result<LowRankComposed> {
+    Ok(LowRankComposed {
         base: base.clone(),
         scaling: branch.scaling,
         dropout: branch.dropout,
-        shapes,
+        shapes: CallShapes::of_dims(dims, base)?,
+    })
+}
+
+/// `residual + low_rank_linear(x)` on a CUDA device as one op (`x` as attention heads when `heads` moves them),
+/// when the CUDA path applies.
+#[cfg(feature = "cuda")]
+fn cuda_plus(
+    x: &Tensor,
+    rows_dims: &[usize],
+    heads: Option<crate::ops::rows_cuda::MoveRows>,
+    base: &Arc<FrozenLinear>,
+    branch: &LowRank,
+    residual: &Tensor,
+) -> Result<Option<Tensor>> {
+    if !cuda::applies(x, branch.a, branch.b) {
+        return Ok(None);
     }
-    .apply([x, branch.a, branch.b])
+    let linear = composed_op(rows_dims, base, branch)?;
+    if residual.dims() != linear.shapes.out_dims.as_slice() {
+        candle_core::bail!(
+            "low-rank linear: residual of shape {:?} added to an output of shape {:?}",
+            residual.dims(),
+            linear.shapes.out_dims
+        );
+    }
+    let factors = (branch.a.dims2()?, branch.b.dims2()?);
+    let ab = Tensor::cat(&[branch.a.flatten_all()?, branch.b.flatten_all()?], 0)?;
+    cuda::PlusResidual {
+        linear,
+        heads,
+        factors,
+    }
+    .apply([x, &ab, residual])
+    .map(Some)
 }
 
 // The choice of path sits here, above both: `composed.rs` and `cuda.rs` import nothing from this file.
@@ -213,7 +280,7 @@ impl Op<3> for LowRankComposed {
     fn fwd(&mut self, [x, a, b]: [&Tensor; 3]) -> Result<Value> {
         #[cfg(feature = "cuda")]
         if cuda::applies(x, a, b) {
-            return self.cuda_fwd([x, a, b]);
+            return self.cuda_fwd([x, a, b], None);
         }
         self.composed_fwd([x, a, b])
     }

@@ -9,7 +9,7 @@ use candle_core::{Device, Tensor, Var};
 use super::neftune::neftune_noise;
 use crate::data::{collate, Batch, TokenizedExample};
 use crate::error::Result;
-use crate::memory::{kept_layers, DeviceKind, Phase};
+use crate::memory::{kept_layers, Phase};
 use crate::models::{Checkpointing, LlamaModel, RouterLogits};
 use crate::ops::ActivationOffload;
 use crate::profile::trace;
@@ -35,11 +35,6 @@ fn checkpointing(
         enabled: args.checkpointing(),
         kept_layers: kept_layers(
             model.config(),
-            if model.device().is_cpu() {
-                DeviceKind::Cpu
-            } else {
-                DeviceKind::Cuda
-            },
             tokens,
             model.compute_dtype().size_in_bytes() as u64,
             args.activation_memory_budget_mib,
