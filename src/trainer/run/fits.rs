@@ -202,6 +202,10 @@ mod tests {
             ..Default::default()
         };
         let gpu = Some((24u64 << 30, "GPU 0"));
+        // The longest that fits as configured: the search's answer for 91% of the GPU, between 20k and 64k tokens.
+        let usable = ((24u64 << 30) as f64 * USABLE_GPU_MEMORY) as u64;
+        let longest = max_seq_len(&c, &asked, usable).unwrap().unwrap();
+        assert!((20_000..65_536).contains(&longest), "{longest}");
         let err = memory_verdict(&c, &asked, gpu, None, "run.toml")
             .unwrap_err()
             .to_string();
@@ -211,7 +215,7 @@ mod tests {
                     "It fits with [training] activation_offloading = true (pinning 15.50 GiB of host memory) and \
                      tiled_mlp = true"
                 )
-                && err.contains("examples of at most 29227 tokens fit")
+                && err.contains(&format!("examples of at most {longest} tokens fit"))
                 && err.contains("qlora estimate --model <the base model> --batch 1 --seq 65536"),
             "{err}"
         );
