@@ -215,11 +215,13 @@ __device__ void attn_delta(const T *dout, const T *out, u64 rows, u64 D, float *
 
 // One block per tile of BWD_KEYS keys of a kv head: for every query head of its group and every tile of queries,
 // P = exp(scale·q·kᵀ − lse) again, dV += Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − Δ), dK += scale·dSᵀ·Q (both kept in registers
-// for the block's keys), and dQ += scale·dS·K added atomically into float32 `dq` (zeroed by the caller).
+// for the block's keys), and dQ += scale·dS·K added atomically into float32 `dq` (zeroed by the caller). A launch
+// covers the kv heads hk0 … hk0 + gridDim.y − 1, and `dq` holds their query heads only ([B, gridDim.y·G, TQ, D]): a
+// long sequence's float32 dQ is then made a few heads at a time.
 template <typename T, int D>
 __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,
                          const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale,
-                         u64 window, float cap, float *dq, T *dk, T *dv) {
+                         u64 window, float cap, u64 hk0, float *dq, T *dk, T *dv) {
     extern __shared__ __align__(128) unsigned char smem[];
     T *sK = (T *)smem;                      // [BWD_KEYS][D]
     T *sV = sK + BWD_KEYS * D;              // [BWD_KEYS][D]
@@ -232,8 +234,8 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
     float *sDelta = sL + BWD_QUERIES;                           // [BWD_QUERIES]
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const u64 b = blockIdx.z, hk = blockIdx.y, j0 = (u64)blockIdx.x * BWD_KEYS;
-    const u64 G = HQ / HKV, offset = S - TQ;
+    const u64 b = blockIdx.z, hk = hk0 + blockIdx.y, j0 = (u64)blockIdx.x * BWD_KEYS;
+    const u64 G = HQ / HKV, offset = S - TQ, dq_heads = (u64)gridDim.y * G;
     const T *kh = k + (b * HKV + hk) * S * D;
     const T *vh = v + (b * HKV + hk) * S * D;
     load_rows<T, D, BWD_KEYS>(sK, kh, j0, S);
@@ -260,6 +262,7 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
         const u64 h = hk * G + g;
         const T *qh = q + (b * HQ + h) * TQ * D;
         const T *dh = dout + (b * HQ + h) * TQ * D;
+        float *dqh = dq + (b * dq_heads + h - hk0 * G) * TQ * D;
         for (u64 i0 = query_begin; i0 < query_end; i0 += BWD_QUERIES) {
             __syncthreads();
             load_rows<T, D, BWD_QUERIES>(sQ, qh, i0, TQ);
@@ -373,7 +376,7 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
                     __syncwarp();
                     for (int e = lane; e < 256; e += 32) {
                         const u64 i = i0 + mq * 16 + e / 16;
-                        if (i < TQ) atomicAdd(&dq[((b * HQ + h) * TQ + i) * D + n * 16 + e % 16], scr[e] * scale);
+                        if (i < TQ) atomicAdd(&dqh[i * D + n * 16 + e % 16], scr[e] * scale);
                     }
                     __syncwarp();
                 }
@@ -404,7 +407,7 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
 #define BWD(T)                                                                                                 \
     (const T *q, const T *k, const T *v, const T *dout, const float *lse, const float *delta,                  \
      const unsigned int *starts, int has_starts, u64 HQ, u64 HKV, u64 TQ, u64 S, float scale, u64 window,      \
-     float cap, float *dq, T *dk, T *dv)
+     float cap, u64 hk0, float *dq, T *dk, T *dv)
 #define DELTA(T) (const T *dout, const T *out, u64 rows, u64 D, float *delta)
 
 #define FOR_HEAD_DIM(T, suffix, D)                                                                             \
@@ -413,8 +416,8 @@ __device__ void attn_bwd(const T *q, const T *k, const T *v, const T *dout, cons
                        lse);                                                                                   \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(THREADS) attn_bwd_##suffix##_d##D BWD(T) {                   \
-        attn_bwd<T, D>(q, k, v, dout, lse, delta, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, dq, dk, \
-                       dv);                                                                                    \
+        attn_bwd<T, D>(q, k, v, dout, lse, delta, starts, has_starts, HQ, HKV, TQ, S, scale, window, cap, hk0, dq, \
+                       dk, dv);                                                                                  \
     }
 
 // bfloat16 tensor cores start at compute 8.0: a build for a T4 (CUDA_COMPUTE_CAP=75) has the float16 kernels only.

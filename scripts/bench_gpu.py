@@ -35,6 +35,8 @@ start at zero, so both compute the base model's loss).
 Other modes: --decode times NF4 greedy decoding (`qlora generate` against transformers + bitsandbytes `generate`,
 the same 32 prompt ids, exactly --new-tokens tokens); --trace DIR traces step 2 of a 3-step run of each system
 (ours: trace.json and memory_snapshot.pickle; theirs: torch.profiler's chrome trace).
+--offload and --tiled-mlp run ours with activation_offloading and tiled_mlp (rows of their own, with --only ours:
+theirs has no such settings); ours' rows also record the run's estimate and pinned host memory beside its peak.
 
 Results accumulate in WORK/results.jsonl, or --results (a run already there is not repeated), so the benchmark can
 go on over several invocations; --report prints the tables from what is there. scripts/gpu-check.sh runs the rows
@@ -114,6 +116,9 @@ def parse_args() -> argparse.Namespace:
                    help="one run of each system on --shape with a profile of step 2: ours' trace.json and "
                         "memory_snapshot.pickle, theirs' torch.profiler chrome trace, into this folder")
     p.add_argument("--peer-no-prepare", action="store_true", help="theirs without prepare_model_for_kbit_training")
+    p.add_argument("--offload", action="store_true",
+                   help="ours with activation_offloading (a row of its own; theirs has no such setting: --only ours)")
+    p.add_argument("--tiled-mlp", action="store_true", help="ours with tiled_mlp (a row of its own, as --offload)")
     p.add_argument("--report", action="store_true", help="print the table of WORK/results.jsonl and stop")
     p.add_argument("--prepare-bnb", action="store_true",
                    help=f"(here, with network) put {BNB_WHEEL} trimmed to its CUDA 13.0 library in .gpu/site")
@@ -168,7 +173,8 @@ def make_model(shape: str, work: Path, device: str) -> None:
     out = model_dir(work, shape)
     if (out / "config.json").exists():
         return
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=32768, rope_theta=500000.0, rms_norm_eps=1e-5,
+    # Llama-3.1's context (the long-sequence rows need it; RoPE without scaling: the positions' cost is the same).
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                          initializer_range=0.02, torch_dtype="bfloat16")
     torch.manual_seed(SEED)
     # Made in bf16 directly: an 8B model in float32 first would take 32 GB.
@@ -291,12 +297,14 @@ def run_ours(qlora: Path, spec: dict, work: Path) -> dict | None:
                      key=lambda e: e["step"])
     timeline = json.loads((run_dir / "out" / "memory_timeline.json").read_text())
     peak = max((s.get("peak", 0) for s in timeline.get("samples", [])), default=0)
+    estimate = (timeline.get("estimate") or {}).get("prediction") or {}
     if spec.get("trace"):
         for name in ("trace.json", "memory_snapshot.pickle"):
             shutil.copy(run_dir / "out" / name, Path(spec["trace"]) / f"ours-{name}")
     return {"step_seconds": [e["step_seconds"] for e in entries], "tokens": [e["tokens"] for e in entries],
             "losses": [e["loss"] for e in entries], "peak_allocated": peak, "peak_reserved": None,
-            "source": timeline.get("source")}
+            "source": timeline.get("source"), "host_pinned": timeline.get("host_pinned_bytes", 0),
+            "estimate": estimate.get("total_bytes"), "estimate_host": estimate.get("host_bytes")}
 
 
 def theirs_worker(spec: dict) -> dict:
@@ -444,7 +452,8 @@ def params_touched(shape: str) -> int:
 
 
 def tokens_per_second(r: dict, warmup: int) -> float | None:
-    timed = list(zip(r["tokens"], r["step_seconds"]))[warmup:]
+    """The median over the steps after the run's warm-up (the one it was run with, else `warmup`)."""
+    timed = list(zip(r["tokens"], r["step_seconds"]))[r.get("warmup", warmup):]
     return statistics.median(t / s for t, s in timed) if timed else None
 
 
@@ -477,7 +486,9 @@ def report(path: Path, warmup: int, loss_tol: float) -> None:
           "theirs peak GiB (reserved) | memory ratio | ours MFU | theirs MFU | losses |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for key, row in rows.items():
-        shape, bxs, dropout = key.split("/")
+        shape, bxs, dropout, *variant = key.split("/")
+        if variant:
+            dropout += f" ({', '.join(variant)})"
         speed = {s: statistics.median(v) if (v := [tokens_per_second(r, warmup) for r in row[s]]) else None
                  for s in ("ours", "theirs")}
         peak = {s: max((r["peak_allocated"] or 0 for r in row[s]), default=0) / 2**30 for s in ("ours", "theirs")}
@@ -494,6 +505,15 @@ def report(path: Path, warmup: int, loss_tol: float) -> None:
         print(f"| {shape} | {bxs} | {dropout} | {fmt(speed['ours'])} | {fmt(speed['theirs'])} | {fmt(ratio, '.2f')}× | "
               f"{fmt(peak['ours'], '.2f')} | {fmt(peak['theirs'], '.2f')} ({fmt(reserved, '.2f')}) | "
               f"{fmt(mem_ratio, '.2f')}× | {fmt(mfu['ours'], '.1%')} | {fmt(mfu['theirs'], '.1%')} | {losses} |")
+    planned = [(key, r) for key, row in rows.items() for r in row["ours"][:1] if r.get("estimate")]
+    if planned:
+        print("\n| ours: row | measured peak GiB | estimate GiB | measured / estimate | pinned host GiB "
+              "(estimate) |")
+        print("|---|---:|---:|---:|---:|")
+        for key, r in planned:
+            pinned, est_host = r.get("host_pinned") or 0, r.get("estimate_host") or 0
+            print(f"| {key} | {r['peak_allocated'] / 2**30:.2f} | {r['estimate'] / 2**30:.2f} | "
+                  f"{r['peak_allocated'] / r['estimate']:.3f} | {pinned / 2**30:.2f} ({est_host / 2**30:.2f}) |")
     print(f"\ntokens/s: median over rounds of the median step after {warmup} warmup steps; MFU: 6 · N · tokens/s / "
           f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, N = block linears + head")
     if decodes:
@@ -541,6 +561,8 @@ def main() -> None:
             for r in map(json.loads, done_path.read_text().splitlines())} if done_path.exists() else set()
 
     def record(row_key: str, system: str, kind: str, rnd: int, result: dict | None) -> None:
+        if result is not None and kind == "speed":
+            result["warmup"] = args.warmup
         with done_path.open("a") as f:
             f.write(json.dumps({"row": row_key, "system": system, "kind": kind, "round": rnd, "result": result})
                     + "\n")
@@ -569,12 +591,14 @@ def main() -> None:
             for system in systems:
                 run(f"{shape}/decode", system, "decode", 0, spec)
             continue
-        row_key = f"{shape}/{batch}x{seq}/{dropout}"
+        variant = ["offload"] * args.offload + ["tiled MLP"] * args.tiled_mlp
+        row_key = "/".join([shape, f"{batch}x{seq}", str(dropout), *variant])
+        base["extra_training"] = "activation_offloading = true\n" * args.offload + "tiled_mlp = true\n" * args.tiled_mlp
         steps = args.warmup + args.steps
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
             spec = {**base, "lr": LEARNING_RATE, "steps": 3, "trace": str(args.trace),
-                    "extra_training": "memory_snapshot = true\ntrace_steps = [2]"}
+                    "extra_training": base["extra_training"] + "memory_snapshot = true\ntrace_steps = [2]"}
             spec["data"] = str(data_file(work, shape, batch, seq, spec["steps"]))
             spec["key"] = f"{shape}-{batch}x{seq}-{dropout}-trace"
             for system in systems:
@@ -584,7 +608,7 @@ def main() -> None:
         runs += [("speed", r, {**base, "lr": LEARNING_RATE, "steps": steps}) for r in range(args.rounds)]
         for kind, rnd, spec in runs:
             spec["data"] = str(data_file(work, shape, batch, seq, spec["steps"]))
-            spec["key"] = f"{shape}-{batch}x{seq}-{dropout}-{kind}"
+            spec["key"] = "-".join([shape, f"{batch}x{seq}", str(dropout), *(v.split()[0] for v in variant), kind])
             order = systems if rnd % 2 == 0 else systems[::-1]
             for system in order:
                 run(row_key, system, kind, rnd, spec)

@@ -25,6 +25,11 @@
 #   trace-8b      one 8B step traced: ours' trace.json (Perfetto) and memory_snapshot.pickle (memory_viz), theirs'
 #                 torch.profiler trace of the same step
 #   bench-8b-16k  8B shape, 1 × 16384
+#   long-8b-64k   ours alone, 8B shape, 1 × 65536 with activation offload and the tiled MLP: one step's peak pool,
+#                 pinned host memory and tokens/s beside `qlora estimate`'s figures
+#   long-8b-16k   ours alone, 8B shape, 1 × 16384, plain and then offloaded with the tiled MLP: what offload and
+#                 tiling cost in tokens/s, and both peaks beside the estimate's
+# --stages a,b,…: run only these stages (preflight always runs).
 # --budget SECONDS (default 540): a stage starts only when its estimated time (an H100's, below) fits in what is
 # left, and runs under a timeout of what is left; the summary says what remains for the next call.
 # --rehearse: the emulated device (scripts/build-cuda.sh emulate-env builds it), the tiny shape, the peer on the
@@ -35,13 +40,14 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-results="" budget=540 rehearse=0 work=""
+results="" budget=540 rehearse=0 work="" only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
     --work) work="$2"; shift 2 ;;
+    --stages) only=",$2,"; shift 2 ;;
     --rehearse) rehearse=1; shift ;;
-    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,42p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) results="$1"; shift ;;
   esac
@@ -73,7 +79,7 @@ if [ "$rehearse" = 1 ]; then
   chmod +x "$qlora" "$python"
   peer_device=cpu
   suite_filter="${QLORA_CHECK_SUITE_FILTER:-cuda::four_bit_decoding_product}"
-  big=tiny small=tiny long_seq=128 seq=64 new_tokens=16
+  big=tiny small=tiny long_seq=128 longest_seq=256 seq=64 new_tokens=16
 else
   for f in qlora integration; do
     if [ ! -x "$root/.gpu/$f" ] || [ "$root/.gpu/$f.xz" -nt "$root/.gpu/$f" ]; then
@@ -97,7 +103,7 @@ else
   export CUDA_CACHE_MAXSIZE=4294967296
   peer_device=cuda
   suite_filter="${QLORA_CHECK_SUITE_FILTER:-cuda::}"
-  big=8b small=1b long_seq=16384 seq=2048 new_tokens=128
+  big=8b small=1b long_seq=16384 longest_seq=65536 seq=2048 new_tokens=128
 fi
 export PYTHONUNBUFFERED=1
 # The tests read tests/data from the working directory.
@@ -196,6 +202,9 @@ say "preflight passed in $((SECONDS - started)) s"
 stage() {
   local name="$1" estimate="$2"
   shift 2
+  if [ -n "$only" ] && [[ "$only" != *",$name,"* ]]; then
+    return 0
+  fi
   if grep -q "^$name	" "$stages"; then
     echo "gpu-check: $name done in an earlier call" >&2
     return 0
@@ -233,6 +242,10 @@ stage decode-1b 60 "${bench[@]}" --shape "$small" --decode --new-tokens "$new_to
 stage trace-8b 90 bash -c 'set -e; "$@"; cd "$0/trace" && xz -T0 -f ours-memory_snapshot.pickle theirs-trace.json' \
   "$results" "${bench[@]}" --shape "$big" --batch 1 --seq "$seq" --dropout 0.0 --trace "$results/trace"
 stage bench-8b-16k 200 "${bench[@]}" --shape "$big" --batch 1 --seq "$long_seq" --dropout 0.0 --rounds 1 --steps 2 --loss-steps 0
+# The long rows: ours alone (theirs would need over 100 GiB at 64k), one step (its first: a 64k step lasts minutes).
+long=("${bench[@]}" --shape "$big" --batch 1 --dropout 0.0 --rounds 1 --loss-steps 0 --only ours)
+stage long-8b-64k 300 "${long[@]}" --seq "$longest_seq" --warmup 0 --steps 1 --offload --tiled-mlp
+stage long-8b-16k 150 bash -c '"$@" && "$@" --offload --tiled-mlp' _ "${long[@]}" --seq "$long_seq" --warmup 1 --steps 1
 
 write_summary
 if [ ${#deferred[@]} -gt 0 ]; then

@@ -9,7 +9,7 @@ use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{LoraConfig, TargetModules};
 use crate::models::{mlp_slice_rows, ModelConfig};
-use crate::ops::attention::{CUDA_HEAD_DIMS, QUERY_BLOCK};
+use crate::ops::attention::{dq_kv_heads_per_launch, CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
 use crate::optim::OptimizerName;
 use crate::precision::TorchDtype;
@@ -538,7 +538,8 @@ pub fn kept_layers(
 /// on CUDA one `CUDA_LOGITS_BYTES` block of float32 logits, its gradient in the compute dtype, the float32
 /// hidden-state gradient and a contiguous copy of the hidden states), or the backward through one layer (with checkpointing
 /// the layer recomputed, plus the gradients in flight, plus the attention's working memory: the float32 scores of
-/// one `QUERY_BLOCK` of queries, or, with the CUDA kernels, their float32 query-gradient accumulator).
+/// one `QUERY_BLOCK` of queries, or, with the CUDA kernels, their float32 query-gradient accumulator for the kv
+/// heads of one launch, `dq_kv_heads_per_launch`).
 pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     let tokens = (args.batch * args.seq) as u64;
     let (h, hq, hkv, i) = widths(c);
@@ -590,7 +591,12 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     let attention_kernels =
         args.device == DeviceKind::Cuda && dtype_bytes == 2 && CUDA_HEAD_DIMS.contains(&c.head_dim);
     let attention = if attention_kernels {
-        tokens * hq * 4
+        let (kv_heads, group) = (
+            c.num_key_value_heads,
+            c.num_attention_heads / c.num_key_value_heads.max(1),
+        );
+        let launch_heads = dq_kv_heads_per_launch(tokens as usize, kv_heads, group, c.head_dim);
+        (launch_heads * group * c.head_dim) as u64 * tokens * 4
     } else {
         4 * (args.batch * c.num_attention_heads) as u64
             * QUERY_BLOCK.min(args.seq) as u64

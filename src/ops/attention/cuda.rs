@@ -8,6 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::{DType, Result, Tensor};
 
 use super::cpu::Dims;
+use super::spec::dq_kv_heads_per_launch;
 use super::spec::{AttentionSpec, Segments, CUDA_HEAD_DIMS};
 use crate::cuda::{alloc, device_of, grid, hold, kernel, run, storage, suffix, tensor, ATTENTION};
 use crate::ops::autograd::op::Value;
@@ -215,13 +216,11 @@ pub(super) fn backward(
     )?;
     let shared = bwd_shared_bytes(d);
     allow_shared(&bwd_fn, shared)?;
-    let cfg = LaunchConfig {
-        grid_dim: (s.div_ceil(BWD_KEYS) as u32, hkv as u32, b as u32),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: shared as u32,
-    };
+    // The float32 dQ of `launch_heads` kv heads' query heads at a time (all of them unless the sequence is long),
+    // each launch's turned into the compute dtype inside the whole dQ.
+    let launch_heads = dq_kv_heads_per_launch(b * t, hkv, g, d);
+    let dq = Tensor::zeros(q.shape(), dtype, q.device())?;
     let mut delta = alloc::<f32>(&device, b * hq * t)?;
-    let mut dq = device.alloc_zeros::<f32>(q.elem_count())?;
     let (dk, dv) = crate::cuda::with_float_type!(dtype, T => {
         let mut dk = alloc::<T>(&device, k.elem_count())?;
         let mut dv = alloc::<T>(&device, v.elem_count())?;
@@ -235,29 +234,41 @@ pub(super) fn backward(
         }
         let (lh, sh) = (hold(lse)?, hold(&starts)?);
         let (lv, sv) = (lh.view::<f32>()?, sh.view::<u32>()?);
-        let mut args = bwd_fn.builder();
-        args.arg(&qv)
-            .arg(&kv)
-            .arg(&vv)
-            .arg(&gv)
-            .arg(&lv)
-            .arg(&delta)
-            .arg(&sv)
-            .arg(&has_starts)
-            .arg(&hq_u)
-            .arg(&hkv_u)
-            .arg(&t_u)
-            .arg(&s_u)
-            .arg(&scale)
-            .arg(&window)
-            .arg(&cap)
-            .arg(&mut dq)
-            .arg(&mut dk)
-            .arg(&mut dv);
-        run(&mut args, cfg)?;
+        for hk0 in (0..hkv).step_by(launch_heads) {
+            let heads = launch_heads.min(hkv - hk0);
+            let mut dq_part = device.alloc_zeros::<f32>(b * heads * g * t * d)?;
+            let hk0_u = hk0 as u64;
+            let mut args = bwd_fn.builder();
+            args.arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&gv)
+                .arg(&lv)
+                .arg(&delta)
+                .arg(&sv)
+                .arg(&has_starts)
+                .arg(&hq_u)
+                .arg(&hkv_u)
+                .arg(&t_u)
+                .arg(&s_u)
+                .arg(&scale)
+                .arg(&window)
+                .arg(&cap)
+                .arg(&hk0_u)
+                .arg(&mut dq_part)
+                .arg(&mut dk)
+                .arg(&mut dv);
+            let cfg = LaunchConfig {
+                grid_dim: (s.div_ceil(BWD_KEYS) as u32, heads as u32, b as u32),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            run(&mut args, cfg)?;
+            let part = tensor(dq_part, &device, (b, heads * g, t, d)).to_dtype(dtype)?;
+            dq.slice_set(&part, 1, hk0 * g)?;
+        }
         (tensor(dk, &device, k.shape().clone()), tensor(dv, &device, v.shape().clone()))
     });
-    let dq = tensor(dq, &device, q.shape().clone()).to_dtype(dtype)?;
     Ok([
         needs[0].then_some(dq),
         needs[1].then_some(dk),

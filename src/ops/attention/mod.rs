@@ -19,7 +19,10 @@ use super::cpu::{gradient, slice_dtype, with_slices, CpuFloat};
 use crate::precision::master_dtype;
 use cpu::{Dims, KeyStarts};
 
-pub use spec::{AttentionSinks, AttentionSpec, Segments, CUDA_HEAD_DIMS, QUERY_BLOCK};
+pub use spec::{
+    dq_kv_heads_per_launch, set_cuda_dq_bytes, AttentionSinks, AttentionSpec, Segments,
+    CUDA_HEAD_DIMS, QUERY_BLOCK,
+};
 
 /// Additive mask `[1 or batch, 1, groups*rows, keys - lo]` over keys `lo..keys`: query `i` (at absolute position
 /// `first_pos + i`) sees keys `first..=first_pos+i`, `first` from `starts` (example start and sliding window).

@@ -1,6 +1,7 @@
 //! What one attention call computes besides the causal mask ([`AttentionSpec`]: scale, sliding window, soft cap,
 //! sinks), the packed rows' example boundaries ([`Segments`]), and the block sizes the kernels work in.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
@@ -12,6 +13,31 @@ pub const QUERY_BLOCK: usize = 128;
 
 /// Head dimensions the CUDA attention kernels take (in bf16 or f16); others run the composed path.
 pub const CUDA_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Bytes the CUDA attention backward's float32 query-gradient accumulator may take at once (256 MiB unless
+/// [`set_cuda_dq_bytes`] changed it): past that, a long sequence's dQ is made a few kv heads' query heads at a time,
+/// one launch of the kernel each.
+static CUDA_DQ_BYTES: AtomicUsize = AtomicUsize::new(256 << 20);
+
+/// Sets the bytes the CUDA attention backward's float32 query-gradient accumulator may take at once, returning the
+/// previous figure. Smaller, more launches; 1 makes one launch per kv head (the GPU suite runs short sequences so).
+pub fn set_cuda_dq_bytes(bytes: usize) -> usize {
+    CUDA_DQ_BYTES.swap(bytes, Ordering::Relaxed)
+}
+
+/// Kv heads whose query heads' float32 dQ one launch of the CUDA attention backward accumulates, for `rows` (batch ×
+/// query tokens), `group` query heads per kv head and heads of `head_dim`: all of them while that fits the bytes
+/// [`set_cuda_dq_bytes`] allows (256 MiB: one launch up to 16k tokens of an 8B model), else as many as fit, at
+/// least one.
+pub fn dq_kv_heads_per_launch(
+    rows: usize,
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+) -> usize {
+    let per_kv_head = rows * group * head_dim * 4;
+    (CUDA_DQ_BYTES.load(Ordering::Relaxed) / per_kv_head.max(1)).clamp(1, kv_heads.max(1))
+}
 
 /// What one layer's attention computes besides the causal mask.
 #[derive(Clone, Debug, PartialEq)]

@@ -247,7 +247,7 @@ impl TrainerCallback for MemoryMonitorCallback {
                     human_bytes(used),
                     human_bytes(total),
                     100.0 * used as f64 / total as f64,
-                    memory_fixes(args, None).join("; ")
+                    memory_fixes(args, None, gpu.is_some()).join("; ")
                 );
             }
         }

@@ -7,23 +7,29 @@ use crate::optim::OptimizerName;
 use crate::trainer::settings::args::TrainingArguments;
 
 /// The report: `live` bytes by category at the failure, the step and phase, and the next steps in order of cost
-/// (each says what it saves, estimated from the breakdown).
+/// (each says what it saves, estimated from the breakdown). An out-of-memory error is a GPU allocator's: the fixes
+/// are a GPU's.
 pub fn oom_report(live: &Breakdown, step: usize, phase: Phase, args: &TrainingArguments) -> String {
     let mut lines = vec![
         format!("out of memory at step {step}, {phase:?} phase; live memory by category:"),
         live.table(),
         "what would fit, cheapest first:".to_string(),
     ];
-    for (n, fix) in memory_fixes(args, Some(live)).iter().enumerate() {
+    for (n, fix) in memory_fixes(args, Some(live), true).iter().enumerate() {
         lines.push(format!("  {}. {fix}", n + 1));
     }
     lines.join("\n")
 }
 
 /// The changes to `args` that lower a run's memory, cheapest first — only those it has not made already (a
-/// micro-batch that can still shrink, checkpointing that is off, 32-bit AdamW moments); each with what it saves
-/// when the `live` breakdown is known.
-pub(crate) fn memory_fixes(args: &TrainingArguments, live: Option<&Breakdown>) -> Vec<String> {
+/// micro-batch that can still shrink, checkpointing that is off, the MLP untiled, layer inputs kept on the GPU
+/// (`on_gpu`: offload only moves a GPU's), 32-bit AdamW moments); each with what it saves when the `live`
+/// breakdown is known.
+pub(crate) fn memory_fixes(
+    args: &TrainingArguments,
+    live: Option<&Breakdown>,
+    on_gpu: bool,
+) -> Vec<String> {
     let saves = |what: String| live.map_or(String::new(), |_| what);
     let mut fixes = Vec::new();
     let batch = args.per_device_train_batch_size;
@@ -55,6 +61,20 @@ pub(crate) fn memory_fixes(args: &TrainingArguments, live: Option<&Breakdown>) -
                 human_bytes(live.map_or(0, |l| l.activations))
             ))
         ));
+    }
+    if !args.tiled_mlp {
+        fixes.push(
+            "tiled_mlp = true (the MLP's intermediates exist for one slice of the tokens at a time; the same \
+             gradients)"
+                .to_string(),
+        );
+    }
+    if on_gpu && !args.activation_offloading {
+        fixes.push(
+            "activation_offloading = true (with checkpointing, the layer inputs wait in pinned host memory and the \
+             GPU keeps three of them)"
+                .to_string(),
+        );
     }
     // 8-bit moments in place of AdamW's 32-bit ones (SGD's state is another algorithm's, not a cheaper AdamW).
     let adamw_32bit = matches!(
@@ -103,6 +123,8 @@ mod tests {
         let order: Vec<usize> = [
             "per_device_train_batch_size = 4 with gradient_accumulation_steps = 4",
             "gradient_checkpointing = true",
+            "tiled_mlp = true",
+            "activation_offloading = true",
             "paged_adamw_8bit",
             "max_length",
         ]
@@ -114,6 +136,8 @@ mod tests {
         let done = TrainingArguments {
             per_device_train_batch_size: 1,
             gradient_checkpointing: true,
+            tiled_mlp: true,
+            activation_offloading: true,
             optim: OptimizerName::PagedAdamW8bit,
             ..Default::default()
         };
@@ -131,14 +155,15 @@ mod tests {
             optim: OptimizerName::Sgd,
             ..Default::default()
         };
-        let fixes = memory_fixes(&odd, None);
+        let fixes = memory_fixes(&odd, None, false);
         assert_eq!(
             fixes[0],
             "per_device_train_batch_size = 1 with gradient_accumulation_steps = 6 (same effective batch; \
              activations drop to about 1/3)"
         );
-        // SGD is not offered an AdamW, and without a breakdown no sizes are guessed.
-        assert_eq!(fixes.len(), 2, "{fixes:?}");
+        // SGD is not offered an AdamW, the CPU no offload, and without a breakdown no sizes are guessed.
+        assert_eq!(fixes.len(), 3, "{fixes:?}");
+        assert!(fixes[1].starts_with("tiled_mlp = true"), "{fixes:?}");
         assert!(
             !fixes.iter().any(|f| f.contains('≈') || f.contains("optim")),
             "{fixes:?}"
