@@ -8,9 +8,10 @@ use super::stats::human_bytes;
 use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{LoraConfig, TargetModules};
-use crate::models::{mlp_slice_rows, ModelConfig};
+use crate::models::{mlp_slice_rows, LayerAttention, ModelConfig};
 use crate::ops::attention::{dq_kv_heads_per_launch, CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
+use crate::ops::rope::RopeScaling;
 use crate::optim::OptimizerName;
 use crate::precision::TorchDtype;
 
@@ -626,6 +627,17 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
 }
 
+/// Bytes of a model's RoPE tables, counted with its weights: cos and sin for every position up to
+/// `max_position_embeddings` over the rotated dimensions, in float32 (float64 for a float64 model); LongRoPE keeps a
+/// second pair for long sequences, and sliding layers with a base frequency of their own (Gemma 3) a pair of theirs.
+fn rope_table_bytes(c: &ModelConfig, dtype_bytes: u64) -> u64 {
+    let long = matches!(c.rope_scaling, Some(RopeScaling::LongRope(_)));
+    let sliding =
+        c.sliding_rope_theta.is_some() && c.layer_types.contains(&LayerAttention::Sliding);
+    let pairs = 1 + u64::from(long) + u64::from(sliding);
+    pairs * 2 * (c.max_position_embeddings * c.rotary_dim) as u64 * dtype_bytes.max(4)
+}
+
 /// Whether the recomputed layers' inputs go to the host: offloading asked, with checkpointing, on CUDA.
 fn offloaded(args: &EstimateArgs) -> bool {
     args.activation_offloading && args.gradient_checkpointing && args.device == DeviceKind::Cuda
@@ -726,11 +738,13 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     let n = counts(c, &args.adapter())?;
     let dtype = args.compute_dtype();
     let e = dtype.dtype().size_in_bytes() as u64;
-    let weights = if args.quantize {
-        per_layer_nf4(c) + n.rest * e
-    } else {
-        (n.block_linear + n.rest) * e
-    };
+    let rope_tables = rope_table_bytes(c, e);
+    let weights = rope_tables
+        + if args.quantize {
+            per_layer_nf4(c) + n.rest * e
+        } else {
+            (n.block_linear + n.rest) * e
+        };
     let data_parallel =
         (args.world_size > 1).then(|| DataParallel::new(args.world_size, 4 * n.lora));
     let other = match args.device {
@@ -750,11 +764,17 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
                 ),
             }
         ),
-        if args.quantize {
-            "base linears NF4 with double quantization (4.127 bits/parameter); embeddings, head and norms in the compute dtype".into()
-        } else {
-            "base weights in the compute dtype".into()
-        },
+        format!(
+            "{}; the RoPE tables ({} positions) {}",
+            if args.quantize {
+                "base linears NF4 with double quantization (4.127 bits/parameter); embeddings, head and norms in \
+                 the compute dtype"
+            } else {
+                "base weights in the compute dtype"
+            },
+            c.max_position_embeddings,
+            human_bytes(rope_tables)
+        ),
         format!("optimizer {} on the adapter", args.optim),
         format!(
             "activations: micro-batch {} × {} tokens, {}, {}",
@@ -1129,7 +1149,13 @@ mod tests {
             on(args(DeviceKind::Cuda, Some(TorchDtype::Float16))),
             on(args(DeviceKind::Cuda, Some(TorchDtype::Float32))),
         );
-        assert_eq!(full.weights_bytes, 2 * half.weights_bytes);
+        // The weights double; the RoPE tables are float32 in both.
+        let tables = rope_table_bytes(&c, 4);
+        assert_eq!(tables, 2 * 4096 * 128 * 4);
+        assert_eq!(
+            full.weights_bytes - tables,
+            2 * (half.weights_bytes - tables)
+        );
         assert!(full.activations_bytes > half.activations_bytes);
         assert!(full.assumptions[0].starts_with("float32 compute"));
     }

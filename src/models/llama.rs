@@ -1106,6 +1106,12 @@ impl LlamaModel {
         out
     }
 
+    /// Bytes of the RoPE tables the model holds beside its weights (the memory estimate counts them with the
+    /// weights).
+    pub fn rope_table_bytes(&self) -> usize {
+        self.rope.bytes() + self.sliding_rope.as_ref().map_or(0, RopeTables::bytes)
+    }
+
     /// Bytes of the frozen weights (4-bit ones at their packed size).
     pub fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();

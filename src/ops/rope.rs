@@ -346,6 +346,12 @@ impl RopeTables {
         }
     }
 
+    /// Bytes of the tables (cos and sin, and LongRoPE's long pair).
+    pub fn bytes(&self) -> usize {
+        let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
+        t(&self.cos) + t(&self.sin) + self.long.as_ref().map_or(0, |(c, s, _)| t(c) + t(s))
+    }
+
     /// Number of positions covered.
     pub fn max_positions(&self) -> usize {
         self.cos.dims()[0]

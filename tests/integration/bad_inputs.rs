@@ -1289,6 +1289,8 @@ fn cases(dir: &Path) -> Vec<Case> {
                 "training.gradient_checkpointing=true",
                 "training.optim=\"paged_adamw_8bit\"",
                 "training.per_device_train_batch_size=1",
+                "training.tiled_mlp=true",
+                "lora.lora_dropout=0.0",
             ]),
             0,
             "; to use less: a shorter [data] max_length",

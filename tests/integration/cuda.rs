@@ -1530,8 +1530,7 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
         ..Default::default()
     };
     // What the pool holds at the peak, by the estimate (the CUDA context and optimizer state come outside it or
-    // after it), and the model's float32 RoPE tables (cos and sin, a row per position), which it does not count.
-    let rope_tables = (2 * widths.positions * 64 * 4) as u64;
+    // after it).
     let pool_peak = |activation_offloading| {
         let e = estimate(
             &config,
@@ -1550,7 +1549,7 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
             },
         )
         .unwrap();
-        e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes + rope_tables
+        e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes
     };
     let (plain, offloaded) = (pool_peak(false), pool_peak(true));
     let capacity = (plain + offloaded) / 2;

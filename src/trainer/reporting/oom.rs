@@ -65,7 +65,7 @@ pub(crate) fn memory_fixes(
     if !args.tiled_mlp {
         fixes.push(
             "tiled_mlp = true (the MLP's intermediates exist for one slice of the tokens at a time; the same \
-             gradients)"
+             gradients; no LoRA dropout on the MLP's projections)"
                 .to_string(),
         );
     }

@@ -178,9 +178,10 @@ impl Trainer {
             .iter()
             .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
             .sum();
+        // The base's bytes as the estimate counts them: the weights and the RoPE tables.
         let mut timeline = MemoryTimeline::new(
             self.model.device(),
-            self.model.weight_bytes() as u64,
+            (self.model.weight_bytes() + self.model.rope_table_bytes()) as u64,
             lora_bytes,
         );
         timeline.estimate = self.run_estimate(&args, shard.world_size);
