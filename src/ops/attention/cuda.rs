@@ -8,8 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::{DType, Result, Tensor};
 
 use super::cpu::Dims;
-use super::spec::dq_kv_heads_per_launch;
-use super::spec::{AttentionSpec, Segments, CUDA_HEAD_DIMS};
+use super::spec::{dq_kv_heads_per_launch, AttentionSpec, Segments, CUDA_HEAD_DIMS};
 use crate::cuda::{alloc, device_of, grid, hold, kernel, run, storage, suffix, tensor, ATTENTION};
 use crate::ops::autograd::op::Value;
 
@@ -217,13 +216,19 @@ pub(super) fn backward(
     let shared = bwd_shared_bytes(d);
     allow_shared(&bwd_fn, shared)?;
     // The float32 dQ of `launch_heads` kv heads' query heads at a time (all of them unless the sequence is long),
-    // each launch's turned into the compute dtype inside the whole dQ.
+    // each launch's turned into the compute dtype: the whole dQ, or its part of it.
     let launch_heads = dq_kv_heads_per_launch(b * t, hkv, g, d);
-    let dq = Tensor::zeros(q.shape(), dtype, q.device())?;
     let mut delta = alloc::<f32>(&device, b * hq * t)?;
-    let (dk, dv) = crate::cuda::with_float_type!(dtype, T => {
+    let (dq, dk, dv) = crate::cuda::with_float_type!(dtype, T => {
         let mut dk = alloc::<T>(&device, k.elem_count())?;
         let mut dv = alloc::<T>(&device, v.elem_count())?;
+        // Several launches write their heads into the whole dQ (every head by one of them); one launch's is it.
+        let whole = if launch_heads < hkv {
+            Some(tensor(alloc::<T>(&device, q.elem_count())?, &device, q.shape().clone()))
+        } else {
+            None
+        };
+        let mut single = None;
         let held = [hold(&q)?, hold(&k)?, hold(&v)?, hold(&out)?, hold(&grad)?];
         let [qv, kv, vv, ov, gv] = [0, 1, 2, 3, 4].map(|i| held[i].view::<T>());
         let (qv, kv, vv, ov, gv) = (qv?, kv?, vv?, ov?, gv?);
@@ -265,9 +270,13 @@ pub(super) fn backward(
             };
             run(&mut args, cfg)?;
             let part = tensor(dq_part, &device, (b, heads * g, t, d)).to_dtype(dtype)?;
-            dq.slice_set(&part, 1, hk0 * g)?;
+            match &whole {
+                Some(dq) => dq.slice_set(&part, 1, hk0 * g)?,
+                None => single = Some(part),
+            }
         }
-        (tensor(dk, &device, k.shape().clone()), tensor(dv, &device, v.shape().clone()))
+        let dq = whole.or(single).ok_or_else(|| candle_core::Error::Msg("attention: no kv head".into()))?;
+        (dq, tensor(dk, &device, k.shape().clone()), tensor(dv, &device, v.shape().clone()))
     });
     Ok([
         needs[0].then_some(dq),
