@@ -1149,7 +1149,8 @@ fn random_llama(dir: &std::path::Path, layers: usize, w: &LlamaWidths) -> std::p
     let config = serde_json::json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
         "intermediate_size": w.intermediate, "num_hidden_layers": layers, "num_attention_heads": w.heads,
-        "num_key_value_heads": w.kv_heads, "head_dim": 64, "vocab_size": w.vocab, "max_position_embeddings": w.positions,
+        "num_key_value_heads": w.kv_heads, "head_dim": 64, "vocab_size": w.vocab,
+        "max_position_embeddings": w.positions,
         "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": true, "hidden_act": "silu",
         "attention_bias": false, "mlp_bias": false, "bos_token_id": 1, "eos_token_id": 2,
     });
@@ -1501,8 +1502,8 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
 /// with `activation_offloading` the run trains, without it it stops with the out-of-memory report. On the emulated
 /// device only, whose pool counts every byte as allocated: a real GPU's allocator rounds and caches, and its
 /// context lives outside the pool. A narrow, deep Llama (64 layers of width 128, LoRA on q/v) so that the layer
-/// inputs offload saves are most of the peak: the estimates lie 27% either side of the capacity, beyond their
-/// 10% accuracy.
+/// inputs offload saves are most of the peak: the estimates lie about 25% either side of the capacity, beyond
+/// their 10% accuracy (the offloaded run's pool use came 12% above its estimate here).
 #[test]
 fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without() {
     use candle_qlora::memory::{estimate, DeviceKind, EstimateArgs};
@@ -1561,7 +1562,8 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
         "the estimates are too close for the check: {offloaded} and {plain}"
     );
     let free = stats(&dev).available.unwrap();
-    let _ballast = Tensor::zeros(((free - capacity) / 4) as usize, DType::F32, &dev).unwrap();
+    let ballast_bytes = (free - capacity) / 4 * 4;
+    let _ballast = Tensor::zeros((ballast_bytes / 4) as usize, DType::F32, &dev).unwrap();
     let train = |activation_offloading: bool| {
         let out = dir
             .path()
@@ -1586,9 +1588,10 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
         &std::fs::read_to_string(dir.path().join("offloaded-true/memory_timeline.json")).unwrap(),
     )
     .unwrap();
+    let peak = timeline["peak"][0]["peak"].as_u64().unwrap();
     eprintln!(
-        "the offloaded run's pool peak: {}",
-        timeline["peak"][0]["peak"]
+        "the offloaded run's pool peak: {} bytes beside the ballast",
+        peak - ballast_bytes
     );
     let err = train(false).expect_err("the plain run does not fit");
     let Error::OutOfMemory(report) = &err else {
