@@ -1329,7 +1329,7 @@ fn the_estimate_predicts_the_gpu_peak() {
 /// the counters also show that the copies add no host synchronization: the streams wait on events.
 #[test]
 fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
-    use candle_qlora::memory::{estimate, DeviceKind, EstimateArgs};
+    use candle_qlora::memory::estimate;
     let dir = tempfile::tempdir().unwrap();
     let emulated = emulator_counters().is_some();
     let layers = if emulated { 6 } else { 30 };
@@ -1338,6 +1338,12 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
     let lengths: &[usize] = if emulated { &[64, 192] } else { &[1024, 4096] };
     let hidden = 576u64;
     let e = training_half().size_in_bytes() as u64;
+    let lora = LoraConfig {
+        r: 16,
+        lora_alpha: 32.0,
+        target_modules: Some(TargetModules::AllLinear),
+        ..Default::default()
+    };
     for &seq in lengths {
         let run = |activation_offloading: bool, name: &str| {
             let model = nf4_model_on_gpu(&folder);
@@ -1353,12 +1359,6 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
                 optim: OptimizerName::PagedAdamW8bit,
                 ..Default::default()
             });
-            let lora = LoraConfig {
-                r: 16,
-                lora_alpha: 32.0,
-                target_modules: Some(TargetModules::AllLinear),
-                ..Default::default()
-            };
             let mut trainer =
                 Trainer::new(model, args, &lora, synthetic_rows(2, seq), vec![]).unwrap();
             let snapshots = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1434,19 +1434,7 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
         let pinned = offloaded.2["host_pinned_bytes"].as_u64().unwrap();
         assert_eq!(pinned, (layers as u64 - 1) * input_bytes);
         assert!(plain.2.get("host_pinned_bytes").is_none());
-        let args = |activation_offloading| EstimateArgs {
-            batch: 1,
-            seq,
-            lora_r: 16,
-            optim: OptimizerName::PagedAdamW8bit,
-            gradient_checkpointing: true,
-            activation_offloading,
-            quantize: true,
-            device: DeviceKind::Cuda,
-            dtype: Some(candle_qlora::precision::TorchDtype::of(training_half())),
-            ..Default::default()
-        };
-        let predicted = estimate(&config, &args(true)).unwrap();
+        let predicted = estimate(&config, &offload_test_estimate(seq, &lora, true)).unwrap();
         assert_eq!(predicted.host_bytes, pinned);
         let peak = |t: &serde_json::Value| t["peak"][0]["peak"].as_u64().unwrap();
         let (plain_peak, offloaded_peak) = (peak(&plain.2), peak(&offloaded.2));
@@ -1498,6 +1486,28 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
     }
 }
 
+/// The estimate's arguments for the offload tests' runs: one row of `seq` tokens, NF4, `lora`, paged 8-bit AdamW,
+/// checkpointing, on CUDA in [`training_half`].
+fn offload_test_estimate(
+    seq: usize,
+    lora: &LoraConfig,
+    activation_offloading: bool,
+) -> candle_qlora::memory::EstimateArgs {
+    candle_qlora::memory::EstimateArgs {
+        batch: 1,
+        seq,
+        lora_r: lora.r,
+        target_modules: lora.target_modules.clone(),
+        optim: OptimizerName::PagedAdamW8bit,
+        gradient_checkpointing: true,
+        activation_offloading,
+        quantize: true,
+        device: candle_qlora::memory::DeviceKind::Cuda,
+        dtype: Some(candle_qlora::precision::TorchDtype::of(training_half())),
+        ..Default::default()
+    }
+}
+
 /// A GPU whose memory lies between the offloaded and the plain run's estimates (a ballast tensor leaves that much):
 /// with `activation_offloading` the run trains, without it it stops with the out-of-memory report. On the emulated
 /// device only, whose pool counts every byte as allocated: a real GPU's allocator rounds and caches, and its
@@ -1506,7 +1516,7 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
 /// their 10% accuracy (the offloaded run's pool use came 12% above its estimate here).
 #[test]
 fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without() {
-    use candle_qlora::memory::{estimate, DeviceKind, EstimateArgs};
+    use candle_qlora::memory::estimate;
     if emulator_counters().is_none() {
         eprintln!("skipped: a real GPU's free memory is not the pool's (this test runs on the emulated device)");
         return;
@@ -1535,19 +1545,7 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
     let pool_peak = |activation_offloading| {
         let e = estimate(
             &config,
-            &EstimateArgs {
-                batch: 1,
-                seq,
-                lora_r: lora.r,
-                target_modules: lora.target_modules.clone(),
-                optim: OptimizerName::PagedAdamW8bit,
-                gradient_checkpointing: true,
-                activation_offloading,
-                quantize: true,
-                device: DeviceKind::Cuda,
-                dtype: Some(candle_qlora::precision::TorchDtype::of(training_half())),
-                ..Default::default()
-            },
+            &offload_test_estimate(seq, &lora, activation_offloading),
         )
         .unwrap();
         e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes

@@ -139,9 +139,11 @@ impl CheckpointChain {
 
 /// The root of a recomputed block's backward: a scalar (zero) whose backward hands the block's output `y` the
 /// gradient it was given. Candle starts a backward from ones; the product `y·grad` would hold the product, the ones
-/// and a gradient for `grad` itself (three activation-sized tensors) through the block's whole backward.
-struct OutputGradient {
-    grad: Tensor,
+/// and a gradient for `grad` itself (three activation-sized tensors) through the block's whole backward. The tiled
+/// op seeds each slice's backward so too.
+pub(super) struct OutputGradient {
+    /// The gradient of the block's output.
+    pub(super) grad: Tensor,
 }
 
 impl Op<1> for OutputGradient {

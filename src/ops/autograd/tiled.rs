@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use candle_core::{Result, Tensor, Var};
 
-use super::checkpoint::{GradSink, Pass};
+use super::checkpoint::{GradSink, OutputGradient, Pass};
 use super::op::{Apply, Op, Value};
 
 /// A row-wise block over `[rows, in]` slices: `(x, residual added to the output, pass) → [rows, out]`. In a
@@ -105,8 +105,9 @@ impl Tiled {
                 r.as_ref(),
                 Pass::Recompute,
             )?;
-            // Candle seeds a backward with ones, so y·grad is the vector-Jacobian product (as in `checkpoint`).
-            let grads = (y * gs.narrow(0, start, len)?)?.backward()?;
+            // The slice's output gradient handed to `y` by a one-element root (as a recomputed block's is).
+            let grad = gs.narrow(0, start, len)?.copy()?;
+            let grads = OutputGradient { grad }.apply([&y])?.backward()?;
             for p in &self.params {
                 if let Some(g) = grads.get(p) {
                     self.sink.add(p, g)?;
