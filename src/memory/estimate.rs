@@ -48,8 +48,9 @@ pub struct EstimateArgs {
     /// so its intermediates and their gradients exist for one slice at a time and a layer saves only its input.
     pub tiled_mlp: bool,
     /// Activation offload (`TrainingArguments::activation_offloading`; needs `gradient_checkpointing`): on CUDA the
-    /// recomputed layers' inputs wait in pinned host memory ([`Estimate::host_bytes`]), the GPU holds three of them
-    /// (the first layer's, the one being copied out or read back, and the next); on the CPU it changes nothing.
+    /// recomputed layers' inputs (and the final norm's, when every layer is recomputed) wait in pinned host memory
+    /// ([`Estimate::host_bytes`]); the GPU holds two of them (the one being recomputed, and the next coming back);
+    /// on the CPU it changes nothing.
     pub activation_offloading: bool,
     /// NF4 base (QLoRA) instead of a base in the compute dtype (LoRA).
     pub quantize: bool,
@@ -553,6 +554,20 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     };
     let untiled_elements = layer_elements - if args.tiled_mlp { 3 * i } else { 0 };
     let layer = untiled_elements * tokens * dtype_bytes;
+    // A recomputed layer's output is only differentiated: where the dense MLP adds the residual itself, a tiled MLP
+    // leaves its value unallocated, and so does the CPU's LoRA op (float32/float64) on the down projection.
+    let cpu_lora_down = args.device == DeviceKind::Cpu
+        && dtype_bytes >= 4
+        && is_target(&args.adapter(), "model.layers.0.mlp.down_proj").unwrap_or(false);
+    let output_unallocated = c.moe.is_none()
+        && !c.architecture.has_feedforward_norms()
+        && (args.tiled_mlp || cpu_lora_down);
+    let recomputed_layer = layer
+        - if output_unallocated {
+            h * tokens * dtype_bytes
+        } else {
+            0
+        };
     let mlp_slice = if args.tiled_mlp {
         3 * i * slice * dtype_bytes
     } else {
@@ -564,31 +579,42 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     let gradients_in_flight = match args.device {
         DeviceKind::Cpu => mlp_backward,
         // Held through a recomputed layer's backward: the chain's output gradient (Candle's backward holds it while
-        // the chain runs), the layer's output gradient and its copy as the output's own; then the wider of the
-        // MLP's moment and the attention's (the residual sum's gradient, the output heads', the query's and the
-        // key/value heads').
+        // the chain runs); then the wider of the MLP's moment (with the layer's output gradient, which Candle
+        // holds until the MLP's backward is done) and the attention's (the residual sum's gradient, the output
+        // heads', the query's and the key/value heads').
         DeviceKind::Cuda => {
             let attention_backward = (h + 2 * hq + 2 * hkv) * tokens;
-            3 * h * tokens + attention_backward.max(mlp_backward - h * tokens)
+            h * tokens + attention_backward.max(mlp_backward)
         }
     } * dtype_bytes;
     let layers = c.num_hidden_layers as u64;
-    let (saved, recomputed) = if args.gradient_checkpointing {
+    let hidden_states = tokens * h * dtype_bytes;
+    // Held by the graph: the final norm's output (the loss's input) and its input — the embeddings' output
+    // without checkpointing (the first layer's input), a kept layer's output with some; with every layer
+    // recomputed the final norm ends the checkpointed chain and its input is one of the chain's.
+    let (saved, recomputed, graph_held) = if args.gradient_checkpointing {
         let kept = layers - recomputed_layers(c, args, dtype_bytes);
-        let recomputed = if kept < layers { layer + mlp_slice } else { 0 };
-        // Offloaded, the device holds the first layer's input (the graph's) and two in flight.
-        let inputs_on_device = match offloaded(args) {
-            true => (layers - kept).min(3),
-            false => layers - kept,
+        let recomputed = if kept < layers {
+            recomputed_layer + mlp_slice
+        } else {
+            0
         };
+        let norm_in_chain = kept == 0 && layers > 0;
+        // Offloaded, the device holds two of the chain's inputs, the one recomputed and the next one coming back.
+        let chain_inputs = chain_inputs(c, args, dtype_bytes);
+        let inputs_on_device = match offloaded(args) {
+            true => chain_inputs.min(2),
+            false => chain_inputs,
+        };
+        let graph_held = if norm_in_chain { 1 } else { 2 };
         (
-            inputs_on_device * tokens * h * dtype_bytes + kept * layer,
+            inputs_on_device * hidden_states + kept * layer,
             recomputed,
+            graph_held * hidden_states,
         )
     } else {
-        (layers * layer, mlp_slice)
+        (layers * layer, mlp_slice, 2 * hidden_states)
     };
-    let embeddings_and_final_norm = 2 * tokens * h * dtype_bytes;
     let attention_kernels =
         args.device == DeviceKind::Cuda && dtype_bytes == 2 && CUDA_HEAD_DIMS.contains(&c.head_dim);
     let attention = if attention_kernels {
@@ -624,7 +650,7 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
             block_tokens * vocab * (4 + dtype_bytes) + tokens * h * (dtype_bytes + 4)
         }
     };
-    saved + embeddings_and_final_norm + layer_backward.max(cross_entropy)
+    saved + graph_held + layer_backward.max(cross_entropy)
 }
 
 /// Bytes of a model's RoPE tables, counted with its weights: cos and sin for every position up to
@@ -643,17 +669,22 @@ fn offloaded(args: &EstimateArgs) -> bool {
     args.activation_offloading && args.gradient_checkpointing && args.device == DeviceKind::Cuda
 }
 
-/// Pinned host bytes of an offloaded run: the inputs of the recomputed layers after the first, one buffer each
-/// (0 when nothing is offloaded).
+/// Pinned host bytes of an offloaded run: the inputs of the checkpointed chain's blocks (the recomputed layers,
+/// and the final norm when every layer is recomputed), one buffer each (0 when nothing is offloaded).
 pub fn offloaded_host_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
     if !offloaded(args) {
         return 0;
     }
     let tokens = (args.batch * args.seq) as u64;
-    recomputed_layers(c, args, dtype_bytes).saturating_sub(1)
-        * tokens
-        * c.hidden_size as u64
-        * dtype_bytes
+    chain_inputs(c, args, dtype_bytes) * tokens * c.hidden_size as u64 * dtype_bytes
+}
+
+/// How many inputs a checkpointed run's chain saves: every recomputed layer's (the embeddings included: they need
+/// no gradient), and the final norm's when every layer is recomputed (the norm then ends the chain).
+fn chain_inputs(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
+    let recomputed = recomputed_layers(c, args, dtype_bytes);
+    let norm_in_chain = recomputed == c.num_hidden_layers as u64 && recomputed > 0;
+    recomputed + u64::from(norm_in_chain)
 }
 
 /// How many layers a checkpointed run recomputes: those memory-aware checkpointing does not keep.
@@ -822,7 +853,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     if args.activation_offloading {
         assumptions.push(match offloaded(args) {
             true => format!(
-                "activation offload: the recomputed layers' inputs wait in {} of pinned host memory (not in the \
+                "activation offload: the checkpointed layers' inputs wait in {} of pinned host memory (not in the \
                  total), copied out while each layer computes and back one layer ahead of its recomputation",
                 human_bytes(offloaded_host_bytes(c, args, e))
             ),
@@ -1196,8 +1227,9 @@ mod tests {
     /// A tiled MLP keeps its intermediates (3 · 11,008 a token) for one slice of at most 4,096 tokens instead of
     /// all of them, and its backward's gradients too, so that the widest moment of a layer's backward on CUDA becomes
     /// the attention's: at 32,768 tokens, checkpointed, the activations drop by exactly 3 · 11,008 · (32,768 −
-    /// 4,096) bf16 elements plus, for every token, the untiled MLP's moment (4 · 11,008 + 2 · 4,096) less the
-    /// attention's (4,096 + 2 · 4,096 + 2 · 4,096), and the assumptions say so.
+    /// 4,096) bf16 elements plus, for every token, the untiled MLP's moment (4 · 11,008 + 3 · 4,096) less the
+    /// attention's (4,096 + 2 · 4,096 + 2 · 4,096), plus the recomputed layer's output (4,096), whose value the
+    /// tiled op leaves unallocated; and the assumptions say so.
     #[test]
     fn a_tiled_mlp_holds_one_slice_of_intermediates() {
         let c = llama2_7b();
@@ -1214,7 +1246,8 @@ mod tests {
         );
         assert_eq!(
             plain.activations_bytes - tiled.activations_bytes,
-            (3 * 11_008 * (32_768 - 4_096) + (4 * 11_008 + 2 * 4_096 - 5 * 4_096) * 32_768) * 2
+            (3 * 11_008 * (32_768 - 4_096) + (4 * 11_008 + 3 * 4_096 - 5 * 4_096 + 4_096) * 32_768)
+                * 2
         );
         assert_eq!(
             plain.total_bytes - tiled.total_bytes,
@@ -1232,8 +1265,9 @@ mod tests {
 
     /// `max_seq_len` finds the boundary: the length it returns fits, one more token does not; none fits a budget
     /// below the weights; the tiled MLP fits a longer one.
-    /// Offloaded, the GPU keeps three layer inputs instead of 32 and the host pins the other 31; on the CPU and
-    /// without checkpointing nothing changes (the latter is refused).
+    /// Offloaded, the GPU keeps two of the 33 inputs the chain saves (the embeddings', the other layers' and the
+    /// final norm's) and the host pins all 33; on the CPU and without checkpointing nothing changes (the latter is
+    /// refused).
     #[test]
     fn offloading_moves_the_layer_inputs_to_the_host() {
         let c = llama2_7b();
@@ -1247,14 +1281,14 @@ mod tests {
         let input = 8_192 * 4_096 * 2; // one layer's input, bf16
         let plain = estimate(&c, &args(DeviceKind::Cuda, false)).unwrap();
         let offloaded = estimate(&c, &args(DeviceKind::Cuda, true)).unwrap();
-        assert_eq!(plain.total_bytes - offloaded.total_bytes, (32 - 3) * input);
-        assert_eq!((plain.host_bytes, offloaded.host_bytes), (0, 31 * input));
+        assert_eq!(plain.total_bytes - offloaded.total_bytes, (33 - 2) * input);
+        assert_eq!((plain.host_bytes, offloaded.host_bytes), (0, 33 * input));
         assert!(offloaded
             .assumptions
             .iter()
             .any(|a| a
-                .contains("activation offload: the recomputed layers' inputs wait in 1.94 GiB")));
-        // With a budget, only the recomputed layers' inputs go.
+                .contains("activation offload: the checkpointed layers' inputs wait in 2.06 GiB")));
+        // With a budget, only the recomputed layers' inputs go (the final norm's input is a kept layer's output).
         let budget = EstimateArgs {
             activation_memory_budget_mib: Some(2_000.0),
             ..args(DeviceKind::Cuda, true)
@@ -1263,7 +1297,7 @@ mod tests {
         assert!(kept > 0);
         assert_eq!(
             estimate(&c, &budget).unwrap().host_bytes,
-            (31 - kept) * input
+            (32 - kept) * input
         );
         let cpu = (
             estimate(&c, &args(DeviceKind::Cpu, false)).unwrap(),

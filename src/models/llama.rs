@@ -940,7 +940,12 @@ impl LlamaModel {
         };
         // The recomputed layers run as one checkpointed chain (their inputs offloaded when asked), the kept ones
         // after it with their graphs.
-        let chain: Vec<ops::LabeledBlock> = (0..recomputed)
+        // A block's name in step traces, made only while a step is traced.
+        let label = |name: &dyn Fn() -> String| match trace::enabled() {
+            true => name(),
+            false => String::new(),
+        };
+        let mut chain: Vec<ops::LabeledBlock> = (0..recomputed)
             .map(|i| {
                 let (layer, tables, segments) =
                     (self.layers[i].clone(), tables.clone(), segments.clone());
@@ -951,13 +956,20 @@ impl LlamaModel {
                         .then(|| trace::span_with(|| format!("model.layers.{i}"), "forward"));
                     layer.run(x, &tables, None, segments.as_ref(), pass, &ffn)
                 });
-                let label = match trace::enabled() {
-                    true => format!("model.layers.{i}"),
-                    false => String::new(),
-                };
+                let label = label(&|| format!("model.layers.{i}"));
                 ops::LabeledBlock { block, label }
             })
             .collect();
+        // With every layer recomputed the final norm ends the chain: the last layer's output is then a saved
+        // input (offloaded with the others) rather than one the norm's graph holds through the whole backward.
+        let norm_in_chain = !chain.is_empty() && recomputed == self.layers.len();
+        if norm_in_chain {
+            let (norm, eps) = (self.norm.clone(), self.config.rms_norm_eps);
+            chain.push(ops::LabeledBlock {
+                block: Arc::new(move |x: &Tensor, _| Ok((rms_norm(x, &norm, eps)?, None))),
+                label: label(&|| "model.norm".into()),
+            });
+        }
         if !chain.is_empty() {
             x = ops::checkpoint_chain(
                 &x,
@@ -973,7 +985,10 @@ impl LlamaModel {
             let run = layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward, &ffn(i));
             x = run?.0;
         }
-        rms_norm(&x, &self.norm, self.config.rms_norm_eps)
+        match norm_in_chain {
+            true => Ok(x),
+            false => rms_norm(&x, &self.norm, self.config.rms_norm_eps),
+        }
     }
 
     /// Logits `[batch, seq, vocab]` of every position (for evaluation and parity checks), float32 (float64 for a

@@ -1268,22 +1268,16 @@ fn the_estimate_predicts_the_gpu_peak() {
             ..Default::default()
         });
         let lora = LoraConfig {
-            r: 16,
-            lora_alpha: 32.0,
             lora_dropout: 0.05,
-            target_modules: Some(TargetModules::AllLinear),
-            ..Default::default()
+            ..all_linear_lora()
         };
         Trainer::new(model, args, &lora, data, vec![])
             .unwrap()
             .train(None)
             .unwrap();
-        let timeline: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(out.join("memory_timeline.json")).unwrap(),
-        )
-        .unwrap();
+        let timeline = read_timeline(&out);
         assert_eq!(timeline["source"], "device pool");
-        let measured = timeline["peak"][0]["peak"].as_u64().unwrap() as f64;
+        let measured = timeline_peak(&timeline) as f64;
         let e = estimate(
             &config,
             &EstimateArgs {
@@ -1299,8 +1293,7 @@ fn the_estimate_predicts_the_gpu_peak() {
             },
         )
         .unwrap();
-        let predicted =
-            (e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes) as f64;
+        let predicted = pool_share(&e) as f64;
         rows.push((batch, seq, checkpointing, predicted, measured));
     }
     let mib = |b: f64| b / (1 << 20) as f64;
@@ -1323,7 +1316,7 @@ fn the_estimate_predicts_the_gpu_peak() {
 
 /// Activation offload on the GPU: the same losses and adapter as the run without it, bit for bit (on a real GPU,
 /// within the noise of its attention backward's atomics); the inputs of
-/// every recomputed layer but the first go to pinned host memory (the bytes `memory_timeline.json` reports and the
+/// every layer and the final norm's go to pinned host memory (the bytes `memory_timeline.json` reports and the
 /// estimate predicts) and come back, one copy each way per layer and micro-batch; the pool's peak drops, and the
 /// estimate (weights, adapter, gradients, activations) is within 10% of it at every length. On the emulated device
 /// the counters also show that the copies add no host synchronization: the streams wait on events.
@@ -1338,12 +1331,7 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
     let lengths: &[usize] = if emulated { &[64, 192] } else { &[1024, 4096] };
     let hidden = 576u64;
     let e = training_half().size_in_bytes() as u64;
-    let lora = LoraConfig {
-        r: 16,
-        lora_alpha: 32.0,
-        target_modules: Some(TargetModules::AllLinear),
-        ..Default::default()
-    };
+    let lora = all_linear_lora();
     for &seq in lengths {
         let run = |activation_offloading: bool, name: &str| {
             let model = nf4_model_on_gpu(&folder);
@@ -1366,10 +1354,7 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
             let log = trainer.train(None).unwrap();
             let losses: Vec<f64> = log.log_history.iter().filter_map(|e| e.loss).collect();
             let norms: Vec<f64> = log.log_history.iter().filter_map(|e| e.grad_norm).collect();
-            let timeline: serde_json::Value = serde_json::from_str(
-                &std::fs::read_to_string(out.join("memory_timeline.json")).unwrap(),
-            )
-            .unwrap();
+            let timeline = read_timeline(&out);
             let snapshots = snapshots.lock().unwrap().clone();
             (losses, read_adapter(&out), timeline, snapshots, norms)
         };
@@ -1432,16 +1417,12 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
         }
         let input_bytes = seq as u64 * hidden * e;
         let pinned = offloaded.2["host_pinned_bytes"].as_u64().unwrap();
-        assert_eq!(pinned, (layers as u64 - 1) * input_bytes);
+        assert_eq!(pinned, (layers as u64 + 1) * input_bytes);
         assert!(plain.2.get("host_pinned_bytes").is_none());
         let predicted = estimate(&config, &offload_test_estimate(seq, &lora, true)).unwrap();
         assert_eq!(predicted.host_bytes, pinned);
-        let peak = |t: &serde_json::Value| t["peak"][0]["peak"].as_u64().unwrap();
-        let (plain_peak, offloaded_peak) = (peak(&plain.2), peak(&offloaded.2));
-        let counted = (predicted.weights_bytes
-            + predicted.lora_bytes
-            + predicted.gradients_bytes
-            + predicted.activations_bytes) as f64;
+        let (plain_peak, offloaded_peak) = (timeline_peak(&plain.2), timeline_peak(&offloaded.2));
+        let counted = pool_share(&predicted) as f64;
         eprintln!(
             "{seq} tokens, {layers} layers: pool peak {plain_peak} -> {offloaded_peak} bytes offloaded (estimate \
              {counted}, ratio {:.3}); {pinned} bytes pinned",
@@ -1463,7 +1444,7 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
                 at(&snapshots[1]) - at(&snapshots[0])
             };
             let added = |path: &[&str]| delta(&offloaded.3, path) - delta(&plain.3, path);
-            let copies = layers as u64 - 1;
+            let copies = layers as u64 + 1;
             for direction in ["device_to_host", "host_to_device"] {
                 assert_eq!(
                     added(&["copies", direction, "count"]),
@@ -1484,6 +1465,33 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
             assert!(added(&["waits", "stream"]) >= 4 * copies);
         }
     }
+}
+
+/// LoRA r = 16, alpha 32 on every linear layer: the adapter of the memory tests.
+fn all_linear_lora() -> LoraConfig {
+    LoraConfig {
+        r: 16,
+        lora_alpha: 32.0,
+        target_modules: Some(TargetModules::AllLinear),
+        ..Default::default()
+    }
+}
+
+/// A run's `memory_timeline.json` in `out`.
+fn read_timeline(out: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("memory_timeline.json")).unwrap())
+        .unwrap()
+}
+
+/// The pool's highest peak in a memory timeline.
+fn timeline_peak(timeline: &serde_json::Value) -> u64 {
+    timeline["peak"][0]["peak"].as_u64().unwrap()
+}
+
+/// What the memory pool holds at the peak by an estimate: weights, adapter, gradients and activations (the CUDA
+/// context and the optimizer's state live outside it or come after it).
+fn pool_share(e: &candle_qlora::memory::Estimate) -> u64 {
+    e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes
 }
 
 /// The estimate's arguments for the offload tests' runs: one row of `seq` tokens, NF4, `lora`, paged 8-bit AdamW,
@@ -1540,15 +1548,14 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
         target_modules: Some(TargetModules::List(vec!["q_proj".into(), "v_proj".into()])),
         ..Default::default()
     };
-    // What the pool holds at the peak, by the estimate (the CUDA context and optimizer state come outside it or
-    // after it).
     let pool_peak = |activation_offloading| {
-        let e = estimate(
-            &config,
-            &offload_test_estimate(seq, &lora, activation_offloading),
+        pool_share(
+            &estimate(
+                &config,
+                &offload_test_estimate(seq, &lora, activation_offloading),
+            )
+            .unwrap(),
         )
-        .unwrap();
-        e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes
     };
     let (plain, offloaded) = (pool_peak(false), pool_peak(true));
     let capacity = (plain + offloaded) / 2;
@@ -1582,11 +1589,7 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
     };
     let log = train(true).expect("the offloaded run fits");
     assert_eq!(log.global_step, 1);
-    let timeline: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("offloaded-true/memory_timeline.json")).unwrap(),
-    )
-    .unwrap();
-    let peak = timeline["peak"][0]["peak"].as_u64().unwrap();
+    let peak = timeline_peak(&read_timeline(&dir.path().join("offloaded-true")));
     eprintln!(
         "the offloaded run's pool peak: {} bytes beside the ballast",
         peak - ballast_bytes
@@ -2500,5 +2503,72 @@ fn the_command_generates_on_the_gpu() {
             "{said}"
         );
         assert!(said.contains("3 tokens in"), "{said}");
+    }
+}
+
+/// Long context on a Llama with Llama-3.1-8B's proportions (hidden 256 = 4 query heads of 64, one kv head, an
+/// intermediate 3.5 times as wide), offloaded and tiled, at two lengths: the pinned host bytes are the estimate's
+/// and the pool's peak is within 10% of it. Here the tokens outnumber the width 2 and 4 to 1 (at 128k the 8B's
+/// are 32 to 1), so a slice of the tiled MLP weighs more than it would there.
+#[test]
+fn a_long_context_run_offloaded_and_tiled_peaks_at_its_estimate() {
+    use candle_qlora::memory::estimate;
+    let dir = tempfile::tempdir().unwrap();
+    let layers = 4;
+    let lengths: &[usize] = if emulator_counters().is_some() {
+        &[512, 1024]
+    } else {
+        &[4096, 16384]
+    };
+    let lora = all_linear_lora();
+    for &seq in lengths {
+        let widths = LlamaWidths {
+            hidden: 256,
+            intermediate: 896,
+            heads: 4,
+            kv_heads: 1,
+            vocab: 512,
+            positions: seq,
+        };
+        let folder = random_llama(&dir.path().join(seq.to_string()), layers, &widths);
+        let config =
+            candle_qlora::loading::load_model_config(folder.to_str().unwrap(), None).unwrap();
+        let out = dir.path().join(format!("out-{seq}"));
+        let args = in_training_half(TrainingArguments {
+            output_dir: out.display().to_string(),
+            per_device_train_batch_size: 1,
+            max_steps: 1,
+            save_strategy: candle_qlora::trainer::IntervalStrategy::No,
+            gradient_checkpointing: true,
+            activation_offloading: true,
+            tiled_mlp: true,
+            optim: OptimizerName::PagedAdamW8bit,
+            ..Default::default()
+        });
+        let rows = synthetic_rows_in(1, seq, widths.vocab);
+        let mut trainer =
+            Trainer::new(nf4_model_on_gpu(&folder), args, &lora, rows, vec![]).unwrap();
+        trainer.train(None).unwrap();
+        let timeline = read_timeline(&out);
+        let predicted = estimate(
+            &config,
+            &candle_qlora::memory::EstimateArgs {
+                tiled_mlp: true,
+                ..offload_test_estimate(seq, &lora, true)
+            },
+        )
+        .unwrap();
+        let pinned = timeline["host_pinned_bytes"].as_u64().unwrap();
+        assert_eq!(pinned, predicted.host_bytes, "pinned bytes at {seq} tokens");
+        let peak = timeline_peak(&timeline);
+        let counted = pool_share(&predicted) as f64;
+        eprintln!(
+            "{seq} tokens: pool peak {peak} bytes, estimate {counted} (ratio {:.3}); {pinned} bytes pinned",
+            counted / peak as f64
+        );
+        assert!(
+            (counted / peak as f64 - 1.0).abs() <= 0.10,
+            "estimate {counted} vs the pool's peak {peak} at {seq} tokens"
+        );
     }
 }

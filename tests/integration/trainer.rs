@@ -987,11 +987,13 @@ fn step_traces_nest_and_add_up_to_the_step() {
         }
     }
     let count = |name: &str, cat: &str| spans.iter().filter(|s| s.0 == name && s.1 == cat).count();
-    // Two micro-batches, two layers each: forward spans per layer, recompute + backward under each layer.
+    // Two micro-batches, two layers each: forward spans per layer, recompute + backward under each layer and under
+    // the final norm (the checkpointed chain's last block).
     assert_eq!(count("forward", "forward"), 2);
     assert_eq!(count("model.layers.1", "forward"), 2);
     assert_eq!(count("model.layers.0", "backward"), 2);
-    assert_eq!(count("recompute", "recompute"), 4);
+    assert_eq!(count("model.norm", "backward"), 2);
+    assert_eq!(count("recompute", "recompute"), 6);
     for (name, cat) in [("loss", "loss"), ("data", "data"), ("backward", "backward")] {
         assert!(count(name, cat) >= 2, "{name}");
     }

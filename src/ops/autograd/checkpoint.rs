@@ -80,28 +80,35 @@ pub struct LabeledBlock {
     pub label: String,
 }
 
-/// The checkpoint op over a chain of blocks, each one's output the next one's input: inputs `[x, anchor]` (the
-/// anchor is a parameter the blocks use, so they are differentiated even when `x` needs no gradient). The forward
-/// keeps the input of every block after the first (in `offload`'s pinned host memory when given; the first one's is
-/// `x`, which the graph holds); the backward walks the chain from its end, recomputing each block from its input
-/// and differentiating it, the gradient of its input handed to the block before.
+/// The checkpoint op over a chain of blocks, each one's output the next one's input: inputs `[x, anchor]`, or
+/// `[anchor]` alone when `x` needs no gradient (the anchor is a parameter the blocks use, so they are differentiated
+/// even when `x` needs no gradient). The forward keeps the input of every block but the one the graph holds (`x`,
+/// when it is an input of the node; in `offload`'s pinned host memory when given); the backward walks the chain from
+/// its end, recomputing each block from its input and differentiating it, the gradient of its input handed to the
+/// block before.
 struct CheckpointChain {
     blocks: Vec<LabeledBlock>,
     params: Vec<Var>,
     sink: GradSink,
     offload: Option<ActivationOffload>,
-    /// The inputs of blocks 1.., filled by the forward, taken by the backward.
+    /// The chain's input when it is not an input of the graph node (it needs no gradient): saved as the other
+    /// blocks' inputs are, so nothing holds it on the device between the forward and the backward. Taken by the
+    /// forward.
+    untracked_input: Option<Tensor>,
+    /// The inputs of the blocks after the one whose input the graph holds (all of them with `untracked_input`),
+    /// filled by the forward, taken by the backward.
     saved: Mutex<Vec<Saved>>,
 }
 
 impl CheckpointChain {
-    /// Recomputes block `k` from `input` and differentiates it for `grad`, the gradient of its output: the
-    /// parameters' gradients go to the sink; returns the input's (when `input_needs_grad`).
+    /// Recomputes block `k` from `input` and differentiates it for `grad`, the gradient of its output (let go of
+    /// once the block's backward has taken it over): the parameters' gradients go to the sink; returns the input's
+    /// (when `input_needs_grad`).
     fn backward_block(
         &self,
         k: usize,
         input: Tensor,
-        grad: &Tensor,
+        grad: Tensor,
         input_needs_grad: bool,
     ) -> Result<Option<Tensor>> {
         let LabeledBlock { block, label } = &self.blocks[k];
@@ -122,7 +129,7 @@ impl CheckpointChain {
             block(&input, Pass::Recompute)?
         };
         let _span = trace::span("backward", "backward");
-        let seed = OutputGradient { grad: grad.clone() }.apply([&y])?;
+        let seed = OutputGradient::new(grad).apply([&y])?;
         drop(y);
         let grads = match extra {
             None => seed.backward()?,
@@ -135,33 +142,9 @@ impl CheckpointChain {
         }
         Ok(var.and_then(|v| grads.get(&v).cloned()))
     }
-}
 
-/// The root of a recomputed block's backward: a scalar (zero) whose backward hands the block's output `y` the
-/// gradient it was given. Candle starts a backward from ones; the product `y·grad` would hold the product, the ones
-/// and a gradient for `grad` itself (three activation-sized tensors) through the block's whole backward. The tiled
-/// op seeds each slice's backward so too.
-pub(super) struct OutputGradient {
-    /// The gradient of the block's output.
-    pub(super) grad: Tensor,
-}
-
-impl Op<1> for OutputGradient {
-    const NAME: &'static str = "checkpoint";
-
-    fn fwd(&mut self, [y]: [&Tensor; 1]) -> Result<Value> {
-        Ok(Value::Tensor(Tensor::zeros((), y.dtype(), y.device())?))
-    }
-
-    fn bwd(&self, _: [&Tensor; 1], _: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
-        Ok([Some(self.grad.clone())])
-    }
-}
-
-impl Op<2> for CheckpointChain {
-    const NAME: &'static str = "checkpoint";
-
-    fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
+    /// Runs the blocks from `x`, saving the input of each block from `first_saved` on.
+    fn forward(&mut self, x: &Tensor, first_saved: usize) -> Result<Value> {
         let saved = self
             .saved
             .get_mut()
@@ -169,10 +152,10 @@ impl Op<2> for CheckpointChain {
         let mut h = x.detach();
         for (k, LabeledBlock { block, .. }) in self.blocks.iter().enumerate() {
             // The copy to the host runs while the block computes; the block's input is let go once it has run.
-            let input = match (k, &self.offload) {
-                (0, _) => None,
-                (_, Some(offload)) => Some(offload.save(&h)?),
-                (_, None) => Some(Saved::Kept(h.clone())),
+            let input = match (k >= first_saved, &self.offload) {
+                (false, _) => None,
+                (true, Some(offload)) => Some(offload.save(&h)?),
+                (true, None) => Some(Saved::Kept(h.clone())),
             };
             h = block(&h, Pass::Forward)?.0.detach();
             if let Some(mut input) = input {
@@ -183,40 +166,127 @@ impl Op<2> for CheckpointChain {
         Ok(Value::Tensor(h))
     }
 
-    fn bwd(
+    /// Walks the chain back from `grad`, the gradient of its output: each saved input is brought back while the
+    /// block after it is recomputed. Then block 0 from `held`, the input the graph holds (when it does), and
+    /// returns its input's gradient when `needs_x`.
+    fn backward(
         &self,
-        [x, _anchor]: [&Tensor; 2],
+        held: Option<&Tensor>,
         grad: &Tensor,
-        needs: [bool; 2],
-    ) -> Result<[Option<Tensor>; 2]> {
+        needs_x: bool,
+    ) -> Result<Option<Tensor>> {
         let mut saved = std::mem::take(
             &mut *self
                 .saved
                 .lock()
                 .map_err(|_| candle_core::Error::Msg("checkpoint: poisoned inputs".into()))?,
         );
-        if saved.len() + 1 != self.blocks.len() {
+        let first_saved = usize::from(held.is_some());
+        if saved.len() + first_saved != self.blocks.len() {
             candle_core::bail!("checkpoint: the backward ran twice");
         }
         // Block k's input is brought back while block k + 1 is recomputed.
         let mut next = saved.pop().map(Saved::load).transpose()?;
         let mut grad = grad.clone();
-        for k in (1..self.blocks.len()).rev() {
+        for k in (first_saved..self.blocks.len()).rev() {
             let input = match next.take() {
                 Some(loading) => loading.wait()?,
                 None => candle_core::bail!("checkpoint: block {k}'s input is missing"),
             };
             next = saved.pop().map(Saved::load).transpose()?;
+            if k == 0 {
+                return self.backward_block(0, input, grad, needs_x);
+            }
             // A block whose output does not depend on its input passes no gradient on.
             let (shape, dtype, device) =
                 (input.shape().clone(), input.dtype(), input.device().clone());
-            grad = match self.backward_block(k, input, &grad, true)? {
+            grad = match self.backward_block(k, input, grad, true)? {
                 Some(g) => g,
                 None => Tensor::zeros(shape, dtype, &device)?,
             };
         }
-        let dx = self.backward_block(0, x.clone(), &grad, needs[0])?;
-        Ok([dx, None])
+        match held {
+            Some(x) => self.backward_block(0, x.clone(), grad, needs_x),
+            None => Ok(None),
+        }
+    }
+}
+
+/// The root of a recomputed block's backward: a scalar (zero) whose backward hands the block's output `y` the
+/// gradient it was given. Candle starts a backward from ones; the product `y·grad` would hold the product, the ones
+/// and a gradient for `grad` itself (three activation-sized tensors) through the block's whole backward. The
+/// gradient is handed over once and not kept: Candle adds it into a buffer of its own, and what the caller no longer
+/// holds is freed then. The tiled op seeds each slice's backward so too.
+pub(crate) struct OutputGradient {
+    /// The gradient of the block's output, until the backward takes it.
+    grad: Mutex<Option<Tensor>>,
+}
+
+impl OutputGradient {
+    /// The root that hands `grad` to the output it is applied to.
+    pub(crate) fn new(grad: Tensor) -> Self {
+        OutputGradient {
+            grad: Mutex::new(Some(grad)),
+        }
+    }
+}
+
+impl Op<1> for OutputGradient {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, [y]: [&Tensor; 1]) -> Result<Value> {
+        Ok(Value::Tensor(Tensor::zeros((), y.dtype(), y.device())?))
+    }
+
+    fn bwd(&self, _: [&Tensor; 1], _: &Tensor, _: [bool; 1]) -> Result<[Option<Tensor>; 1]> {
+        let grad = self
+            .grad
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("checkpoint: poisoned output gradient".into()))?
+            .take();
+        match grad {
+            Some(g) => Ok([Some(g)]),
+            None => candle_core::bail!("checkpoint: the output gradient was handed over twice"),
+        }
+    }
+}
+
+impl Op<2> for CheckpointChain {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, [x, _anchor]: [&Tensor; 2]) -> Result<Value> {
+        self.forward(x, 1)
+    }
+
+    fn bwd(
+        &self,
+        [x, _anchor]: [&Tensor; 2],
+        grad: &Tensor,
+        needs: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        Ok([self.backward(Some(x), grad, needs[0])?, None])
+    }
+}
+
+impl Op<1> for CheckpointChain {
+    const NAME: &'static str = "checkpoint";
+
+    fn fwd(&mut self, _anchor: [&Tensor; 1]) -> Result<Value> {
+        let x = self
+            .untracked_input
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("checkpoint: the forward ran twice".into()))?;
+        self.forward(&x, 0)
+    }
+
+    fn bwd(
+        &self,
+        _anchor: [&Tensor; 1],
+        grad: &Tensor,
+        _: [bool; 1],
+    ) -> Result<[Option<Tensor>; 1]> {
+        self.backward(None, grad, false)?;
+        Ok([None])
     }
 }
 
@@ -231,8 +301,8 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
 }
 
 /// Runs `blocks` one after the other from `x`, checkpointed as a chain: only the blocks' inputs are kept for the
-/// backward (those after the first in `offload`'s pinned host memory when given), each block recomputed there in
-/// turn. Gradients equal those of checkpointing each block on its own; `params` and `sink` as for [`checkpoint`].
+/// backward (in `offload`'s pinned host memory when given; `x` stays in the graph when it needs a gradient), each
+/// block recomputed there in turn. Gradients equal those of checkpointing each block on its own; `params` and `sink` as for [`checkpoint`].
 pub fn checkpoint_chain(
     x: &Tensor,
     blocks: Vec<LabeledBlock>,
@@ -255,14 +325,22 @@ pub fn checkpoint_chain(
     if blocks.is_empty() {
         return Ok(x.clone());
     }
-    CheckpointChain {
+    let mut chain = CheckpointChain {
         blocks,
         params: params.to_vec(),
         sink: sink.clone(),
         offload,
+        untracked_input: None,
         saved: Mutex::new(Vec::new()),
+    };
+    // An input that needs no gradient is saved as the blocks' inputs are, rather than held by the graph (with
+    // offload, the embeddings leave the device as the other layer inputs do).
+    if x.track_op() {
+        chain.apply([x, &anchor])
+    } else {
+        chain.untracked_input = Some(x.clone());
+        chain.apply([&anchor])
     }
-    .apply([x, &anchor])
 }
 
 #[cfg(test)]

@@ -62,6 +62,15 @@ pub(crate) enum Value {
     /// A device buffer a CUDA kernel wrote, and its shape (handed to the graph without a copy).
     #[cfg(feature = "cuda")]
     Cuda(candle_core::CudaStorage, Shape),
+    /// An output only differentiated, its value never read (a checkpointed block's recomputed output, see
+    /// [`super::Pass::Recompute`]): as a graph node it has `shape` over a one-element buffer (`zero`), so it
+    /// takes no memory; without a graph it is `zero` broadcast to `shape`.
+    Unread {
+        /// The output's shape.
+        shape: Shape,
+        /// One zero of the output's dtype on its device.
+        zero: Tensor,
+    },
 }
 
 impl Value {
@@ -70,10 +79,19 @@ impl Value {
         Value::Cpu(T::to_cpu_storage_owned(data), shape.into())
     }
 
+    /// An [`Value::Unread`] output of `shape`, `like`'s dtype and device.
+    pub(crate) fn unread(shape: &Shape, like: &Tensor) -> Result<Self> {
+        Ok(Value::Unread {
+            shape: shape.clone(),
+            zero: Tensor::zeros(1, like.dtype(), like.device())?,
+        })
+    }
+
     /// The value as a tensor (when no graph is built).
     pub(crate) fn into_tensor(self) -> Result<Tensor> {
         match self {
             Value::Tensor(t) => Ok(t),
+            Value::Unread { shape, zero } => zero.reshape(())?.broadcast_as(shape),
             Value::Cpu(storage, shape) => Ok(Tensor::from_storage(
                 Storage::Cpu(storage),
                 shape,
@@ -115,15 +133,20 @@ impl<O> Node<O> {
     }
 
     fn take_cpu(&self, name: &str) -> Result<(CpuStorage, Shape)> {
-        let value = match self.take(name)? {
+        let (value, shape) = match self.take(name)? {
             Value::Cpu(storage, shape) => return Ok((storage, shape)),
-            Value::Tensor(t) => t,
+            Value::Tensor(t) => {
+                let shape = t.shape().clone();
+                (t, shape)
+            }
+            // The node's shape over a one-element buffer: nothing reads it.
+            Value::Unread { shape, zero } => (zero, shape),
             #[cfg(feature = "cuda")]
             Value::Cuda(..) => candle_core::bail!("{name}: a CUDA value on a CPU graph node"),
         };
         let (storage, layout) = value.storage_and_layout();
         match &*storage {
-            Storage::Cpu(cpu) => Ok((contiguous_copy(cpu, layout)?, layout.shape().clone())),
+            Storage::Cpu(cpu) => Ok((contiguous_copy(cpu, layout)?, shape)),
             _ => candle_core::bail!("{name}: value is not on the CPU"),
         }
     }
@@ -131,9 +154,14 @@ impl<O> Node<O> {
     /// The value's device storage, for a graph node on a CUDA device (one device-to-device copy).
     #[cfg(feature = "cuda")]
     fn take_cuda(&self, name: &str) -> Result<(candle_core::CudaStorage, Shape)> {
-        let value = match self.take(name)? {
+        let (value, shape) = match self.take(name)? {
             Value::Cuda(storage, shape) => return Ok((storage, shape)),
-            Value::Tensor(value) => value,
+            Value::Tensor(value) => {
+                let shape = value.shape().clone();
+                (value, shape)
+            }
+            // The node's shape over a one-element buffer: nothing reads it.
+            Value::Unread { shape, zero } => (zero, shape),
             Value::Cpu(..) => candle_core::bail!("{name}: a CPU value on a CUDA graph node"),
         };
         // Cloning a CUDA storage copies all of it: start from a tensor that is exactly its storage.
@@ -144,7 +172,7 @@ impl<O> Node<O> {
         };
         let (storage, layout) = value.storage_and_layout();
         match &*storage {
-            Storage::Cuda(cuda) => Ok((cuda.try_clone(layout)?, layout.shape().clone())),
+            Storage::Cuda(cuda) => Ok((cuda.try_clone(layout)?, shape)),
             _ => candle_core::bail!("{name}: value is not on the CUDA device"),
         }
     }

@@ -67,7 +67,7 @@ impl Tiled {
     fn forward(&self, x: &Tensor, residual: Option<&Tensor>) -> Result<Value> {
         if let (Pass::Recompute, Some(r)) = (self.pass, residual) {
             // The value of a recomputed output is never read; the backward recomputes each slice itself.
-            return Ok(Value::Tensor(r.zeros_like()?));
+            return Value::unread(r.shape(), r);
         }
         let (xs, rs) = (as_rows(&x.detach())?, residual.map(as_rows).transpose()?);
         let mut outs = Vec::new();
@@ -107,7 +107,7 @@ impl Tiled {
             )?;
             // The slice's output gradient handed to `y` by a one-element root (as a recomputed block's is).
             let grad = gs.narrow(0, start, len)?.copy()?;
-            let grads = OutputGradient { grad }.apply([&y])?.backward()?;
+            let grads = OutputGradient::new(grad).apply([&y])?.backward()?;
             for p in &self.params {
                 if let Some(g) = grads.get(p) {
                     self.sink.add(p, g)?;

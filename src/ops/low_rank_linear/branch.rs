@@ -33,8 +33,10 @@ pub struct BranchDropout {
 pub enum OutputValue {
     /// The output holds `x·Wᵀ (+ b) + s·(dropout(x)·Aᵀ)·Bᵀ`.
     Computed,
-    /// The output holds zeros and only its gradients are right: for a recomputation whose output value nobody reads
-    /// ([`crate::ops::Pass::Recompute`]). Honoured by the CPU slice path; the composed path computes the value anyway.
+    /// The output's value is not computed — it takes no memory and must not be read — and only its gradients are
+    /// right: for a recomputation whose output value nobody reads ([`crate::ops::Pass::Recompute`], whose
+    /// backward starts from the output's gradient). Honoured by the CPU slice path; the composed path computes the
+    /// value anyway.
     Skipped,
 }
 

@@ -212,7 +212,7 @@ mod tests {
         assert!(
             err.starts_with("run.toml: a training step of this run needs about")
                 && err.contains(
-                    "It fits with [training] activation_offloading = true (pinning 15.50 GiB of host memory) and \
+                    "It fits with [training] activation_offloading = true (pinning 16.50 GiB of host memory) and \
                      tiled_mlp = true"
                 )
                 && err.contains(&format!("examples of at most {longest} tokens fit"))
@@ -232,7 +232,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("would pin 15.50 GiB of host memory")
+            err.contains("would pin 16.50 GiB of host memory")
                 && err.contains("8.00 GiB available"),
             "{err}"
         );

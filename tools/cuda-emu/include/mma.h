@@ -32,10 +32,10 @@ template <> struct kind<accumulator> { static constexpr unsigned value = 2; };
 
 // The position (row · 16 + column) of element `i` of `lane` in a fragment of kind `k`: an affine bijection of
 // [0, 256) with an odd multiplier, different per kind.
-__device__ inline unsigned position(unsigned k, unsigned lane, unsigned i) {
-    static const unsigned multiplier[3] = {97, 181, 59};
-    static const unsigned shift[3] = {13, 202, 111};
-    return (multiplier[k] * (lane * PER_LANE + i) + shift[k]) & 255u;
+__attribute__((no_sanitize("thread"), always_inline)) __device__ inline unsigned position(unsigned k, unsigned lane, unsigned i) {
+    const unsigned multiplier = k == 0 ? 97u : k == 1 ? 181u : 59u;
+    const unsigned shift = k == 0 ? 13u : k == 1 ? 202u : 111u;
+    return (multiplier * (lane * PER_LANE + i) + shift) & 255u;
 }
 
 __device__ inline unsigned lane() { return threadIdx.x & 31u; }
@@ -55,9 +55,16 @@ __device__ inline size_t offset(unsigned row, unsigned col, unsigned ldm, bool r
     return row_major_storage ? (size_t)row * ldm + col : (size_t)col * ldm + row;
 }
 
-template <typename T> __device__ inline float widen(T v) { return (float)v; }
-template <> __device__ inline float widen<__half>(__half v) { return __half2float(v); }
-template <> __device__ inline float widen<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> __attribute__((no_sanitize("thread"), always_inline)) __device__ inline float widen(T v) {
+    return (float)v;
+}
+template <> __attribute__((no_sanitize("thread"), always_inline)) __device__ inline float widen<__half>(__half v) {
+    return __half2float(v);
+}
+template <>
+__attribute__((no_sanitize("thread"), always_inline)) __device__ inline float widen<__nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
 } // namespace detail
 
 template <typename Use, int M, int N, int K, typename T, typename Layout = void> class fragment {
@@ -108,6 +115,40 @@ __device__ inline void store_matrix_sync(T *p, const fragment<accumulator, 16, 1
     }
 }
 
+namespace detail {
+// The two halves of `mma_sync` around the warp's meeting. They touch only the warp's scratch and the fragments,
+// the emulator's bookkeeping rather than device memory, so they are left out of the kernels' access
+// instrumentation (whose calls would otherwise be most of a tensor-core kernel's time).
+
+// Lays this lane's elements of A, B and C out in the warp's scratch (row-major 16x16 each).
+template <typename TA, typename TB>
+__attribute__((no_sanitize("thread"))) __device__ inline void mma_scatter(float *scratch, const TA *a, const TB *b,
+                                                                          const float *c, unsigned lane) {
+    for (unsigned i = 0; i < PER_LANE; ++i) {
+        scratch[position(0, lane, i)] = widen(a[i]);
+        scratch[256 + position(1, lane, i)] = widen(b[i]);
+        scratch[512 + position(2, lane, i)] = c[i];
+    }
+}
+
+// This lane's elements of D = A · B + C from the scratch, the products summed in k order.
+__attribute__((no_sanitize("thread"))) __device__ inline void mma_gather(float *d, const float *scratch,
+                                                                         unsigned lane) {
+    const float *sa = scratch, *sb = scratch + 256, *sc = scratch + 512;
+    unsigned row[PER_LANE], col[PER_LANE];
+    float acc[PER_LANE];
+    for (unsigned i = 0; i < PER_LANE; ++i) {
+        const unsigned pos = position(2, lane, i);
+        row[i] = pos / 16, col[i] = pos % 16, acc[i] = sc[pos];
+    }
+    // The lane's elements side by side (independent sums), each still summed in k order.
+    for (unsigned kk = 0; kk < 16; ++kk) {
+        for (unsigned i = 0; i < PER_LANE; ++i) acc[i] += sa[row[i] * 16 + kk] * sb[kk * 16 + col[i]];
+    }
+    for (unsigned i = 0; i < PER_LANE; ++i) d[i] = acc[i];
+}
+} // namespace detail
+
 // D = A · B + C in float32, the products summed in k order. A warp-collective step: every lane lays its elements
 // of A, B and C out in the warp's scratch, the warp meets, and each lane computes its own elements of D.
 template <typename TA, typename LA, typename TB, typename LB>
@@ -116,20 +157,10 @@ __device__ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
                                 const fragment<matrix_b, 16, 16, 16, TB, LB> &b,
                                 const fragment<accumulator, 16, 16, 16, float> &c) {
     float *scratch = static_cast<float *>(cuemu_warp_scratch());
-    float *sa = scratch, *sb = scratch + 256, *sc = scratch + 512;
     const unsigned lane = detail::lane();
-    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
-        sa[detail::position(0, lane, i)] = detail::widen(a.x[i]);
-        sb[detail::position(1, lane, i)] = detail::widen(b.x[i]);
-        sc[detail::position(2, lane, i)] = c.x[i];
-    }
+    detail::mma_scatter(scratch, a.x, b.x, c.x, lane);
     cuemu_syncwarp(0xffffffffu);
-    for (unsigned i = 0; i < detail::PER_LANE; ++i) {
-        const unsigned pos = detail::position(2, lane, i), row = pos / 16, col = pos % 16;
-        float acc = sc[pos];
-        for (unsigned kk = 0; kk < 16; ++kk) acc += sa[row * 16 + kk] * sb[kk * 16 + col];
-        d.x[i] = acc;
-    }
+    detail::mma_gather(d.x, scratch, lane);
 }
 
 } // namespace wmma

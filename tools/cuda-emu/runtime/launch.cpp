@@ -24,6 +24,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <csetjmp>
 #include <cstring>
 #include <vector>
@@ -282,8 +283,12 @@ void check_device_access(uintptr_t addr, size_t n, bool write, bool atomic) {
     kernel_error(700, format("%s %s", write ? "writes" : "reads", describe_address(addr, n).c_str()));
 }
 
+// CUDA_EMU_FAST, copied here by each launch (the configuration is read at first use, not at load: the self-tests
+// set it per case): the access hooks run for every load and store of a kernel.
+std::atomic<bool> unchecked_accesses{false};
+
 inline void check_access(uintptr_t addr, size_t n, bool write) {
-    if (__builtin_expect(!in_arena(addr), 1) || config().fast) return;
+    if (__builtin_expect(!in_arena(addr), 1) || unchecked_accesses.load(std::memory_order_relaxed)) return;
     check_device_access(addr, n, write, false);
 }
 
@@ -542,6 +547,7 @@ int launch(const Launch &l) {
                              l.cpu->param_count, l.ptx->param_sizes.size()));
     }
     Executor &e = executor();
+    unchecked_accesses.store(config().fast, std::memory_order_relaxed);
     e.param_ranges.clear();
     std::vector<Allocation> written;
     for (unsigned i = 0; i < l.cpu->param_count; ++i) {
