@@ -3,7 +3,8 @@
 #   OUT/lib/libcuda.so.1, libcublas.so.N, libcublasLt.so.N, libcurand.so.10, libnvrtc.so.N, libcudart.so.N
 #       (N = the toolkit's major version), libnccl.so.2, with their unversioned link names;
 #   OUT/lib/kernels/*.so   the CPU builds of the kernel modules: ours (kernels/*.cu) and the Candle modules the
-#                          crate loads (from the locked candle-kernels in Cargo's registry);
+#                          crate loads (from the locked candle-kernels in Cargo's registry), each instrumented (every
+#                          access checked) and in fast/ without the instrumentation (for CUDA_EMU_FAST=1);
 #   OUT/bin/selftest       the emulator's own tests (tests/selftest.cpp), OUT/bin/numeric_test (its numbers) and
 #                          OUT/bin/nccl_test (NCCL across processes).
 #
@@ -108,10 +109,14 @@ for m in affine binary cast fill indexing reduce sort ternary unary; do
 done
 build_module() {
   local src="${1%%:*}" so="${1##*:}"
-  local inc
+  local inc fast
   inc="$(dirname "$src")"
-  if [ ! -e "$so" ] || [ -n "$(find "$here/include" "$here/kernelize.py" "$inc" -newer "$so" -type f | head -1)" ]; then
-    python3 "$here/kernelize.py" "$src" "$so" --arch "$arch" --cuda-version "$version" --cxx "$cxx"
+  fast="$(dirname "$so")/fast/$(basename "$so")"
+  if [ ! -e "$so" ] || [ ! -e "$fast" ] ||
+    [ -n "$(find "$here/include" "$here/kernelize.py" "$inc" -newer "$so" -type f | head -1)" ]; then
+    mkdir -p "$(dirname "$fast")"
+    python3 "$here/kernelize.py" "$src" "$so" --arch "$arch" --cuda-version "$version" --cxx "$cxx" \
+      --uninstrumented "$fast"
   fi
 }
 export -f build_module

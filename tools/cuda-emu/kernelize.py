@@ -116,6 +116,8 @@ def main():
     ap.add_argument("-I", dest="includes", action="append", default=[])
     ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
     ap.add_argument("--keep", help="also write the rewritten source here (for reading)")
+    ap.add_argument("--uninstrumented", help="also build the module without the access instrumentation here (the "
+                    "fast mode's: same arithmetic, no hook call per load and store)")
     args = ap.parse_args()
 
     major, minor = args.cuda_version.split(".")[:2]
@@ -161,19 +163,26 @@ extern "C" __attribute__((visibility("default"))) const cuemu_kernel *cuemu_modu
     # No strict aliasing: CUDA code reads vectors through other types (a float4 load viewed as 8 bf16 values), which
     # nvcc compiles as written and GCC's type-based alias analysis would reorder.
     flags = ["-std=c++17", "-O2", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-fast-math", "-fno-exceptions",
-             "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-Wno-unknown-pragmas", "-w"]
-    obj = args.output + ".o"
-    # Instrumented when compiled, but linked without the sanitizer's runtime: the emulator defines its callbacks.
-    build = subprocess.run([args.cxx, *flags, "-c", "-x", "c++-cpp-output", rewritten, "-o", obj],
-                           capture_output=True, text=True)
-    if build.returncode == 0:
-        build = subprocess.run([args.cxx, "-shared", obj, "-o", args.output], capture_output=True, text=True)
-    os.unlink(rewritten)
-    if os.path.exists(obj):
-        os.unlink(obj)
-    if build.returncode != 0:
-        sys.stderr.write(build.stderr[-20000:])
-        die(f"cannot compile {args.source} (rerun with --keep FILE to read the rewritten source)")
+             "-Wno-unknown-pragmas", "-w"]
+    instrumented = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0"]
+    builds = [(args.output, flags + instrumented)]
+    if args.uninstrumented:
+        builds.append((args.uninstrumented, flags))
+    try:
+        for output, options in builds:
+            obj = output + ".o"
+            # The instrumented build links without the sanitizer's runtime: the emulator defines its callbacks.
+            build = subprocess.run([args.cxx, *options, "-c", "-x", "c++-cpp-output", rewritten, "-o", obj],
+                                   capture_output=True, text=True)
+            if build.returncode == 0:
+                build = subprocess.run([args.cxx, "-shared", obj, "-o", output], capture_output=True, text=True)
+            if os.path.exists(obj):
+                os.unlink(obj)
+            if build.returncode != 0:
+                sys.stderr.write(build.stderr[-20000:])
+                die(f"cannot compile {args.source} (rerun with --keep FILE to read the rewritten source)")
+    finally:
+        os.unlink(rewritten)
 
 
 if __name__ == "__main__":

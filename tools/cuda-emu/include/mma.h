@@ -63,7 +63,10 @@ template <> __attribute__((no_sanitize("thread"), always_inline)) __device__ inl
 }
 template <>
 __attribute__((no_sanitize("thread"), always_inline)) __device__ inline float widen<__nv_bfloat16>(__nv_bfloat16 v) {
-    return __bfloat162float(v);
+    const unsigned bits = (unsigned)__nv_bfloat16_raw(v).x << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
 }
 } // namespace detail
 
@@ -119,8 +122,11 @@ namespace detail {
 // The two halves of `mma_sync` around the warp's meeting. They touch only the warp's scratch and the fragments,
 // the emulator's bookkeeping rather than device memory, so they are left out of the kernels' access
 // instrumentation (whose calls would otherwise be most of a tensor-core kernel's time).
+//
+// The scratch holds A, B and C (row-major 16x16 floats each), then D, then a flag: whether D is computed yet.
 
-// Lays this lane's elements of A, B and C out in the warp's scratch (row-major 16x16 each).
+// Lays this lane's elements of A, B and C out in the warp's scratch and marks D as not yet computed (every lane
+// does, before the meeting; the first lane after it computes D).
 template <typename TA, typename TB>
 __attribute__((no_sanitize("thread"))) __device__ inline void mma_scatter(float *scratch, const TA *a, const TB *b,
                                                                           const float *c, unsigned lane) {
@@ -129,28 +135,39 @@ __attribute__((no_sanitize("thread"))) __device__ inline void mma_scatter(float 
         scratch[256 + position(1, lane, i)] = widen(b[i]);
         scratch[512 + position(2, lane, i)] = c[i];
     }
+    scratch[1024] = 0.0f;
 }
 
-// This lane's elements of D = A · B + C from the scratch, the products summed in k order.
-__attribute__((no_sanitize("thread"))) __device__ inline void mma_gather(float *d, const float *scratch,
-                                                                         unsigned lane) {
+// D = A · B + C for the whole tile, once per warp (the first lane to need it), each element summed in k order:
+// the rows' columns side by side, so the compiler multiplies a row's 16 columns as vectors.
+__attribute__((no_sanitize("thread"))) __device__ inline void mma_product(float *scratch) {
     const float *sa = scratch, *sb = scratch + 256, *sc = scratch + 512;
-    unsigned row[PER_LANE], col[PER_LANE];
-    float acc[PER_LANE];
-    for (unsigned i = 0; i < PER_LANE; ++i) {
-        const unsigned pos = position(2, lane, i);
-        row[i] = pos / 16, col[i] = pos % 16, acc[i] = sc[pos];
+    float *sd = scratch + 768;
+    for (unsigned r = 0; r < 16; ++r) {
+        float acc[16];  // unrolled, so that the row stays in registers
+#pragma GCC unroll 16
+        for (unsigned col = 0; col < 16; ++col) acc[col] = sc[r * 16 + col];
+#pragma GCC unroll 16
+        for (unsigned kk = 0; kk < 16; ++kk) {
+            const float x = sa[r * 16 + kk];
+#pragma GCC unroll 16
+            for (unsigned col = 0; col < 16; ++col) acc[col] += x * sb[kk * 16 + col];
+        }
+        for (unsigned col = 0; col < 16; ++col) sd[r * 16 + col] = acc[col];
     }
-    // The lane's elements side by side (independent sums), each still summed in k order.
-    for (unsigned kk = 0; kk < 16; ++kk) {
-        for (unsigned i = 0; i < PER_LANE; ++i) acc[i] += sa[row[i] * 16 + kk] * sb[kk * 16 + col[i]];
-    }
-    for (unsigned i = 0; i < PER_LANE; ++i) d[i] = acc[i];
+    scratch[1024] = 1.0f;
+}
+
+// This lane's elements of D = A · B + C, computed by the first lane of the warp to get here.
+__attribute__((no_sanitize("thread"))) __device__ inline void mma_gather(float *d, float *scratch, unsigned lane) {
+    if (scratch[1024] == 0.0f) mma_product(scratch);
+    for (unsigned i = 0; i < PER_LANE; ++i) d[i] = scratch[768 + position(2, lane, i)];
 }
 } // namespace detail
 
 // D = A · B + C in float32, the products summed in k order. A warp-collective step: every lane lays its elements
-// of A, B and C out in the warp's scratch, the warp meets, and each lane computes its own elements of D.
+// of A, B and C out in the warp's scratch, the warp meets, the first lane to run on computes the tile's D, and each
+// lane takes its own elements of it.
 template <typename TA, typename LA, typename TB, typename LB>
 __device__ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
                                 const fragment<matrix_a, 16, 16, 16, TA, LA> &a,

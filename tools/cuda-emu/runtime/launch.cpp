@@ -1,13 +1,15 @@
 // Kernel launches on the emulated device.
 //
-// A block runs on the calling host thread: each CUDA thread is a fiber with a stack of its own, and a scheduler
-// runs the fibers in passes. In a pass every runnable thread runs until it exits or reaches a barrier —
-// `__syncthreads` (the block's) or a warp-synchronous step (`__syncwarp`, a shuffle, a vote, a WMMA product, which
-// involve the lanes of their mask). Between passes the barriers every participant has reached are released. So the
-// threads of a barrier interval run one after the other, in thread order, or in reverse order in the race-check
-// mode, where every shared-memory access is also checked against the others of its interval: a read of what
-// another thread wrote in the same interval, or a write to what another thread read or wrote, depends on the
-// order threads run in — the mark of a missing barrier — and stops the kernel with both threads named.
+// A block runs on one host thread: each CUDA thread is a fiber with a stack of its own, and the fibers run in
+// passes. In a pass every runnable thread runs until it exits or reaches a barrier — `__syncthreads` (the block's)
+// or a warp-synchronous step (`__syncwarp`, a shuffle, a vote, a WMMA product, which involve the lanes of their
+// mask) — and then switches straight to the next runnable thread of the pass. A barrier is released when its last
+// participant reaches it, and the threads it held run again from the next pass. So the threads of a barrier
+// interval run one after the other, in thread order, or in reverse order in the race-check mode, where every
+// shared-memory access is also checked against the others of its interval: a read of what another thread wrote in
+// the same interval, or a write to what another thread read or wrote, depends on the order threads run in — the
+// mark of a missing barrier — and stops the kernel with both threads named. The blocks of a launch run one after
+// the other on the calling host thread, except in the fast mode, which spreads them over the host's cores.
 //
 // Every load and store of a kernel passes through `check_access` (the kernels are compiled with GCC's
 // kernel-address instrumentation, whose callbacks are defined here): an access to device or shared memory must lie
@@ -18,6 +20,7 @@
 
 #include "launch.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <time.h>
@@ -25,8 +28,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
+#include <condition_variable>
 #include <csetjmp>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "emu.h"
@@ -41,7 +48,9 @@ constexpr size_t WARP_SCRATCH = 8 * 1024;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Fibers: a minimal context switch. `cuemu_switch(from, to)` saves the callee-saved registers on the current stack,
-// stores the stack pointer into *from and resumes the context whose stack pointer is `to`.
+// stores the stack pointer into *from and resumes the context whose stack pointer is `to`. The floating-point
+// control state (MXCSR, the x87 control word) is not switched: no kernel changes it (the shim's rounding-mode
+// intrinsics compute their results without it), so every fiber runs with the host thread's.
 extern "C" void cuemu_switch(void **from, void *to);
 extern "C" void cuemu_fiber_start();
 #if defined(__x86_64__)
@@ -56,14 +65,8 @@ cuemu_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -96,12 +99,15 @@ struct Thread {
     uint64_t collectives; // warp-synchronous steps taken: their parity picks the exchange slot
     uint64_t exchange[2]; // the value it offers in a shuffle or vote
     int block_arrival;    // the block barrier generation it arrived at (parity picks the result slot)
+    uint64_t ready_pass;  // the first pass it may run in once runnable (released barriers wait for the next)
     void *sp;             // its saved stack pointer while it is not running
     char *stack_lo, *stack_hi;
 };
 
 struct Warp {
     uint32_t interval;  // the race check's id of the warp's current interval
+    uint32_t waiting;   // the lanes waiting at a warp barrier
+    bool released;      // a barrier of its lanes was released in this pass: a new interval from the next
     char *scratch;      // 2 × WARP_SCRATCH
 };
 
@@ -122,6 +128,10 @@ struct Block {
     std::vector<Thread> *threads;
     std::vector<Warp> *warps;
     unsigned live = 0, at_barrier = 0;
+    unsigned cursor = 0;  // the running thread's place in the pass order
+    uint64_t pass = 0;    // the current pass
+    bool reverse = false; // the pass order is reverse thread order (the race-check mode)
+    bool released = false; // the block's barrier was released in this pass: a new interval from the next
     int barrier_generation = 0;
     int op_predicates[3] = {0, 0, 0};  // count, and, or of the barrier being gathered
     int op_results[2][3];               // of the last two barriers, by generation parity
@@ -185,9 +195,27 @@ std::string where() {
     abandon_thread();
 }
 
-// The running thread waits at a barrier until the scheduler releases it.
+// The thread at place `pos` of the pass order (thread order, or reverse thread order in the race-check mode).
+Thread &in_pass_order(Block &b, unsigned pos) {
+    const unsigned count = b.launch->block[0] * b.launch->block[1] * b.launch->block[2];
+    return (*b.threads)[b.reverse ? count - 1 - pos : pos];
+}
+
+// The running thread waits at a barrier until it is released: the pass goes on with the next runnable thread in
+// its order, switched to directly, or ends in the scheduler when none is left.
 void yield_to_scheduler() {
     Thread *t = t_current;
+    Block &b = *t_block;
+    const unsigned count = b.launch->block[0] * b.launch->block[1] * b.launch->block[2];
+    for (unsigned pos = b.cursor + 1; pos < count; ++pos) {
+        Thread &next = in_pass_order(b, pos);
+        if (next.state != State::Runnable || next.ready_pass > b.pass) continue;
+        b.cursor = pos;
+        t_current = &next;
+        cuemu_switch(&t->sp, next.sp);
+        return;
+    }
+    b.cursor = count;
     cuemu_switch(&t->sp, t_exec->scheduler_sp);
 }
 
@@ -294,11 +322,36 @@ inline void check_access(uintptr_t addr, size_t n, bool write) {
 
 inline void check_atomic(const volatile void *p, size_t n) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-    if (in_arena(addr)) check_device_access(addr, n, true, true);
+    if (in_arena(addr) && !unchecked_accesses.load(std::memory_order_relaxed)) check_device_access(addr, n, true, true);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Barriers.
+
+// Releases the block's barrier once every live thread has reached it. The threads run again from the next pass,
+// as they would if barriers were released between passes (the intervals of the race check change there too).
+void release_block_barrier(Block &b) {
+    if (b.at_barrier == 0 || b.at_barrier != b.live) return;
+    int *result = b.op_results[b.barrier_generation & 1];
+    std::copy(b.op_predicates, b.op_predicates + 3, result);
+    b.op_predicates[0] = 0, b.op_predicates[1] = 1, b.op_predicates[2] = 0;
+    ++b.barrier_generation;
+    b.at_barrier = 0;
+    for (Thread &t : *b.threads) {
+        if (t.state == State::AtBlockBarrier) t.state = State::Runnable, t.ready_pass = b.pass + 1;
+    }
+    b.released = true;
+}
+
+// The end of a pass: the barriers released in it start new intervals of the race check.
+void end_pass(Block &b) {
+    for (Warp &w : *b.warps) {
+        if (b.released || w.released) w.interval = next_interval();
+        w.released = false;
+    }
+    if (b.released) b.interval = next_interval();
+    b.released = false;
+}
 
 void warp_barrier(unsigned mask, const char *what) {
     Thread *t = t_current;
@@ -309,47 +362,28 @@ void warp_barrier(unsigned mask, const char *what) {
     t->mask = mask;
     t->waits_in = what;
     ++t->collectives;
-    yield_to_scheduler();
-}
-
-// Releases every barrier whose participants have all arrived; true when a thread became runnable.
-bool release_barriers(Block &b) {
-    std::vector<Thread> &threads = *b.threads;
-    bool released = false;
-    for (size_t w = 0; w < b.warps->size(); ++w) {
-        const size_t first = w * 32, end = std::min(first + 32, threads.size());
-        for (size_t i = first; i < end; ++i) {
-            Thread &t = threads[i];
-            if (t.state != State::AtWarpBarrier) continue;
-            bool all = true;
-            for (unsigned lane = 0; lane < 32 && all; ++lane) {
-                if (!(t.mask >> lane & 1)) continue;
-                const size_t j = first + lane;
-                all = j < end && threads[j].state == State::AtWarpBarrier && threads[j].mask == t.mask;
-            }
-            if (!all) continue;
-            const unsigned mask = t.mask;
+    // Released when every lane of the mask waits with the same mask; the lanes run again from the next pass.
+    Block &b = *t_block;
+    Warp &w = (*b.warps)[t->warp];
+    w.waiting |= 1u << t->lane;
+    if ((w.waiting & mask) == mask) {
+        std::vector<Thread> &threads = *b.threads;
+        const unsigned first = t->warp * 32;
+        bool same = true;
+        for (unsigned lane = 0; lane < 32 && same; ++lane) {
+            same = !(mask >> lane & 1) || threads[first + lane].mask == mask;
+        }
+        if (same) {
             for (unsigned lane = 0; lane < 32; ++lane) {
-                if (mask >> lane & 1) threads[first + lane].state = State::Runnable;
+                if (!(mask >> lane & 1)) continue;
+                threads[first + lane].state = State::Runnable;
+                threads[first + lane].ready_pass = b.pass + 1;
             }
-            (*b.warps)[w].interval = next_interval();
-            released = true;
+            w.waiting &= ~mask;
+            w.released = true;
         }
     }
-    if (b.at_barrier > 0 && b.at_barrier == b.live) {
-        int *result = b.op_results[b.barrier_generation & 1];
-        std::copy(b.op_predicates, b.op_predicates + 3, result);
-        b.op_predicates[0] = 0, b.op_predicates[1] = 1, b.op_predicates[2] = 0;
-        ++b.barrier_generation;
-        b.at_barrier = 0;
-        for (Thread &t : threads) {
-            if (t.state == State::AtBlockBarrier) t.state = State::Runnable;
-        }
-        b.interval = next_interval();
-        for (Warp &w : *b.warps) w.interval = next_interval();
-        released = true;
-    }
-    return released;
+    yield_to_scheduler();
 }
 
 std::string deadlock_report(const Block &b) {
@@ -419,10 +453,6 @@ void reset_fiber(Thread &t) {
     *--sp = 0;                                                     // r13
     *--sp = 0;                                                     // r14
     *--sp = 0;                                                     // r15
-    uint32_t csr[2];
-    asm volatile("stmxcsr %0" : "=m"(csr[0]));
-    asm volatile("fnstcw %0" : "=m"(csr[1]));
-    *--sp = (uint64_t)csr[0] | ((uint64_t)(csr[1] & 0xffff) << 32);  // mxcsr, x87 control word
     t.sp = sp;
 }
 
@@ -450,23 +480,30 @@ int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) 
         memcpy(t.info, info, sizeof info);
         t.linear = i, t.warp = i / 32, t.lane = i % 32;
         t.state = State::Runnable;
+        t.ready_pass = 0;
         t.collectives = 0;
         reset_fiber(t);
     }
-    const bool reverse = config().race_check;
-    for (;;) {
+    for (Warp &w : e.warps) w.waiting = 0, w.released = false;
+    b.released = false;
+    // Passes: the scheduler starts each with the first runnable thread, which hands over to the next at its
+    // barrier (yield_to_scheduler); the scheduler takes over again when a thread exits or the pass is over.
+    for (b.pass = 0;; ++b.pass) {
         bool ran = false;
-        for (unsigned k = 0; k < nthreads; ++k) {
-            Thread &t = e.threads[reverse ? nthreads - 1 - k : k];
-            if (t.state != State::Runnable) continue;
+        for (unsigned pos = 0; pos < nthreads; ++pos) {
+            Thread &t = in_pass_order(b, pos);
+            if (t.state != State::Runnable || t.ready_pass > b.pass) continue;
+            b.cursor = pos;
             t_current = &t;
             cuemu_switch(&e.scheduler_sp, t.sp);
             t_current = nullptr;
             ran = true;
             if (b.error) return b.error;
+            pos = b.cursor;  // the pass went on to here
         }
+        end_pass(b);
         if (b.live == 0) break;
-        if (!release_barriers(b) && !ran) {
+        if (!ran) {
             b.error = 719;
             b.message = where() + ": " + deadlock_report(b);
             return b.error;
@@ -486,6 +523,130 @@ int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) 
     return 0;
 }
 
+// A launch's blocks, taken in order by the host threads that run them.
+struct Grid {
+    const Launch *launch = nullptr;
+    std::vector<std::pair<uintptr_t, uintptr_t>> param_ranges;  // the pointer parameters' allocations
+    unsigned long long blocks = 0;
+    std::atomic<unsigned long long> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex error_lock;
+    unsigned long long error_block = ULLONG_MAX;  // the first failed block (in launch order) and its error
+    int error = 0;
+    std::string message;
+};
+
+// Runs blocks of `grid` on the calling host thread, the next one in launch order each time (x fastest, then y,
+// z), until none is left or one has failed.
+void run_blocks(Grid &grid) {
+    const Launch &l = *grid.launch;
+    Executor &e = executor();
+    e.param_ranges = grid.param_ranges;
+    prepare_threads(e, l.block[0] * l.block[1] * l.block[2]);
+    if (config().race_check && e.shadow.empty()) e.shadow.assign(SHARED_WINDOW, Shadow{});
+    Block b;
+    b.launch = &l;
+    b.threads = &e.threads;
+    b.warps = &e.warps;
+    // Shared memory: static variables first, the dynamic part 128-byte aligned after them, ending as close to the
+    // window's end (and its guard page) as alignment allows.
+    const size_t static_shared = l.ptx->static_shared;
+    const size_t dynamic_offset = (static_shared + 127) / 128 * 128;
+    b.shared_used = dynamic_offset + l.dynamic_shared;
+    b.shared_base = (e.window_lo + SHARED_WINDOW - b.shared_used) & ~uintptr_t(127);
+    b.dynamic_base = b.shared_base + dynamic_offset;
+    b.static_limit = b.shared_base + static_shared;
+    b.reverse = config().race_check;
+    t_block = &b;
+    volatile int result = 0;  // set again after a fault's longjmp
+    volatile unsigned long long index = 0;
+    t_in_fault_region = true;
+    if (sigsetjmp(e.fault_return, 1) == 0) {
+        while (!result && !grid.failed.load(std::memory_order_relaxed)) {
+            index = grid.next.fetch_add(1, std::memory_order_relaxed);
+            if (index >= grid.blocks) break;
+            const unsigned long long i = index;
+            result = run_block(l, b, (unsigned)(i % l.grid[0]), (unsigned)(i / l.grid[0] % l.grid[1]),
+                               (unsigned)(i / ((unsigned long long)l.grid[0] * l.grid[1])));
+        }
+    } else {
+        result = b.error;
+    }
+    t_in_fault_region = false;
+    t_block = nullptr;
+    t_current = nullptr;
+    if (result) {
+        grid.failed.store(true, std::memory_order_relaxed);
+        std::lock_guard<std::mutex> g(grid.error_lock);
+        if (index < grid.error_block) {
+            grid.error_block = index;
+            grid.error = result;
+            grid.message = b.message;
+        }
+    }
+}
+
+// Host threads kept for the fast mode's blocks (each keeps its executor: fiber stacks and a shared-memory window
+// allocated once). One launch at a time uses them; another launch meanwhile (from another host thread) runs its
+// blocks itself.
+class BlockPool {
+  public:
+    void run(Grid &grid, unsigned helpers) {
+        std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+        if (!busy.owns_lock()) return run_blocks(grid);
+        {
+            std::lock_guard<std::mutex> g(lock_);
+            while (workers_ < helpers) std::thread(&BlockPool::work, this, workers_++).detach();
+            job_ = &grid;
+            wanted_ = helpers;
+            running_ = helpers;
+            ++generation_;
+        }
+        wake_.notify_all();
+        run_blocks(grid);
+        std::unique_lock<std::mutex> g(lock_);
+        finished_.wait(g, [&] { return running_ == 0; });
+    }
+
+  private:
+    void work(unsigned index) {
+        uint64_t seen = 0;
+        std::unique_lock<std::mutex> g(lock_);
+        for (;;) {
+            wake_.wait(g, [&] { return generation_ != seen; });
+            seen = generation_;
+            if (index >= wanted_) continue;
+            Grid *grid = job_;
+            g.unlock();
+            run_blocks(*grid);
+            g.lock();
+            if (--running_ == 0) finished_.notify_all();
+        }
+    }
+
+    std::mutex busy_, lock_;
+    std::condition_variable wake_, finished_;
+    Grid *job_ = nullptr;
+    uint64_t generation_ = 0;
+    unsigned workers_ = 0, wanted_ = 0, running_ = 0;
+};
+
+// Never destroyed: its threads wait on it until the process exits. A forked child, which has none of them, starts
+// a pool of its own.
+BlockPool *g_block_pool = nullptr;
+
+BlockPool &block_pool() {
+    static const bool registered = [] {
+        pthread_atfork(nullptr, nullptr, [] { g_block_pool = nullptr; });
+        return true;
+    }();
+    (void)registered;
+    static std::mutex creating;
+    std::lock_guard<std::mutex> g(creating);
+    if (!g_block_pool) g_block_pool = new BlockPool;
+    return *g_block_pool;
+}
+
 }  // namespace
 
 // The body of every fiber: run the kernel, then hand back to the scheduler for good.
@@ -493,6 +654,7 @@ extern "C" __attribute__((used)) void cuemu_fiber_main(Thread *t) {
     t_block->launch->cpu->launch(t_block->launch->params);
     t->state = State::Done;
     --t_block->live;
+    release_block_barrier(*t_block);
     abandon_thread();
 }
 
@@ -546,9 +708,9 @@ int launch(const Launch &l) {
         return refuse(format("the CPU build has %u parameters, the PTX %zu: rebuild the emulator's kernels",
                              l.cpu->param_count, l.ptx->param_sizes.size()));
     }
-    Executor &e = executor();
     unchecked_accesses.store(config().fast, std::memory_order_relaxed);
-    e.param_ranges.clear();
+    Grid grid;
+    grid.launch = &l;
     std::vector<Allocation> written;
     for (unsigned i = 0; i < l.cpu->param_count; ++i) {
         if (l.cpu->param_sizes[i] != l.ptx->param_sizes[i]) {
@@ -565,7 +727,7 @@ int launch(const Launch &l) {
             return refuse(format("parameter %u (a pointer) is %s", i,
                                  in_arena(ptr) ? describe_address(ptr, 0).c_str() : "not device memory"));
         }
-        e.param_ranges.push_back({al.base, al.base + al.size});
+        grid.param_ranges.push_back({al.base, al.base + al.size});
         written.push_back(al);
     }
     if (const int sticky = sticky_error()) {
@@ -573,45 +735,31 @@ int launch(const Launch &l) {
     }
     count_launch(name);
 
-    prepare_threads(e, (unsigned)threads);
-    if (config().race_check && e.shadow.empty()) e.shadow.assign(SHARED_WINDOW, Shadow{});
-    Block b;
-    b.launch = &l;
-    b.threads = &e.threads;
-    b.warps = &e.warps;
-    // Shared memory: static variables first, the dynamic part 128-byte aligned after them, ending as close to the
-    // window's end (and its guard page) as alignment allows.
-    const size_t dynamic_offset = (static_shared + 127) / 128 * 128;
-    b.shared_used = dynamic_offset + l.dynamic_shared;
-    b.shared_base = (e.window_lo + SHARED_WINDOW - b.shared_used) & ~uintptr_t(127);
-    b.dynamic_base = b.shared_base + dynamic_offset;
-    b.static_limit = b.shared_base + static_shared;
-    t_block = &b;
-    volatile int result = 0;  // set again after a fault's longjmp
-    t_in_fault_region = true;
-    if (sigsetjmp(e.fault_return, 1) == 0) {
-        for (unsigned z = 0; z < g[2] && !result; ++z)
-            for (unsigned y = 0; y < g[1] && !result; ++y)
-                for (unsigned x = 0; x < g[0] && !result; ++x) result = run_block(l, b, x, y, z);
+    grid.blocks = g[0] * g[1] * g[2];
+    // The fast mode spreads the blocks over the host's cores (blocks are independent, except through atomics,
+    // whose order then varies as on a GPU); the other modes run them one after the other, in order.
+    const unsigned helpers =
+        config().fast ? (unsigned)std::min<unsigned long long>(grid.blocks, std::max(1, config().threads)) - 1 : 0;
+    if (helpers > 0) {
+        block_pool().run(grid, helpers);
     } else {
-        result = b.error;
+        run_blocks(grid);
     }
-    t_in_fault_region = false;
-    t_block = nullptr;
-    t_current = nullptr;
+    int result = grid.error;
+    std::string message = grid.message;
     if (!result) {
         for (const Allocation &al : written) {
             const std::string damage = check_canary(al);
             if (!damage.empty()) {
-                b.message = format("kernel `%s` wrote past the end of a buffer: %s", name, damage.c_str());
+                message = format("kernel `%s` wrote past the end of a buffer: %s", name, damage.c_str());
                 result = 700;
                 break;
             }
         }
     }
     if (result) {
-        set_sticky_error(result, b.message);
-        return fail(result, b.message);
+        set_sticky_error(result, message);
+        return fail(result, message);
     }
     return 0;
 }
@@ -693,6 +841,7 @@ int cuemu_syncthreads_op(int predicate, int op) {
     t->state = emu::State::AtBlockBarrier;
     t->waits_in = "__syncthreads";
     ++b->at_barrier;
+    emu::release_block_barrier(*b);
     emu::yield_to_scheduler();
     return op < 0 ? 0 : b->op_results[t->block_arrival & 1][op];
 }

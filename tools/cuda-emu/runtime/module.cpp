@@ -9,6 +9,7 @@
 #include <cuda.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstring>
@@ -52,11 +53,16 @@ std::vector<KernelLibrary> *g_libraries = nullptr;
 
 CUresult result(int code) { return static_cast<CUresult>(code); }
 
-// Every CPU kernel module in the kernels folder (read once).
+// Every CPU kernel module in the kernels folder (read once); in the fast mode, their builds without the access
+// instrumentation (its `fast` subfolder) where the folder has them.
 const std::vector<KernelLibrary> &libraries() {
     if (g_libraries) return *g_libraries;
     g_libraries = new std::vector<KernelLibrary>;
-    const std::string &dir = config().kernels_dir;
+    std::string dir = config().kernels_dir;
+    struct stat uninstrumented;
+    if (config().fast && stat((dir + "/fast").c_str(), &uninstrumented) == 0 && S_ISDIR(uninstrumented.st_mode)) {
+        dir += "/fast";
+    }
     if (DIR *d = opendir(dir.c_str())) {
         while (dirent *entry = readdir(d)) {
             const std::string name = entry->d_name;

@@ -193,6 +193,16 @@ void off_by_one_write() {
                    "off_by_one_write", "past its end");
 }
 
+void fault_in_a_helper_thread() {
+    // Run in the fast mode on four host threads: the write past the end, unchecked there, still faults on the guard
+    // page in whichever host thread runs its block (the fifth), and the launch reports it.
+    CUmodule m = setup();
+    const unsigned n = 64;
+    CUdeviceptr dx = upload(ramp(n)), dy = upload(ramp(n));
+    expect_failure(launch(kernel(m, "off_by_one_write"), 8, 16, {&dx, &dy, (void *)&n}), CUDA_ERROR_ILLEGAL_ADDRESS,
+                   "off_by_one_write", "past its end");
+}
+
 void missing_syncthreads() {
     // Run in the race-check mode (CUDA_EMU_RACECHECK=1): the synchronized version passes, the other fails.
     CUmodule m = setup();
@@ -322,6 +332,8 @@ struct Case {
 const Case CASES[] = {
     {"correct_kernels", correct_kernels, nullptr},
     {"correct_kernels_race_check", correct_kernels, "CUDA_EMU_RACECHECK=1"},
+    {"correct_kernels_fast", correct_kernels, "CUDA_EMU_FAST=1;CUDA_EMU_THREADS=4"},
+    {"fault_in_a_helper_thread", fault_in_a_helper_thread, "CUDA_EMU_FAST=1;CUDA_EMU_THREADS=4"},
     {"off_by_one_read", off_by_one_read, nullptr},
     {"off_by_one_write", off_by_one_write, nullptr},
     {"later_calls_name_the_fault_once", later_calls_name_the_fault_once, nullptr},
