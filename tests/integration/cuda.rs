@@ -1336,17 +1336,11 @@ fn activation_offloading_on_the_gpu_matches_and_moves_the_layer_inputs() {
         let run = |activation_offloading: bool, name: &str| {
             let model = nf4_model_on_gpu(&folder);
             let out = dir.path().join(format!("{name}-{seq}"));
-            let args = in_training_half(TrainingArguments {
-                output_dir: out.display().to_string(),
-                per_device_train_batch_size: 1,
+            let args = TrainingArguments {
                 max_steps: 2,
                 logging_steps: 1.0,
-                save_strategy: candle_qlora::trainer::IntervalStrategy::No,
-                gradient_checkpointing: true,
-                activation_offloading,
-                optim: OptimizerName::PagedAdamW8bit,
-                ..Default::default()
-            });
+                ..offload_test_args(&out, activation_offloading)
+            };
             let mut trainer =
                 Trainer::new(model, args, &lora, synthetic_rows(2, seq), vec![]).unwrap();
             let snapshots = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1494,6 +1488,21 @@ fn pool_share(e: &candle_qlora::memory::Estimate) -> u64 {
     e.weights_bytes + e.lora_bytes + e.gradients_bytes + e.activations_bytes
 }
 
+/// The offload tests' runs: one step of batch 1 into `out`, no checkpoint saved, checkpointing, paged 8-bit AdamW, in
+/// [`training_half`].
+fn offload_test_args(out: &std::path::Path, activation_offloading: bool) -> TrainingArguments {
+    in_training_half(TrainingArguments {
+        output_dir: out.display().to_string(),
+        per_device_train_batch_size: 1,
+        max_steps: 1,
+        save_strategy: candle_qlora::trainer::IntervalStrategy::No,
+        gradient_checkpointing: true,
+        activation_offloading,
+        optim: OptimizerName::PagedAdamW8bit,
+        ..Default::default()
+    })
+}
+
 /// The estimate's arguments for the offload tests' runs: one row of `seq` tokens, NF4, `lora`, paged 8-bit AdamW,
 /// checkpointing, on CUDA in [`training_half`].
 fn offload_test_estimate(
@@ -1573,16 +1582,7 @@ fn a_gpu_between_the_estimates_trains_offloaded_and_runs_out_of_memory_without()
         let out = dir
             .path()
             .join(format!("offloaded-{activation_offloading}"));
-        let args = in_training_half(TrainingArguments {
-            output_dir: out.display().to_string(),
-            per_device_train_batch_size: 1,
-            max_steps: 1,
-            save_strategy: candle_qlora::trainer::IntervalStrategy::No,
-            gradient_checkpointing: true,
-            activation_offloading,
-            optim: OptimizerName::PagedAdamW8bit,
-            ..Default::default()
-        });
+        let args = offload_test_args(&out, activation_offloading);
         let rows = synthetic_rows_in(1, seq, widths.vocab);
         Trainer::new(nf4_model_on_gpu(&folder), args, &lora, rows, vec![])
             .and_then(|mut trainer| trainer.train(None))
@@ -2534,17 +2534,10 @@ fn a_long_context_run_offloaded_and_tiled_peaks_at_its_estimate() {
         let config =
             candle_qlora::loading::load_model_config(folder.to_str().unwrap(), None).unwrap();
         let out = dir.path().join(format!("out-{seq}"));
-        let args = in_training_half(TrainingArguments {
-            output_dir: out.display().to_string(),
-            per_device_train_batch_size: 1,
-            max_steps: 1,
-            save_strategy: candle_qlora::trainer::IntervalStrategy::No,
-            gradient_checkpointing: true,
-            activation_offloading: true,
+        let args = TrainingArguments {
             tiled_mlp: true,
-            optim: OptimizerName::PagedAdamW8bit,
-            ..Default::default()
-        });
+            ..offload_test_args(&out, true)
+        };
         let rows = synthetic_rows_in(1, seq, widths.vocab);
         let mut trainer =
             Trainer::new(nf4_model_on_gpu(&folder), args, &lora, rows, vec![]).unwrap();

@@ -127,6 +127,7 @@ struct Block {
     unsigned idx[3];
     std::vector<Thread> *threads;
     std::vector<Warp> *warps;
+    unsigned size = 0;    // threads per block
     unsigned live = 0, at_barrier = 0;
     unsigned cursor = 0;  // the running thread's place in the pass order
     uint64_t pass = 0;    // the current pass
@@ -197,8 +198,7 @@ std::string where() {
 
 // The thread at place `pos` of the pass order (thread order, or reverse thread order in the race-check mode).
 Thread &in_pass_order(Block &b, unsigned pos) {
-    const unsigned count = b.launch->block[0] * b.launch->block[1] * b.launch->block[2];
-    return (*b.threads)[b.reverse ? count - 1 - pos : pos];
+    return (*b.threads)[b.reverse ? b.size - 1 - pos : pos];
 }
 
 // The running thread waits at a barrier until it is released: the pass goes on with the next runnable thread in
@@ -206,8 +206,7 @@ Thread &in_pass_order(Block &b, unsigned pos) {
 void yield_to_scheduler() {
     Thread *t = t_current;
     Block &b = *t_block;
-    const unsigned count = b.launch->block[0] * b.launch->block[1] * b.launch->block[2];
-    for (unsigned pos = b.cursor + 1; pos < count; ++pos) {
+    for (unsigned pos = b.cursor + 1; pos < b.size; ++pos) {
         Thread &next = in_pass_order(b, pos);
         if (next.state != State::Runnable || next.ready_pass > b.pass) continue;
         b.cursor = pos;
@@ -215,7 +214,7 @@ void yield_to_scheduler() {
         cuemu_switch(&t->sp, next.sp);
         return;
     }
-    b.cursor = count;
+    b.cursor = b.size;
     cuemu_switch(&t->sp, t_exec->scheduler_sp);
 }
 
@@ -458,7 +457,7 @@ void reset_fiber(Thread &t) {
 
 int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) {
     Executor &e = *t_exec;
-    const unsigned nthreads = l.block[0] * l.block[1] * l.block[2];
+    const unsigned nthreads = b.size;
     b.idx[0] = bx, b.idx[1] = by, b.idx[2] = bz;
     b.live = nthreads;
     b.at_barrier = 0;
@@ -542,9 +541,10 @@ void run_blocks(Grid &grid) {
     const Launch &l = *grid.launch;
     Executor &e = executor();
     e.param_ranges = grid.param_ranges;
-    prepare_threads(e, l.block[0] * l.block[1] * l.block[2]);
-    if (config().race_check && e.shadow.empty()) e.shadow.assign(SHARED_WINDOW, Shadow{});
     Block b;
+    b.size = l.block[0] * l.block[1] * l.block[2];
+    prepare_threads(e, b.size);
+    if (config().race_check && e.shadow.empty()) e.shadow.assign(SHARED_WINDOW, Shadow{});
     b.launch = &l;
     b.threads = &e.threads;
     b.warps = &e.warps;
@@ -892,7 +892,7 @@ unsigned cuemu_activemask(void) {
     const emu::Thread *t = t_current;
     unsigned mask = 0;
     const std::vector<emu::Thread> &threads = *t_block->threads;
-    const unsigned count = t_block->launch->block[0] * t_block->launch->block[1] * t_block->launch->block[2];
+    const unsigned count = t_block->size;
     for (unsigned lane = 0; lane < 32; ++lane) {
         const unsigned i = t->warp * 32 + lane;
         if (i < count && threads[i].state != emu::State::Done) mask |= 1u << lane;
