@@ -17,8 +17,8 @@ struct Config {
     int driver_version;         // CUDA_EMU_DRIVER_VERSION: e.g. 13000 (CUDA 13.0, default) or 12040
     int devices;                // CUDA_EMU_DEVICES: how many GPUs (default 1)
     bool race_check;            // CUDA_EMU_RACECHECK=1: threads run in reverse order, shared-memory races reported
-    int threads;                // CUDA_EMU_THREADS: host threads for GEMMs (default: every core)
-    bool fast;                  // CUDA_EMU_FAST=1: kernels' memory accesses unchecked (see launch.cpp)
+    int threads;                // CUDA_EMU_THREADS: host threads for GEMMs and fast-mode blocks (default: all cores)
+    bool fast;                  // CUDA_EMU_FAST=1: uninstrumented kernels, blocks over the cores (see launch.cpp)
     bool abort_on_error;        // CUDA_EMU_ABORT=1: abort the process at the first error the emulator reports
     std::string counters_path;  // CUDA_EMU_COUNTERS: the counters are written there as JSON at exit
     std::string kernels_dir;    // CUDA_EMU_KERNELS: the CPU builds of kernel modules (default: kernels/ beside us)
