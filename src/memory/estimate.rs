@@ -593,20 +593,24 @@ pub fn activation_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) 
     // without checkpointing (the first layer's input), a kept layer's output with some; with every layer
     // recomputed the final norm ends the checkpointed chain and its input is one of the chain's.
     let (saved, recomputed, graph_held) = if args.gradient_checkpointing {
-        let kept = layers - recomputed_layers(c, args, dtype_bytes);
+        let recomputed_count = recomputed_layers(c, args, dtype_bytes);
+        let kept = layers - recomputed_count;
         let recomputed = if kept < layers {
             recomputed_layer + mlp_slice
         } else {
             0
         };
-        let norm_in_chain = kept == 0 && layers > 0;
         // Offloaded, the device holds two of the chain's inputs, the one recomputed and the next one coming back.
-        let chain_inputs = chain_inputs(c, args, dtype_bytes);
+        let chain_inputs = chain_inputs(recomputed_count, layers);
         let inputs_on_device = match offloaded(args) {
             true => chain_inputs.min(2),
             false => chain_inputs,
         };
-        let graph_held = if norm_in_chain { 1 } else { 2 };
+        let graph_held = if norm_in_chain(recomputed_count, layers) {
+            1
+        } else {
+            2
+        };
         (
             inputs_on_device * hidden_states + kept * layer,
             recomputed,
@@ -676,15 +680,22 @@ pub fn offloaded_host_bytes(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u
         return 0;
     }
     let tokens = (args.batch * args.seq) as u64;
-    chain_inputs(c, args, dtype_bytes) * tokens * c.hidden_size as u64 * dtype_bytes
+    let recomputed = recomputed_layers(c, args, dtype_bytes);
+    chain_inputs(recomputed, c.num_hidden_layers as u64)
+        * tokens
+        * c.hidden_size as u64
+        * dtype_bytes
 }
 
 /// How many inputs a checkpointed run's chain saves: every recomputed layer's (the embeddings included: they need
 /// no gradient), and the final norm's when every layer is recomputed (the norm then ends the chain).
-fn chain_inputs(c: &ModelConfig, args: &EstimateArgs, dtype_bytes: u64) -> u64 {
-    let recomputed = recomputed_layers(c, args, dtype_bytes);
-    let norm_in_chain = recomputed == c.num_hidden_layers as u64 && recomputed > 0;
-    recomputed + u64::from(norm_in_chain)
+fn chain_inputs(recomputed: u64, layers: u64) -> u64 {
+    recomputed + u64::from(norm_in_chain(recomputed, layers))
+}
+
+/// Whether the final norm ends the checkpointed chain: when every one of the `layers` is `recomputed`.
+fn norm_in_chain(recomputed: u64, layers: u64) -> bool {
+    recomputed == layers && recomputed > 0
 }
 
 /// How many layers a checkpointed run recomputes: those memory-aware checkpointing does not keep.

@@ -302,7 +302,8 @@ pub fn checkpoint(x: &Tensor, block: Block, params: &[Var], sink: &GradSink) -> 
 
 /// Runs `blocks` one after the other from `x`, checkpointed as a chain: only the blocks' inputs are kept for the
 /// backward (in `offload`'s pinned host memory when given; `x` stays in the graph when it needs a gradient), each
-/// block recomputed there in turn. Gradients equal those of checkpointing each block on its own; `params` and `sink` as for [`checkpoint`].
+/// block recomputed there in turn. Gradients equal those of checkpointing each block on its own; `params` and
+/// `sink` as for [`checkpoint`].
 pub fn checkpoint_chain(
     x: &Tensor,
     blocks: Vec<LabeledBlock>,

@@ -1,5 +1,5 @@
 // Running a kernel on the emulated device: the checks the hardware makes at launch, then every block's threads
-// as fibers on the calling host thread.
+// as fibers on the calling host thread (in the fast mode, the blocks spread over a pool of host threads).
 #pragma once
 
 #include <string>
