@@ -2014,6 +2014,89 @@ fn the_device_is_checked_against_the_build_at_start() {
     assert!(ok, "{err}");
 }
 
+/// The emulated device's fast mode (kernels without the access instrumentation, WMMA tiles worked by one lane,
+/// blocks on several host threads) computes what its race-check mode does: on one host thread the blocks run in the
+/// same order and no two warps of a block add into the same element, so two steps of bf16 QLoRA training of a Llama
+/// whose attention runs on the tensor-core kernels (head dim 64, two key tiles) log the same losses and write the
+/// same adapter, bit for bit, in both modes. (On a real GPU there are no modes: skipped.)
+#[test]
+fn the_fast_emulated_mode_trains_as_the_race_check_mode_does() {
+    if emulator_counters().is_none() {
+        eprintln!("skipped: compares the emulated device's two modes");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let widths = LlamaWidths {
+        hidden: 128,
+        intermediate: 256,
+        heads: 2,
+        kv_heads: 1,
+        vocab: 128,
+        positions: 256,
+    };
+    let folder = random_llama(dir.path(), 2, &widths);
+    std::fs::copy(
+        data_path("models/tiny-llama/tokenizer.json"),
+        folder.join("tokenizer.json"),
+    )
+    .unwrap();
+    let data = dir.path().join("train.jsonl");
+    let rows: String = (0..4)
+        .map(|i| {
+            let words: Vec<String> = (0..120)
+                .map(|j| format!("t{}", 1 + (i * 5 + j * 3) % 40))
+                .collect();
+            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let train = |mode: &str, env: &[(&str, &str)]| {
+        let out = dir.path().join(mode);
+        let config = dir.path().join(format!("{mode}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\n\
+                 bnb_4bit_compute_dtype = \"bfloat16\"\n[lora]\nr = 4\nlora_alpha = 8\nlora_dropout = 0.0\n\
+                 target_modules = \"all-linear\"\n[data]\ntrain_file = {:?}\nformat = \"text\"\nmax_length = 128\n\
+                 [training]\noutput_dir = {:?}\nper_device_train_batch_size = 2\nmax_steps = 2\n\
+                 learning_rate = 0.005\noptim = \"adamw_torch\"\ngradient_checkpointing = true\nbf16 = true\n\
+                 logging_steps = 1\nsave_strategy = \"no\"\nseed = 7\ndisable_tqdm = true\n",
+                folder.display().to_string(),
+                data.display().to_string(),
+                out.display().to_string(),
+            ),
+        )
+        .unwrap();
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args(["train", "--config", config.to_str().unwrap()])
+            .env_remove("CUDA_EMU_FAST")
+            .env_remove("CUDA_EMU_RACECHECK")
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(
+            run.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        let log = std::fs::read_to_string(out.join("log.jsonl")).unwrap();
+        let losses: Vec<u64> = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+            .map(f64::to_bits)
+            .collect();
+        let adapter = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+        (losses, adapter)
+    };
+    let (fast_losses, fast_adapter) =
+        train("fast", &[("CUDA_EMU_FAST", "1"), ("CUDA_EMU_THREADS", "1")]);
+    let (checked_losses, checked_adapter) = train("race-check", &[("CUDA_EMU_RACECHECK", "1")]);
+    assert_eq!(fast_losses.len(), 2, "a loss per step");
+    assert_eq!(fast_losses, checked_losses, "losses (as bits)");
+    assert!(fast_adapter == checked_adapter, "the adapters differ");
+}
+
 /// Runs this binary's test `name` as `world` processes (ranks) with torchrun's environment and `scenario`, and
 /// returns each rank's success and standard error. The test, started so, plays its rank (see [`rank_role`]).
 #[cfg(feature = "nccl")]

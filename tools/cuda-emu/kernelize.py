@@ -12,6 +12,8 @@ table `cuemu_module_kernels` lists its kernels.
 3. The result is compiled with GCC's thread-sanitizer instrumentation, which calls the runtime on every load,
    store and atomic operation, and without floating-point contraction (the kernels are built for the GPU with
    -fmad=false).
+4. With --uninstrumented, steps 1–3 again with CUEMU_FAST defined (the shims' fast variants: include/mma.h) and
+   without the instrumentation: the fast mode's build of the module.
 """
 import argparse
 import os
@@ -125,6 +127,39 @@ def main():
     defines = [f"-D__CUDA_ARCH__={int(args.arch) * 10}", f"-D__CUDACC_VER_MAJOR__={major}",
                f"-D__CUDACC_VER_MINOR__={minor}", "-D__CUDACC_VER_BUILD__=0", "-D__NVCC__"]
     incs = ["-I", include] + [f"-I{d}" for d in args.includes + [os.path.dirname(os.path.abspath(args.source))]]
+    # No strict aliasing: CUDA code reads vectors through other types (a float4 load viewed as 8 bf16 values), which
+    # nvcc compiles as written and GCC's type-based alias analysis would reorder.
+    flags = ["-std=c++17", "-O2", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-fast-math", "-fno-exceptions",
+             "-Wno-unknown-pragmas", "-w"]
+    instrumented = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0"]
+    # (output, compiler options, defines): the fast build defines CUEMU_FAST, which changes the shims (mma.h).
+    builds = [(args.output, flags + instrumented, [])]
+    if args.uninstrumented:
+        builds.append((args.uninstrumented, flags, ["-DCUEMU_FAST"]))
+    for output, options, extra in builds:
+        text = rewrite(args, defines + extra, incs)
+        rewritten = output + ".ii"
+        for path in [rewritten] + ([args.keep] if args.keep and not extra else []):
+            with open(path, "w") as f:
+                f.write(text)
+        try:
+            obj = output + ".o"
+            # The instrumented build links without the sanitizer's runtime: the emulator defines its callbacks.
+            build = subprocess.run([args.cxx, *options, "-c", "-x", "c++-cpp-output", rewritten, "-o", obj],
+                                   capture_output=True, text=True)
+            if build.returncode == 0:
+                build = subprocess.run([args.cxx, "-shared", obj, "-o", output], capture_output=True, text=True)
+            if os.path.exists(obj):
+                os.unlink(obj)
+            if build.returncode != 0:
+                sys.stderr.write(build.stderr[-20000:])
+                die(f"cannot compile {args.source} (rerun with --keep FILE to read the rewritten source)")
+        finally:
+            os.unlink(rewritten)
+
+
+def rewrite(args, defines, incs):
+    """The source preprocessed with `defines`, its kernels listed and its shared memory rewritten (steps 1 and 2)."""
     pre = subprocess.run(
         [args.cxx, "-E", "-std=c++17", "-DCUEMU_SCAN", *defines, *incs, "-include", "emu_kernel.h", "-x", "c++",
          args.source], capture_output=True, text=True)
@@ -145,7 +180,7 @@ def main():
     text = re.sub(r"\b__global__\b", "", text)
     text = rewrite_shared(text, args.source)
     table = ",\n    ".join(f'cuemu_registry::entry<&{k}>("{k}")' for k in sorted(set(kernels)))
-    text += f"""
+    return text + f"""
 static const cuemu_kernel cuemu_kernel_table[] = {{
     {table}
 }};
@@ -154,35 +189,6 @@ extern "C" __attribute__((visibility("default"))) const cuemu_kernel *cuemu_modu
     return cuemu_kernel_table;
 }}
 """
-    rewritten = args.output + ".ii"
-    with open(rewritten, "w") as f:
-        f.write(text)
-    if args.keep:
-        with open(args.keep, "w") as f:
-            f.write(text)
-    # No strict aliasing: CUDA code reads vectors through other types (a float4 load viewed as 8 bf16 values), which
-    # nvcc compiles as written and GCC's type-based alias analysis would reorder.
-    flags = ["-std=c++17", "-O2", "-fPIC", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-fast-math", "-fno-exceptions",
-             "-Wno-unknown-pragmas", "-w"]
-    instrumented = ["-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0"]
-    builds = [(args.output, flags + instrumented)]
-    if args.uninstrumented:
-        builds.append((args.uninstrumented, flags))
-    try:
-        for output, options in builds:
-            obj = output + ".o"
-            # The instrumented build links without the sanitizer's runtime: the emulator defines its callbacks.
-            build = subprocess.run([args.cxx, *options, "-c", "-x", "c++-cpp-output", rewritten, "-o", obj],
-                                   capture_output=True, text=True)
-            if build.returncode == 0:
-                build = subprocess.run([args.cxx, "-shared", obj, "-o", output], capture_output=True, text=True)
-            if os.path.exists(obj):
-                os.unlink(obj)
-            if build.returncode != 0:
-                sys.stderr.write(build.stderr[-20000:])
-                die(f"cannot compile {args.source} (rerun with --keep FILE to read the rewritten source)")
-    finally:
-        os.unlink(rewritten)
 
 
 if __name__ == "__main__":

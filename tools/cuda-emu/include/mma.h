@@ -6,6 +6,8 @@
 // its own scrambled order, so code that assumes a layout gets wrong numbers instead of working by accident. The
 // pointers must be 256-bit aligned and `ldm` a multiple of 16 bytes, as the CUDA documentation requires; a kernel
 // that breaks either stops with its name.
+//
+// The fast mode's build (CUEMU_FAST, for CUDA_EMU_FAST=1) has its own variant, below.
 #pragma once
 
 #include "emu_defs.h"
@@ -70,6 +72,90 @@ __attribute__((no_sanitize("thread"), always_inline)) __device__ inline float wi
 }
 } // namespace detail
 
+#ifdef CUEMU_FAST
+// The fast variant: a fragment holds its whole 16 × 16 tile (`num_elements` = 256, the logical matrix in row-major
+// order: A[m][k], B[k][n], C[m][n]) and lane 0 does the warp's WMMA work alone — fills, loads, products, stores —
+// at its place in the program, while the other lanes pass and their fragments stay unused. No lane waits for
+// another, so a tensor-core step costs no meeting of the warp's fibers. Exact for kernels the race-check mode
+// passes (a WMMA step's arguments are the same in every lane; nothing a WMMA load reads is written, and nothing a
+// WMMA store writes is read, by another lane without a barrier between), with the products summed as in the other
+// builds. Element-wise code that treats a fragment's elements uniformly works as on a GPU; code that assumes a
+// layout gets wrong numbers here too.
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> class fragment {
+    static_assert(M == 16 && N == 16 && K == 16, "the emulated device has WMMA m16n16k16 only");
+
+  public:
+    using element_type = T;
+    enum { num_elements = detail::TILE * detail::TILE };
+    T x[num_elements];
+};
+
+namespace detail {
+// Whether the running lane does the warp's WMMA work.
+__device__ inline bool leads() { return lane() == 0; }
+
+// Element (row, col) of a tile at `p`, for every row and column, into `tile` (row-major).
+template <typename T>
+__device__ inline void load_tile(T *tile, const T *p, unsigned ldm, bool row_major_storage) {
+    for (unsigned row = 0; row < TILE; ++row)
+        for (unsigned col = 0; col < TILE; ++col) tile[row * TILE + col] = p[offset(row, col, ldm, row_major_storage)];
+}
+} // namespace detail
+
+template <typename Use, int M, int N, int K, typename T, typename Layout, typename V>
+__device__ inline void fill_fragment(fragment<Use, M, N, K, T, Layout> &f, const V &v) {
+    if (!detail::leads()) return;
+    for (int i = 0; i < f.num_elements; ++i) f.x[i] = v;
+}
+
+template <typename Use, typename T, typename Layout>
+__device__ inline void load_matrix_sync(fragment<Use, 16, 16, 16, T, Layout> &f, const T *p, unsigned ldm) {
+    static_assert(sizeof(T) == 2, "WMMA inputs are __half or __nv_bfloat16 on the emulated device");
+    detail::check(p, ldm, sizeof(T), true);
+    if (detail::leads()) detail::load_tile(f.x, p, ldm, std::is_same<Layout, row_major>::value);
+}
+
+template <typename T>
+__device__ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, T> &f, const T *p, unsigned ldm,
+                                        layout_t layout) {
+    detail::check(p, ldm, sizeof(T), true);
+    if (detail::leads()) detail::load_tile(f.x, p, ldm, layout == mem_row_major);
+}
+
+template <typename T>
+__device__ inline void store_matrix_sync(T *p, const fragment<accumulator, 16, 16, 16, T> &f, unsigned ldm,
+                                         layout_t layout) {
+    detail::check(p, ldm, sizeof(T), false);
+    if (!detail::leads()) return;
+    for (unsigned row = 0; row < 16; ++row)
+        for (unsigned col = 0; col < 16; ++col)
+            p[detail::offset(row, col, ldm, layout == mem_row_major)] = f.x[row * 16 + col];
+}
+
+// D = A · B + C in float32, each element summed in k order (as the other builds' `mma_product`); `d` may be `c`:
+// a row of C is read whole before the row of D is written.
+template <typename TA, typename LA, typename TB, typename LB>
+__device__ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
+                                const fragment<matrix_a, 16, 16, 16, TA, LA> &a,
+                                const fragment<matrix_b, 16, 16, 16, TB, LB> &b,
+                                const fragment<accumulator, 16, 16, 16, float> &c) {
+    if (!detail::leads()) return;
+    float wide_b[256];
+    for (unsigned i = 0; i < 256; ++i) wide_b[i] = detail::widen(b.x[i]);
+    for (unsigned r = 0; r < 16; ++r) {
+        float acc[16];  // unrolled, so that the row stays in registers
+#pragma GCC unroll 16
+        for (unsigned col = 0; col < 16; ++col) acc[col] = c.x[r * 16 + col];
+#pragma GCC unroll 16
+        for (unsigned kk = 0; kk < 16; ++kk) {
+            const float x = detail::widen(a.x[r * 16 + kk]);
+#pragma GCC unroll 16
+            for (unsigned col = 0; col < 16; ++col) acc[col] += x * wide_b[kk * 16 + col];
+        }
+        for (unsigned col = 0; col < 16; ++col) d.x[r * 16 + col] = acc[col];
+    }
+}
+#else
 template <typename Use, int M, int N, int K, typename T, typename Layout = void> class fragment {
     static_assert(M == 16 && N == 16 && K == 16, "the emulated device has WMMA m16n16k16 only");
 
@@ -179,6 +265,8 @@ __device__ inline void mma_sync(fragment<accumulator, 16, 16, 16, float> &d,
     cuemu_syncwarp(0xffffffffu);
     detail::mma_gather(d.x, scratch, lane);
 }
+
+#endif
 
 } // namespace wmma
 } // namespace nvcuda

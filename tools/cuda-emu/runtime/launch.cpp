@@ -2,8 +2,9 @@
 //
 // A block runs on one host thread: each CUDA thread is a fiber with a stack of its own, and the fibers run in
 // passes. In a pass every runnable thread runs until it exits or reaches a barrier — `__syncthreads` (the block's)
-// or a warp-synchronous step (`__syncwarp`, a shuffle, a vote, a WMMA product, which involve the lanes of their
-// mask) — and then switches straight to the next runnable thread of the pass. A barrier is released when its last
+// or a warp-synchronous step (`__syncwarp`, a shuffle, a vote, a WMMA product outside the fast build, which involve
+// the lanes of their mask) — and then switches straight to the next runnable thread of the pass; a thread that
+// exits starts the pass's next thread on its own stack when that one has not run yet. A barrier is released when its last
 // participant reaches it, and the threads it held run again from the next pass. So the threads of a barrier
 // interval run one after the other, in thread order, or in reverse order in the race-check mode, where every
 // shared-memory access is also checked against the others of its interval: a read of what another thread wrote in
@@ -94,6 +95,7 @@ struct Thread {
     unsigned info[12];  // threadIdx, blockIdx, blockDim, gridDim: the layout of cuemu_thread_info
     unsigned linear, warp, lane;
     State state;
+    bool started;         // it has run: its fiber exists (a thread that has not gets one when it is first resumed)
     unsigned mask;        // the lanes of the warp barrier it waits at
     const char *waits_in; // what it waits in, for a deadlock report
     uint64_t collectives; // warp-synchronous steps taken: their parity picks the exchange slot
@@ -201,21 +203,40 @@ Thread &in_pass_order(Block &b, unsigned pos) {
     return (*b.threads)[b.reverse ? b.size - 1 - pos : pos];
 }
 
-// The running thread waits at a barrier until it is released: the pass goes on with the next runnable thread in
-// its order, switched to directly, or ends in the scheduler when none is left.
-void yield_to_scheduler() {
-    Thread *t = t_current;
-    Block &b = *t_block;
+// The next thread of the pass that may run, its place made the pass's cursor; null, the cursor past the end, when
+// none is left.
+Thread *next_in_pass(Block &b) {
     for (unsigned pos = b.cursor + 1; pos < b.size; ++pos) {
         Thread &next = in_pass_order(b, pos);
         if (next.state != State::Runnable || next.ready_pass > b.pass) continue;
         b.cursor = pos;
-        t_current = &next;
-        cuemu_switch(&t->sp, next.sp);
-        return;
+        return &next;
     }
     b.cursor = b.size;
-    cuemu_switch(&t->sp, t_exec->scheduler_sp);
+    return nullptr;
+}
+
+void reset_fiber(Thread &t);
+
+// Where to switch to resume `t`: its saved context, or a new fiber on its own stack when it has not run yet.
+void *resume_point(Thread &t) {
+    if (!t.started) {
+        t.started = true;
+        reset_fiber(t);
+    }
+    return t.sp;
+}
+
+// The running thread waits at a barrier until it is released: the pass goes on with the next runnable thread in
+// its order, switched to directly, or ends in the scheduler when none is left.
+void yield_to_scheduler() {
+    Thread *t = t_current;
+    if (Thread *next = next_in_pass(*t_block)) {
+        t_current = next;
+        cuemu_switch(&t->sp, resume_point(*next));
+    } else {
+        cuemu_switch(&t->sp, t_exec->scheduler_sp);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -344,6 +365,7 @@ void release_block_barrier(Block &b) {
 
 // The end of a pass: the barriers released in it start new intervals of the race check.
 void end_pass(Block &b) {
+    if (!config().race_check) return;
     for (Warp &w : *b.warps) {
         if (b.released || w.released) w.interval = next_interval();
         w.released = false;
@@ -455,6 +477,11 @@ void reset_fiber(Thread &t) {
     t.sp = sp;
 }
 
+// The bytes after a block's shared memory that are set to a canary before it runs and checked after.
+uintptr_t canary_bytes(const Block &b) {
+    return std::min<uintptr_t>(128, t_exec->window_lo + SHARED_WINDOW - (b.shared_base + b.shared_used));
+}
+
 int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) {
     Executor &e = *t_exec;
     const unsigned nthreads = b.size;
@@ -465,23 +492,30 @@ int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) 
     b.op_predicates[0] = 0, b.op_predicates[1] = 1, b.op_predicates[2] = 0;
     b.static_sites.clear();
     b.static_next = b.shared_base;
-    b.interval = next_interval();
-    // Shared memory starts as garbage on a GPU; here as NaN-like bytes, and the bytes after it as canaries.
+    // Shared memory starts as garbage on a GPU; here as NaN-like bytes, and the bytes after it as canaries (those
+    // the end of the block checks).
     memset(reinterpret_cast<void *>(b.shared_base), 0xFF, b.shared_used);
-    memset(reinterpret_cast<void *>(b.shared_base + b.shared_used), 0xCD,
-           e.window_lo + SHARED_WINDOW - (b.shared_base + b.shared_used));
-    for (Warp &w : e.warps) w.interval = next_interval();
+    memset(reinterpret_cast<void *>(b.shared_base + b.shared_used), 0xCD, canary_bytes(b));
+    if (config().race_check) {  // its intervals: a counter the host threads share, so only where they are read
+        b.interval = next_interval();
+        for (Warp &w : e.warps) w.interval = next_interval();
+    }
+    // Thread indices counted up, x fastest (no division per thread).
+    unsigned tx = 0, ty = 0, tz = 0;
     for (unsigned i = 0; i < nthreads; ++i) {
         Thread &t = e.threads[i];
-        const unsigned tx = i % l.block[0], ty = i / l.block[0] % l.block[1], tz = i / (l.block[0] * l.block[1]);
         const unsigned info[12] = {tx, ty, tz, bx, by, bz, l.block[0], l.block[1], l.block[2],
                                    l.grid[0], l.grid[1], l.grid[2]};
         memcpy(t.info, info, sizeof info);
         t.linear = i, t.warp = i / 32, t.lane = i % 32;
         t.state = State::Runnable;
+        t.started = false;
         t.ready_pass = 0;
         t.collectives = 0;
-        reset_fiber(t);
+        if (++tx == l.block[0]) {
+            tx = 0;
+            if (++ty == l.block[1]) ty = 0, ++tz;
+        }
     }
     for (Warp &w : e.warps) w.waiting = 0, w.released = false;
     b.released = false;
@@ -494,7 +528,7 @@ int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) 
             if (t.state != State::Runnable || t.ready_pass > b.pass) continue;
             b.cursor = pos;
             t_current = &t;
-            cuemu_switch(&e.scheduler_sp, t.sp);
+            cuemu_switch(&e.scheduler_sp, resume_point(t));
             t_current = nullptr;
             ran = true;
             if (b.error) return b.error;
@@ -510,8 +544,7 @@ int run_block(const Launch &l, Block &b, unsigned bx, unsigned by, unsigned bz) 
     }
     // Bytes written past the block's shared memory by code the instrumentation does not see (memcpy, memset).
     const unsigned char *slack = reinterpret_cast<const unsigned char *>(b.shared_base + b.shared_used);
-    for (uintptr_t i = 0; i < std::min<uintptr_t>(128, e.window_lo + SHARED_WINDOW - (b.shared_base + b.shared_used));
-         ++i) {
+    for (uintptr_t i = 0; i < canary_bytes(b); ++i) {
         if (slack[i] != 0xCD) {
             b.error = 700;
             b.message = where() + format(": wrote past the end of the block's shared memory (%llu bytes)",
@@ -649,13 +682,30 @@ BlockPool &block_pool() {
 
 }  // namespace
 
-// The body of every fiber: run the kernel, then hand back to the scheduler for good.
+// The body of every fiber: run the kernel; then, while the pass's next thread has not started, run it too on this
+// stack (threads that never wait — an element-wise kernel's — take no switch and keep one stack in the cache); then
+// hand over to the next thread, or to the scheduler, for good. A stack lent on is free: its owner has finished, and
+// a thread that waits on it holds it until it finishes in turn.
 extern "C" __attribute__((used)) void cuemu_fiber_main(Thread *t) {
-    t_block->launch->cpu->launch(t_block->launch->params);
-    t->state = State::Done;
-    --t_block->live;
-    release_block_barrier(*t_block);
-    abandon_thread();
+    Block &b = *t_block;
+    Thread *next;
+    for (;;) {
+        b.launch->cpu->launch(b.launch->params);
+        t->state = State::Done;
+        --b.live;
+        release_block_barrier(b);
+        next = next_in_pass(b);
+        if (!next || next->started) break;
+        next->started = true;
+        t_current = t = next;
+    }
+    void *ignored;
+    if (next) {
+        t_current = next;
+        cuemu_switch(&ignored, next->sp);
+    }
+    cuemu_switch(&ignored, t_exec->scheduler_sp);
+    __builtin_unreachable();
 }
 
 size_t shared_optin_limit() {
@@ -775,8 +825,11 @@ void on_fault(int sig, siginfo_t *info, void *context) {
         const auto *uc = static_cast<const ucontext_t *>(context);
         const bool write = (uc->uc_mcontext.gregs[REG_ERR] & 2) != 0;
         std::string what;
-        if (t_current && addr >= reinterpret_cast<uintptr_t>(t_current->stack_lo) - PAGE &&
-            addr < reinterpret_cast<uintptr_t>(t_current->stack_lo)) {
+        // A guard page below a stack (a thread may run on another's stack: any of them).
+        const bool overflow = std::any_of(e->threads.begin(), e->threads.end(), [&](const Thread &t) {
+            return addr >= reinterpret_cast<uintptr_t>(t.stack_lo) - PAGE && addr < reinterpret_cast<uintptr_t>(t.stack_lo);
+        });
+        if (overflow) {
             what = format("overflows its %zu KiB stack (local arrays too large, or unbounded recursion)",
                           STACK_BYTES / 1024);
         } else if (in_arena(addr)) {

@@ -160,13 +160,17 @@ void correct_kernels() {
     for (int r = 0; r < 16; ++r)
         for (int col = 0; col < 16; ++col)
             if (c[r * 16 + col] != expected(r, col)) die("wmma_tile: wrong product");
-    // A kernel that assumes the fragment layout gets wrong numbers (and no error: the emulator cannot know).
-    ok(launch(kernel(m, "wmma_layout_assumed"), 1, 32, {&da, &dbb, &dc}), "wmma_layout_assumed");
-    c = download(dc, 256);
-    int right = 0;
-    for (int r = 0; r < 16; ++r)
-        for (int col = 0; col < 16; ++col) right += c[r * 16 + col] == expected(r, col);
-    if (right > 64) die("wmma_layout_assumed: a layout-dependent use of a fragment gave right numbers");
+    // A kernel that assumes the fragment layout gets wrong numbers (and no error: the emulator cannot know). Not in
+    // the fast mode, whose fragments are whole tiles in lane 0: there the kernel would write past its buffer.
+    const char *fast = getenv("CUDA_EMU_FAST");
+    if (!fast || !*fast || strcmp(fast, "0") == 0) {
+        ok(launch(kernel(m, "wmma_layout_assumed"), 1, 32, {&da, &dbb, &dc}), "wmma_layout_assumed");
+        c = download(dc, 256);
+        int right = 0;
+        for (int r = 0; r < 16; ++r)
+            for (int col = 0; col < 16; ++col) right += c[r * 16 + col] == expected(r, col);
+        if (right > 64) die("wmma_layout_assumed: a layout-dependent use of a fragment gave right numbers");
+    }
     // 100 KiB of shared memory with the attribute set.
     CUfunction big_shared = kernel(m, "big_shared");
     ok(cuFuncSetAttribute(big_shared, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 100 * 1024), "attribute");
