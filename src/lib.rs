@@ -18,6 +18,7 @@
 //! - [`models`]: the Llama-family model, its configuration, tokenizer and generation.
 //! - [`loading`]: models from HF folders, GGUF files, bitsandbytes folders and the Hub; quantizing files.
 //! - [`adapter`]: named adapters on a model, PEFT's adapter files, merging.
+//! - [`export`]: a model with its adapter merged in, written as GGUF for llama.cpp.
 //! - [`optim`]: AdamW (PyTorch and bitsandbytes 8-bit semantics), SGD, transformers' schedules, clipping;
 //!   [`data`]: JSONL formats, tokenization and labels, data sets, packing, batches.
 //! - [`memory`]: heap accounting, memory statistics and timeline, memory estimates.
@@ -129,6 +130,7 @@ pub(crate) mod cuda;
 pub mod data;
 pub mod distributed;
 pub mod error;
+pub mod export;
 pub mod files;
 pub mod loading;
 pub mod lora;

@@ -5,7 +5,7 @@ pub mod merge;
 pub mod peft;
 pub mod registry;
 
-pub use merge::{merge_to_folder, merged_weight, MergeOptions, MergeReport};
+pub use merge::{effective_weight, merge_to_folder, merged_weight, MergeOptions, MergeReport};
 pub use peft::{
     base_quantization, load_adapter, read_base_quantization, save_adapter, ADAPTER_CONFIG,
     ADAPTER_WEIGHTS, BASE_QUANTIZATION,

@@ -15,6 +15,7 @@ use candle_qlora::adapter::{
 };
 use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset, Example};
 use candle_qlora::distributed::RanksFrom;
+use candle_qlora::export::{GgmlType, GgufOptions};
 use candle_qlora::files::apart::check_output_apart;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
@@ -52,6 +53,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Merge a LoRA adapter into its (dequantized) base and write a standard Hugging Face model folder.
     Merge(MergeArgs),
+    /// Write a model, its adapter merged in, as a GGUF file for llama.cpp, Ollama and LM Studio.
+    Export(ExportArgs),
     /// Train a LoRA/QLoRA adapter from a TOML config ([model], [lora], [data], [training]).
     Train(TrainArgs),
     /// Predict training memory: weights, LoRA, optimizer state, gradients, activations — for full fine-tuning
@@ -436,6 +439,83 @@ struct MergeArgs {
     /// Replace an existing output folder.
     #[arg(long)]
     overwrite: bool,
+}
+
+#[derive(clap::Args)]
+struct ExportArgs {
+    /// Base model: a Hugging Face folder, a .gguf file, or a Hub id.
+    #[arg(long)]
+    model: String,
+    /// Hub revision of the base.
+    #[arg(long)]
+    revision: Option<String>,
+    /// A PEFT adapter folder to merge in.
+    #[arg(long, value_parser = folder)]
+    adapter: Option<PathBuf>,
+    /// The file format.
+    #[arg(long, value_enum)]
+    format: ExportFormat,
+    /// The type of the matrices: f32, f16, bf16 or q8_0 (norms stay f32).
+    #[arg(long, default_value = "f16")]
+    quant: GgmlType,
+    /// Merge into the base's stored (16-bit) weights instead of the 4-bit weights the adapter was trained on.
+    #[arg(long)]
+    original_base: bool,
+    /// llama.cpp's name of the tokenizer's pre-tokenizer (tokenizer.ggml.pre) when it is not recognized.
+    #[arg(long)]
+    tokenizer_pre: Option<String>,
+    /// The GGUF file to write.
+    #[arg(long)]
+    output: PathBuf,
+    /// Replace an existing output file.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportFormat {
+    /// llama.cpp's GGUF.
+    Gguf,
+}
+
+fn export(args: ExportArgs) -> anyhow::Result<()> {
+    let ExportFormat::Gguf = args.format;
+    let mut inputs = vec![("--model", std::path::Path::new(&args.model))];
+    inputs.extend(args.adapter.as_deref().map(|a| ("--adapter", a)));
+    check_output_apart(("--output", &args.output), &inputs, "exported")?;
+    let margs = ModelArgs {
+        model: args.model.clone(),
+        revision: args.revision.clone(),
+        // None: as the adapter was trained (its recorded 4-bit base), else as stored.
+        quantize: args.original_base.then_some(QuantizeOnLoad::None),
+        adapter: args.adapter.clone(),
+        // Merging is exact float32 arithmetic on the host, whatever the build.
+        device: ComputeOn::Cpu,
+    };
+    let loaded = margs.load()?;
+    let options = GgufOptions {
+        quant: args.quant,
+        tokenizer_pre: args.tokenizer_pre.clone(),
+        overwrite: args.overwrite,
+    };
+    let start = std::time::Instant::now();
+    let report = candle_qlora::export::gguf(
+        &loaded.model,
+        std::path::Path::new(&loaded.source),
+        &args.output,
+        &options,
+    )?;
+    println!(
+        "wrote {} ({} tensors, {} in {}, {:.1} MiB; {} modules with the adapter merged in) in {:.1} s",
+        args.output.display(),
+        report.tensors,
+        report.architecture,
+        args.quant.name(),
+        report.bytes as f64 / (1 << 20) as f64,
+        report.merged_modules,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn merge(args: MergeArgs) -> anyhow::Result<()> {
@@ -977,6 +1057,7 @@ fn main() -> ExitCode {
         Command::Eval(args) => eval(args),
         Command::Generate(args) => generate_text(args),
         Command::Merge(args) => merge(args),
+        Command::Export(args) => export(args),
         Command::Train(args) => train(args),
         Command::Estimate(args) => estimate_memory(args),
     };

@@ -267,6 +267,18 @@ impl GgufFile {
     }
 }
 
+/// llama.cpp's `permute(w, n_head)` of a q/k projection for its interleaved RoPE: the rows of each head,
+/// `[2, head_dim/2]` (transformers' halves), become `[head_dim/2, 2]` (pairs); [`unpermute`] undoes it.
+pub fn permute(w: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let out = dims[0];
+    let rest: usize = dims[1..].iter().product();
+    w.reshape((n_head, 2, out / n_head / 2, rest))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape(dims)
+}
+
 /// Undoes llama.cpp's `permute(w, n_head)`: rows `[n_head, head_dim/2, 2]` back to `[n_head, 2, head_dim/2]`.
 pub fn unpermute(w: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
     let dims = w.dims().to_vec();
@@ -281,6 +293,29 @@ pub fn unpermute(w: &Tensor, n_head: usize) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `permute` is the inverse of `unpermute`, and moves row `h·d + 2j + k` to `h·d + k·d/2 + j` back and forth.
+    #[test]
+    fn permute_undoes_unpermute() {
+        let w = Tensor::arange(0f32, 48.0, &Device::Cpu)
+            .unwrap()
+            .reshape((8, 6))
+            .unwrap();
+        let p = permute(&w, 2).unwrap();
+        assert_eq!(
+            unpermute(&p, 2).unwrap().to_vec2::<f32>().unwrap(),
+            w.to_vec2::<f32>().unwrap()
+        );
+        // Head 0, rows of 4: HF rows [0, 1 | 2, 3] (halves) go to llama.cpp's [0, 2, 1, 3] (pairs).
+        let firsts: Vec<f32> = p
+            .narrow(1, 0, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert_eq!(firsts, [0.0, 12.0, 6.0, 18.0, 24.0, 36.0, 30.0, 42.0]);
+    }
 
     #[test]
     fn names_map_to_llama_cpp() {

@@ -214,6 +214,32 @@ fn frequencies(
         .collect()
 }
 
+/// Llama 3's scaling as one divisor per frequency, the form llama.cpp stores it in (`rope_freqs`): 1 for short
+/// wavelengths, `factor` for long ones, `1 / ((1 − smooth) / factor + smooth)` between, computed in float32 from
+/// transformers' float32 frequencies as llama.cpp's converter computes it.
+pub fn llama3_frequency_divisors(rotary_dim: usize, theta: f64, s: &Llama3RopeScaling) -> Vec<f32> {
+    let old = s.original_max_position_embeddings as f32;
+    let (low, high, factor) = (
+        s.low_freq_factor as f32,
+        s.high_freq_factor as f32,
+        s.factor as f32,
+    );
+    inverse_frequencies(rotary_dim, theta, None)
+        .into_iter()
+        .map(|inv| {
+            let wavelen = 2.0 * std::f32::consts::PI / inv as f32;
+            if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
 /// One Llama-3-scaled inverse frequency.
 fn llama3_scaled(inv: f64, s: &Llama3RopeScaling) -> f64 {
     let old = s.original_max_position_embeddings as f64;

@@ -21,7 +21,7 @@ const LAYERS: &[&[&str]] = &[
     &["models"],
     &["loading"],
     &["adapter"],
-    &["optim", "data"],
+    &["optim", "data", "export"],
     &["memory"],
     &["distributed"],
     &["trainer"],

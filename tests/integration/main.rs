@@ -9,6 +9,7 @@ mod common;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod dpo;
+mod export;
 mod families;
 mod fuzz;
 mod layering;

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Golden GGUF files for candle-qlora's `qlora export`, written by llama.cpp's own converter (`convert_hf_to_gguf.py`).
+
+The converter is not on PyPI by itself: it ships inside the source distribution of llama-cpp-python, whose
+`vendor/llama.cpp` holds llama.cpp's converter and its `gguf-py` package. This script downloads that sdist (pinned
+below, checked by its sha256), runs the converter on the tiny Llama of the tests for each type it writes (f32, f16,
+bf16, q8_0), and records each file — every metadata key with its type and value, every tensor's name, dimensions,
+type and the sha256 of its bytes — in tests/data/gguf/tiny-llama.json.
+
+Versions used for the committed file: llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, gguf-py 0.19.0), torch 2.15.0,
+transformers 4.57.6 (the version the vendored converter's requirements pin), numpy 2.4.6.
+    pip install torch "transformers==4.57.6" sentencepiece "protobuf>=4.21.0,<5.0.0" safetensors numpy
+
+Two things the test model needs, neither of which changes what is compared:
+- its tokenizer is a WordLevel one (made for tests) that transformers' auto class would take for a Llama
+  SentencePiece tokenizer: a `tokenizer_config.json` naming `PreTrainedTokenizerFast` keeps it as it is;
+- its pre-tokenizer is not one whose hash the converter knows, so it stops; `get_vocab_base_pre` is wrapped to
+  answer `default` (what `qlora export --tokenizer-pre default` writes) instead of stopping.
+
+Usage:
+    python3 scripts/golden_gguf.py generate      # writes tests/data/gguf/tiny-llama.json
+"""
+import hashlib
+import json
+import os
+import re
+import runpy
+import shutil
+import sys
+import tarfile
+import tempfile
+import urllib.request
+
+SDIST = "llama_cpp_python-0.3.36.tar.gz"
+INDEX = "https://pypi.org/simple/llama-cpp-python/"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+TYPES = ["f32", "f16", "bf16", "q8_0"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "tests", "data", "models", "tiny-llama")
+OUT = os.path.join(ROOT, "tests", "data", "gguf", "tiny-llama.json")
+
+
+def fetch_converter(work):
+    """The sdist's llama.cpp folder, extracted under `work`."""
+    with urllib.request.urlopen(INDEX) as r:
+        index = r.read().decode()
+    url = re.search(r'href="([^"#]*/' + re.escape(SDIST) + ')', index).group(1)
+    path = os.path.join(work, SDIST)
+    with urllib.request.urlopen(url) as r, open(path, "wb") as f:
+        shutil.copyfileobj(r, f)
+    digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    if digest != SDIST_SHA256:
+        sys.exit(f"{SDIST}: sha256 {digest}, expected {SDIST_SHA256}")
+    prefix = SDIST[: -len(".tar.gz")] + "/vendor/llama.cpp/"
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(work, members=members, filter="data")
+    return os.path.join(work, prefix)
+
+
+def convert(llama_cpp, model, outtype, outfile):
+    """Runs the converter in this process, its pre-tokenizer lookup answering `default` for an unknown hash."""
+    sys.path[:0] = [llama_cpp, os.path.join(llama_cpp, "gguf-py")]
+    import conversion.base as base
+
+    original = base.TextModel.get_vocab_base_pre
+
+    def pre(self, tokenizer):
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            return "default"
+
+    base.TextModel.get_vocab_base_pre = pre
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", outtype, "--outfile", outfile]
+    try:
+        runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+        base.TextModel.get_vocab_base_pre = original
+
+
+def describe(path):
+    """A GGUF file's metadata and tensors, as JSON."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    metadata = []
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        types = [t.name for t in field.types]
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            value = [field.contents(i) for i in range(len(field.data))]
+        else:
+            value = field.contents()
+        metadata.append({"key": key, "type": types, "value": value})
+    tensors = [
+        {
+            "name": t.name,
+            "ne": [int(d) for d in t.shape],
+            "type": t.tensor_type.name,
+            "sha256": hashlib.sha256(t.data.tobytes()).hexdigest(),
+        }
+        for t in reader.tensors
+    ]
+    return {"metadata": metadata, "tensors": tensors}
+
+
+def generate():
+    with tempfile.TemporaryDirectory() as work:
+        llama_cpp = fetch_converter(work)
+        model = os.path.join(work, "tiny-llama")
+        shutil.copytree(MODEL, model)
+        with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        files = {}
+        for outtype in TYPES:
+            out = os.path.join(work, f"tiny-llama-{outtype}.gguf")
+            convert(llama_cpp, model, outtype, out)
+            files[outtype] = describe(out)
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as f:
+        json.dump({"converter": "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)", "files": files}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["generate"]:
+        sys.exit(__doc__)
+    generate()

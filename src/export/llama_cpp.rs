@@ -1,0 +1,600 @@
+//! A model as llama.cpp's converter (`convert_hf_to_gguf.py`) writes it: which tensors, under which names and in
+//! which layouts (Llama's q/k rows permuted for its interleaved RoPE, Llama 3's RoPE scaling as `rope_freqs`), in
+//! which order, and the metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges,
+//! special tokens and chat template. A model loaded from GGUF keeps its file's metadata and tensor order.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value;
+
+use super::ggml::GgmlType;
+use super::gguf_writer::TensorRecord;
+use super::{entry, values_of};
+use crate::adapter::effective_weight;
+use crate::error::{Error, Result};
+use crate::files::read_json;
+use crate::loading::gguf::{gguf_name, permute, GgufFile};
+use crate::models::{LlamaModel, ModelConfig, TextTokenizer};
+use crate::ops::rope::{llama3_frequency_divisors, RopeScaling};
+
+/// A metadata entry: key and value.
+type Entry = (String, Value);
+
+/// Where a tensor's values come from.
+#[derive(Clone, Debug)]
+pub(super) enum TensorSource {
+    /// The embedding table in use (an adapter's trained copy, or the base's).
+    Embedding,
+    /// The final norm's weight.
+    FinalNorm,
+    /// The output head in use, when not tied to the embeddings.
+    Head,
+    /// A norm of a layer, by its Hugging Face module name.
+    LayerNorm { layer: usize, module: &'static str },
+    /// A linear layer's weight with the adapter merged in; q/k projections permuted over `heads` heads.
+    Linear {
+        name: String,
+        permute_heads: Option<usize>,
+    },
+    /// Llama 3's RoPE scaling as per-frequency divisors.
+    RopeFactors(Vec<f32>),
+}
+
+/// A tensor to write: its record and where its values come from.
+pub(super) struct Planned {
+    pub record: TensorRecord,
+    pub source: TensorSource,
+}
+
+/// The conversion of one model.
+pub(super) struct Conversion<'a> {
+    model: &'a LlamaModel,
+    /// `general.architecture`.
+    arch: String,
+    /// The GGUF file the model came from, if it did (its metadata and tensor order are kept).
+    gguf: Option<&'a GgufFile>,
+    /// The Hugging Face folder the model came from, if it did (its `config.json` and tokenizer files).
+    folder: Option<&'a Path>,
+    /// llama.cpp's pre-tokenizer name given for a folder's tokenizer.
+    tokenizer_pre: Option<&'a str>,
+    /// `rope_freqs`, when RoPE is scaled Llama 3's way.
+    rope_factors: Option<Vec<f32>>,
+}
+
+/// llama.cpp's `general.file_type` of a file whose matrices are `quant` (`LlamaFileType`).
+fn file_type(quant: GgmlType) -> u32 {
+    match quant {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::Q8_0 => 7,
+        GgmlType::Bf16 => 32,
+    }
+}
+
+impl<'a> Conversion<'a> {
+    /// The conversion of `model`, loaded from `gguf` (that file) or else from the folder `source`; `tokenizer_pre`
+    /// names llama.cpp's pre-tokenizer for a folder's tokenizer where it is not recognized.
+    pub fn new(
+        model: &'a LlamaModel,
+        gguf: Option<&'a GgufFile>,
+        source: &'a Path,
+        tokenizer_pre: Option<&'a str>,
+    ) -> Result<Self> {
+        let config = model.config();
+        let model_type = config.architecture.model_type();
+        let arch = match gguf {
+            Some(file) => file.arch().to_string(),
+            None if model_type == "llama" => "llama".to_string(),
+            None => String::new(),
+        };
+        if arch != "llama" || config.moe.is_some() {
+            return Err(Error::InvalidInput(format!(
+                "GGUF export writes Llama-architecture models so far (Llama, SmolLM: `model_type = \"llama\"`, or a \
+                 GGUF file of architecture `llama` without experts); this model is `{model_type}`{}",
+                match gguf {
+                    Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
+                    None => String::new(),
+                }
+            )));
+        }
+        let rope_factors = match (gguf, &config.rope_scaling) {
+            (Some(file), _) => file
+                .rope_frequency_factors()?
+                .map(|f| f.into_iter().map(|v| v as f32).collect()),
+            (None, Some(RopeScaling::Llama3(s))) => Some(llama3_frequency_divisors(
+                config.rotary_dim,
+                config.rope_theta,
+                s,
+            )),
+            (None, None | Some(RopeScaling::Linear { .. })) => None,
+            (None, Some(other)) => {
+                return Err(Error::InvalidInput(format!(
+                    "GGUF export: RoPE scaling {other:?} is not written yet (Llama 3's, linear and none are)"
+                )))
+            }
+        };
+        Ok(Conversion {
+            model,
+            arch,
+            gguf,
+            folder: gguf.is_none().then_some(source),
+            tokenizer_pre,
+            rope_factors,
+        })
+    }
+
+    /// `general.architecture`.
+    pub fn architecture(&self) -> &str {
+        &self.arch
+    }
+
+    /// The tensors to write, in the order of the source: a GGUF file's, or the converter's for a folder (RoPE
+    /// factors first, then by Hugging Face name, the order of its safetensors files).
+    pub fn tensors(&self, quant: GgmlType) -> Result<Vec<Planned>> {
+        let config = self.model.config();
+        let mut hf: Vec<(String, Vec<usize>, TensorSource)> = Vec::new();
+        let embedding = self.model.embedding_table().dims().to_vec();
+        hf.push((
+            "model.embed_tokens.weight".into(),
+            embedding.clone(),
+            TensorSource::Embedding,
+        ));
+        for (i, layer) in self.model.layers.iter().enumerate() {
+            for (module, w) in layer.norms() {
+                hf.push((
+                    format!("model.layers.{i}.{module}.weight"),
+                    w.dims().to_vec(),
+                    TensorSource::LayerNorm { layer: i, module },
+                ));
+            }
+        }
+        for (name, linear) in self.model.linears() {
+            if linear.base.bias.is_some() {
+                return Err(Error::InvalidInput(format!(
+                    "GGUF export: `{name}` has a bias, which Llama's layers do not"
+                )));
+            }
+            let permute_heads = if name.ends_with("self_attn.q_proj") {
+                Some(config.num_attention_heads)
+            } else if name.ends_with("self_attn.k_proj") {
+                Some(config.num_key_value_heads)
+            } else {
+                None
+            };
+            let (rows, columns) = linear.base.weight.dims2()?;
+            let source = TensorSource::Linear {
+                name: name.clone(),
+                permute_heads,
+            };
+            hf.push((format!("{name}.weight"), vec![rows, columns], source));
+        }
+        hf.push((
+            "model.norm.weight".into(),
+            self.model.norm.dims().to_vec(),
+            TensorSource::FinalNorm,
+        ));
+        if self.writes_head()? {
+            hf.push(("lm_head.weight".into(), embedding, TensorSource::Head));
+        }
+        if self.gguf.is_none() {
+            hf.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        let mut out = Vec::new();
+        if let Some(factors) = &self.rope_factors {
+            out.push(Planned {
+                record: TensorRecord {
+                    name: "rope_freqs.weight".into(),
+                    shape: vec![factors.len()],
+                    ggml_type: GgmlType::F32,
+                },
+                source: TensorSource::RopeFactors(factors.clone()),
+            });
+        }
+        for (hf_name, shape, source) in hf {
+            let name = gguf_name(&hf_name, &self.arch).ok_or_else(|| {
+                Error::InvalidInput(format!("no llama.cpp name for tensor `{hf_name}`"))
+            })?;
+            out.push(Planned {
+                record: TensorRecord {
+                    ggml_type: tensor_type(&name, &shape, quant),
+                    name,
+                    shape,
+                },
+                source,
+            });
+        }
+        if let Some(file) = self.gguf {
+            let infos = &file.content().tensor_infos;
+            out.sort_by_key(|p| infos.get(&p.record.name).map_or(u64::MAX, |i| i.offset));
+        }
+        Ok(out)
+    }
+
+    /// Whether the head is written (`output.weight`): when the model has one of its own — untied in its config,
+    /// or trained apart from the embeddings by the adapter.
+    fn writes_head(&self) -> Result<bool> {
+        if !self.model.config().tie_word_embeddings {
+            return Ok(true);
+        }
+        let head = self.model.head_weight()?;
+        Ok(values_of(&head)? != values_of(self.model.embedding_table())?)
+    }
+
+    /// A tensor's values in the order the file stores them.
+    pub fn values(&self, source: &TensorSource) -> Result<Vec<f32>> {
+        let model = self.model;
+        match source {
+            TensorSource::Embedding => values_of(model.embedding_table()),
+            TensorSource::FinalNorm => values_of(&model.norm),
+            TensorSource::Head => values_of(&model.head_weight()?),
+            TensorSource::LayerNorm { layer, module } => {
+                let norms = model.layers[*layer].norms();
+                let (_, w) = norms.iter().find(|(m, _)| m == module).ok_or_else(|| {
+                    Error::InvalidInput(format!("layer {layer} has no `{module}`"))
+                })?;
+                values_of(w)
+            }
+            TensorSource::Linear {
+                name,
+                permute_heads,
+            } => {
+                let linears = model.linears();
+                let (_, linear) = linears.iter().find(|(n, _)| n == name).ok_or_else(|| {
+                    Error::InvalidInput(format!("the model has no linear layer `{name}`"))
+                })?;
+                let w = effective_weight(linear)?;
+                match permute_heads {
+                    Some(heads) => values_of(&permute(&w, *heads)?),
+                    None => values_of(&w),
+                }
+            }
+            TensorSource::RopeFactors(f) => Ok(f.clone()),
+        }
+    }
+
+    /// The file's metadata: a GGUF source's own (its file type replaced), or the converter's keys for a folder's
+    /// config and tokenizer, in the converter's order.
+    pub fn metadata(&self, quant: GgmlType) -> Result<Vec<Entry>> {
+        let mut out = vec![
+            entry("general.architecture", Value::String(self.arch.clone())),
+            entry("general.type", Value::String("model".into())),
+        ];
+        let file_type = entry("general.file_type", Value::U32(file_type(quant)));
+        let quantization_version = entry("general.quantization_version", Value::U32(2));
+        match (self.gguf, self.folder) {
+            (Some(file), _) => {
+                let carried = file.metadata();
+                let mut keys: Vec<&String> = carried
+                    .keys()
+                    .filter(|k| !REWRITTEN.contains(&k.as_str()))
+                    .collect();
+                keys.sort();
+                out.extend(keys.into_iter().map(|k| (k.clone(), carried[k].clone())));
+                out.push(file_type);
+                out.push(quantization_version);
+            }
+            (None, Some(folder)) => {
+                let config = self.model.config();
+                let explicit_head_dim = read_json::<serde_json::Value>(&folder.join("config.json"))
+                    .map(|c| c.get("head_dim").is_some_and(|h| !h.is_null()))
+                    .unwrap_or(false);
+                let (head, tail) = architecture_metadata(&self.arch, config, explicit_head_dim);
+                out.extend(head);
+                out.push(file_type);
+                out.extend(tail);
+                out.push(quantization_version);
+                out.extend(tokenizer_metadata(folder, config, self.tokenizer_pre)?);
+            }
+            (None, None) => unreachable!("a conversion has a GGUF file or a folder"),
+        }
+        Ok(out)
+    }
+}
+
+/// The keys of a GGUF source that the export writes itself.
+const REWRITTEN: [&str; 5] = [
+    "general.architecture",
+    "general.type",
+    "general.file_type",
+    "general.quantization_version",
+    "general.alignment",
+];
+
+/// The type a tensor is written in: vectors and norms in float32 (llama.cpp computes with them so), matrices in
+/// `quant`, or float16 where their rows do not divide into its blocks — the converter's rules.
+fn tensor_type(name: &str, shape: &[usize], quant: GgmlType) -> GgmlType {
+    if shape.len() <= 1 || name.ends_with("_norm.weight") {
+        GgmlType::F32
+    } else if quant.fits_row(*shape.last().unwrap_or(&0)) {
+        quant
+    } else {
+        GgmlType::F16
+    }
+}
+
+/// The converter's `<arch>.*` keys for a Llama config: those it writes before `general.file_type`, and after.
+fn architecture_metadata(
+    arch: &str,
+    c: &ModelConfig,
+    explicit_head_dim: bool,
+) -> (Vec<Entry>, Vec<Entry>) {
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |n: usize| Value::U32(n as u32);
+    let mut head = vec![
+        entry(key("block_count"), u(c.num_hidden_layers)),
+        entry(key("context_length"), u(c.max_position_embeddings)),
+        entry(key("embedding_length"), u(c.hidden_size)),
+        entry(key("feed_forward_length"), u(c.intermediate_size)),
+        entry(key("attention.head_count"), u(c.num_attention_heads)),
+        entry(key("attention.head_count_kv"), u(c.num_key_value_heads)),
+        entry(key("rope.freq_base"), Value::F32(c.rope_theta as f32)),
+        entry(
+            key("attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps as f32),
+        ),
+    ];
+    if explicit_head_dim {
+        head.push(entry(key("attention.key_length"), u(c.head_dim)));
+        head.push(entry(key("attention.value_length"), u(c.head_dim)));
+    }
+    let mut tail = vec![
+        entry(key("vocab_size"), u(c.vocab_size)),
+        entry(key("rope.dimension_count"), u(c.rotary_dim)),
+    ];
+    if let Some(RopeScaling::Linear { factor }) = c.rope_scaling {
+        tail.push(entry(
+            key("rope.scaling.type"),
+            Value::String("linear".into()),
+        ));
+        tail.push(entry(key("rope.scaling.factor"), Value::F32(factor as f32)));
+    }
+    (head, tail)
+}
+
+/// llama.cpp's token types.
+const NORMAL: i32 = 1;
+const CONTROL: i32 = 3;
+const USER_DEFINED: i32 = 4;
+const UNUSED: i32 = 5;
+
+/// The special tokens the converter looks up, with their keys' names in `tokenizer.ggml.*`.
+const SPECIAL_TOKENS: [(&str, &str); 7] = [
+    ("bos", "bos"),
+    ("eos", "eos"),
+    ("unk", "unknown"),
+    ("sep", "seperator"),
+    ("pad", "padding"),
+    ("cls", "cls"),
+    ("mask", "mask"),
+];
+
+/// The `tokenizer.*` keys for a folder's tokenizer (`tokenizer.json`), as the converter writes a vocabulary that has
+/// no SentencePiece model (its GPT-2 style): every id below the config's vocabulary size (`[PAD<id>]` where the
+/// tokenizer has none), added tokens as control tokens (special, or looking special: `<|…|>`) or user-defined ones,
+/// the merges, the pre-tokenizer's name, the special tokens' ids (`tokenizer_config.json`, else `config.json`),
+/// whether they are added (`add_bos_token`, or the post-processor's template), and the chat template.
+fn tokenizer_metadata(
+    folder: &Path,
+    config: &ModelConfig,
+    given_pre: Option<&str>,
+) -> Result<Vec<Entry>> {
+    let path = folder.join("tokenizer.json");
+    if !path.exists() {
+        return Err(Error::invalid_file(
+            &path,
+            "is missing: llama.cpp needs the tokenizer in the GGUF file",
+        ));
+    }
+    let json: serde_json::Value = read_json(&path)?;
+    let model = &json["model"];
+    if model["type"] == "Unigram" || model["byte_fallback"] == true {
+        return Err(Error::invalid_file(
+            &path,
+            "a SentencePiece-style tokenizer (Unigram, or BPE with byte fallback), which llama.cpp keeps as its \
+             `llama` vocabulary with scores; GGUF export writes GPT-2-style vocabularies so far: export the adapter \
+             alone (--adapter-only) for a GGUF of the base converted by llama.cpp",
+        ));
+    }
+    let pre = match (given_pre, pre_tokenizer_name(&json["pre_tokenizer"])) {
+        (Some(given), _) => given.to_string(),
+        (None, Some(known)) => known.to_string(),
+        (None, None) => {
+            return Err(Error::invalid_file(
+                &path,
+                format!(
+                    "its pre-tokenizer {} is not one llama.cpp is known to name (Llama 3's, Qwen 2's, GPT-2's, \
+                     SmolLM's): name llama.cpp's for it (--tokenizer-pre, e.g. `default`)",
+                    json["pre_tokenizer"]
+                ),
+            ))
+        }
+    };
+    let mut tokens: Vec<Option<(String, i32)>> = vec![None; config.vocab_size];
+    for (token, id) in model["vocab"].as_object().into_iter().flatten() {
+        if let Some(slot) = id.as_u64().and_then(|i| tokens.get_mut(i as usize)) {
+            *slot = Some((token.clone(), NORMAL));
+        }
+    }
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            continue;
+        };
+        if let Some(slot) = tokens.get_mut(id as usize) {
+            *slot = Some(match added["special"] == true || looks_special(content) {
+                true => (content.to_string(), CONTROL),
+                // User-defined spaces are pre-normalized for llama.cpp (Gemma's `▁`).
+                false => (content.replace('\u{2581}', " "), USER_DEFINED),
+            });
+        }
+    }
+    let (names, types): (Vec<Value>, Vec<Value>) = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let (name, kind) = t.unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED));
+            (Value::String(name), Value::I32(kind))
+        })
+        .unzip();
+    let mut out = vec![
+        entry("tokenizer.ggml.model", Value::String("gpt2".into())),
+        entry("tokenizer.ggml.pre", Value::String(pre)),
+        entry("tokenizer.ggml.tokens", Value::Array(names)),
+        entry("tokenizer.ggml.token_type", Value::Array(types)),
+    ];
+    let merges: Vec<Value> = model["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| match m {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(pair) => Some(
+                pair.iter()
+                    .filter_map(|p| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            _ => None,
+        })
+        .map(Value::String)
+        .collect();
+    if !merges.is_empty() {
+        out.push(entry("tokenizer.ggml.merges", Value::Array(merges)));
+    }
+    let tokenizer = TextTokenizer::from_folder(folder)?;
+    let tokenizer_config =
+        read_json::<serde_json::Value>(&folder.join("tokenizer_config.json")).ok();
+    let model_config = read_json::<serde_json::Value>(&folder.join("config.json")).ok();
+    let mut texts: HashMap<&str, String> = HashMap::new();
+    for (kind, key) in SPECIAL_TOKENS {
+        let text = tokenizer_config
+            .as_ref()
+            .and_then(|c| special_text(&c[format!("{kind}_token")]));
+        let id = text
+            .as_deref()
+            .and_then(|t| tokenizer.token_to_id(t))
+            .or_else(|| {
+                model_config
+                    .as_ref()
+                    .and_then(|c| c[format!("{kind}_token_id")].as_u64())
+                    .map(|i| i as u32)
+            });
+        if let Some(text) = text {
+            texts.insert(kind, text);
+        }
+        if let Some(id) = id {
+            out.push(entry(
+                format!("tokenizer.ggml.{key}_token_id"),
+                Value::U32(id),
+            ));
+        }
+    }
+    for (kind, added) in
+        added_special_tokens(&json["post_processor"], tokenizer_config.as_ref(), &texts)
+    {
+        out.push(entry(
+            format!("tokenizer.ggml.add_{kind}_token"),
+            Value::Bool(added),
+        ));
+    }
+    if let Some(template) = &tokenizer.chat_template {
+        out.push(entry(
+            "tokenizer.chat_template",
+            Value::String(template.clone()),
+        ));
+    }
+    Ok(out)
+}
+
+/// The text of a special token in `tokenizer_config.json`: a string, or an added token's `content`.
+fn special_text(v: &serde_json::Value) -> Option<String> {
+    v.as_str()
+        .or_else(|| v["content"].as_str())
+        .map(str::to_string)
+}
+
+/// Whether an added token not marked special is one all the same, by the converter's rule: `<|…|>`, `<｜…｜>`,
+/// `<unused…>`, and a few models' own.
+fn looks_special(token: &str) -> bool {
+    matches!(token, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
+        || (token.starts_with("<|") && token.ends_with("|>"))
+        || (token.starts_with("<｜") && token.ends_with("｜>"))
+        || (token.starts_with("<unused") && token.ends_with('>'))
+}
+
+/// Whether the beginning- and end-of-sequence tokens are added: from the post-processor's template for one
+/// sequence (its first and last items), overridden by `tokenizer_config.json`'s `add_bos_token` / `add_eos_token`.
+fn added_special_tokens(
+    post_processor: &serde_json::Value,
+    tokenizer_config: Option<&serde_json::Value>,
+    texts: &HashMap<&str, String>,
+) -> Vec<(&'static str, bool)> {
+    let mut added: Vec<(&'static str, bool)> = Vec::new();
+    let mut set = |kind: &'static str, value: bool| match added.iter_mut().find(|(k, _)| *k == kind)
+    {
+        Some(entry) => entry.1 = value,
+        None => added.push((kind, value)),
+    };
+    let processors = match post_processor["processors"].as_array() {
+        Some(list) => list.iter().collect(),
+        None => vec![post_processor],
+    };
+    if let Some(template) = processors
+        .into_iter()
+        .find(|p| p["type"] == "TemplateProcessing")
+        .and_then(|p| p["single"].as_array())
+        .filter(|single| single.len() > 1)
+    {
+        let special =
+            |item: &serde_json::Value| item["SpecialToken"]["id"].as_str().map(str::to_string);
+        let is = |kind: &str, text: &Option<String>| {
+            text.is_some() && (texts.get(kind).is_none() || texts.get(kind) == text.as_ref())
+        };
+        let (first, last) = (
+            special(&template[0]),
+            special(&template[template.len() - 1]),
+        );
+        if first.is_some() {
+            set("bos", is("bos", &first));
+        }
+        if last.is_some() {
+            set("eos", is("eos", &last));
+        }
+    }
+    for kind in ["bos", "eos"] {
+        if let Some(value) = tokenizer_config.and_then(|c| c[format!("add_{kind}_token")].as_bool())
+        {
+            set(kind, value);
+        }
+    }
+    added
+}
+
+/// llama.cpp's name (`tokenizer.ggml.pre`) of a byte-level pre-tokenizer, from how it splits words: GPT-2's
+/// (ByteLevel's own expression), Llama 3's or Qwen 2's (their expressions), or SmolLM's (digits one by one, then
+/// GPT-2's).
+fn pre_tokenizer_name(pre: &serde_json::Value) -> Option<&'static str> {
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let parts: Vec<&serde_json::Value> = match pre["type"].as_str()? {
+        "Sequence" => pre["pretokenizers"].as_array()?.iter().collect(),
+        _ => vec![pre],
+    };
+    let split = parts
+        .iter()
+        .find(|k| k["type"] == "Split")
+        .and_then(|k| k["pattern"]["Regex"].as_str());
+    let digits_alone = parts
+        .iter()
+        .any(|k| k["type"] == "Digits" && k["individual_digits"] == true);
+    let byte_level_splits = parts
+        .iter()
+        .any(|k| k["type"] == "ByteLevel" && k["use_regex"] != false);
+    match (split, digits_alone, byte_level_splits) {
+        (Some(LLAMA3), false, false) => Some("llama-bpe"),
+        (Some(QWEN2), false, false) => Some("qwen2"),
+        (None, true, true) => Some("smollm"),
+        (None, false, true) => Some("gpt-2"),
+        _ => None,
+    }
+}

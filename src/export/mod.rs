@@ -1,0 +1,126 @@
+//! Exporting a model, its active adapter merged in, to a GGUF file that llama.cpp (and Ollama, LM Studio, …) loads:
+//! the tensors under llama.cpp's names and layouts, in one of ggml's types ([`GgmlType`]), with the model's and the
+//! tokenizer's metadata as llama.cpp's converter writes them. The model is written one tensor at a time: each
+//! merged weight is formed, encoded and written before the next, so the export never holds a second copy of the
+//! model.
+
+pub mod ggml;
+pub mod gguf_writer;
+mod llama_cpp;
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::{DType, Tensor};
+
+use crate::error::{Error, Result};
+use crate::files::apart::check_output_apart;
+use crate::files::{refuse_existing, write_file_atomically};
+use crate::loading::gguf::GgufFile;
+use crate::models::LlamaModel;
+
+pub use ggml::GgmlType;
+use gguf_writer::{GgufWriter, TensorRecord};
+
+/// How [`gguf`] writes a model.
+#[derive(Clone, Debug)]
+pub struct GgufOptions {
+    /// The type of the matrices (embeddings, projections, head); vectors (norms, RoPE factors) stay float32, and a
+    /// matrix whose rows do not divide into the type's blocks is written in float16, as llama.cpp's converter does.
+    pub quant: GgmlType,
+    /// llama.cpp's name of the tokenizer's pre-tokenizer (`tokenizer.ggml.pre`), for a folder whose tokenizer
+    /// splits words in a way not recognized (a GGUF source keeps its own).
+    pub tokenizer_pre: Option<String>,
+    /// Replace an existing output file.
+    pub overwrite: bool,
+}
+
+/// What [`gguf`] wrote.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GgufReport {
+    /// Tensors written.
+    pub tensors: usize,
+    /// Linear layers with an adapter merged in.
+    pub merged_modules: usize,
+    /// Bytes of the file.
+    pub bytes: u64,
+    /// The architecture written (`general.architecture`).
+    pub architecture: String,
+}
+
+/// Writes `model` — its active adapter merged into the weights, as they are loaded (a 4-bit base dequantized: the
+/// weights training saw) — to `output` as GGUF. `source` is where the model was loaded from: a GGUF file's
+/// metadata (architecture, tokenizer, chat template) is carried over, a Hugging Face folder's `tokenizer.json` and
+/// `tokenizer_config.json` are converted. The file is written beside `output` and moved into place when complete.
+pub fn gguf(
+    model: &LlamaModel,
+    source: &Path,
+    output: &Path,
+    options: &GgufOptions,
+) -> Result<GgufReport> {
+    check_output_apart(
+        ("output", output),
+        &[("the base model", source)],
+        "exported",
+    )?;
+    refuse_existing(output, options.overwrite)?;
+    let gguf_source = match source
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        true => Some(GgufFile::open(source)?),
+        false => None,
+    };
+    let conversion = llama_cpp::Conversion::new(
+        model,
+        gguf_source.as_ref(),
+        source,
+        options.tokenizer_pre.as_deref(),
+    )?;
+    let plan = conversion.tensors(options.quant)?;
+    let metadata = conversion.metadata(options.quant)?;
+    let records: Vec<TensorRecord> = plan.iter().map(|p| p.record.clone()).collect();
+    let merged_modules = model
+        .linears()
+        .iter()
+        .filter(|(_, l)| l.active_adapter().is_some())
+        .count();
+    write_file_atomically(output, |tmp| {
+        let io = |e: std::io::Error| Error::io("cannot write", tmp, e);
+        let file = std::fs::File::create(tmp).map_err(io)?;
+        let mut writer =
+            GgufWriter::start(std::io::BufWriter::new(file), &metadata, records).map_err(io)?;
+        let mut encoded = Vec::new();
+        for planned in &plan {
+            let values = conversion.values(&planned.source)?;
+            encoded.clear();
+            planned.record.ggml_type.encode(&values, &mut encoded);
+            writer.write_tensor(&encoded).map_err(io)?;
+        }
+        let file = writer
+            .finish()
+            .map_err(io)?
+            .into_inner()
+            .map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)
+    })?;
+    let bytes = std::fs::metadata(output)
+        .map_err(|e| Error::io("cannot read", output, e))?
+        .len();
+    Ok(GgufReport {
+        tensors: plan.len(),
+        merged_modules,
+        bytes,
+        architecture: conversion.architecture().to_string(),
+    })
+}
+
+/// A tensor of the model as float32 values in row-major order.
+fn values_of(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+}
+
+/// A metadata entry.
+fn entry(key: impl Into<String>, value: Value) -> (String, Value) {
+    (key.into(), value)
+}

@@ -1,0 +1,489 @@
+//! `qlora export --format gguf`: against llama.cpp's own converter (golden files of `scripts/golden_gguf.py`), and
+//! the exported file loaded back — an adapter merged in, a GGUF base re-encoded.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+use candle_qlora::adapter::{effective_weight, Adapters};
+use candle_qlora::export::{gguf, GgmlType, GgufOptions};
+use candle_qlora::loading::gguf::GgufFile;
+use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
+use candle_qlora::lora::{LoraConfig, TargetModules};
+use candle_qlora::ops::rope::inverse_frequencies;
+use candle_qlora::quant::QuantConfig;
+use sha2::{Digest, Sha256};
+
+use crate::common::{
+    adapter_chain_terms, branch_terms, data_path, decoder_chain_terms, float32_bound, max_abs,
+    max_abs_diff, merge_terms, test_model,
+};
+
+fn options(quant: GgmlType) -> GgufOptions {
+    GgufOptions {
+        quant,
+        tokenizer_pre: Some("default".into()),
+        overwrite: false,
+    }
+}
+
+/// A GGUF file's header, and the bytes of each tensor by name.
+fn read_gguf(path: &Path) -> (Content, HashMap<String, Vec<u8>>) {
+    let bytes = std::fs::read(path).unwrap();
+    let content = Content::read(&mut std::io::Cursor::new(&bytes)).unwrap();
+    let data = content
+        .tensor_infos
+        .iter()
+        .map(|(name, info)| {
+            let start = (content.tensor_data_offset + info.offset) as usize;
+            let n = info.shape.elem_count() / info.ggml_dtype.block_size()
+                * info.ggml_dtype.type_size();
+            (name.clone(), bytes[start..start + n].to_vec())
+        })
+        .collect();
+    (content, data)
+}
+
+/// A metadata value as the golden file writes it: its types (gguf-py's names) and value.
+fn golden_form(v: &Value) -> (Vec<String>, serde_json::Value) {
+    let name = |v: &Value| {
+        match v {
+            Value::U8(_) => "UINT8",
+            Value::I8(_) => "INT8",
+            Value::U16(_) => "UINT16",
+            Value::I16(_) => "INT16",
+            Value::U32(_) => "UINT32",
+            Value::I32(_) => "INT32",
+            Value::U64(_) => "UINT64",
+            Value::I64(_) => "INT64",
+            Value::F32(_) => "FLOAT32",
+            Value::F64(_) => "FLOAT64",
+            Value::Bool(_) => "BOOL",
+            Value::String(_) => "STRING",
+            Value::Array(_) => "ARRAY",
+        }
+        .to_string()
+    };
+    let scalar = |v: &Value| match v {
+        Value::U8(x) => serde_json::json!(x),
+        Value::I8(x) => serde_json::json!(x),
+        Value::U16(x) => serde_json::json!(x),
+        Value::I16(x) => serde_json::json!(x),
+        Value::U32(x) => serde_json::json!(x),
+        Value::I32(x) => serde_json::json!(x),
+        Value::U64(x) => serde_json::json!(x),
+        Value::I64(x) => serde_json::json!(x),
+        Value::F32(x) => serde_json::json!(*x as f64),
+        Value::F64(x) => serde_json::json!(x),
+        Value::Bool(x) => serde_json::json!(x),
+        Value::String(x) => serde_json::json!(x),
+        Value::Array(_) => unreachable!("no nested arrays"),
+    };
+    match v {
+        Value::Array(items) => {
+            let mut types = vec![name(v)];
+            types.extend(items.first().map(name));
+            (types, items.iter().map(scalar).collect())
+        }
+        _ => (vec![name(v)], scalar(v)),
+    }
+}
+
+/// The tiny Llama exported in each type the converter writes equals the converter's file: every metadata key in
+/// its order with its type and value (but `general.name` and `general.size_label`, which the converter derives
+/// from the folder's name and parameter count), every tensor in its order with its dimensions, type and bytes
+/// (sha256) — the q/k permutation, `rope_freqs` of Llama 3's scaling, the float16/bfloat16 rounding and the q8_0
+/// blocks included.
+#[test]
+fn the_export_of_a_folder_equals_llama_cpp_converters_file() {
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data_path("gguf/tiny-llama.json")).unwrap())
+            .unwrap();
+    let folder = data_path("models/tiny-llama");
+    let model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let dir = tempfile::tempdir().unwrap();
+    for quant in GgmlType::ALL {
+        let expected = &golden["files"][quant.name()];
+        let out = dir.path().join(format!("{}.gguf", quant.name()));
+        gguf(&model, &folder, &out, &options(quant)).unwrap();
+        let (content, data) = read_gguf(&out);
+        let keys = |v: &serde_json::Value| -> Vec<(String, Vec<String>, serde_json::Value)> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    let types = m["type"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_str().unwrap().to_string());
+                    (
+                        m["key"].as_str().unwrap().to_string(),
+                        types.collect(),
+                        m["value"].clone(),
+                    )
+                })
+                .filter(|(k, _, _)| k != "general.name" && k != "general.size_label")
+                .collect()
+        };
+        let want = keys(&expected["metadata"]);
+        // Our reader keeps no order: the order is checked on the file itself below.
+        let got: Vec<(String, Vec<String>, serde_json::Value)> = want
+            .iter()
+            .map(|(k, _, _)| {
+                let v = content
+                    .metadata
+                    .get(k)
+                    .unwrap_or_else(|| panic!("{quant:?}: `{k}` is missing"));
+                let (types, value) = golden_form(v);
+                (k.clone(), types, value)
+            })
+            .collect();
+        assert_eq!(got, want, "{quant:?}: metadata");
+        assert_eq!(
+            content.metadata.len(),
+            want.len(),
+            "{quant:?}: no other keys"
+        );
+        let bytes = std::fs::read(&out).unwrap();
+        let positions: Vec<usize> = want
+            .iter()
+            .map(|(k, _, _)| {
+                let mut needle = (k.len() as u64).to_le_bytes().to_vec();
+                needle.extend_from_slice(k.as_bytes());
+                bytes
+                    .windows(needle.len())
+                    .position(|w| w == needle)
+                    .unwrap()
+            })
+            .collect();
+        assert!(
+            positions.windows(2).all(|p| p[0] < p[1]),
+            "{quant:?}: the keys' order"
+        );
+        let tensors = expected["tensors"].as_array().unwrap();
+        let mut offsets: Vec<(u64, &String)> = content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (i.offset, n))
+            .collect();
+        offsets.sort();
+        let order: Vec<&str> = tensors
+            .iter()
+            .map(|t| t["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            offsets.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>(),
+            order,
+            "{quant:?}: tensor order"
+        );
+        for t in tensors {
+            let name = t["name"].as_str().unwrap();
+            let info = &content.tensor_infos[name];
+            let mut ne: Vec<u64> = info.shape.dims().iter().map(|d| *d as u64).collect();
+            ne.reverse();
+            let want_ne: Vec<u64> = t["ne"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            assert_eq!(ne, want_ne, "{quant:?}: {name} dimensions");
+            // Candle's names of the types are gguf-py's.
+            assert_eq!(
+                format!("{:?}", info.ggml_dtype),
+                t["type"].as_str().unwrap(),
+                "{quant:?}: {name} type"
+            );
+            let digest: String = Sha256::digest(&data[name])
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            assert_eq!(
+                digest,
+                t["sha256"].as_str().unwrap(),
+                "{quant:?}: {name} bytes"
+            );
+        }
+    }
+}
+
+/// An adapter trained on the 4-bit base, exported merged into the weights training saw (float32), reads back —
+/// through our GGUF reader, q/k un-permuted — as exactly the merged weights, embeddings and norms, under a
+/// configuration with the same shapes and RoPE (Llama 3's scaling come back from `rope_freqs`).
+#[test]
+fn an_exported_merge_holds_the_merged_weights() {
+    let folder = data_path("models/tiny-llama");
+    let nf4 = LoadOptions {
+        quantization: Some(QuantConfig::nf4()),
+        ..LoadOptions::default()
+    };
+    let mut adapted = load_model(folder.to_str().unwrap(), None, &nf4)
+        .unwrap()
+        .model;
+    candle_qlora::adapter::load_adapter(
+        &mut adapted,
+        &data_path("peft/lora_all_linear"),
+        "default",
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("merged.gguf");
+    let report = gguf(&adapted, &folder, &out, &options(GgmlType::F32)).unwrap();
+    assert_eq!(report.merged_modules, adapted.linears().len());
+    let file = GgufFile::open(&out).unwrap();
+    let c = adapted.config();
+    let read = |name: &str| {
+        file.tensor(name, c.num_attention_heads, c.num_key_value_heads)
+            .unwrap()
+    };
+    for (name, linear) in adapted.linears() {
+        let merged = effective_weight(linear).unwrap();
+        assert_eq!(
+            max_abs_diff(&read(&format!("{name}.weight")), &merged),
+            0.0,
+            "{name}"
+        );
+    }
+    assert_eq!(
+        max_abs_diff(&read("model.embed_tokens.weight"), &adapted.embed_tokens),
+        0.0
+    );
+    assert_eq!(
+        max_abs_diff(&read("lm_head.weight"), &adapted.head_weight().unwrap()),
+        0.0
+    );
+    assert_eq!(max_abs_diff(&read("model.norm.weight"), &adapted.norm), 0.0);
+    let back = load_model_config(out.to_str().unwrap(), None).unwrap();
+    assert_eq!(
+        (
+            back.hidden_size,
+            back.num_hidden_layers,
+            back.num_attention_heads,
+            back.num_key_value_heads
+        ),
+        (
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads,
+            c.num_key_value_heads
+        )
+    );
+    assert_eq!(
+        (back.head_dim, back.intermediate_size, back.vocab_size),
+        (c.head_dim, c.intermediate_size, c.vocab_size)
+    );
+    assert_eq!(
+        (back.rope_theta, back.rms_norm_eps as f32),
+        (c.rope_theta, c.rms_norm_eps as f32)
+    );
+    // transformers' Llama 3 frequencies against the file's divisors applied to the plain ones (float32 each).
+    let frequencies = |cfg: &candle_qlora::models::ModelConfig| {
+        inverse_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling.as_ref())
+    };
+    for (a, b) in frequencies(&back).iter().zip(frequencies(c)) {
+        assert!(
+            (a - b).abs() <= 2.0 * f32::EPSILON as f64 * b.abs(),
+            "{a} vs {b}"
+        );
+    }
+}
+
+/// A GGUF base (the real SmolLM2-135M, Q4_1) with an adapter exported in float32 keeps its file's metadata —
+/// tokenizer, chat template, names — but the file type, and its tensors in their order; loaded back, it gives the
+/// logits of the base running the adapter unmerged, within the float32 bound of both chains (the decoder twice,
+/// the adapter's branches, the merged weights' sums). In q8_0 each matrix is within half a q8_0 step (plus its
+/// float16 scale's rounding) of the float32 export.
+#[test]
+fn a_gguf_base_exports_back_to_its_own_architecture() {
+    let Some(source) = test_model() else {
+        return;
+    };
+    let mut adapted = load_model(source.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let lora = LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        target_modules: Some(TargetModules::AllLinear),
+        ..Default::default()
+    };
+    adapted.add_adapter("default", &lora, 7).unwrap();
+    // B starts at zero (the adapter a no-op): random values make the merge change every weight.
+    let mut randomized = 0;
+    for (name, var) in adapted.adapter_parameters("default").unwrap() {
+        if name.contains("lora_B") {
+            var.set(&Tensor::randn(0f32, 0.02, var.shape(), &Device::Cpu).unwrap())
+                .unwrap();
+            randomized += 1;
+        }
+    }
+    assert_eq!(randomized, adapted.linears().len());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("smollm2-f32.gguf");
+    gguf(&adapted, &source, &out, &options(GgmlType::F32)).unwrap();
+    let (original, _) = read_gguf(&source);
+    let (content, _) = read_gguf(&out);
+    for (k, v) in &original.metadata {
+        if k == "general.file_type" {
+            assert_eq!(content.metadata[k].to_u32().unwrap(), 0);
+        } else {
+            assert_eq!(
+                format!("{:?}", content.metadata[k]),
+                format!("{v:?}"),
+                "{k}"
+            );
+        }
+    }
+    assert_eq!(content.metadata.len(), original.metadata.len());
+    let order = |c: &Content| {
+        let mut v: Vec<(u64, String, Vec<usize>)> = c
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (i.offset, n.clone(), i.shape.dims().to_vec()))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, n, d)| (n, d)).collect::<Vec<_>>()
+    };
+    assert_eq!(order(&content), order(&original));
+    let exported = load_model(out.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    let ids = exported
+        .tokenizer()
+        .unwrap()
+        .encode("The capital of France is", true)
+        .unwrap();
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let expected = adapted.logits(&ids).unwrap();
+    let terms = 2 * decoder_chain_terms(adapted.config(), ids.dim(1).unwrap())
+        + adapter_chain_terms(&adapted, branch_terms)
+        + adapter_chain_terms(&adapted, merge_terms);
+    let bound = float32_bound(terms, max_abs(&expected));
+    let d = max_abs_diff(&exported.model.logits(&ids).unwrap(), &expected);
+    eprintln!(
+        "SmolLM2 with an adapter, exported in f32: logits differ by {d:.3e} (bound {bound:.3e})"
+    );
+    assert!(d <= bound, "logits differ by {d:.3e}, beyond {bound:.3e}");
+
+    let q8 = dir.path().join("smollm2-q8_0.gguf");
+    gguf(&exported.model, &out, &q8, &options(GgmlType::Q8_0)).unwrap();
+    let (q8_content, _) = read_gguf(&q8);
+    let mut f32_reader = std::fs::File::open(&out).unwrap();
+    let mut q8_reader = std::fs::File::open(&q8).unwrap();
+    for name in [
+        "blk.0.attn_q.weight",
+        "blk.7.ffn_down.weight",
+        "token_embd.weight",
+    ] {
+        let read = |c: &Content, r: &mut std::fs::File| -> Vec<f32> {
+            c.tensor(r, name, &Device::Cpu)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let (exact, quantized) = (
+            read(&content, &mut f32_reader),
+            read(&q8_content, &mut q8_reader),
+        );
+        assert_eq!(
+            q8_content.tensor_infos[name].ggml_dtype,
+            candle_core::quantized::GgmlDType::Q8_0
+        );
+        for (block, back) in exact.chunks(32).zip(quantized.chunks(32)) {
+            let d = block.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (x, y) in block.iter().zip(back) {
+                assert!(
+                    (x - y).abs() <= d * (0.5 + 127.0 / 2048.0),
+                    "{name}: {x} vs {y}"
+                );
+            }
+        }
+    }
+}
+
+/// `qlora export` writes the merged model and says what it wrote; it refuses, naming the fix, an existing output
+/// (without --overwrite), a family it does not write, a type it does not know, a tokenizer whose pre-tokenizer it
+/// cannot name, and an output that is its own input.
+#[test]
+fn the_command_exports_and_refuses_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tiny.gguf");
+    let qlora = |args: &[&str]| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .arg("export")
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&run.stdout).into_owned()
+            + &String::from_utf8_lossy(&run.stderr);
+        (run.status.success(), text)
+    };
+    let tiny = data_path("models/tiny-llama").display().to_string();
+    let adapter = data_path("peft/lora_all_linear").display().to_string();
+    let out_s = out.display().to_string();
+    let base = ["--model", &tiny, "--format", "gguf", "--output", &out_s];
+    let with = |extra: &[&'static str]| -> Vec<String> {
+        base.iter()
+            .map(|s| s.to_string())
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    };
+    let run = |args: Vec<String>| qlora(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut merged = with(&["--quant", "q8_0", "--tokenizer-pre", "default", "--adapter"]);
+    merged.push(adapter.clone());
+    let (ok, text) = run(merged.clone());
+    assert!(
+        ok && text.contains("wrote") && text.contains("q8_0") && text.contains("14 modules"),
+        "{text}"
+    );
+    let file = GgufFile::open(&out).unwrap();
+    assert_eq!(file.metadata()["general.file_type"].to_u32().unwrap(), 7);
+    let (ok, text) = run(merged);
+    assert!(
+        !ok && text.contains("already exists") && text.contains("--overwrite"),
+        "{text}"
+    );
+    let (ok, text) = run(with(&["--overwrite"]));
+    assert!(
+        !ok && text.contains("pre-tokenizer") && text.contains("--tokenizer-pre"),
+        "{text}"
+    );
+    let (ok, text) = run(with(&["--quant", "q4_k_m", "--overwrite"]));
+    assert!(
+        !ok && text.contains("q4_k_m") && text.contains("f32, f16, q8_0, bf16"),
+        "{text}"
+    );
+    let qwen = data_path("models/tiny-qwen2").display().to_string();
+    let (ok, text) = qlora(&[
+        "--model",
+        &qwen,
+        "--format",
+        "gguf",
+        "--output",
+        &out_s,
+        "--overwrite",
+    ]);
+    assert!(
+        !ok && text.contains("Llama-architecture") && text.contains("qwen2"),
+        "{text}"
+    );
+    let (ok, text) = qlora(&[
+        "--model",
+        &out_s,
+        "--format",
+        "gguf",
+        "--output",
+        &out_s,
+        "--overwrite",
+    ]);
+    assert!(!ok && text.contains("--output"), "{text}");
+}
