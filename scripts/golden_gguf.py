@@ -4,8 +4,9 @@
 The converter is not on PyPI by itself: it ships inside the source distribution of llama-cpp-python, whose
 `vendor/llama.cpp` holds llama.cpp's converter and its `gguf-py` package. This script downloads that sdist (pinned
 below, checked by its sha256), runs the converter on the tiny Llama of the tests for each type it writes (f32, f16,
-bf16, q8_0), and records each file — every metadata key with its type and value, every tensor's name, dimensions,
-type and the sha256 of its bytes — in tests/data/gguf/tiny-llama.json.
+bf16, q8_0), and `convert_lora_to_gguf.py` on its LoRA adapter (tests/data/peft/lora_all_linear) for the same
+types, and records each file — every metadata key with its type and value, every tensor's name, dimensions, type and
+the sha256 of its bytes — in tests/data/gguf/tiny-llama.json (`files`: the model; `adapter_files`: the adapter).
 
 Versions used for the committed file: llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, gguf-py 0.19.0), torch 2.15.0,
 transformers 4.57.6 (the version the vendored converter's requirements pin), numpy 2.4.6.
@@ -37,6 +38,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 TYPES = ["f32", "f16", "bf16", "q8_0"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "tests", "data", "models", "tiny-llama")
+ADAPTER = os.path.join(ROOT, "tests", "data", "peft", "lora_all_linear")
 OUT = os.path.join(ROOT, "tests", "data", "gguf", "tiny-llama.json")
 
 
@@ -58,8 +60,9 @@ def fetch_converter(work):
     return os.path.join(work, prefix)
 
 
-def convert(llama_cpp, model, outtype, outfile):
-    """Runs the converter in this process, its pre-tokenizer lookup answering `default` for an unknown hash."""
+def convert(llama_cpp, model, outtype, outfile, adapter=None):
+    """Runs the converter (the LoRA one with `adapter`) in this process, its pre-tokenizer lookup answering
+    `default` for an unknown hash."""
     sys.path[:0] = [llama_cpp, os.path.join(llama_cpp, "gguf-py")]
     import conversion.base as base
 
@@ -73,9 +76,13 @@ def convert(llama_cpp, model, outtype, outfile):
 
     base.TextModel.get_vocab_base_pre = pre
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", model, "--outtype", outtype, "--outfile", outfile]
+    script = "convert_lora_to_gguf.py" if adapter else "convert_hf_to_gguf.py"
+    if adapter:
+        sys.argv = [script, "--base", model, "--outtype", outtype, "--outfile", outfile, adapter]
+    else:
+        sys.argv = [script, model, "--outtype", outtype, "--outfile", outfile]
     try:
-        runpy.run_path(os.path.join(llama_cpp, "convert_hf_to_gguf.py"), run_name="__main__")
+        runpy.run_path(os.path.join(llama_cpp, script), run_name="__main__")
     finally:
         sys.argv = argv
         base.TextModel.get_vocab_base_pre = original
@@ -115,14 +122,20 @@ def generate():
         shutil.copytree(MODEL, model)
         with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-        files = {}
+        adapter = os.path.join(work, "lora_all_linear")
+        shutil.copytree(ADAPTER, adapter)
+        files, adapter_files = {}, {}
         for outtype in TYPES:
             out = os.path.join(work, f"tiny-llama-{outtype}.gguf")
             convert(llama_cpp, model, outtype, out)
             files[outtype] = describe(out)
+            out = os.path.join(work, f"lora-{outtype}.gguf")
+            convert(llama_cpp, model, outtype, out, adapter)
+            adapter_files[outtype] = describe(out)
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
-        json.dump({"converter": "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)", "files": files}, f, indent=1)
+        json.dump({"converter": "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)", "files": files,
+                   "adapter_files": adapter_files}, f, indent=1)
         f.write("\n")
     print(f"wrote {OUT}")
 

@@ -464,6 +464,9 @@ struct ExportArgs {
     /// llama.cpp's name of the tokenizer's pre-tokenizer (tokenizer.ggml.pre) when it is not recognized.
     #[arg(long)]
     tokenizer_pre: Option<String>,
+    /// Write the adapter alone, as llama.cpp's convert_lora_to_gguf.py does (llama-cli --lora, Ollama's ADAPTER).
+    #[arg(long, requires = "adapter")]
+    adapter_only: bool,
     /// The GGUF file to write.
     #[arg(long)]
     output: PathBuf,
@@ -496,6 +499,7 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
     let options = GgufOptions {
         quant: args.quant,
         tokenizer_pre: args.tokenizer_pre.clone(),
+        adapter_only: args.adapter_only,
         overwrite: args.overwrite,
     };
     let start = std::time::Instant::now();
@@ -506,13 +510,23 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         &options,
     )?;
     println!(
-        "wrote {} ({} tensors, {} in {}, {:.1} MiB; {} modules with the adapter merged in) in {:.1} s",
+        "wrote {} ({} tensors, {} {} in {}, {:.1} MiB; {} modules {}) in {:.1} s",
         args.output.display(),
         report.tensors,
         report.architecture,
+        if args.adapter_only {
+            "adapter"
+        } else {
+            "model"
+        },
         args.quant.name(),
         report.bytes as f64 / (1 << 20) as f64,
-        report.merged_modules,
+        report.adapted_modules,
+        if args.adapter_only {
+            "adapted"
+        } else {
+            "with the adapter merged in"
+        },
         start.elapsed().as_secs_f64()
     );
     Ok(())

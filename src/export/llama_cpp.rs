@@ -15,6 +15,7 @@ use crate::adapter::effective_weight;
 use crate::error::{Error, Result};
 use crate::files::read_json;
 use crate::loading::gguf::{gguf_name, permute, GgufFile};
+use crate::lora::{LoraAdapter, LoraLinear};
 use crate::models::{LlamaModel, ModelConfig, TextTokenizer};
 use crate::ops::rope::{llama3_frequency_divisors, RopeScaling};
 
@@ -39,6 +40,15 @@ pub(super) enum TensorSource {
     },
     /// Llama 3's RoPE scaling as per-frequency divisors.
     RopeFactors(Vec<f32>),
+    /// A linear layer's adapter `A` `[r, in]`.
+    LoraA { name: String },
+    /// A linear layer's adapter `B` `[out, r]`, times `factor` (its scaling against the file's `alpha / r`), q/k
+    /// rows permuted over `heads` heads.
+    LoraB {
+        name: String,
+        permute_heads: Option<usize>,
+        factor: f64,
+    },
 }
 
 /// A tensor to write: its record and where its values come from.
@@ -211,6 +221,99 @@ impl<'a> Conversion<'a> {
         Ok(out)
     }
 
+    /// The active adapter's tensors, as llama.cpp's `convert_lora_to_gguf.py` writes them: for each adapted linear
+    /// layer (by Hugging Face name) `<tensor>.lora_a` `[r, in]` and `<tensor>.lora_b` `[out, r]`, q/k rows of `B`
+    /// permuted as the base's. llama.cpp scales every module by the file's `alpha` over its rank: that is the
+    /// first module's `scaling · r` (PEFT's `lora_alpha`, or `lora_alpha · √r` for rsLoRA), and a module scaled
+    /// otherwise (`rank_pattern`, `alpha_pattern`) has its `B` multiplied to match. Refused: no adapter, DoRA (which
+    /// llama.cpp does not apply) and trained embeddings or head (which a llama.cpp adapter cannot carry).
+    pub fn adapter_tensors(&self, quant: GgmlType) -> Result<(Vec<Planned>, f64)> {
+        let config = self.model.config();
+        if let Some(saved) = self.model.active_saved() {
+            if saved.embed_tokens.is_some() || saved.lm_head.is_some() {
+                return Err(Error::InvalidInput(
+                    "the adapter trains the embeddings or the head (`modules_to_save`), which a llama.cpp adapter \
+                     cannot carry: export the model with the adapter merged in (without --adapter-only)"
+                        .into(),
+                ));
+            }
+        }
+        let mut adapted: Vec<(String, &LoraAdapter)> = self
+            .model
+            .linears()
+            .into_iter()
+            .filter_map(|(name, l)| l.active_adapter().map(|a| (name, a.as_ref())))
+            .collect();
+        adapted.sort_by(|a, b| a.0.cmp(&b.0));
+        let Some((_, first)) = adapted.first() else {
+            return Err(Error::InvalidInput(
+                "--adapter-only: the model has no adapter to write (give one with --adapter)"
+                    .into(),
+            ));
+        };
+        let rank = |a: &LoraAdapter| a.a.as_tensor().dim(0);
+        let alpha = first.scaling * rank(first)? as f64;
+        let mut out = Vec::new();
+        for (name, adapter) in adapted {
+            if adapter.magnitude.is_some() {
+                return Err(Error::InvalidInput(format!(
+                    "`{name}` is a DoRA module, which llama.cpp does not apply: export the model with the adapter \
+                     merged in (without --adapter-only)"
+                )));
+            }
+            let base = gguf_name(&format!("{name}.weight"), &self.arch).ok_or_else(|| {
+                Error::InvalidInput(format!("no llama.cpp name for tensor `{name}.weight`"))
+            })?;
+            let (r, columns) = adapter.a.as_tensor().dims2()?;
+            let rows = adapter.b.as_tensor().dim(0)?;
+            let permute_heads = if name.ends_with("self_attn.q_proj") {
+                Some(config.num_attention_heads)
+            } else if name.ends_with("self_attn.k_proj") {
+                Some(config.num_key_value_heads)
+            } else {
+                None
+            };
+            for (suffix, shape, source) in [
+                (
+                    "lora_a",
+                    vec![r, columns],
+                    TensorSource::LoraA { name: name.clone() },
+                ),
+                (
+                    "lora_b",
+                    vec![rows, r],
+                    TensorSource::LoraB {
+                        name: name.clone(),
+                        permute_heads,
+                        factor: adapter.scaling * r as f64 / alpha,
+                    },
+                ),
+            ] {
+                let name = format!("{base}.{suffix}");
+                out.push(Planned {
+                    record: TensorRecord {
+                        ggml_type: tensor_type(&name, &shape, quant),
+                        name,
+                        shape,
+                    },
+                    source,
+                });
+            }
+        }
+        Ok((out, alpha))
+    }
+
+    /// The metadata of an adapter file (`general.type = adapter`), as `convert_lora_to_gguf.py` writes it.
+    pub fn adapter_metadata(&self, alpha: f64) -> Vec<Entry> {
+        vec![
+            entry("general.architecture", Value::String(self.arch.clone())),
+            entry("general.type", Value::String("adapter".into())),
+            entry("adapter.type", Value::String("lora".into())),
+            entry("adapter.lora.alpha", Value::F32(alpha as f32)),
+            entry("general.quantization_version", Value::U32(2)),
+        ]
+    }
+
     /// Whether the head is written (`output.weight`): when the model has one of its own — untied in its config,
     /// or trained apart from the embeddings by the adapter.
     fn writes_head(&self) -> Result<bool> {
@@ -238,18 +341,18 @@ impl<'a> Conversion<'a> {
             TensorSource::Linear {
                 name,
                 permute_heads,
-            } => {
-                let linears = model.linears();
-                let (_, linear) = linears.iter().find(|(n, _)| n == name).ok_or_else(|| {
-                    Error::InvalidInput(format!("the model has no linear layer `{name}`"))
-                })?;
-                let w = effective_weight(linear)?;
-                match permute_heads {
-                    Some(heads) => values_of(&permute(&w, *heads)?),
-                    None => values_of(&w),
-                }
-            }
+            } => permuted_values(&effective_weight(linear(model, name)?)?, *permute_heads),
             TensorSource::RopeFactors(f) => Ok(f.clone()),
+            TensorSource::LoraA { name } => values_of(adapter_of(model, name)?.a.as_tensor()),
+            TensorSource::LoraB {
+                name,
+                permute_heads,
+                factor,
+            } => {
+                let b = adapter_of(model, name)?.b.as_tensor().clone();
+                let b = if *factor != 1.0 { (b * *factor)? } else { b };
+                permuted_values(&b, *permute_heads)
+            }
         }
     }
 
@@ -289,6 +392,32 @@ impl<'a> Conversion<'a> {
             (None, None) => unreachable!("a conversion has a GGUF file or a folder"),
         }
         Ok(out)
+    }
+}
+
+/// The linear layer `name` of `model`.
+fn linear<'m>(model: &'m LlamaModel, name: &str) -> Result<&'m LoraLinear> {
+    model
+        .linears()
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, l)| l)
+        .ok_or_else(|| Error::InvalidInput(format!("the model has no linear layer `{name}`")))
+}
+
+/// The active adapter of the linear layer `name`.
+fn adapter_of<'m>(model: &'m LlamaModel, name: &str) -> Result<&'m LoraAdapter> {
+    linear(model, name)?
+        .active_adapter()
+        .map(|a| a.as_ref())
+        .ok_or_else(|| Error::InvalidInput(format!("`{name}` has no active adapter")))
+}
+
+/// A matrix's values, its rows permuted over `heads` heads when given (llama.cpp's q/k layout).
+fn permuted_values(w: &candle_core::Tensor, heads: Option<usize>) -> Result<Vec<f32>> {
+    match heads {
+        Some(heads) => values_of(&permute(w, heads)?),
+        None => values_of(w),
     }
 }
 

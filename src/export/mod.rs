@@ -31,6 +31,9 @@ pub struct GgufOptions {
     /// llama.cpp's name of the tokenizer's pre-tokenizer (`tokenizer.ggml.pre`), for a folder whose tokenizer
     /// splits words in a way not recognized (a GGUF source keeps its own).
     pub tokenizer_pre: Option<String>,
+    /// Write the active adapter alone, as llama.cpp's `convert_lora_to_gguf.py` does (`llama-cli --lora`,
+    /// Ollama's `ADAPTER`), instead of the model with the adapter merged in.
+    pub adapter_only: bool,
     /// Replace an existing output file.
     pub overwrite: bool,
 }
@@ -40,8 +43,8 @@ pub struct GgufOptions {
 pub struct GgufReport {
     /// Tensors written.
     pub tensors: usize,
-    /// Linear layers with an adapter merged in.
-    pub merged_modules: usize,
+    /// Linear layers whose adapter was merged in (or written, with [`GgufOptions::adapter_only`]).
+    pub adapted_modules: usize,
     /// Bytes of the file.
     pub bytes: u64,
     /// The architecture written (`general.architecture`).
@@ -49,7 +52,7 @@ pub struct GgufReport {
 }
 
 /// Writes `model` — its active adapter merged into the weights, as they are loaded (a 4-bit base dequantized: the
-/// weights training saw) — to `output` as GGUF. `source` is where the model was loaded from: a GGUF file's
+/// weights training saw), or the adapter alone ([`GgufOptions::adapter_only`]) — to `output` as GGUF. `source` is where the model was loaded from: a GGUF file's
 /// metadata (architecture, tokenizer, chat template) is carried over, a Hugging Face folder's `tokenizer.json` and
 /// `tokenizer_config.json` are converted. The file is written beside `output` and moved into place when complete.
 pub fn gguf(
@@ -77,10 +80,18 @@ pub fn gguf(
         source,
         options.tokenizer_pre.as_deref(),
     )?;
-    let plan = conversion.tensors(options.quant)?;
-    let metadata = conversion.metadata(options.quant)?;
+    let (plan, metadata) = match options.adapter_only {
+        true => {
+            let (plan, alpha) = conversion.adapter_tensors(options.quant)?;
+            (plan, conversion.adapter_metadata(alpha))
+        }
+        false => (
+            conversion.tensors(options.quant)?,
+            conversion.metadata(options.quant)?,
+        ),
+    };
     let records: Vec<TensorRecord> = plan.iter().map(|p| p.record.clone()).collect();
-    let merged_modules = model
+    let adapted_modules = model
         .linears()
         .iter()
         .filter(|(_, l)| l.active_adapter().is_some())
@@ -109,7 +120,7 @@ pub fn gguf(
         .len();
     Ok(GgufReport {
         tensors: plan.len(),
-        merged_modules,
+        adapted_modules,
         bytes,
         architecture: conversion.architecture().to_string(),
     })

@@ -821,7 +821,8 @@ impl LlamaModel {
         Ok(())
     }
 
-    fn active_saved(&self) -> Option<&SavedModules> {
+    /// The active adapter's trained copies of the embeddings and head (`modules_to_save`), if it has any.
+    pub fn active_saved(&self) -> Option<&SavedModules> {
         self.active_adapter
             .as_ref()
             .and_then(|a| self.saved_modules.get(a))

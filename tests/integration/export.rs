@@ -24,6 +24,7 @@ fn options(quant: GgmlType) -> GgufOptions {
     GgufOptions {
         quant,
         tokenizer_pre: Some("default".into()),
+        adapter_only: false,
         overwrite: false,
     }
 }
@@ -90,124 +91,140 @@ fn golden_form(v: &Value) -> (Vec<String>, serde_json::Value) {
     }
 }
 
-/// The tiny Llama exported in each type the converter writes equals the converter's file: every metadata key in
-/// its order with its type and value (but `general.name` and `general.size_label`, which the converter derives
-/// from the folder's name and parameter count), every tensor in its order with its dimensions, type and bytes
-/// (sha256) — the q/k permutation, `rope_freqs` of Llama 3's scaling, the float16/bfloat16 rounding and the q8_0
-/// blocks included.
+/// Asserts that the GGUF file `out` is the converter's file `expected` describes (a `files` entry of
+/// tests/data/gguf/tiny-llama.json): every metadata key in its order with its type and value — but
+/// `general.name` and `general.size_label`, which the converter derives from the folder's name and parameter
+/// count — and every tensor in its order with its dimensions, type and bytes (sha256).
+fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value) {
+    let (content, data) = read_gguf(out);
+    let want: Vec<(String, Vec<String>, serde_json::Value)> = expected["metadata"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let types = m["type"].as_array().unwrap().iter();
+            let types = types.map(|t| t.as_str().unwrap().to_string()).collect();
+            (
+                m["key"].as_str().unwrap().to_string(),
+                types,
+                m["value"].clone(),
+            )
+        })
+        .filter(|(k, _, _)| k != "general.name" && k != "general.size_label")
+        .collect();
+    // Candle's reader keeps no order: the order is checked on the file's bytes below.
+    let got: Vec<(String, Vec<String>, serde_json::Value)> = want
+        .iter()
+        .map(|(k, _, _)| {
+            let v = content
+                .metadata
+                .get(k)
+                .unwrap_or_else(|| panic!("{what}: `{k}` is missing"));
+            let (types, value) = golden_form(v);
+            (k.clone(), types, value)
+        })
+        .collect();
+    assert_eq!(got, want, "{what}: metadata");
+    assert_eq!(content.metadata.len(), want.len(), "{what}: no other keys");
+    let bytes = std::fs::read(out).unwrap();
+    let positions: Vec<usize> = want
+        .iter()
+        .map(|(k, _, _)| {
+            let mut needle = (k.len() as u64).to_le_bytes().to_vec();
+            needle.extend_from_slice(k.as_bytes());
+            bytes
+                .windows(needle.len())
+                .position(|w| w == needle)
+                .unwrap()
+        })
+        .collect();
+    assert!(
+        positions.windows(2).all(|p| p[0] < p[1]),
+        "{what}: the keys' order"
+    );
+    let tensors = expected["tensors"].as_array().unwrap();
+    let mut offsets: Vec<(u64, &String)> = content
+        .tensor_infos
+        .iter()
+        .map(|(n, i)| (i.offset, n))
+        .collect();
+    offsets.sort();
+    let order: Vec<&str> = tensors
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        offsets.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>(),
+        order,
+        "{what}: tensor order"
+    );
+    for t in tensors {
+        let name = t["name"].as_str().unwrap();
+        let info = &content.tensor_infos[name];
+        let mut ne: Vec<u64> = info.shape.dims().iter().map(|d| *d as u64).collect();
+        ne.reverse();
+        let want_ne: Vec<u64> = t["ne"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
+        assert_eq!(ne, want_ne, "{what}: {name} dimensions");
+        // Candle's names of the types are gguf-py's.
+        assert_eq!(
+            format!("{:?}", info.ggml_dtype),
+            t["type"].as_str().unwrap(),
+            "{what}: {name} type"
+        );
+        let digest: String = Sha256::digest(&data[name])
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            digest,
+            t["sha256"].as_str().unwrap(),
+            "{what}: {name} bytes"
+        );
+    }
+}
+
+/// The tiny Llama exported in each type the converter writes is the converter's file (the q/k permutation,
+/// `rope_freqs` of Llama 3's scaling, the float16/bfloat16 rounding and the q8_0 blocks included), and its LoRA
+/// adapter exported alone is `convert_lora_to_gguf.py`'s (`B`'s q/k rows permuted, `alpha`, float16 where `r`
+/// does not divide into q8_0 blocks).
 #[test]
-fn the_export_of_a_folder_equals_llama_cpp_converters_file() {
+fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
     let golden: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(data_path("gguf/tiny-llama.json")).unwrap())
             .unwrap();
     let folder = data_path("models/tiny-llama");
-    let model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+    let mut model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
         .unwrap()
         .model;
     let dir = tempfile::tempdir().unwrap();
     for quant in GgmlType::ALL {
-        let expected = &golden["files"][quant.name()];
         let out = dir.path().join(format!("{}.gguf", quant.name()));
         gguf(&model, &folder, &out, &options(quant)).unwrap();
-        let (content, data) = read_gguf(&out);
-        let keys = |v: &serde_json::Value| -> Vec<(String, Vec<String>, serde_json::Value)> {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|m| {
-                    let types = m["type"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|t| t.as_str().unwrap().to_string());
-                    (
-                        m["key"].as_str().unwrap().to_string(),
-                        types.collect(),
-                        m["value"].clone(),
-                    )
-                })
-                .filter(|(k, _, _)| k != "general.name" && k != "general.size_label")
-                .collect()
+        assert_is_the_converters(
+            &format!("model in {quant:?}"),
+            &out,
+            &golden["files"][quant.name()],
+        );
+    }
+    candle_qlora::adapter::load_adapter(&mut model, &data_path("peft/lora_all_linear"), "default")
+        .unwrap();
+    for quant in GgmlType::ALL {
+        let out = dir.path().join(format!("lora-{}.gguf", quant.name()));
+        let adapter_only = GgufOptions {
+            adapter_only: true,
+            ..options(quant)
         };
-        let want = keys(&expected["metadata"]);
-        // Our reader keeps no order: the order is checked on the file itself below.
-        let got: Vec<(String, Vec<String>, serde_json::Value)> = want
-            .iter()
-            .map(|(k, _, _)| {
-                let v = content
-                    .metadata
-                    .get(k)
-                    .unwrap_or_else(|| panic!("{quant:?}: `{k}` is missing"));
-                let (types, value) = golden_form(v);
-                (k.clone(), types, value)
-            })
-            .collect();
-        assert_eq!(got, want, "{quant:?}: metadata");
-        assert_eq!(
-            content.metadata.len(),
-            want.len(),
-            "{quant:?}: no other keys"
+        gguf(&model, &folder, &out, &adapter_only).unwrap();
+        assert_is_the_converters(
+            &format!("adapter in {quant:?}"),
+            &out,
+            &golden["adapter_files"][quant.name()],
         );
-        let bytes = std::fs::read(&out).unwrap();
-        let positions: Vec<usize> = want
-            .iter()
-            .map(|(k, _, _)| {
-                let mut needle = (k.len() as u64).to_le_bytes().to_vec();
-                needle.extend_from_slice(k.as_bytes());
-                bytes
-                    .windows(needle.len())
-                    .position(|w| w == needle)
-                    .unwrap()
-            })
-            .collect();
-        assert!(
-            positions.windows(2).all(|p| p[0] < p[1]),
-            "{quant:?}: the keys' order"
-        );
-        let tensors = expected["tensors"].as_array().unwrap();
-        let mut offsets: Vec<(u64, &String)> = content
-            .tensor_infos
-            .iter()
-            .map(|(n, i)| (i.offset, n))
-            .collect();
-        offsets.sort();
-        let order: Vec<&str> = tensors
-            .iter()
-            .map(|t| t["name"].as_str().unwrap())
-            .collect();
-        assert_eq!(
-            offsets.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>(),
-            order,
-            "{quant:?}: tensor order"
-        );
-        for t in tensors {
-            let name = t["name"].as_str().unwrap();
-            let info = &content.tensor_infos[name];
-            let mut ne: Vec<u64> = info.shape.dims().iter().map(|d| *d as u64).collect();
-            ne.reverse();
-            let want_ne: Vec<u64> = t["ne"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap())
-                .collect();
-            assert_eq!(ne, want_ne, "{quant:?}: {name} dimensions");
-            // Candle's names of the types are gguf-py's.
-            assert_eq!(
-                format!("{:?}", info.ggml_dtype),
-                t["type"].as_str().unwrap(),
-                "{quant:?}: {name} type"
-            );
-            let digest: String = Sha256::digest(&data[name])
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect();
-            assert_eq!(
-                digest,
-                t["sha256"].as_str().unwrap(),
-                "{quant:?}: {name} bytes"
-            );
-        }
     }
 }
 
@@ -233,7 +250,7 @@ fn an_exported_merge_holds_the_merged_weights() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("merged.gguf");
     let report = gguf(&adapted, &folder, &out, &options(GgmlType::F32)).unwrap();
-    assert_eq!(report.merged_modules, adapted.linears().len());
+    assert_eq!(report.adapted_modules, adapted.linears().len());
     let file = GgufFile::open(&out).unwrap();
     let c = adapted.config();
     let read = |name: &str| {
@@ -257,6 +274,55 @@ fn an_exported_merge_holds_the_merged_weights() {
         0.0
     );
     assert_eq!(max_abs_diff(&read("model.norm.weight"), &adapted.norm), 0.0);
+    // The adapter alone, applied as llama.cpp applies it — W + (alpha / r)·B·A on the file's (permuted) rows of
+    // the base without the adapter — gives the merged file's weights, within the float32 rounding of the r-term
+    // sums, the scaling and the addition (the merge's own chain and this one's).
+    let lora = dir.path().join("lora.gguf");
+    let adapter_only = GgufOptions {
+        adapter_only: true,
+        ..options(GgmlType::F32)
+    };
+    gguf(&adapted, &folder, &lora, &adapter_only).unwrap();
+    let base = dir.path().join("base.gguf");
+    let unadapted = load_model(folder.to_str().unwrap(), None, &nf4)
+        .unwrap()
+        .model;
+    gguf(&unadapted, &folder, &base, &options(GgmlType::F32)).unwrap();
+    let (lora_content, _) = read_gguf(&lora);
+    let alpha = lora_content.metadata["adapter.lora.alpha"]
+        .to_f32()
+        .unwrap() as f64;
+    let read = |file: &Path, name: &str| {
+        let (content, _) = read_gguf(file);
+        let mut f = std::fs::File::open(file).unwrap();
+        content
+            .tensor(&mut f, name, &Device::Cpu)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+    };
+    let mut applied_modules = 0;
+    for name in lora_content
+        .tensor_infos
+        .keys()
+        .filter_map(|n| n.strip_suffix(".lora_a"))
+    {
+        let a = read(&lora, &format!("{name}.lora_a"));
+        let b = read(&lora, &format!("{name}.lora_b"));
+        let r = a.dim(0).unwrap();
+        let delta = (b.matmul(&a).unwrap() * (alpha / r as f64)).unwrap();
+        let applied = (read(&base, name) + delta).unwrap();
+        let merged = read(&out, name);
+        let bound = float32_bound(2 * (r + 2), max_abs(&merged));
+        let d = max_abs_diff(&applied, &merged);
+        assert!(
+            d <= bound,
+            "{name}: the adapter applied differs from the merge by {d:.3e} (bound {bound:.3e})"
+        );
+        applied_modules += 1;
+    }
+    assert_eq!(applied_modules, adapted.linears().len());
+
     let back = load_model_config(out.to_str().unwrap(), None).unwrap();
     assert_eq!(
         (
@@ -486,4 +552,14 @@ fn the_command_exports_and_refuses_clearly() {
         "--overwrite",
     ]);
     assert!(!ok && text.contains("--output"), "{text}");
+    for (adapter, says) in [("dora", "DoRA"), ("modules_to_save", "modules_to_save")] {
+        let adapter = data_path(&format!("peft/{adapter}")).display().to_string();
+        let mut args = with(&["--adapter-only", "--overwrite", "--adapter"]);
+        args.push(adapter);
+        let (ok, text) = run(args);
+        assert!(
+            !ok && text.contains(says) && text.contains("without --adapter-only"),
+            "{text}"
+        );
+    }
 }
