@@ -467,6 +467,9 @@ struct ExportArgs {
     /// Write the adapter alone, as llama.cpp's convert_lora_to_gguf.py does (llama-cli --lora, Ollama's ADAPTER).
     #[arg(long, requires = "adapter")]
     adapter_only: bool,
+    /// Also write Ollama's Modelfile beside the output (FILE.Modelfile: FROM, ADAPTER, stop tokens, sampling).
+    #[arg(long)]
+    ollama: bool,
     /// The GGUF file to write.
     #[arg(long)]
     output: PathBuf,
@@ -500,6 +503,7 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         quant: args.quant,
         tokenizer_pre: args.tokenizer_pre.clone(),
         adapter_only: args.adapter_only,
+        ollama: args.ollama,
         overwrite: args.overwrite,
     };
     let start = std::time::Instant::now();
@@ -529,6 +533,13 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         },
         start.elapsed().as_secs_f64()
     );
+    if let Some(modelfile) = &report.modelfile {
+        println!(
+            "wrote {} (ollama create NAME -f {})",
+            modelfile.display(),
+            modelfile.display()
+        );
+    }
     Ok(())
 }
 

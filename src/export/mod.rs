@@ -7,6 +7,7 @@
 pub mod ggml;
 pub mod gguf_writer;
 mod llama_cpp;
+pub mod ollama;
 
 use std::path::Path;
 
@@ -34,7 +35,9 @@ pub struct GgufOptions {
     /// Write the active adapter alone, as llama.cpp's `convert_lora_to_gguf.py` does (`llama-cli --lora`,
     /// Ollama's `ADAPTER`), instead of the model with the adapter merged in.
     pub adapter_only: bool,
-    /// Replace an existing output file.
+    /// Also write Ollama's `Modelfile` beside the output ([`ollama::modelfile_path`]).
+    pub ollama: bool,
+    /// Replace an existing output file (and Modelfile).
     pub overwrite: bool,
 }
 
@@ -49,6 +52,8 @@ pub struct GgufReport {
     pub bytes: u64,
     /// The architecture written (`general.architecture`).
     pub architecture: String,
+    /// The Ollama `Modelfile` written beside it, if asked for.
+    pub modelfile: Option<std::path::PathBuf>,
 }
 
 /// Writes `model` — its active adapter merged into the weights, as they are loaded (a 4-bit base dequantized: the
@@ -67,6 +72,9 @@ pub fn gguf(
         "exported",
     )?;
     refuse_existing(output, options.overwrite)?;
+    if options.ollama {
+        ollama::check_modelfile(output, options.overwrite)?;
+    }
     let gguf_source = match source
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
@@ -115,6 +123,15 @@ pub fn gguf(
             .map_err(|e| io(e.into_error()))?;
         file.sync_all().map_err(io)
     })?;
+    let modelfile = match options.ollama {
+        true => Some(ollama::write_modelfile(
+            output,
+            source,
+            gguf_source.as_ref(),
+            options.adapter_only,
+        )?),
+        false => None,
+    };
     let bytes = std::fs::metadata(output)
         .map_err(|e| Error::io("cannot read", output, e))?
         .len();
@@ -123,6 +140,7 @@ pub fn gguf(
         adapted_modules,
         bytes,
         architecture: conversion.architecture().to_string(),
+        modelfile,
     })
 }
 

@@ -25,6 +25,7 @@ fn options(quant: GgmlType) -> GgufOptions {
         quant,
         tokenizer_pre: Some("default".into()),
         adapter_only: false,
+        ollama: false,
         overwrite: false,
     }
 }
@@ -561,5 +562,66 @@ fn the_command_exports_and_refuses_clearly() {
             !ok && text.contains(says) && text.contains("without --adapter-only"),
             "{text}"
         );
+    }
+}
+
+/// With `ollama`, a Modelfile beside the file: `FROM` the exported model, or for an adapter alone `FROM` the base
+/// (absolute) and `ADAPTER` the file; the end-of-sequence tokens of `tokenizer_config.json` and
+/// `generation_config.json` as stops; its sampling defaults under Ollama's names.
+#[test]
+fn an_ollama_modelfile_names_the_files_stops_and_sampling() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("tiny llama");
+    std::fs::create_dir(&base).unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(data_path("models/tiny-llama").join(f), base.join(f)).unwrap();
+    }
+    std::fs::write(base.join("tokenizer_config.json"), r#"{"eos_token": "t7"}"#).unwrap();
+    std::fs::write(
+        base.join("generation_config.json"),
+        r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "eos_token_id": [2, 7, 5]}"#,
+    )
+    .unwrap();
+    let mut model = load_model(base.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    candle_qlora::adapter::load_adapter(&mut model, &data_path("peft/lora_all_linear"), "default")
+        .unwrap();
+    let stops = "PARAMETER stop \"t7\"\nPARAMETER stop \"t2\"\nPARAMETER stop \"t5\"\n";
+    let sampling = "PARAMETER temperature 0.6\nPARAMETER top_p 0.9\nPARAMETER repeat_penalty 1.1\n";
+    for adapter_only in [false, true] {
+        let out = dir.path().join(format!("out-{adapter_only}.gguf"));
+        let opts = GgufOptions {
+            adapter_only,
+            ollama: true,
+            ..options(GgmlType::F16)
+        };
+        let report = gguf(&model, &base, &out, &opts).unwrap();
+        let modelfile = report.modelfile.unwrap();
+        assert_eq!(
+            modelfile,
+            dir.path().join(format!("out-{adapter_only}.Modelfile"))
+        );
+        let text = std::fs::read_to_string(&modelfile).unwrap();
+        let body: String = text.lines().skip(1).map(|l| format!("{l}\n")).collect();
+        let from = match adapter_only {
+            false => format!("FROM ./out-{adapter_only}.gguf\n"),
+            true => format!(
+                "FROM \"{}\"\nADAPTER ./out-{adapter_only}.gguf\n",
+                std::fs::canonicalize(&base).unwrap().display()
+            ),
+        };
+        assert_eq!(body, format!("{from}{stops}{sampling}"), "{text}");
+        let err = gguf(
+            &model,
+            &base,
+            &out,
+            &GgufOptions {
+                overwrite: false,
+                ..opts
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("already exists"), "{err}");
     }
 }
