@@ -7,6 +7,9 @@ below, checked by its sha256), runs the converter on the tiny Llama of the tests
 bf16, q8_0), and `convert_lora_to_gguf.py` on its LoRA adapter (tests/data/peft/lora_all_linear) for the same
 types, and records each file — every metadata key with its type and value, every tensor's name, dimensions, type and
 the sha256 of its bytes — in tests/data/gguf/tiny-llama.json (`files`: the model; `adapter_files`: the adapter).
+It also quantizes a fixed set of rows (random values at several scales, a zero block, a constant block, a lone
+spike, a negative extreme) with the `gguf` package's own quantizers for every block type it has (q8_0, q4_0, q4_1,
+q5_0, q5_1) and writes the inputs and the bytes to tests/data/gguf/quants.json.
 
 Versions used for the committed file: llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, gguf-py 0.19.0), torch 2.15.0,
 transformers 4.57.6 (the version the vendored converter's requirements pin), numpy 2.4.6.
@@ -19,7 +22,7 @@ Two things the test model needs, neither of which changes what is compared:
   answer `default` (what `qlora export --tokenizer-pre default` writes) instead of stopping.
 
 Usage:
-    python3 scripts/golden_gguf.py generate      # writes tests/data/gguf/tiny-llama.json
+    python3 scripts/golden_gguf.py generate      # writes tests/data/gguf/tiny-llama.json and quants.json
 """
 import hashlib
 import json
@@ -40,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "tests", "data", "models", "tiny-llama")
 ADAPTER = os.path.join(ROOT, "tests", "data", "peft", "lora_all_linear")
 OUT = os.path.join(ROOT, "tests", "data", "gguf", "tiny-llama.json")
+QUANTS_OUT = os.path.join(ROOT, "tests", "data", "gguf", "quants.json")
+QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 def fetch_converter(work):
@@ -115,6 +120,34 @@ def describe(path):
     return {"metadata": metadata, "tensors": tensors}
 
 
+def quant_inputs():
+    """Rows of 64 float32 values: random at several scales, and blocks of 32 with edge cases."""
+    import numpy as np
+
+    rng = np.random.default_rng(47)
+    rows = [rng.standard_normal(64) * scale for scale in (1e-3, 0.02, 1.0, 300.0)]
+    rows.append(np.concatenate([np.zeros(32), np.full(32, 0.75)]))  # zero block; constant block
+    spike = np.zeros(64)
+    spike[5], spike[40] = 3.0, -7.5  # a lone spike; a negative extreme
+    spike[41:] = rng.uniform(-1, 1, 23)
+    rows.append(spike)
+    rows.append(np.linspace(-2.0, 2.0, 64))
+    return np.stack(rows).astype(np.float32)
+
+
+def quants(llama_cpp):
+    """The gguf package's bytes for each block type of the fixed rows."""
+    sys.path[:0] = [os.path.join(llama_cpp, "gguf-py")]
+    import gguf
+
+    data = quant_inputs()
+    out = {"inputs": [[float(v) for v in row] for row in data]}
+    for name in QUANT_TYPES:
+        qtype = getattr(gguf.GGMLQuantizationType, name)
+        out[name.lower()] = [gguf.quants.quantize(row[None, :], qtype).tobytes().hex() for row in data]
+    return out
+
+
 def generate():
     with tempfile.TemporaryDirectory() as work:
         llama_cpp = fetch_converter(work)
@@ -132,12 +165,16 @@ def generate():
             out = os.path.join(work, f"lora-{outtype}.gguf")
             convert(llama_cpp, model, outtype, out, adapter)
             adapter_files[outtype] = describe(out)
+        quantized = quants(llama_cpp)
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump({"converter": "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)", "files": files,
                    "adapter_files": adapter_files}, f, indent=1)
         f.write("\n")
-    print(f"wrote {OUT}")
+    with open(QUANTS_OUT, "w") as f:
+        json.dump({"quantizers": "gguf-py 0.19.0 (llama.cpp 0c1e5709)", **quantized}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {OUT} and {QUANTS_OUT}")
 
 
 if __name__ == "__main__":

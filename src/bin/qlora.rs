@@ -455,7 +455,7 @@ struct ExportArgs {
     /// The file format.
     #[arg(long, value_enum)]
     format: ExportFormat,
-    /// The type of the matrices: f32, f16, bf16 or q8_0 (norms stay f32).
+    /// The type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (norms stay f32).
     #[arg(long, default_value = "f16")]
     quant: GgmlType,
     /// Merge into the base's stored (16-bit) weights instead of the 4-bit weights the adapter was trained on.

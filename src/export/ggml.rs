@@ -1,7 +1,7 @@
 //! ggml's tensor types that an export writes, and their encodings: float32, float16 and bfloat16 element by
-//! element, and `q8_0` in blocks of 32 — the types llama.cpp's `convert_hf_to_gguf.py` writes. Each encoding follows
-//! ggml's reference quantizer (`ggml-quants.c`), so the bytes equal those of llama.cpp's tools; the tests check them
-//! against the `gguf` Python package's quantizers.
+//! element (the types llama.cpp's `convert_hf_to_gguf.py` writes, with `q8_0`), and the block types `q8_0`, `q4_0`,
+//! `q4_1`, `q5_0`, `q5_1` in blocks of 32. Each encoding follows ggml's reference quantizer (`ggml-quants.c`), so the
+//! bytes equal those of llama.cpp's tools; the tests check them against the `gguf` Python package's quantizers.
 
 use half::f16;
 
@@ -16,17 +16,39 @@ pub enum GgmlType {
     Bf16,
     /// Blocks of 32: a float16 scale `d = max|x| / 127` and 32 signed bytes `round(x / d)`.
     Q8_0,
+    /// Blocks of 32: a float16 scale `d = x_max / −8` (`x_max` the value of largest magnitude) and 4-bit codes
+    /// `x / d + 8`.
+    Q4_0,
+    /// Blocks of 32: float16 `d = (max − min) / 15` and `min`, and 4-bit codes `(x − min) / d`.
+    Q4_1,
+    /// As `q4_0` with 5-bit codes: `d = x_max / −16`, codes `x / d + 16`, their fifth bits in a 32-bit word.
+    Q5_0,
+    /// As `q4_1` with 5-bit codes: `d = (max − min) / 31`.
+    Q5_1,
 }
 
 impl GgmlType {
     /// Every type, in ggml's order.
-    pub const ALL: [GgmlType; 4] = [GgmlType::F32, GgmlType::F16, GgmlType::Q8_0, GgmlType::Bf16];
+    pub const ALL: [GgmlType; 8] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Bf16,
+    ];
 
     /// Its number in ggml's `ggml_type` (what a GGUF tensor record stores).
     pub fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
             GgmlType::Bf16 => 30,
         }
@@ -39,6 +61,10 @@ impl GgmlType {
             GgmlType::F16 => "f16",
             GgmlType::Bf16 => "bf16",
             GgmlType::Q8_0 => "q8_0",
+            GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q4_1 => "q4_1",
+            GgmlType::Q5_0 => "q5_0",
+            GgmlType::Q5_1 => "q5_1",
         }
     }
 
@@ -46,7 +72,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
-            GgmlType::Q8_0 => 32,
+            _ => 32,
         }
     }
 
@@ -56,6 +82,10 @@ impl GgmlType {
             GgmlType::F32 => 4,
             GgmlType::F16 | GgmlType::Bf16 => 2,
             GgmlType::Q8_0 => 34,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
         }
     }
 
@@ -91,8 +121,59 @@ impl GgmlType {
                 // `roundf`: halves away from zero, as Rust's `round`; the value is within ±127.
                 out.extend(block.iter().map(|v| (v * inverse).round() as i8 as u8));
             }),
+            GgmlType::Q4_0 | GgmlType::Q5_0 => values.chunks_exact(32).for_each(|block| {
+                let levels = if self == GgmlType::Q4_0 { 16 } else { 32 };
+                // The value of largest magnitude (the first of equals), its sign kept: it maps to code 0.
+                let extreme = block
+                    .iter()
+                    .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+                let d = extreme / -(levels as f32 / 2.0);
+                let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let offset = levels as f32 / 2.0 + 0.5;
+                let codes =
+                    block.map_codes(|v| ((v * inverse + offset) as i8).min(levels - 1) as u8);
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                put_codes(out, &codes, self == GgmlType::Q5_0);
+            }),
+            GgmlType::Q4_1 | GgmlType::Q5_1 => values.chunks_exact(32).for_each(|block| {
+                let levels: i32 = if self == GgmlType::Q4_1 { 16 } else { 32 };
+                let min = block
+                    .iter()
+                    .fold(f32::MAX, |m, &v| if v < m { v } else { m });
+                let max = block
+                    .iter()
+                    .fold(-f32::MAX, |m, &v| if v > m { v } else { m });
+                let d = (max - min) / (levels - 1) as f32;
+                let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let codes =
+                    block.map_codes(|v| (((v - min) * inverse + 0.5) as i32).min(levels - 1) as u8);
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                put_codes(out, &codes, self == GgmlType::Q5_1);
+            }),
         }
     }
+}
+
+/// A block's 32 codes, one per value.
+trait Codes {
+    fn map_codes(&self, code: impl Fn(f32) -> u8) -> [u8; 32];
+}
+
+impl Codes for [f32] {
+    fn map_codes(&self, code: impl Fn(f32) -> u8) -> [u8; 32] {
+        std::array::from_fn(|i| code(self[i]))
+    }
+}
+
+/// Appends 32 codes as ggml packs them: with `fifth_bits`, first a little-endian 32-bit word of their fifth bits
+/// (bit j of code j); then 16 bytes, code j in the low nibble and code j + 16 in the high one.
+fn put_codes(out: &mut Vec<u8>, codes: &[u8; 32], fifth_bits: bool) {
+    if fifth_bits {
+        let high = (0..32).fold(0u32, |w, j| w | (((codes[j] >> 4) & 1) as u32) << j);
+        out.extend_from_slice(&high.to_le_bytes());
+    }
+    out.extend((0..16).map(|j| (codes[j] & 0x0f) | (codes[j + 16] << 4)));
 }
 
 /// ggml's float32 → bfloat16: round to nearest even; a NaN stays a NaN (its quiet bit set).

@@ -79,6 +79,10 @@ fn file_type(quant: GgmlType) -> u32 {
         GgmlType::F16 => 1,
         GgmlType::Q8_0 => 7,
         GgmlType::Bf16 => 32,
+        GgmlType::Q4_0 => 2,
+        GgmlType::Q4_1 => 3,
+        GgmlType::Q5_0 => 8,
+        GgmlType::Q5_1 => 9,
     }
 }
 

@@ -28,6 +28,7 @@ use gguf_writer::{GgufWriter, TensorRecord};
 pub struct GgufOptions {
     /// The type of the matrices (embeddings, projections, head); vectors (norms, RoPE factors) stay float32, and a
     /// matrix whose rows do not divide into the type's blocks is written in float16, as llama.cpp's converter does.
+    /// The 4- and 5-bit types apply to every matrix, as `llama-quantize --pure` does.
     pub quant: GgmlType,
     /// llama.cpp's name of the tokenizer's pre-tokenizer (`tokenizer.ggml.pre`), for a folder whose tokenizer
     /// splits words in a way not recognized (a GGUF source keeps its own).

@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use candle_qlora::adapter::{effective_weight, Adapters};
+use candle_qlora::export::gguf_writer::{GgufWriter, TensorRecord};
 use candle_qlora::export::{gguf, GgmlType, GgufOptions};
 use candle_qlora::loading::gguf::GgufFile;
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
@@ -19,6 +20,10 @@ use crate::common::{
     adapter_chain_terms, branch_terms, data_path, decoder_chain_terms, float32_bound, max_abs,
     max_abs_diff, merge_terms, test_model,
 };
+
+/// The types llama.cpp's `convert_hf_to_gguf.py` writes (`--outtype`), of which the golden files are.
+const CONVERTER_TYPES: [GgmlType; 4] =
+    [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0];
 
 fn options(quant: GgmlType) -> GgufOptions {
     GgufOptions {
@@ -203,7 +208,7 @@ fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
         .unwrap()
         .model;
     let dir = tempfile::tempdir().unwrap();
-    for quant in GgmlType::ALL {
+    for quant in CONVERTER_TYPES {
         let out = dir.path().join(format!("{}.gguf", quant.name()));
         gguf(&model, &folder, &out, &options(quant)).unwrap();
         assert_is_the_converters(
@@ -214,7 +219,7 @@ fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
     }
     candle_qlora::adapter::load_adapter(&mut model, &data_path("peft/lora_all_linear"), "default")
         .unwrap();
-    for quant in GgmlType::ALL {
+    for quant in CONVERTER_TYPES {
         let out = dir.path().join(format!("lora-{}.gguf", quant.name()));
         let adapter_only = GgufOptions {
             adapter_only: true,
@@ -526,7 +531,7 @@ fn the_command_exports_and_refuses_clearly() {
     );
     let (ok, text) = run(with(&["--quant", "q4_k_m", "--overwrite"]));
     assert!(
-        !ok && text.contains("q4_k_m") && text.contains("f32, f16, q8_0, bf16"),
+        !ok && text.contains("q4_k_m") && text.contains("known: f32, f16, q4_0"),
         "{text}"
     );
     let qwen = data_path("models/tiny-qwen2").display().to_string();
@@ -623,5 +628,95 @@ fn an_ollama_modelfile_names_the_files_stops_and_sampling() {
         )
         .unwrap_err();
         assert!(err.to_string().contains("already exists"), "{err}");
+    }
+}
+
+/// Every block type's bytes equal the `gguf` package's quantizer's (tests/data/gguf/quants.json, from
+/// `scripts/golden_gguf.py`) on random rows at four scales and on edge cases (a zero block, a constant one, a lone
+/// spike, a negative extreme); read back by Candle's GGUF reader, each value is within half a step of its block's
+/// scale (a whole step at the clamped end of q4_0 and q5_0), plus the float16 rounding of the scale (2⁻¹¹ relative,
+/// times the largest code) and of the minimum.
+#[test]
+fn block_quantizers_equal_the_gguf_packages() {
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data_path("gguf/quants.json")).unwrap())
+            .unwrap();
+    let rows: Vec<Vec<f32>> = golden["inputs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    for quant in GgmlType::ALL.into_iter().filter(|t| t.block_len() == 32) {
+        let mut records = Vec::new();
+        let mut encoded_rows = Vec::new();
+        for (i, row) in rows.iter().enumerate() {
+            let mut encoded = Vec::new();
+            quant.encode(row, &mut encoded);
+            let hex: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(
+                hex,
+                golden[quant.name()][i].as_str().unwrap(),
+                "{quant:?}, row {i}"
+            );
+            records.push(TensorRecord {
+                name: format!("row{i}"),
+                shape: vec![row.len()],
+                ggml_type: quant,
+            });
+            encoded_rows.push(encoded);
+        }
+        let path = dir.path().join(format!("{}.gguf", quant.name()));
+        let mut writer =
+            GgufWriter::start(std::fs::File::create(&path).unwrap(), &[], records).unwrap();
+        for encoded in &encoded_rows {
+            writer.write_tensor(encoded).unwrap();
+        }
+        writer.finish().unwrap();
+        let (content, _) = read_gguf(&path);
+        let mut file = std::fs::File::open(&path).unwrap();
+        // The codes' range in steps of the scale, and whether a minimum is stored: q8_0 and q4_0/q5_0 scale by
+        // the value of largest magnitude (q4_0/q5_0 clamp the other end of the range by up to a whole step).
+        let (levels, clamped, offset) = match quant {
+            GgmlType::Q8_0 => (127.0, false, false),
+            GgmlType::Q4_0 => (8.0, true, false),
+            GgmlType::Q5_0 => (16.0, true, false),
+            GgmlType::Q4_1 => (15.0, false, true),
+            _ => (31.0, false, true),
+        };
+        for (i, row) in rows.iter().enumerate() {
+            let back: Vec<f32> = content
+                .tensor(&mut file, &format!("row{i}"), &Device::Cpu)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for (block, back) in row.chunks(32).zip(back.chunks(32)) {
+                let (min, max) = block
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+                let step = match offset {
+                    true => (max - min) / levels,
+                    false => min.abs().max(max.abs()) / levels,
+                };
+                let rounding = if clamped { 1.0 } else { 0.5 };
+                let bound =
+                    step * (rounding + levels / 2048.0) + min.abs() / 2048.0 * offset as u8 as f32;
+                for (x, y) in block.iter().zip(back) {
+                    assert!(
+                        (x - y).abs() <= bound * 1.0001,
+                        "{quant:?}, row {i}: {x} vs {y} (bound {bound})"
+                    );
+                }
+            }
+        }
     }
 }
