@@ -3,10 +3,11 @@
 
 The converter is not on PyPI by itself: it ships inside the source distribution of llama-cpp-python, whose
 `vendor/llama.cpp` holds llama.cpp's converter and its `gguf-py` package. This script downloads that sdist (pinned
-below, checked by its sha256), runs the converter on the tiny Llama of the tests for each type it writes (f32, f16,
-bf16, q8_0), and `convert_lora_to_gguf.py` on its LoRA adapter (tests/data/peft/lora_all_linear) for the same
-types, and records each file — every metadata key with its type and value, every tensor's name, dimensions, type and
-the sha256 of its bytes — in tests/data/gguf/tiny-llama.json (`files`: the model; `adapter_files`: the adapter).
+below, checked by its sha256), runs the converter on tiny models of the tests — the Llama for each type it writes
+(f32, f16, bf16, q8_0), the Qwen 2 and Qwen 3 in some — and `convert_lora_to_gguf.py` on a LoRA adapter of the
+Llama and of the Qwen 3 (tests/data/peft) in the same types, and records each file — every metadata key with its
+type and value, every tensor's name, dimensions, type and the sha256 of its bytes — in tests/data/gguf/NAME.json
+(`files`: the model; `adapter_files`: the adapter).
 It also quantizes a fixed set of rows (random values at several scales, a zero block, a constant block, a lone
 spike, a negative extreme) with the `gguf` package's own quantizers for every block type it has (q8_0, q4_0, q4_1,
 q5_0, q5_1) and writes the inputs and the bytes to tests/data/gguf/quants.json.
@@ -22,7 +23,7 @@ Two things the test model needs, neither of which changes what is compared:
   answer `default` (what `qlora export --tokenizer-pre default` writes) instead of stopping.
 
 Usage:
-    python3 scripts/golden_gguf.py generate      # writes tests/data/gguf/tiny-llama.json and quants.json
+    python3 scripts/golden_gguf.py generate      # writes tests/data/gguf/tiny-*.json and quants.json
 """
 import hashlib
 import json
@@ -40,10 +41,17 @@ INDEX = "https://pypi.org/simple/llama-cpp-python/"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 TYPES = ["f32", "f16", "bf16", "q8_0"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(ROOT, "tests", "data", "models", "tiny-llama")
-ADAPTER = os.path.join(ROOT, "tests", "data", "peft", "lora_all_linear")
-OUT = os.path.join(ROOT, "tests", "data", "gguf", "tiny-llama.json")
-QUANTS_OUT = os.path.join(ROOT, "tests", "data", "gguf", "quants.json")
+MODELS_DIR = os.path.join(ROOT, "tests", "data", "models")
+PEFT_DIR = os.path.join(ROOT, "tests", "data", "peft")
+GGUF_DIR = os.path.join(ROOT, "tests", "data", "gguf")
+QUANTS_OUT = os.path.join(GGUF_DIR, "quants.json")
+CONVERTER = "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)"
+# The tiny models converted: the types written, and the adapter (tests/data/peft) converted alone.
+MODELS = {
+    "tiny-llama": (TYPES, "lora_all_linear"),
+    "tiny-qwen2": (["f32"], None),
+    "tiny-qwen3": (["f32", "q8_0"], "qwen3_lora"),
+}
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
@@ -149,32 +157,41 @@ def quants(llama_cpp):
 
 
 def generate():
+    os.makedirs(GGUF_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         llama_cpp = fetch_converter(work)
-        model = os.path.join(work, "tiny-llama")
-        shutil.copytree(MODEL, model)
-        with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
-        adapter = os.path.join(work, "lora_all_linear")
-        shutil.copytree(ADAPTER, adapter)
-        files, adapter_files = {}, {}
-        for outtype in TYPES:
-            out = os.path.join(work, f"tiny-llama-{outtype}.gguf")
-            convert(llama_cpp, model, outtype, out)
-            files[outtype] = describe(out)
-            out = os.path.join(work, f"lora-{outtype}.gguf")
-            convert(llama_cpp, model, outtype, out, adapter)
-            adapter_files[outtype] = describe(out)
+        for name, (types, adapter_name) in MODELS.items():
+            model = os.path.join(work, name)
+            shutil.copytree(os.path.join(MODELS_DIR, name), model)
+            with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+            adapter = None
+            if adapter_name:
+                adapter = os.path.join(work, adapter_name)
+                shutil.copytree(os.path.join(PEFT_DIR, adapter_name), adapter)
+            files, adapter_files = {}, {}
+            for outtype in types:
+                out = os.path.join(work, f"{name}-{outtype}.gguf")
+                convert(llama_cpp, model, outtype, out)
+                files[outtype] = describe(out)
+                if adapter:
+                    out = os.path.join(work, f"{adapter_name}-{outtype}.gguf")
+                    convert(llama_cpp, model, outtype, out, adapter)
+                    adapter_files[outtype] = describe(out)
+            path = os.path.join(GGUF_DIR, f"{name}.json")
+            with open(path, "w") as f:
+                record = {"converter": CONVERTER, "files": files}
+                if adapter:
+                    record["adapter"] = adapter_name
+                    record["adapter_files"] = adapter_files
+                json.dump(record, f, indent=1)
+                f.write("\n")
+            print(f"wrote {path}")
         quantized = quants(llama_cpp)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump({"converter": "llama-cpp-python 0.3.36 (llama.cpp 0c1e5709)", "files": files,
-                   "adapter_files": adapter_files}, f, indent=1)
-        f.write("\n")
     with open(QUANTS_OUT, "w") as f:
         json.dump({"quantizers": "gguf-py 0.19.0 (llama.cpp 0c1e5709)", **quantized}, f, indent=1)
         f.write("\n")
-    print(f"wrote {OUT} and {QUANTS_OUT}")
+    print(f"wrote {QUANTS_OUT}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-//! A model as llama.cpp's converter (`convert_hf_to_gguf.py`) writes it: which tensors, under which names and in
-//! which layouts (Llama's q/k rows permuted for its interleaved RoPE, Llama 3's RoPE scaling as `rope_freqs`), in
-//! which order, and the metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges,
+//! A model of llama.cpp's `llama`, `qwen2` or `qwen3` architecture as its converter (`convert_hf_to_gguf.py`)
+//! writes it: which tensors, under which names and in which layouts (Llama's q/k rows permuted for its interleaved
+//! RoPE, Llama 3's RoPE scaling as `rope_freqs`, Qwen 2's biases), in which order, and the metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges,
 //! special tokens and chat template. A model loaded from GGUF keeps its file's metadata and tensor order.
 
 use std::collections::HashMap;
@@ -40,6 +40,8 @@ pub(super) enum TensorSource {
     },
     /// Llama 3's RoPE scaling as per-frequency divisors.
     RopeFactors(Vec<f32>),
+    /// A linear layer's bias.
+    Bias { name: String },
     /// A linear layer's adapter `A` `[r, in]`.
     LoraA { name: String },
     /// A linear layer's adapter `B` `[out, r]`, times `factor` (its scaling against the file's `alpha / r`), q/k
@@ -72,6 +74,32 @@ pub(super) struct Conversion<'a> {
     rope_factors: Option<Vec<f32>>,
 }
 
+/// The llama.cpp architectures written.
+const WRITTEN: [&str; 3] = ["llama", "qwen2", "qwen3"];
+
+/// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama and for Mistral
+/// (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written without
+/// it), Qwen 2's and Qwen 3's own.
+fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
+    Ok(match config.architecture.model_type() {
+        "llama" => "llama",
+        "mistral" if config.sliding_window.is_none() => "llama",
+        "mistral" => {
+            return Err(Error::InvalidInput(format!(
+                "this Mistral model attends within a sliding window of {} tokens, which llama.cpp's `llama` \
+                 architecture (the one its converter writes Mistral as) does not have: its GGUF would attend to \
+                 every earlier token (a copy of its config.json with `\"sliding_window\": null` exports as \
+                 llama.cpp's converter would, without the window)",
+                config.sliding_window.unwrap_or_default()
+            )))
+        }
+        "qwen2" => "qwen2",
+        "qwen3" => "qwen3",
+        // Refused by the caller, naming the model type.
+        _ => "",
+    })
+}
+
 /// llama.cpp's `general.file_type` of a file whose matrices are `quant` (`LlamaFileType`).
 fn file_type(quant: GgmlType) -> u32 {
     match quant {
@@ -99,13 +127,12 @@ impl<'a> Conversion<'a> {
         let model_type = config.architecture.model_type();
         let arch = match gguf {
             Some(file) => file.arch().to_string(),
-            None if model_type == "llama" => "llama".to_string(),
-            None => String::new(),
+            None => gguf_architecture(config)?.to_string(),
         };
-        if arch != "llama" || config.moe.is_some() {
+        if !WRITTEN.contains(&arch.as_str()) || config.moe.is_some() {
             return Err(Error::InvalidInput(format!(
-                "GGUF export writes Llama-architecture models so far (Llama, SmolLM: `model_type = \"llama\"`, or a \
-                 GGUF file of architecture `llama` without experts); this model is `{model_type}`{}",
+                "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral without a sliding window), `qwen2` and \
+                 `qwen3` architectures so far, without experts; this model is `{model_type}`{}",
                 match gguf {
                     Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
                     None => String::new(),
@@ -146,7 +173,6 @@ impl<'a> Conversion<'a> {
     /// The tensors to write, in the order of the source: a GGUF file's, or the converter's for a folder (RoPE
     /// factors first, then by Hugging Face name, the order of its safetensors files).
     pub fn tensors(&self, quant: GgmlType) -> Result<Vec<Planned>> {
-        let config = self.model.config();
         let mut hf: Vec<(String, Vec<usize>, TensorSource)> = Vec::new();
         let embedding = self.model.embedding_table().dims().to_vec();
         hf.push((
@@ -164,18 +190,11 @@ impl<'a> Conversion<'a> {
             }
         }
         for (name, linear) in self.model.linears() {
-            if linear.base.bias.is_some() {
-                return Err(Error::InvalidInput(format!(
-                    "GGUF export: `{name}` has a bias, which Llama's layers do not"
-                )));
+            if let Some(bias) = &linear.base.bias {
+                let source = TensorSource::Bias { name: name.clone() };
+                hf.push((format!("{name}.bias"), bias.dims().to_vec(), source));
             }
-            let permute_heads = if name.ends_with("self_attn.q_proj") {
-                Some(config.num_attention_heads)
-            } else if name.ends_with("self_attn.k_proj") {
-                Some(config.num_key_value_heads)
-            } else {
-                None
-            };
+            let permute_heads = self.permuted_heads(&name);
             let (rows, columns) = linear.base.weight.dims2()?;
             let source = TensorSource::Linear {
                 name: name.clone(),
@@ -232,7 +251,6 @@ impl<'a> Conversion<'a> {
     /// otherwise (`rank_pattern`, `alpha_pattern`) has its `B` multiplied to match. Refused: no adapter, DoRA (which
     /// llama.cpp does not apply) and trained embeddings or head (which a llama.cpp adapter cannot carry).
     pub fn adapter_tensors(&self, quant: GgmlType) -> Result<(Vec<Planned>, f64)> {
-        let config = self.model.config();
         if let Some(saved) = self.model.active_saved() {
             if saved.embed_tokens.is_some() || saved.lm_head.is_some() {
                 return Err(Error::InvalidInput(
@@ -270,13 +288,7 @@ impl<'a> Conversion<'a> {
             })?;
             let (r, columns) = adapter.a.as_tensor().dims2()?;
             let rows = adapter.b.as_tensor().dim(0)?;
-            let permute_heads = if name.ends_with("self_attn.q_proj") {
-                Some(config.num_attention_heads)
-            } else if name.ends_with("self_attn.k_proj") {
-                Some(config.num_key_value_heads)
-            } else {
-                None
-            };
+            let permute_heads = self.permuted_heads(&name);
             for (suffix, shape, source) in [
                 (
                     "lora_a",
@@ -318,6 +330,17 @@ impl<'a> Conversion<'a> {
         ]
     }
 
+    /// The heads over which the rows of linear layer `name` are permuted: Llama's q and k projections, for
+    /// llama.cpp's interleaved RoPE (Qwen's keep transformers' halves, as llama.cpp computes them).
+    fn permuted_heads(&self, name: &str) -> Option<usize> {
+        let config = self.model.config();
+        match self.arch.as_str() {
+            "llama" if name.ends_with("self_attn.q_proj") => Some(config.num_attention_heads),
+            "llama" if name.ends_with("self_attn.k_proj") => Some(config.num_key_value_heads),
+            _ => None,
+        }
+    }
+
     /// Whether the head is written (`output.weight`): when the model has one of its own — untied in its config,
     /// or trained apart from the embeddings by the adapter.
     fn writes_head(&self) -> Result<bool> {
@@ -347,6 +370,10 @@ impl<'a> Conversion<'a> {
                 permute_heads,
             } => permuted_values(&effective_weight(linear(model, name)?)?, *permute_heads),
             TensorSource::RopeFactors(f) => Ok(f.clone()),
+            TensorSource::Bias { name } => match &linear(model, name)?.base.bias {
+                Some(b) => values_of(b),
+                None => Err(Error::InvalidInput(format!("`{name}` has no bias"))),
+            },
             TensorSource::LoraA { name } => values_of(adapter_of(model, name)?.a.as_tensor()),
             TensorSource::LoraB {
                 name,
@@ -471,10 +498,14 @@ fn architecture_metadata(
         head.push(entry(key("attention.key_length"), u(c.head_dim)));
         head.push(entry(key("attention.value_length"), u(c.head_dim)));
     }
-    let mut tail = vec![
-        entry(key("vocab_size"), u(c.vocab_size)),
-        entry(key("rope.dimension_count"), u(c.rotary_dim)),
-    ];
+    // Llama's converter adds these; Qwen's does not.
+    let mut tail = match arch {
+        "llama" => vec![
+            entry(key("vocab_size"), u(c.vocab_size)),
+            entry(key("rope.dimension_count"), u(c.rotary_dim)),
+        ],
+        _ => Vec::new(),
+    };
     if let Some(RopeScaling::Linear { factor }) = c.rope_scaling {
         tail.push(entry(
             key("rope.scaling.type"),

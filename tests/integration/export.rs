@@ -21,10 +21,6 @@ use crate::common::{
     max_abs_diff, merge_terms, test_model,
 };
 
-/// The types llama.cpp's `convert_hf_to_gguf.py` writes (`--outtype`), of which the golden files are.
-const CONVERTER_TYPES: [GgmlType; 4] =
-    [GgmlType::F32, GgmlType::F16, GgmlType::Bf16, GgmlType::Q8_0];
-
 fn options(quant: GgmlType) -> GgufOptions {
     GgufOptions {
         quant,
@@ -98,7 +94,7 @@ fn golden_form(v: &Value) -> (Vec<String>, serde_json::Value) {
 }
 
 /// Asserts that the GGUF file `out` is the converter's file `expected` describes (a `files` entry of
-/// tests/data/gguf/tiny-llama.json): every metadata key in its order with its type and value — but
+/// tests/data/gguf/NAME.json): every metadata key in its order with its type and value — but
 /// `general.name` and `general.size_label`, which the converter derives from the folder's name and parameter
 /// count — and every tensor in its order with its dimensions, type and bytes (sha256).
 fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value) {
@@ -194,43 +190,52 @@ fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value
     }
 }
 
-/// The tiny Llama exported in each type the converter writes is the converter's file (the q/k permutation,
-/// `rope_freqs` of Llama 3's scaling, the float16/bfloat16 rounding and the q8_0 blocks included), and its LoRA
-/// adapter exported alone is `convert_lora_to_gguf.py`'s (`B`'s q/k rows permuted, `alpha`, float16 where `r`
-/// does not divide into q8_0 blocks).
+/// The tiny Llama, Qwen 2 and Qwen 3 exported in each type the golden files hold are the converter's files (the
+/// Llama's q/k permutation and `rope_freqs` of Llama 3's scaling, Qwen 2's biases, Qwen 3's q/k norms, the
+/// float16/bfloat16 rounding and the q8_0 blocks included), and their LoRA adapters exported alone are
+/// `convert_lora_to_gguf.py`'s (`B`'s q/k rows permuted for the Llama, `alpha`, float16 where `r` does not divide
+/// into q8_0 blocks).
 #[test]
 fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(data_path("gguf/tiny-llama.json")).unwrap())
-            .unwrap();
-    let folder = data_path("models/tiny-llama");
-    let mut model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
-        .unwrap()
-        .model;
     let dir = tempfile::tempdir().unwrap();
-    for quant in CONVERTER_TYPES {
-        let out = dir.path().join(format!("{}.gguf", quant.name()));
-        gguf(&model, &folder, &out, &options(quant)).unwrap();
-        assert_is_the_converters(
-            &format!("model in {quant:?}"),
-            &out,
-            &golden["files"][quant.name()],
-        );
-    }
-    candle_qlora::adapter::load_adapter(&mut model, &data_path("peft/lora_all_linear"), "default")
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+        let golden: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
+        )
         .unwrap();
-    for quant in CONVERTER_TYPES {
-        let out = dir.path().join(format!("lora-{}.gguf", quant.name()));
-        let adapter_only = GgufOptions {
-            adapter_only: true,
-            ..options(quant)
+        let folder = data_path(&format!("models/{name}"));
+        let mut model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        let types = |files: &serde_json::Value| -> Vec<GgmlType> {
+            let files = files.as_object().unwrap();
+            files.keys().map(|t| t.parse().unwrap()).collect()
         };
-        gguf(&model, &folder, &out, &adapter_only).unwrap();
-        assert_is_the_converters(
-            &format!("adapter in {quant:?}"),
-            &out,
-            &golden["adapter_files"][quant.name()],
-        );
+        for quant in types(&golden["files"]) {
+            let out = dir.path().join(format!("{name}-{}.gguf", quant.name()));
+            gguf(&model, &folder, &out, &options(quant)).unwrap();
+            let expected = &golden["files"][quant.name()];
+            assert_is_the_converters(&format!("{name} in {quant:?}"), &out, expected);
+        }
+        let Some(adapter) = golden["adapter"].as_str() else {
+            continue;
+        };
+        candle_qlora::adapter::load_adapter(
+            &mut model,
+            &data_path(&format!("peft/{adapter}")),
+            "default",
+        )
+        .unwrap();
+        for quant in types(&golden["adapter_files"]) {
+            let out = dir.path().join(format!("{adapter}-{}.gguf", quant.name()));
+            let adapter_only = GgufOptions {
+                adapter_only: true,
+                ..options(quant)
+            };
+            gguf(&model, &folder, &out, &adapter_only).unwrap();
+            let expected = &golden["adapter_files"][quant.name()];
+            assert_is_the_converters(&format!("{adapter} in {quant:?}"), &out, expected);
+        }
     }
 }
 
@@ -534,7 +539,7 @@ fn the_command_exports_and_refuses_clearly() {
         !ok && text.contains("q4_k_m") && text.contains("known: f32, f16, q4_0"),
         "{text}"
     );
-    let qwen = data_path("models/tiny-qwen2").display().to_string();
+    let qwen = data_path("models/tiny-gemma2").display().to_string();
     let (ok, text) = qlora(&[
         "--model",
         &qwen,
@@ -545,7 +550,7 @@ fn the_command_exports_and_refuses_clearly() {
         "--overwrite",
     ]);
     assert!(
-        !ok && text.contains("Llama-architecture") && text.contains("qwen2"),
+        !ok && text.contains("`qwen3` architectures so far") && text.contains("gemma2"),
         "{text}"
     );
     let (ok, text) = qlora(&[
