@@ -10,7 +10,6 @@ use candle_core::quantized::gguf_file::Value;
 
 use super::ggml::GgmlType;
 use super::gguf_writer::TensorRecord;
-use super::{entry, values_of};
 use crate::adapter::effective_weight;
 use crate::error::{Error, Result};
 use crate::files::read_json;
@@ -21,6 +20,18 @@ use crate::ops::rope::{llama3_frequency_divisors, RopeScaling};
 
 /// A metadata entry: key and value.
 type Entry = (String, Value);
+
+/// A metadata entry.
+fn entry(key: impl Into<String>, value: Value) -> Entry {
+    (key.into(), value)
+}
+
+/// A tensor of the model as float32 values in row-major order.
+fn values_of(t: &candle_core::Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1()?)
+}
 
 /// Where a tensor's values come from.
 #[derive(Clone, Debug)]

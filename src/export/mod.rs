@@ -11,9 +11,6 @@ pub mod ollama;
 
 use std::path::Path;
 
-use candle_core::quantized::gguf_file::Value;
-use candle_core::{DType, Tensor};
-
 use crate::error::{Error, Result};
 use crate::files::apart::check_output_apart;
 use crate::files::{refuse_existing, write_file_atomically};
@@ -58,9 +55,10 @@ pub struct GgufReport {
 }
 
 /// Writes `model` — its active adapter merged into the weights, as they are loaded (a 4-bit base dequantized: the
-/// weights training saw), or the adapter alone ([`GgufOptions::adapter_only`]) — to `output` as GGUF. `source` is where the model was loaded from: a GGUF file's
-/// metadata (architecture, tokenizer, chat template) is carried over, a Hugging Face folder's `tokenizer.json` and
-/// `tokenizer_config.json` are converted. The file is written beside `output` and moved into place when complete.
+/// weights training saw), or the adapter alone ([`GgufOptions::adapter_only`]) — to `output` as GGUF. `source` is
+/// where the model was loaded from: a GGUF file's metadata (architecture, tokenizer, chat template) is carried over,
+/// a Hugging Face folder's `config.json`, `tokenizer.json` and `tokenizer_config.json` are converted. The file is
+/// written beside `output` and moved into place when complete.
 pub fn gguf(
     model: &LlamaModel,
     source: &Path,
@@ -143,14 +141,4 @@ pub fn gguf(
         architecture: conversion.architecture().to_string(),
         modelfile,
     })
-}
-
-/// A tensor of the model as float32 values in row-major order.
-fn values_of(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
-}
-
-/// A metadata entry.
-fn entry(key: impl Into<String>, value: Value) -> (String, Value) {
-    (key.into(), value)
 }

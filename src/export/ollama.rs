@@ -50,13 +50,14 @@ pub(super) fn write_modelfile(
         }
         false => text += &format!("FROM {}\n", path(local(output))),
     }
-    for stop in stop_tokens(source, gguf_source)? {
-        text += &format!("PARAMETER stop {}\n", quoted(&stop));
-    }
+    // A folder's generation defaults (a GGUF file carries none).
     let generation = match gguf_source {
         None => read_json::<serde_json::Value>(&source.join("generation_config.json")).ok(),
         Some(_) => None,
     };
+    for stop in stop_tokens(source, gguf_source, generation.as_ref())? {
+        text += &format!("PARAMETER stop {}\n", quoted(&stop));
+    }
     if let Some(g) = generation.filter(|g| g["do_sample"] != false) {
         // transformers' names → Ollama's.
         for (ours, theirs) in [
@@ -81,8 +82,12 @@ fn quoted(s: &str) -> String {
 }
 
 /// The texts of the end-of-sequence tokens: a GGUF base's `tokenizer.ggml.eos_token_id`, or a folder's
-/// `eos_token` and `generation_config.json`'s `eos_token_id` (one or a list).
-fn stop_tokens(source: &Path, gguf_source: Option<&GgufFile>) -> Result<Vec<String>> {
+/// `eos_token` and its `generation` config's `eos_token_id` (one or a list).
+fn stop_tokens(
+    source: &Path,
+    gguf_source: Option<&GgufFile>,
+    generation: Option<&serde_json::Value>,
+) -> Result<Vec<String>> {
     let mut stops: Vec<String> = Vec::new();
     match gguf_source {
         Some(file) => {
@@ -105,9 +110,7 @@ fn stop_tokens(source: &Path, gguf_source: Option<&GgufFile>) -> Result<Vec<Stri
             }
             let tokenizer = TextTokenizer::from_folder(source)?;
             stops.extend(tokenizer.eos_token.clone());
-            let generation =
-                read_json::<serde_json::Value>(&source.join("generation_config.json")).ok();
-            let ids: Vec<u32> = match generation.as_ref().map(|g| &g["eos_token_id"]) {
+            let ids: Vec<u32> = match generation.map(|g| &g["eos_token_id"]) {
                 Some(serde_json::Value::Number(n)) => {
                     n.as_u64().into_iter().map(|i| i as u32).collect()
                 }
