@@ -1664,7 +1664,7 @@ fn messages_name_config_keys_and_flags_that_exist() {
             .err()
             .is_none_or(|e| !e.to_string().contains("unknown key"))
     };
-    let help: String = ["quantize", "eval", "generate", "merge", "train", "estimate"]
+    let help: String = ["quantize", "eval", "generate", "merge", "export", "train", "estimate"]
         .iter()
         .map(|sub| {
             let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
