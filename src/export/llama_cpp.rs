@@ -70,6 +70,20 @@ pub(super) struct Planned {
     pub source: TensorSource,
 }
 
+impl Planned {
+    /// The tensor `name` of `shape`, in the type [`tensor_type`] gives it for `quant`.
+    fn new(name: String, shape: Vec<usize>, quant: GgmlType, source: TensorSource) -> Self {
+        Planned {
+            record: TensorRecord {
+                ggml_type: tensor_type(&name, &shape, quant),
+                name,
+                shape,
+            },
+            source,
+        }
+    }
+}
+
 /// The conversion of one model.
 pub(super) struct Conversion<'a> {
     model: &'a LlamaModel,
@@ -226,27 +240,22 @@ impl<'a> Conversion<'a> {
         }
         let mut out = Vec::new();
         if let Some(factors) = &self.rope_factors {
-            out.push(Planned {
-                record: TensorRecord {
-                    name: "rope_freqs.weight".into(),
-                    shape: vec![factors.len()],
-                    ggml_type: GgmlType::F32,
-                },
-                source: TensorSource::RopeFactors(factors.clone()),
-            });
+            // A vector: float32 whatever `quant`.
+            let source = TensorSource::RopeFactors(factors.clone());
+            out.push(Planned::new(
+                "rope_freqs.weight".into(),
+                vec![factors.len()],
+                quant,
+                source,
+            ));
         }
         for (hf_name, shape, source) in hf {
-            let name = gguf_name(&hf_name, &self.arch).ok_or_else(|| {
-                Error::InvalidInput(format!("no llama.cpp name for tensor `{hf_name}`"))
-            })?;
-            out.push(Planned {
-                record: TensorRecord {
-                    ggml_type: tensor_type(&name, &shape, quant),
-                    name,
-                    shape,
-                },
+            out.push(Planned::new(
+                self.llama_cpp_name(&hf_name)?,
+                shape,
+                quant,
                 source,
-            });
+            ));
         }
         if let Some(file) = self.gguf {
             let infos = &file.content().tensor_infos;
@@ -294,9 +303,7 @@ impl<'a> Conversion<'a> {
                      merged in (without --adapter-only)"
                 )));
             }
-            let base = gguf_name(&format!("{name}.weight"), &self.arch).ok_or_else(|| {
-                Error::InvalidInput(format!("no llama.cpp name for tensor `{name}.weight`"))
-            })?;
+            let base = self.llama_cpp_name(&format!("{name}.weight"))?;
             let (r, columns) = adapter.a.as_tensor().dims2()?;
             let rows = adapter.b.as_tensor().dim(0)?;
             let permute_heads = self.permuted_heads(&name);
@@ -316,15 +323,12 @@ impl<'a> Conversion<'a> {
                     },
                 ),
             ] {
-                let name = format!("{base}.{suffix}");
-                out.push(Planned {
-                    record: TensorRecord {
-                        ggml_type: tensor_type(&name, &shape, quant),
-                        name,
-                        shape,
-                    },
+                out.push(Planned::new(
+                    format!("{base}.{suffix}"),
+                    shape,
+                    quant,
                     source,
-                });
+                ));
             }
         }
         Ok((out, alpha))
@@ -339,6 +343,12 @@ impl<'a> Conversion<'a> {
             entry("adapter.lora.alpha", Value::F32(alpha as f32)),
             entry("general.quantization_version", Value::U32(2)),
         ]
+    }
+
+    /// llama.cpp's name of the Hugging Face tensor `hf`.
+    fn llama_cpp_name(&self, hf: &str) -> Result<String> {
+        gguf_name(hf, &self.arch)
+            .ok_or_else(|| Error::InvalidInput(format!("no llama.cpp name for tensor `{hf}`")))
     }
 
     /// The heads over which the rows of linear layer `name` are permuted: Llama's q and k projections, for

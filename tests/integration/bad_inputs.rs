@@ -1664,16 +1664,18 @@ fn messages_name_config_keys_and_flags_that_exist() {
             .err()
             .is_none_or(|e| !e.to_string().contains("unknown key"))
     };
-    let help: String = ["quantize", "eval", "generate", "merge", "export", "train", "estimate"]
-        .iter()
-        .map(|sub| {
-            let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
-                .args([sub, "--help"])
-                .output()
-                .unwrap();
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        })
-        .collect();
+    let help: String = [
+        "quantize", "eval", "generate", "merge", "export", "train", "estimate",
+    ]
+    .iter()
+    .map(|sub| {
+        let out = Command::new(env!("CARGO_BIN_EXE_qlora"))
+            .args([sub, "--help"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    })
+    .collect();
     let flags: Vec<&str> = regex::Regex::new(r"--[a-z][a-z0-9-]*")
         .unwrap()
         .find_iter(&help)
