@@ -130,8 +130,9 @@ impl GgmlType {
                 let d = extreme / -(levels as f32 / 2.0);
                 let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
                 let offset = levels as f32 / 2.0 + 0.5;
-                let codes =
-                    block.map_codes(|v| ((v * inverse + offset) as i8).min(levels - 1) as u8);
+                let codes = block_codes(block, |v| {
+                    ((v * inverse + offset) as i8).min(levels - 1) as u8
+                });
                 out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
                 put_codes(out, &codes, self == GgmlType::Q5_0);
             }),
@@ -145,8 +146,9 @@ impl GgmlType {
                     .fold(-f32::MAX, |m, &v| if v > m { v } else { m });
                 let d = (max - min) / (levels - 1) as f32;
                 let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let codes =
-                    block.map_codes(|v| (((v - min) * inverse + 0.5) as i32).min(levels - 1) as u8);
+                let codes = block_codes(block, |v| {
+                    (((v - min) * inverse + 0.5) as i32).min(levels - 1) as u8
+                });
                 out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
                 out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
                 put_codes(out, &codes, self == GgmlType::Q5_1);
@@ -155,15 +157,9 @@ impl GgmlType {
     }
 }
 
-/// A block's 32 codes, one per value.
-trait Codes {
-    fn map_codes(&self, code: impl Fn(f32) -> u8) -> [u8; 32];
-}
-
-impl Codes for [f32] {
-    fn map_codes(&self, code: impl Fn(f32) -> u8) -> [u8; 32] {
-        std::array::from_fn(|i| code(self[i]))
-    }
+/// A block's 32 codes, `code` of each value.
+fn block_codes(block: &[f32], code: impl Fn(f32) -> u8) -> [u8; 32] {
+    std::array::from_fn(|i| code(block[i]))
 }
 
 /// Appends 32 codes as ggml packs them: with `fifth_bits`, first a little-endian 32-bit word of their fifth bits

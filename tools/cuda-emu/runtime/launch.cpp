@@ -4,8 +4,8 @@
 // passes. In a pass every runnable thread runs until it exits or reaches a barrier — `__syncthreads` (the block's)
 // or a warp-synchronous step (`__syncwarp`, a shuffle, a vote, a WMMA product outside the fast build, which involve
 // the lanes of their mask) — and then switches straight to the next runnable thread of the pass; a thread that
-// exits starts the pass's next thread on its own stack when that one has not run yet. A barrier is released when its last
-// participant reaches it, and the threads it held run again from the next pass. So the threads of a barrier
+// exits starts the pass's next thread on its own stack when that one has not run yet. A barrier is released when
+// its last participant reaches it, and the threads it held run again from the next pass. So the threads of a barrier
 // interval run one after the other, in thread order, or in reverse order in the race-check mode, where every
 // shared-memory access is also checked against the others of its interval: a read of what another thread wrote in
 // the same interval, or a write to what another thread read or wrote, depends on the order threads run in — the
