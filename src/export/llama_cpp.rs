@@ -102,6 +102,10 @@ pub(super) struct Conversion<'a> {
 /// The llama.cpp architectures written.
 const WRITTEN: [&str; 3] = ["llama", "qwen2", "qwen3"];
 
+/// The llama.cpp architectures written back from a GGUF file of their own (its metadata carried over), not from a
+/// Hugging Face folder: Gemma's.
+const CARRIED: [&str; 2] = ["gemma2", "gemma3"];
+
 /// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama and for Mistral
 /// (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written without
 /// it), Qwen 2's and Qwen 3's own.
@@ -154,10 +158,12 @@ impl<'a> Conversion<'a> {
             Some(file) => file.arch().to_string(),
             None => gguf_architecture(config)?.to_string(),
         };
-        if !WRITTEN.contains(&arch.as_str()) || config.moe.is_some() {
+        let carried_only = gguf.is_some() && CARRIED.contains(&arch.as_str());
+        if !(WRITTEN.contains(&arch.as_str()) || carried_only) || config.moe.is_some() {
             return Err(Error::InvalidInput(format!(
                 "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral without a sliding window), `qwen2` and \
-                 `qwen3` architectures so far, without experts; this model is `{model_type}`{}",
+                 `qwen3` architectures so far, without experts (and `gemma2`, `gemma3` from a GGUF file of their own); this \
+                 model is `{model_type}`{}",
                 match gguf {
                     Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
                     None => String::new(),

@@ -725,3 +725,50 @@ fn block_quantizers_equal_the_gguf_packages() {
         }
     }
 }
+
+/// Gemma 2 and 3 GGUF files (tests/data/models/tiny-gemma*-gguf) export back in float32 to the same file: every
+/// tensor's bytes (the norms as llama.cpp stores them, the scale plus one), the metadata carried over (the
+/// quantization version added), the tensor order kept.
+#[test]
+fn gemma_gguf_files_export_back_to_themselves() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["tiny-gemma2-gguf", "tiny-gemma3-gguf"] {
+        let source = data_path(&format!("models/{name}/model.gguf"));
+        let model = load_model(source.to_str().unwrap(), None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        let out = dir.path().join(format!("{name}.gguf"));
+        gguf(&model, &source, &out, &options(GgmlType::F32)).unwrap();
+        let (original, original_data) = read_gguf(&source);
+        let (content, data) = read_gguf(&out);
+        for (k, v) in &original.metadata {
+            assert_eq!(
+                format!("{:?}", content.metadata[k]),
+                format!("{v:?}"),
+                "{name}: {k}"
+            );
+        }
+        assert_eq!(
+            content.metadata.len(),
+            original.metadata.len() + 1,
+            "{name}: the version added"
+        );
+        let mut order: Vec<(u64, &String)> = original
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (i.offset, n))
+            .collect();
+        order.sort();
+        let mut ours: Vec<(u64, &String)> = content
+            .tensor_infos
+            .iter()
+            .map(|(n, i)| (i.offset, n))
+            .collect();
+        ours.sort();
+        let names = |v: &[(u64, &String)]| v.iter().map(|(_, n)| n.to_string()).collect::<Vec<_>>();
+        assert_eq!(names(&ours), names(&order), "{name}: tensor order");
+        for (tensor, bytes) in &original_data {
+            assert!(data[tensor] == *bytes, "{name}: {tensor}");
+        }
+    }
+}
