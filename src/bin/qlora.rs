@@ -53,7 +53,7 @@ enum Command {
     Generate(GenerateArgs),
     /// Merge a LoRA adapter into its (dequantized) base and write a standard Hugging Face model folder.
     Merge(MergeArgs),
-    /// Write a model, its adapter merged in, as a GGUF file for llama.cpp, Ollama and LM Studio.
+    /// Write a model (its adapter merged in) or an adapter alone as a GGUF file for llama.cpp, Ollama and LM Studio.
     Export(ExportArgs),
     /// Train a LoRA/QLoRA adapter from a TOML config ([model], [lora], [data], [training]).
     Train(TrainArgs),
@@ -449,7 +449,7 @@ struct ExportArgs {
     /// Hub revision of the base.
     #[arg(long)]
     revision: Option<String>,
-    /// A PEFT adapter folder to merge in.
+    /// A PEFT adapter folder to merge in (or to write alone, with --adapter-only).
     #[arg(long, value_parser = folder)]
     adapter: Option<PathBuf>,
     /// The file format.
@@ -473,7 +473,7 @@ struct ExportArgs {
     /// The GGUF file to write.
     #[arg(long)]
     output: PathBuf,
-    /// Replace an existing output file.
+    /// Replace an existing output file (and its Modelfile).
     #[arg(long)]
     overwrite: bool,
 }
