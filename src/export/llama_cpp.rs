@@ -1,7 +1,8 @@
 //! A model of llama.cpp's `llama`, `qwen2` or `qwen3` architecture as its converter (`convert_hf_to_gguf.py`)
 //! writes it: which tensors, under which names and in which layouts (Llama's q/k rows permuted for its interleaved
-//! RoPE, Llama 3's RoPE scaling as `rope_freqs`, Qwen 2's biases), in which order, and the metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges,
-//! special tokens and chat template. A model loaded from GGUF keeps its file's metadata and tensor order.
+//! RoPE, Llama 3's RoPE scaling as `rope_freqs`, Qwen 2's biases, Qwen 3's q/k norms), in which order, and the
+//! metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges, special tokens and chat
+//! template. A model loaded from GGUF (Gemma's too) keeps its file's metadata and tensor order.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -84,17 +85,24 @@ impl Planned {
     }
 }
 
+/// Where the model came from.
+enum Origin<'a> {
+    /// A GGUF file: its metadata and tensor order are kept.
+    Gguf(&'a GgufFile),
+    /// A Hugging Face folder: its `config.json` and tokenizer files are converted, the pre-tokenizer named
+    /// `tokenizer_pre` where given.
+    Folder {
+        path: &'a Path,
+        tokenizer_pre: Option<&'a str>,
+    },
+}
+
 /// The conversion of one model.
 pub(super) struct Conversion<'a> {
     model: &'a LlamaModel,
     /// `general.architecture`.
     arch: String,
-    /// The GGUF file the model came from, if it did (its metadata and tensor order are kept).
-    gguf: Option<&'a GgufFile>,
-    /// The Hugging Face folder the model came from, if it did (its `config.json` and tokenizer files).
-    folder: Option<&'a Path>,
-    /// llama.cpp's pre-tokenizer name given for a folder's tokenizer.
-    tokenizer_pre: Option<&'a str>,
+    origin: Origin<'a>,
     /// `rope_freqs`, when RoPE is scaled Llama 3's way.
     rope_factors: Option<Vec<f32>>,
 }
@@ -186,12 +194,17 @@ impl<'a> Conversion<'a> {
                 )))
             }
         };
+        let origin = match gguf {
+            Some(file) => Origin::Gguf(file),
+            None => Origin::Folder {
+                path: source,
+                tokenizer_pre,
+            },
+        };
         Ok(Conversion {
             model,
             arch,
-            gguf,
-            folder: gguf.is_none().then_some(source),
-            tokenizer_pre,
+            origin,
             rope_factors,
         })
     }
@@ -241,7 +254,7 @@ impl<'a> Conversion<'a> {
         if self.writes_head()? {
             hf.push(("lm_head.weight".into(), embedding, TensorSource::Head));
         }
-        if self.gguf.is_none() {
+        if let Origin::Folder { .. } = self.origin {
             hf.sort_by(|a, b| a.0.cmp(&b.0));
         }
         let mut out = Vec::new();
@@ -263,7 +276,7 @@ impl<'a> Conversion<'a> {
                 source,
             ));
         }
-        if let Some(file) = self.gguf {
+        if let Origin::Gguf(file) = self.origin {
             let infos = &file.content().tensor_infos;
             out.sort_by_key(|p| infos.get(&p.record.name).map_or(u64::MAX, |i| i.offset));
         }
@@ -423,8 +436,8 @@ impl<'a> Conversion<'a> {
         ];
         let file_type = entry("general.file_type", Value::U32(file_type(quant)));
         let quantization_version = entry("general.quantization_version", Value::U32(2));
-        match (self.gguf, self.folder) {
-            (Some(file), _) => {
+        match self.origin {
+            Origin::Gguf(file) => {
                 let carried = file.metadata();
                 let mut keys: Vec<&String> = carried
                     .keys()
@@ -435,7 +448,10 @@ impl<'a> Conversion<'a> {
                 out.push(file_type);
                 out.push(quantization_version);
             }
-            (None, Some(folder)) => {
+            Origin::Folder {
+                path: folder,
+                tokenizer_pre,
+            } => {
                 let config = self.model.config();
                 let explicit_head_dim = read_json::<serde_json::Value>(&folder.join("config.json"))
                     .map(|c| c.get("head_dim").is_some_and(|h| !h.is_null()))
@@ -445,9 +461,8 @@ impl<'a> Conversion<'a> {
                 out.push(file_type);
                 out.extend(tail);
                 out.push(quantization_version);
-                out.extend(tokenizer_metadata(folder, config, self.tokenizer_pre)?);
+                out.extend(tokenizer_metadata(folder, config, tokenizer_pre)?);
             }
-            (None, None) => unreachable!("a conversion has a GGUF file or a folder"),
         }
         Ok(out)
     }

@@ -48,6 +48,34 @@ fn read_gguf(path: &Path) -> (Content, HashMap<String, Vec<u8>>) {
     (content, data)
 }
 
+/// A file's tensors in the order of their data, with their dimensions (outermost first).
+fn tensor_order(c: &Content) -> Vec<(String, Vec<usize>)> {
+    let mut v: Vec<(u64, String, Vec<usize>)> = c
+        .tensor_infos
+        .iter()
+        .map(|(n, i)| (i.offset, n.clone(), i.shape.dims().to_vec()))
+        .collect();
+    v.sort();
+    v.into_iter().map(|(_, n, d)| (n, d)).collect()
+}
+
+/// Asserts that `content` carries every metadata value of `original` but `general.file_type`, which is
+/// `file_type` when given.
+fn assert_carries(what: &str, content: &Content, original: &Content, file_type: Option<u32>) {
+    for (k, v) in &original.metadata {
+        match (k.as_str(), file_type) {
+            ("general.file_type", Some(t)) => {
+                assert_eq!(content.metadata[k].to_u32().unwrap(), t, "{what}")
+            }
+            _ => assert_eq!(
+                format!("{:?}", content.metadata[k]),
+                format!("{v:?}"),
+                "{what}: {k}"
+            ),
+        }
+    }
+}
+
 /// A metadata value as the golden file writes it: its types (gguf-py's names) and value.
 fn golden_form(v: &Value) -> (Vec<String>, serde_json::Value) {
     let name = |v: &Value| {
@@ -145,18 +173,15 @@ fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value
         "{what}: the keys' order"
     );
     let tensors = expected["tensors"].as_array().unwrap();
-    let mut offsets: Vec<(u64, &String)> = content
-        .tensor_infos
-        .iter()
-        .map(|(n, i)| (i.offset, n))
-        .collect();
-    offsets.sort();
     let order: Vec<&str> = tensors
         .iter()
         .map(|t| t["name"].as_str().unwrap())
         .collect();
     assert_eq!(
-        offsets.iter().map(|(_, n)| n.as_str()).collect::<Vec<_>>(),
+        tensor_order(&content)
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>(),
         order,
         "{what}: tensor order"
     );
@@ -404,28 +429,9 @@ fn a_gguf_base_exports_back_to_its_own_architecture() {
     gguf(&adapted, &source, &out, &options(GgmlType::F32)).unwrap();
     let (original, _) = read_gguf(&source);
     let (content, _) = read_gguf(&out);
-    for (k, v) in &original.metadata {
-        if k == "general.file_type" {
-            assert_eq!(content.metadata[k].to_u32().unwrap(), 0);
-        } else {
-            assert_eq!(
-                format!("{:?}", content.metadata[k]),
-                format!("{v:?}"),
-                "{k}"
-            );
-        }
-    }
+    assert_carries("SmolLM2", &content, &original, Some(0));
     assert_eq!(content.metadata.len(), original.metadata.len());
-    let order = |c: &Content| {
-        let mut v: Vec<(u64, String, Vec<usize>)> = c
-            .tensor_infos
-            .iter()
-            .map(|(n, i)| (i.offset, n.clone(), i.shape.dims().to_vec()))
-            .collect();
-        v.sort();
-        v.into_iter().map(|(_, n, d)| (n, d)).collect::<Vec<_>>()
-    };
-    assert_eq!(order(&content), order(&original));
+    assert_eq!(tensor_order(&content), tensor_order(&original));
     let exported = load_model(out.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
     let ids = exported
         .tokenizer()
@@ -741,32 +747,17 @@ fn gemma_gguf_files_export_back_to_themselves() {
         gguf(&model, &source, &out, &options(GgmlType::F32)).unwrap();
         let (original, original_data) = read_gguf(&source);
         let (content, data) = read_gguf(&out);
-        for (k, v) in &original.metadata {
-            assert_eq!(
-                format!("{:?}", content.metadata[k]),
-                format!("{v:?}"),
-                "{name}: {k}"
-            );
-        }
+        assert_carries(name, &content, &original, None);
         assert_eq!(
             content.metadata.len(),
             original.metadata.len() + 1,
             "{name}: the version added"
         );
-        let mut order: Vec<(u64, &String)> = original
-            .tensor_infos
-            .iter()
-            .map(|(n, i)| (i.offset, n))
-            .collect();
-        order.sort();
-        let mut ours: Vec<(u64, &String)> = content
-            .tensor_infos
-            .iter()
-            .map(|(n, i)| (i.offset, n))
-            .collect();
-        ours.sort();
-        let names = |v: &[(u64, &String)]| v.iter().map(|(_, n)| n.to_string()).collect::<Vec<_>>();
-        assert_eq!(names(&ours), names(&order), "{name}: tensor order");
+        assert_eq!(
+            tensor_order(&content),
+            tensor_order(&original),
+            "{name}: tensor order"
+        );
         for (tensor, bytes) in &original_data {
             assert!(data[tensor] == *bytes, "{name}: {tensor}");
         }
