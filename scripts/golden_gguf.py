@@ -10,7 +10,16 @@ type and value, every tensor's name, dimensions, type and the sha256 of its byte
 (`files`: the model; `adapter_files`: the adapter).
 It also quantizes a fixed set of rows (random values at several scales, a zero block, a constant block, a lone
 spike, a negative extreme) with the `gguf` package's own quantizers for every block type it has (q8_0, q4_0, q4_1,
-q5_0, q5_1) and writes the inputs and the bytes to tests/data/gguf/quants.json.
+q5_0, q5_1), and rows of 256-value super-blocks with ggml's own k-quant quantizers (`quantize_row_q*_K_ref` of
+libggml-base, which the gguf package lacks), and writes the inputs and the bytes to tests/data/gguf/quants.json.
+
+For the k-quant mixes it writes two generated Llamas (tests/data/models/kquant-llama*, whose config.json and
+tokenizer are committed; the weights come from `kquant_weights`, a counter hash that the Rust tests repeat bit for
+bit): one with 256-wide rows, 8 layers and its own head, one 320 wide (so most rows fall back to 32-blocks) with
+tied embeddings. Each is converted to f32 and quantized by `llama-quantize` (`--pure` for one type alone, the mixes
+Q4_K_M and Q5_K_M as they are); tests/data/gguf/kquant-llama*.json record the files as above.
+llama-quantize and libggml-base come from a build of the sdist's llama.cpp: LLAMA_CPP_BUILD names one (its bin/
+folder is used), otherwise the script builds them with cmake (`pip install cmake`; about 10 minutes on 2 cores).
 
 Versions used for the committed file: llama-cpp-python 0.3.36 (llama.cpp 0c1e5709, gguf-py 0.19.0), torch 2.15.0,
 transformers 4.57.6 (the version the vendored converter's requirements pin), numpy 2.4.6.
@@ -53,6 +62,22 @@ MODELS = {
     "tiny-qwen3": (["f32", "q8_0"], "qwen3_lora"),
 }
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Generated models quantized by llama-quantize: our --quant name -> (llama-quantize's name, --pure).
+K_QUANTS = {
+    "q2_k": ("Q2_K", True),
+    "q3_k": ("Q3_K", True),
+    "q4_k": ("Q4_K", True),
+    "q5_k": ("Q5_K", True),
+    "q6_k": ("Q6_K", True),
+    "q4_k_m": ("Q4_K_M", False),
+    "q5_k_m": ("Q5_K_M", False),
+}
+K_MODELS = {
+    "kquant-llama": list(K_QUANTS),
+    "kquant-llama-tied": ["q4_k", "q6_k", "q4_k_m", "q5_k_m"],
+}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def fetch_converter(work):
@@ -156,6 +181,148 @@ def quants(llama_cpp):
     return out
 
 
+def llama_cpp_tools(llama_cpp):
+    """The bin/ folder of a llama.cpp build holding llama-quantize and libggml-base: LLAMA_CPP_BUILD's, or one
+    built here."""
+    import subprocess
+
+    build = os.environ.get("LLAMA_CPP_BUILD")
+    if not build:
+        build = os.path.join(llama_cpp, "build")
+        subprocess.run(["cmake", "-S", llama_cpp, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+                        "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON"], check=True)
+        subprocess.run(["cmake", "--build", build, "--target", "llama-quantize", "-j"], check=True)
+    return os.path.join(build, "bin")
+
+
+def k_quant_inputs():
+    """Rows of 256 float32 values (one super-block each): random at several scales, heavy tails, zero and constant
+    sub-blocks, all of one sign, and values too small to quantize."""
+    import numpy as np
+
+    rng = np.random.default_rng(470)
+    rows = [rng.standard_normal(256) * scale for scale in (1e-3, 0.02, 1.0, 300.0)]
+    rows.append(rng.standard_t(2, 256) * 0.05)  # heavy tails
+    mixed = rng.standard_normal(256)
+    mixed[:16] = 0.0  # a zero sub-block
+    mixed[32:64] = 0.75  # constant sub-blocks
+    mixed[100] = -40.0  # a lone extreme
+    rows.append(mixed)
+    rows.append(np.abs(rng.standard_normal(256)) + 0.5)  # all positive: the minimum stays at 0
+    rows.append(-np.abs(rng.standard_normal(256)) - 0.5)  # all negative
+    rows.append(np.zeros(256))
+    rows.append(rng.standard_normal(256) * 1e-20)
+    rows.append(np.linspace(-2.0, 2.0, 256))
+    return np.stack(rows).astype(np.float32)
+
+
+def k_quants(bin_dir):
+    """ggml's reference k-quant quantizers' bytes for the fixed rows."""
+    import ctypes
+
+    import numpy as np
+
+    lib = ctypes.CDLL(os.path.join(bin_dir, "libggml-base.so"))
+    data = k_quant_inputs()
+    out = {"k_inputs": [[float(v) for v in row] for row in data]}
+    for name in K_TYPES:
+        quantize = getattr(lib, f"quantize_row_{name[:2].lower()}_K_ref")
+        quantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        rows = []
+        for row in data:
+            row = np.ascontiguousarray(row)
+            block = ctypes.create_string_buffer(BLOCK_BYTES[name])
+            quantize(row.ctypes.data, block, 256)
+            rows.append(block.raw.hex())
+        out[name.lower()] = rows
+    return out
+
+
+def lowbias32(x):
+    """A 32-bit integer hash (numpy uint32 arrays, wrapping)."""
+    import numpy as np
+
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def kquant_weights(config):
+    """The generated Llama's weights by Hugging Face name: tensor number k (in name order) holds, at flat index i,
+    u + 4u³ (u = hash(k·2654435761 + i) / 2³² − ½, in float32) times 2^−(row % 5) / 16; norms hold 1 + that / 8.
+    Every operation is exact or one float32 rounding, so the Rust tests rebuild the same bits."""
+    import numpy as np
+
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    weights = {}
+    for k, name in enumerate(sorted(shapes)):
+        shape = shapes[name]
+        n = int(np.prod(shape))
+        keys = (np.uint64(k) * np.uint64(2654435761) + np.arange(n, dtype=np.uint64)) & np.uint64(0xFFFFFFFF)
+        hashed = lowbias32(keys.astype(np.uint32))
+        u = (hashed >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24) - np.float32(0.5)
+        cube = u * u
+        cube = cube * u
+        cube = cube * np.float32(4.0)
+        v = u + cube
+        if len(shape) == 1:
+            weights[name] = np.float32(1.0) + v * np.float32(0.125)
+        else:
+            rows = np.arange(n) // shape[1]
+            scale = (np.float32(2.0) ** -(rows % 5).astype(np.float32)) * np.float32(1 / 16)
+            weights[name] = (v * scale.astype(np.float32)).reshape(shape)
+    return weights
+
+
+def kquant_models(llama_cpp, work, bin_dir):
+    """The generated Llamas quantized by llama-quantize, as tests/data/gguf/<model>.json."""
+    import subprocess
+
+    from safetensors.numpy import save_file
+
+    for name, quants in K_MODELS.items():
+        model = os.path.join(work, name)
+        shutil.copytree(os.path.join(MODELS_DIR, name), model)
+        with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+        save_file(kquant_weights(config), os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+        f32 = os.path.join(work, f"{name}-f32.gguf")
+        convert(llama_cpp, model, "f32", f32)
+        files = {}
+        for ours in quants:
+            theirs, pure = K_QUANTS[ours]
+            out = os.path.join(work, f"{name}-{ours}.gguf")
+            args = [os.path.join(bin_dir, "llama-quantize")] + (["--pure"] if pure else []) + [f32, out, theirs]
+            subprocess.run(args, check=True, capture_output=True)
+            files[ours] = describe(out)
+        path = os.path.join(GGUF_DIR, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump({"converter": CONVERTER, "quantizer": "llama-quantize of the converter's f32 file",
+                       "files": files}, f, indent=1)
+            f.write("\n")
+        print(f"wrote {path}")
+
+
 def generate():
     os.makedirs(GGUF_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
@@ -188,8 +355,12 @@ def generate():
                 f.write("\n")
             print(f"wrote {path}")
         quantized = quants(llama_cpp)
+        bin_dir = llama_cpp_tools(llama_cpp)
+        quantized.update(k_quants(bin_dir))
+        kquant_models(llama_cpp, work, bin_dir)
     with open(QUANTS_OUT, "w") as f:
-        json.dump({"quantizers": "gguf-py 0.19.0 (llama.cpp 0c1e5709)", **quantized}, f, indent=1)
+        quantizers = "gguf-py 0.19.0 and, for k-quants, libggml-base (llama.cpp 0c1e5709)"
+        json.dump({"quantizers": quantizers, **quantized}, f, indent=1)
         f.write("\n")
     print(f"wrote {QUANTS_OUT}")
 

@@ -15,7 +15,7 @@ use candle_qlora::adapter::{
 };
 use candle_qlora::data::{read_jsonl, DataConfig, DataFormat, Dataset, Example};
 use candle_qlora::distributed::RanksFrom;
-use candle_qlora::export::{GgmlType, GgufOptions};
+use candle_qlora::export::{GgufOptions, Quantization};
 use candle_qlora::files::apart::check_output_apart;
 use candle_qlora::loading::bnb::{quantize_path, QuantizeOptions};
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions, LoadedModel};
@@ -455,9 +455,10 @@ struct ExportArgs {
     /// The file format.
     #[arg(long, value_enum)]
     format: ExportFormat,
-    /// The type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1 (norms stay f32).
+    /// The type of the matrices: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k … q6_k, or llama-quantize's
+    /// mixes q4_k_m and q5_k_m (norms stay f32).
     #[arg(long, default_value = "f16")]
-    quant: GgmlType,
+    quant: Quantization,
     /// Merge into the base's stored (16-bit) weights instead of the 4-bit weights the adapter was trained on.
     #[arg(long)]
     original_base: bool,
@@ -505,6 +506,7 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         adapter_only: args.adapter_only,
         ollama: args.ollama,
         overwrite: args.overwrite,
+        progress: true,
     };
     let start = std::time::Instant::now();
     let report = candle_qlora::export::gguf(

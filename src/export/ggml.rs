@@ -1,9 +1,13 @@
 //! ggml's tensor types that an export writes, and their encodings: float32, float16 and bfloat16 element by
-//! element (the types llama.cpp's `convert_hf_to_gguf.py` writes, with `q8_0`), and the block types `q8_0`, `q4_0`,
-//! `q4_1`, `q5_0`, `q5_1` in blocks of 32. Each encoding follows ggml's reference quantizer (`ggml-quants.c`), so the
-//! bytes equal those of llama.cpp's tools; the tests check them against the `gguf` Python package's quantizers.
+//! element (the types llama.cpp's `convert_hf_to_gguf.py` writes, with `q8_0`), the block types `q8_0`, `q4_0`,
+//! `q4_1`, `q5_0`, `q5_1` in blocks of 32, and the k-quants `q2_k` … `q6_k` in super-blocks of 256
+//! ([`k_quants`](super::k_quants)). Each encoding follows ggml's reference quantizer (`ggml-quants.c`), so the bytes
+//! equal those of llama.cpp's tools; the tests check them against the `gguf` Python package's quantizers and
+//! ggml's own.
 
 use half::f16;
+
+use super::k_quants;
 
 /// A tensor type of ggml (GGUF's tensor types) that an export can write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,11 +29,21 @@ pub enum GgmlType {
     Q5_0,
     /// As `q4_1` with 5-bit codes: `d = (max − min) / 31`.
     Q5_1,
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 4-bit scales and minimums, 2-bit codes (2.625 bits a value).
+    Q2K,
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 6-bit scales, 3-bit codes (3.4375 bits a value).
+    Q3K,
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales and minimums, 4-bit codes (4.5 bits a value).
+    Q4K,
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales and minimums, 5-bit codes (5.5 bits a value).
+    Q5K,
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 8-bit scales, 6-bit codes (6.5625 bits a value).
+    Q6K,
 }
 
 impl GgmlType {
     /// Every type, in ggml's order.
-    pub const ALL: [GgmlType; 8] = [
+    pub const ALL: [GgmlType; 13] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -37,6 +51,11 @@ impl GgmlType {
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
         GgmlType::Bf16,
     ];
 
@@ -50,6 +69,11 @@ impl GgmlType {
             GgmlType::Q5_0 => 6,
             GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
             GgmlType::Bf16 => 30,
         }
     }
@@ -65,6 +89,11 @@ impl GgmlType {
             GgmlType::Q4_1 => "q4_1",
             GgmlType::Q5_0 => "q5_0",
             GgmlType::Q5_1 => "q5_1",
+            GgmlType::Q2K => "q2_k",
+            GgmlType::Q3K => "q3_k",
+            GgmlType::Q4K => "q4_k",
+            GgmlType::Q5K => "q5_k",
+            GgmlType::Q6K => "q6_k",
         }
     }
 
@@ -72,7 +101,12 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
-            _ => 32,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                32
+            }
+            GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+                k_quants::SUPER_BLOCK
+            }
         }
     }
 
@@ -86,6 +120,11 @@ impl GgmlType {
             GgmlType::Q4_1 => 20,
             GgmlType::Q5_0 => 22,
             GgmlType::Q5_1 => 24,
+            GgmlType::Q2K => 84,
+            GgmlType::Q3K => 110,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
         }
     }
 
@@ -153,8 +192,20 @@ impl GgmlType {
                 out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
                 put_codes(out, &codes, self == GgmlType::Q5_1);
             }),
+            GgmlType::Q2K => super_blocks(values, out, k_quants::q2_k),
+            GgmlType::Q3K => super_blocks(values, out, k_quants::q3_k),
+            GgmlType::Q4K => super_blocks(values, out, k_quants::q4_k),
+            GgmlType::Q5K => super_blocks(values, out, k_quants::q5_k),
+            GgmlType::Q6K => super_blocks(values, out, k_quants::q6_k),
         }
     }
+}
+
+/// Each super-block of `values` encoded by `encode_one`.
+fn super_blocks(values: &[f32], out: &mut Vec<u8>, encode_one: fn(&[f32], &mut Vec<u8>)) {
+    values
+        .chunks_exact(k_quants::SUPER_BLOCK)
+        .for_each(|block| encode_one(block, out));
 }
 
 /// A block's 32 codes, `code` of each value.

@@ -11,6 +11,7 @@ use candle_core::quantized::gguf_file::Value;
 
 use super::ggml::GgmlType;
 use super::gguf_writer::TensorRecord;
+use super::tensor_types::{llama_quantize_order, tensor_types, ModelShape, Quantization};
 use crate::adapter::effective_weight;
 use crate::error::{Error, Result};
 use crate::files::read_json;
@@ -71,19 +72,8 @@ pub(super) struct Planned {
     pub source: TensorSource,
 }
 
-impl Planned {
-    /// The tensor `name` of `shape`, in the type [`tensor_type`] gives it for `quant`.
-    fn new(name: String, shape: Vec<usize>, quant: GgmlType, source: TensorSource) -> Self {
-        Planned {
-            record: TensorRecord {
-                ggml_type: tensor_type(&name, &shape, quant),
-                name,
-                shape,
-            },
-            source,
-        }
-    }
-}
+/// A tensor to write before its type is chosen: llama.cpp name, shape, and where its values come from.
+type Unplanned = (String, Vec<usize>, TensorSource);
 
 /// Where the model came from.
 enum Origin<'a> {
@@ -135,20 +125,6 @@ fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
         // Refused by the caller, naming the model type.
         _ => "",
     })
-}
-
-/// llama.cpp's `general.file_type` of a file whose matrices are `quant` (`LlamaFileType`).
-fn file_type(quant: GgmlType) -> u32 {
-    match quant {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::Q8_0 => 7,
-        GgmlType::Bf16 => 32,
-        GgmlType::Q4_0 => 2,
-        GgmlType::Q4_1 => 3,
-        GgmlType::Q5_0 => 8,
-        GgmlType::Q5_1 => 9,
-    }
 }
 
 impl<'a> Conversion<'a> {
@@ -214,9 +190,10 @@ impl<'a> Conversion<'a> {
         &self.arch
     }
 
-    /// The tensors to write, in the order of the source: a GGUF file's, or the converter's for a folder (RoPE
-    /// factors first, then by Hugging Face name, the order of its safetensors files).
-    pub fn tensors(&self, quant: GgmlType) -> Result<Vec<Planned>> {
+    /// The tensors to write, in the order of the source — a GGUF file's, or the converter's for a folder (RoPE
+    /// factors first, then by Hugging Face name, the order of its safetensors files) — or, for the types that
+    /// llama-quantize writes, in its order.
+    pub fn tensors(&self, quantization: Quantization) -> Result<Vec<Planned>> {
         let mut hf: Vec<(String, Vec<usize>, TensorSource)> = Vec::new();
         let embedding = self.model.embedding_table().dims().to_vec();
         hf.push((
@@ -257,30 +234,51 @@ impl<'a> Conversion<'a> {
         if let Origin::Folder { .. } = self.origin {
             hf.sort_by(|a, b| a.0.cmp(&b.0));
         }
-        let mut out = Vec::new();
+        let mut out: Vec<Unplanned> = Vec::new();
         if let Some(factors) = &self.rope_factors {
-            // A vector: float32 whatever `quant`.
             let source = TensorSource::RopeFactors(factors.clone());
-            out.push(Planned::new(
-                "rope_freqs.weight".into(),
-                vec![factors.len()],
-                quant,
-                source,
-            ));
+            out.push(("rope_freqs.weight".into(), vec![factors.len()], source));
         }
         for (hf_name, shape, source) in hf {
-            out.push(Planned::new(
-                self.llama_cpp_name(&hf_name)?,
-                shape,
-                quant,
-                source,
-            ));
+            out.push((self.llama_cpp_name(&hf_name)?, shape, source));
         }
         if let Origin::Gguf(file) = self.origin {
             let infos = &file.content().tensor_infos;
-            out.sort_by_key(|p| infos.get(&p.record.name).map_or(u64::MAX, |i| i.offset));
+            out.sort_by_key(|(name, _, _)| infos.get(name).map_or(u64::MAX, |i| i.offset));
         }
-        Ok(out)
+        if !quantization.written_by_converter() {
+            out.sort_by(|a, b| llama_quantize_order(&a.0).cmp(&llama_quantize_order(&b.0)));
+        }
+        Ok(self.typed(out, quantization))
+    }
+
+    /// `tensors` with the types `quantization` gives them, in their order.
+    fn typed(&self, tensors: Vec<Unplanned>, quantization: Quantization) -> Vec<Planned> {
+        let config = self.model.config();
+        let shape = ModelShape {
+            arch: &self.arch,
+            layers: self.model.layers.len(),
+            heads: config.num_attention_heads,
+            kv_heads: config.num_key_value_heads,
+            experts: 0,
+        };
+        let named: Vec<(&str, &[usize])> = tensors
+            .iter()
+            .map(|(n, s, _)| (n.as_str(), s.as_slice()))
+            .collect();
+        let types = tensor_types(quantization, &named, shape);
+        tensors
+            .into_iter()
+            .zip(types)
+            .map(|((name, shape, source), ggml_type)| Planned {
+                record: TensorRecord {
+                    name,
+                    shape,
+                    ggml_type,
+                },
+                source,
+            })
+            .collect()
     }
 
     /// The active adapter's tensors, as llama.cpp's `convert_lora_to_gguf.py` writes them: for each adapted linear
@@ -342,15 +340,10 @@ impl<'a> Conversion<'a> {
                     },
                 ),
             ] {
-                out.push(Planned::new(
-                    format!("{base}.{suffix}"),
-                    shape,
-                    quant,
-                    source,
-                ));
+                out.push((format!("{base}.{suffix}"), shape, source));
             }
         }
-        Ok((out, alpha))
+        Ok((self.typed(out, Quantization::Uniform(quant)), alpha))
     }
 
     /// The metadata of an adapter file (`general.type = adapter`), as `convert_lora_to_gguf.py` writes it.
@@ -429,12 +422,12 @@ impl<'a> Conversion<'a> {
 
     /// The file's metadata: a GGUF source's own (its file type replaced), or the converter's keys for a folder's
     /// config and tokenizer, in the converter's order.
-    pub fn metadata(&self, quant: GgmlType) -> Result<Vec<Entry>> {
+    pub fn metadata(&self, quantization: Quantization) -> Result<Vec<Entry>> {
         let mut out = vec![
             entry("general.architecture", Value::String(self.arch.clone())),
             entry("general.type", Value::String("model".into())),
         ];
-        let file_type = entry("general.file_type", Value::U32(file_type(quant)));
+        let file_type = entry("general.file_type", Value::U32(quantization.file_type()));
         let quantization_version = entry("general.quantization_version", Value::U32(2));
         match self.origin {
             Origin::Gguf(file) => {
@@ -445,8 +438,8 @@ impl<'a> Conversion<'a> {
                     .collect();
                 keys.sort();
                 out.extend(keys.into_iter().map(|k| (k.clone(), carried[k].clone())));
-                out.push(file_type);
-                out.push(quantization_version);
+                out.push(file_type.clone());
+                out.push(quantization_version.clone());
             }
             Origin::Folder {
                 path: folder,
@@ -458,11 +451,18 @@ impl<'a> Conversion<'a> {
                     .unwrap_or(false);
                 let (head, tail) = architecture_metadata(&self.arch, config, explicit_head_dim);
                 out.extend(head);
-                out.push(file_type);
+                out.push(file_type.clone());
                 out.extend(tail);
-                out.push(quantization_version);
+                out.push(quantization_version.clone());
                 out.extend(tokenizer_metadata(folder, config, tokenizer_pre)?);
             }
+        }
+        if !quantization.written_by_converter() {
+            // llama-quantize, which writes the other types, sets these two last.
+            let last = ["general.quantization_version", "general.file_type"];
+            out.retain(|(k, _)| !last.contains(&k.as_str()));
+            out.push(quantization_version);
+            out.push(file_type);
         }
         Ok(out)
     }
@@ -502,18 +502,6 @@ const REWRITTEN: [&str; 5] = [
     "general.quantization_version",
     "general.alignment",
 ];
-
-/// The type a tensor is written in: vectors and norms in float32 (llama.cpp computes with them so), matrices in
-/// `quant`, or float16 where their rows do not divide into its blocks — the converter's rules.
-fn tensor_type(name: &str, shape: &[usize], quant: GgmlType) -> GgmlType {
-    if shape.len() <= 1 || name.ends_with("_norm.weight") {
-        GgmlType::F32
-    } else if quant.fits_row(*shape.last().unwrap_or(&0)) {
-        quant
-    } else {
-        GgmlType::F16
-    }
-}
 
 /// The converter's `<arch>.*` keys for a Llama config: those it writes before `general.file_type`, and after.
 fn architecture_metadata(

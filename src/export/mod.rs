@@ -6,10 +6,15 @@
 
 pub mod ggml;
 pub mod gguf_writer;
+mod k_quants;
 mod llama_cpp;
 pub mod ollama;
+pub mod tensor_types;
 
+use std::io::IsTerminal;
 use std::path::Path;
+
+use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 use crate::files::apart::check_output_apart;
@@ -19,14 +24,14 @@ use crate::models::LlamaModel;
 
 pub use ggml::GgmlType;
 use gguf_writer::{GgufWriter, TensorRecord};
+pub use tensor_types::Quantization;
 
 /// How [`gguf`] writes a model.
 #[derive(Clone, Debug)]
 pub struct GgufOptions {
-    /// The type of the matrices (embeddings, projections, head); vectors (norms, RoPE factors) stay float32, and a
-    /// matrix whose rows do not divide into the type's blocks is written in float16, as llama.cpp's converter does.
-    /// The 4- and 5-bit types apply to every matrix, as `llama-quantize --pure` does.
-    pub quant: GgmlType,
+    /// The type of the matrices (embeddings, projections, head), or a mix of types ([`Quantization`]); vectors
+    /// (norms, RoPE factors) stay float32.
+    pub quant: Quantization,
     /// llama.cpp's name of the tokenizer's pre-tokenizer (`tokenizer.ggml.pre`), for a folder whose tokenizer
     /// splits words in a way not recognized (a GGUF source keeps its own).
     pub tokenizer_pre: Option<String>,
@@ -37,6 +42,8 @@ pub struct GgufOptions {
     pub ollama: bool,
     /// Replace an existing output file (and Modelfile).
     pub overwrite: bool,
+    /// Show a progress line on standard error while writing, when it is a terminal.
+    pub progress: bool,
 }
 
 /// What [`gguf`] wrote.
@@ -89,7 +96,13 @@ pub fn gguf(
     )?;
     let (plan, metadata) = match options.adapter_only {
         true => {
-            let (plan, alpha) = conversion.adapter_tensors(options.quant)?;
+            let Quantization::Uniform(quant) = options.quant else {
+                return Err(Error::InvalidInput(format!(
+                    "--adapter-only writes one type for every tensor (f32, f16, bf16, q8_0, …), not the mix `{}`",
+                    options.quant.name()
+                )));
+            };
+            let (plan, alpha) = conversion.adapter_tensors(quant)?;
             (plan, conversion.adapter_metadata(alpha))
         }
         false => (
@@ -108,13 +121,17 @@ pub fn gguf(
         let file = std::fs::File::create(tmp).map_err(io)?;
         let mut writer =
             GgufWriter::start(std::io::BufWriter::new(file), &metadata, records).map_err(io)?;
-        let mut encoded = Vec::new();
+        let mut progress = ExportProgress::new(options.progress, plan.len());
         for planned in &plan {
             let values = conversion.values(&planned.source)?;
-            encoded.clear();
-            planned.record.ggml_type.encode(&values, &mut encoded);
-            writer.write_tensor(&encoded).map_err(io)?;
+            let record = &planned.record;
+            let row = *record.shape.last().unwrap_or(&1);
+            writer
+                .write_tensor(&encode_on_all_cores(record.ggml_type, &values, row))
+                .map_err(io)?;
+            progress.tensor_done(&record.name);
         }
+        progress.finish();
         let file = writer
             .finish()
             .map_err(io)?
@@ -141,4 +158,54 @@ pub fn gguf(
         architecture: conversion.architecture().to_string(),
         modelfile,
     })
+}
+
+/// `values` (rows of `row` values) encoded as `ggml_type`, in pieces of whole rows on all cores.
+fn encode_on_all_cores(ggml_type: GgmlType, values: &[f32], row: usize) -> Vec<u8> {
+    // About 64 Ki values a piece: enough work to share, few enough pieces to join cheaply.
+    let rows_per_piece = (65_536 / row.max(1)).max(1);
+    let pieces: Vec<Vec<u8>> = values
+        .par_chunks(rows_per_piece * row.max(1))
+        .map(|piece| {
+            let mut out = Vec::with_capacity(ggml_type.bytes(piece.len()));
+            ggml_type.encode(piece, &mut out);
+            out
+        })
+        .collect();
+    pieces.concat()
+}
+
+/// The progress line of an export: tensors written out of all, on a terminal's standard error.
+struct ExportProgress {
+    shown: bool,
+    total: usize,
+    done: usize,
+}
+
+impl ExportProgress {
+    fn new(wanted: bool, total: usize) -> Self {
+        ExportProgress {
+            shown: wanted && std::io::stderr().is_terminal(),
+            total,
+            done: 0,
+        }
+    }
+
+    fn tensor_done(&mut self, name: &str) {
+        self.done += 1;
+        if self.shown {
+            eprint!(
+                "\r\x1b[2Kwriting tensors {}/{} ({:.0}%) {name}",
+                self.done,
+                self.total,
+                100.0 * self.done as f64 / self.total.max(1) as f64
+            );
+        }
+    }
+
+    fn finish(&self) {
+        if self.shown {
+            eprintln!();
+        }
+    }
 }

@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use candle_qlora::adapter::{effective_weight, Adapters};
 use candle_qlora::export::gguf_writer::{GgufWriter, TensorRecord};
-use candle_qlora::export::{gguf, GgmlType, GgufOptions};
+use candle_qlora::export::{gguf, GgmlType, GgufOptions, Quantization};
 use candle_qlora::loading::gguf::GgufFile;
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
@@ -21,13 +21,14 @@ use crate::common::{
     max_abs_diff, merge_terms, test_model,
 };
 
-fn options(quant: GgmlType) -> GgufOptions {
+fn options(quant: impl Into<Quantization>) -> GgufOptions {
     GgufOptions {
-        quant,
+        quant: quant.into(),
         tokenizer_pre: Some("default".into()),
         adapter_only: false,
         ollama: false,
         overwrite: false,
+        progress: false,
     }
 }
 
@@ -197,10 +198,10 @@ fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value
             .map(|d| d.as_u64().unwrap())
             .collect();
         assert_eq!(ne, want_ne, "{what}: {name} dimensions");
-        // Candle's names of the types are gguf-py's.
+        // Candle's names of the types are gguf-py's, less the underscore of the k-quants' (`Q4K`, `Q4_K`).
         assert_eq!(
             format!("{:?}", info.ggml_dtype),
-            t["type"].as_str().unwrap(),
+            t["type"].as_str().unwrap().replace("_K", "K"),
             "{what}: {name} type"
         );
         let digest: String = Sha256::digest(&data[name])
@@ -540,11 +541,23 @@ fn the_command_exports_and_refuses_clearly() {
         !ok && text.contains("pre-tokenizer") && text.contains("--tokenizer-pre"),
         "{text}"
     );
-    let (ok, text) = run(with(&["--quant", "q4_k_m", "--overwrite"]));
+    let (ok, text) = run(with(&["--quant", "q4_k_s", "--overwrite"]));
     assert!(
-        !ok && text.contains("q4_k_m") && text.contains("known: f32, f16, q4_0"),
+        !ok && text.contains("q4_k_s")
+            && text.contains("known: f32, f16, q4_0")
+            && text.contains("q4_k_m"),
         "{text}"
     );
+    let (ok, text) = run(with(&[
+        "--quant",
+        "Q4_K_M",
+        "--tokenizer-pre",
+        "default",
+        "--overwrite",
+    ]));
+    assert!(ok && text.contains("q4_k_m"), "{text}");
+    let file = GgufFile::open(&out).unwrap();
+    assert_eq!(file.metadata()["general.file_type"].to_u32().unwrap(), 15);
     let qwen = data_path("models/tiny-gemma2").display().to_string();
     let (ok, text) = qlora(&[
         "--model",
@@ -642,17 +655,9 @@ fn an_ollama_modelfile_names_the_files_stops_and_sampling() {
     }
 }
 
-/// Every block type's bytes equal the `gguf` package's quantizer's (tests/data/gguf/quants.json, from
-/// `scripts/golden_gguf.py`) on random rows at four scales and on edge cases (a zero block, a constant one, a lone
-/// spike, a negative extreme); read back by Candle's GGUF reader, each value is within half a step of its block's
-/// scale (a whole step at the clamped end of q4_0 and q5_0), plus the float16 rounding of the scale (2⁻¹¹ relative,
-/// times the largest code) and of the minimum.
-#[test]
-fn block_quantizers_equal_the_gguf_packages() {
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(data_path("gguf/quants.json")).unwrap())
-            .unwrap();
-    let rows: Vec<Vec<f32>> = golden["inputs"]
+/// The rows of `key` in tests/data/gguf/quants.json.
+fn golden_rows(golden: &serde_json::Value, key: &str) -> Vec<Vec<f32>> {
+    golden[key]
         .as_array()
         .unwrap()
         .iter()
@@ -663,36 +668,72 @@ fn block_quantizers_equal_the_gguf_packages() {
                 .map(|v| v.as_f64().unwrap() as f32)
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// Each of `rows` encoded as `quant` equals the golden bytes (`golden[quant]`, hex); returns the rows as Candle's
+/// GGUF reader dequantizes them from a file of them.
+fn encode_as_golden(
+    golden: &serde_json::Value,
+    quant: GgmlType,
+    rows: &[Vec<f32>],
+) -> Vec<Vec<f32>> {
     let dir = tempfile::tempdir().unwrap();
+    let mut records = Vec::new();
+    let mut encoded_rows = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        let mut encoded = Vec::new();
+        quant.encode(row, &mut encoded);
+        let hex: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            golden[quant.name()][i].as_str().unwrap(),
+            "{quant:?}, row {i}"
+        );
+        records.push(TensorRecord {
+            name: format!("row{i}"),
+            shape: vec![row.len()],
+            ggml_type: quant,
+        });
+        encoded_rows.push(encoded);
+    }
+    let path = dir.path().join(format!("{}.gguf", quant.name()));
+    let mut writer =
+        GgufWriter::start(std::fs::File::create(&path).unwrap(), &[], records).unwrap();
+    for encoded in &encoded_rows {
+        writer.write_tensor(encoded).unwrap();
+    }
+    writer.finish().unwrap();
+    let (content, _) = read_gguf(&path);
+    let mut file = std::fs::File::open(&path).unwrap();
+    (0..rows.len())
+        .map(|i| {
+            content
+                .tensor(&mut file, &format!("row{i}"), &Device::Cpu)
+                .unwrap()
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn quants_golden() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(data_path("gguf/quants.json")).unwrap()).unwrap()
+}
+
+/// Every block type's bytes equal the `gguf` package's quantizer's (tests/data/gguf/quants.json, from
+/// `scripts/golden_gguf.py`) on random rows at four scales and on edge cases (a zero block, a constant one, a lone
+/// spike, a negative extreme); read back by Candle's GGUF reader, each value is within half a step of its block's
+/// scale (a whole step at the clamped end of q4_0 and q5_0), plus the float16 rounding of the scale (2⁻¹¹ relative,
+/// times the largest code) and of the minimum.
+#[test]
+fn block_quantizers_equal_the_gguf_packages() {
+    let golden = quants_golden();
+    let rows = golden_rows(&golden, "inputs");
     for quant in GgmlType::ALL.into_iter().filter(|t| t.block_len() == 32) {
-        let mut records = Vec::new();
-        let mut encoded_rows = Vec::new();
-        for (i, row) in rows.iter().enumerate() {
-            let mut encoded = Vec::new();
-            quant.encode(row, &mut encoded);
-            let hex: String = encoded.iter().map(|b| format!("{b:02x}")).collect();
-            assert_eq!(
-                hex,
-                golden[quant.name()][i].as_str().unwrap(),
-                "{quant:?}, row {i}"
-            );
-            records.push(TensorRecord {
-                name: format!("row{i}"),
-                shape: vec![row.len()],
-                ggml_type: quant,
-            });
-            encoded_rows.push(encoded);
-        }
-        let path = dir.path().join(format!("{}.gguf", quant.name()));
-        let mut writer =
-            GgufWriter::start(std::fs::File::create(&path).unwrap(), &[], records).unwrap();
-        for encoded in &encoded_rows {
-            writer.write_tensor(encoded).unwrap();
-        }
-        writer.finish().unwrap();
-        let (content, _) = read_gguf(&path);
-        let mut file = std::fs::File::open(&path).unwrap();
+        let back = encode_as_golden(&golden, quant, &rows);
         // The codes' range in steps of the scale, and whether a minimum is stored: q8_0 and q4_0/q5_0 scale by
         // the value of largest magnitude (q4_0/q5_0 clamp the other end of the range by up to a whole step).
         let (levels, clamped, offset) = match quant {
@@ -702,14 +743,7 @@ fn block_quantizers_equal_the_gguf_packages() {
             GgmlType::Q4_1 => (15.0, false, true),
             _ => (31.0, false, true),
         };
-        for (i, row) in rows.iter().enumerate() {
-            let back: Vec<f32> = content
-                .tensor(&mut file, &format!("row{i}"), &Device::Cpu)
-                .unwrap()
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+        for (i, (row, back)) in rows.iter().zip(&back).enumerate() {
             for (block, back) in row.chunks(32).zip(back.chunks(32)) {
                 let (min, max) = block
                     .iter()
@@ -728,6 +762,136 @@ fn block_quantizers_equal_the_gguf_packages() {
                     );
                 }
             }
+        }
+    }
+}
+
+/// The k-quants' super-blocks equal the bytes of ggml's own reference quantizers (`quantize_row_q*_K_ref`, what
+/// llama-quantize runs without an importance matrix) on random rows at four scales, heavy tails, zero and constant
+/// sub-blocks, rows of one sign, zeros and values below ggml's zero threshold. Read back by Candle's reader, each
+/// value is within one code step of the coarsest sub-block — the super-block's largest magnitude `m` over the
+/// codes' reach (2m/3 for q2_k's four codes over a range up to 2m, m/4 for q3_k's ±4, 2m/15, 2m/31, m/32 for q6_k's
+/// ±32) — plus the float16 rounding of the super-block scales (2⁻²⁵ absolute, below float16's normal range) times
+/// the largest scale code times the largest code.
+#[test]
+fn k_quantizers_equal_ggmls() {
+    let golden = quants_golden();
+    let rows = golden_rows(&golden, "k_inputs");
+    for quant in GgmlType::ALL.into_iter().filter(|t| t.block_len() == 256) {
+        let back = encode_as_golden(&golden, quant, &rows);
+        let (step, largest_product) = match quant {
+            GgmlType::Q2K => (2.0 / 3.0, 15.0 * 3.0 + 15.0),
+            GgmlType::Q3K => (1.0 / 4.0, 32.0 * 4.0),
+            GgmlType::Q4K => (2.0 / 15.0, 63.0 * 15.0 + 63.0),
+            GgmlType::Q5K => (2.0 / 31.0, 63.0 * 31.0 + 63.0),
+            _ => (1.0 / 32.0, 128.0 * 32.0),
+        };
+        for (i, (row, back)) in rows.iter().zip(&back).enumerate() {
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let bound = step * amax + largest_product * 2f32.powi(-25);
+            for (x, y) in row.iter().zip(back) {
+                assert!(
+                    (x - y).abs() <= bound,
+                    "{quant:?}, row {i}: {x} vs {y} (bound {bound})"
+                );
+            }
+        }
+    }
+}
+
+/// `scripts/golden_gguf.py`'s 32-bit hash (`lowbias32`).
+fn lowbias32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(0x7feb_352d);
+    x ^= x >> 15;
+    x = x.wrapping_mul(0x846c_a68b);
+    x ^ (x >> 16)
+}
+
+/// The generated Llama `name` (tests/data/models/NAME: config and tokenizer) with the weights of
+/// `scripts/golden_gguf.py`'s `kquant_weights`, bit for bit, as a folder under `dir`.
+fn kquant_model(name: &str, dir: &Path) -> std::path::PathBuf {
+    let source = data_path(&format!("models/{name}"));
+    let folder = dir.join(name);
+    std::fs::create_dir_all(&folder).unwrap();
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(source.join(file), folder.join(file)).unwrap();
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
+            .unwrap();
+    let dim = |key: &str| config[key].as_u64().unwrap() as usize;
+    let (h, i, vocab) = (
+        dim("hidden_size"),
+        dim("intermediate_size"),
+        dim("vocab_size"),
+    );
+    let q = dim("num_attention_heads") * dim("head_dim");
+    let kv = dim("num_key_value_heads") * dim("head_dim");
+    let mut shapes = std::collections::BTreeMap::new();
+    shapes.insert("model.embed_tokens.weight".to_string(), vec![vocab, h]);
+    shapes.insert("model.norm.weight".to_string(), vec![h]);
+    if !config["tie_word_embeddings"].as_bool().unwrap() {
+        shapes.insert("lm_head.weight".to_string(), vec![vocab, h]);
+    }
+    for layer in 0..dim("num_hidden_layers") {
+        for (module, shape) in [
+            ("input_layernorm", vec![h]),
+            ("post_attention_layernorm", vec![h]),
+            ("self_attn.q_proj", vec![q, h]),
+            ("self_attn.k_proj", vec![kv, h]),
+            ("self_attn.v_proj", vec![kv, h]),
+            ("self_attn.o_proj", vec![h, q]),
+            ("mlp.gate_proj", vec![i, h]),
+            ("mlp.up_proj", vec![i, h]),
+            ("mlp.down_proj", vec![h, i]),
+        ] {
+            shapes.insert(format!("model.layers.{layer}.{module}.weight"), shape);
+        }
+    }
+    let mut tensors = HashMap::new();
+    for (k, (name, shape)) in shapes.into_iter().enumerate() {
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n)
+            .map(|idx| {
+                let key = (k as u64 * 2_654_435_761 + idx as u64) as u32;
+                let u = (lowbias32(key) >> 8) as f32 * 2f32.powi(-24) - 0.5;
+                let cube = u * u * u * 4.0;
+                let v = u + cube;
+                match shape.len() {
+                    1 => 1.0 + v * 0.125,
+                    _ => v * (2f32.powi(-((idx / shape[1] % 5) as i32)) / 16.0),
+                }
+            })
+            .collect();
+        tensors.insert(name, Tensor::from_vec(values, shape, &Device::Cpu).unwrap());
+    }
+    candle_core::safetensors::save(&tensors, folder.join("model.safetensors")).unwrap();
+    folder
+}
+
+/// Two generated Llamas — 256-wide rows, 8 layers and a head of its own; 320-wide rows (most falling back to
+/// 32-blocks) and tied embeddings — exported in each k-quant type alone and in the mixes `q4_k_m` and `q5_k_m`
+/// are the files `llama-quantize` makes of the converter's float32 file (`--pure` for one type): every tensor's
+/// type (the head and embeddings, the value and down projections that the mixes give more bits, the fallbacks)
+/// and bytes, the metadata and the order.
+#[test]
+fn k_quant_exports_equal_llama_quantizes_files() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["kquant-llama", "kquant-llama-tied"] {
+        let golden: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
+        )
+        .unwrap();
+        let folder = kquant_model(name, dir.path());
+        let model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        for (quant, expected) in golden["files"].as_object().unwrap() {
+            let quantization: Quantization = quant.parse().unwrap();
+            let out = dir.path().join(format!("{name}-{quant}.gguf"));
+            gguf(&model, &folder, &out, &options(quantization)).unwrap();
+            assert_is_the_converters(&format!("{name} in {quant}"), &out, expected);
         }
     }
 }
