@@ -51,6 +51,8 @@ pub(super) enum TensorSource {
         name: String,
         permute_heads: Option<usize>,
     },
+    /// One projection of every expert of a sparse layer (adapters merged in), stacked.
+    Experts { layer: usize, part: ExpertPart },
     /// Llama 3's RoPE scaling as per-frequency divisors.
     RopeFactors(Vec<f32>),
     /// A linear layer's bias.
@@ -64,6 +66,25 @@ pub(super) enum TensorSource {
         permute_heads: Option<usize>,
         factor: f64,
     },
+}
+
+/// Which projection of the experts a stacked tensor holds.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum ExpertPart {
+    /// The gate projection: the first half of the rows of each expert's `gate_up_proj`.
+    Gate,
+    /// The up projection: the second half.
+    Up,
+    /// The down projection.
+    Down,
+}
+
+/// The layer and expert of an expert's projection (`model.layers.{l}.mlp.experts.{e}.*`).
+fn expert_of(name: &str) -> Option<(usize, usize)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once(".mlp.experts.")?;
+    let (expert, _) = rest.split_once('.')?;
+    Some((layer.parse().ok()?, expert.parse().ok()?))
 }
 
 /// A tensor to write: its record and where its values come from.
@@ -98,22 +119,22 @@ pub(super) struct Conversion<'a> {
 }
 
 /// The llama.cpp architectures written.
-const WRITTEN: [&str; 3] = ["llama", "qwen2", "qwen3"];
+const WRITTEN: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen2moe"];
 
 /// The llama.cpp architectures written back from a GGUF file of their own (its metadata carried over), not from a
 /// Hugging Face folder: Gemma's.
 const CARRIED: [&str; 2] = ["gemma2", "gemma3"];
 
-/// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama and for Mistral
-/// (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written without
-/// it), Qwen 2's and Qwen 3's own.
+/// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama, Mixtral and
+/// Mistral (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written
+/// without it), Qwen 2's, Qwen 2-MoE's and Qwen 3's own.
 fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
     Ok(match config.architecture.model_type() {
         "llama" => "llama",
-        "mistral" if config.sliding_window.is_none() => "llama",
-        "mistral" => {
+        "mistral" | "mixtral" if config.sliding_window.is_none() => "llama",
+        "mistral" | "mixtral" => {
             return Err(Error::InvalidInput(format!(
-                "this Mistral model attends within a sliding window of {} tokens, which llama.cpp's `llama` \
+                "this Mistral/Mixtral model attends within a sliding window of {} tokens, which llama.cpp's `llama` \
                  architecture (the one its converter writes Mistral as) does not have: its GGUF would attend to \
                  every earlier token (a copy of its config.json with `\"sliding_window\": null` exports as \
                  llama.cpp's converter would, without the window)",
@@ -121,6 +142,7 @@ fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
             )))
         }
         "qwen2" => "qwen2",
+        "qwen2_moe" => "qwen2moe",
         "qwen3" => "qwen3",
         // Refused by the caller, naming the model type.
         _ => "",
@@ -143,16 +165,25 @@ impl<'a> Conversion<'a> {
             None => gguf_architecture(config)?.to_string(),
         };
         let carried_only = gguf.is_some() && CARRIED.contains(&arch.as_str());
-        if !(WRITTEN.contains(&arch.as_str()) || carried_only) || config.moe.is_some() {
+        if !(WRITTEN.contains(&arch.as_str()) || carried_only) {
             return Err(Error::InvalidInput(format!(
-                "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral without a sliding window), `qwen2` and \
-                 `qwen3` architectures so far, without experts (and `gemma2`, `gemma3` from a GGUF file of their own); this \
-                 model is `{model_type}`{}",
+                "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral and Mixtral without a sliding window), \
+                 `qwen2`, `qwen2moe` and `qwen3` architectures so far (and `gemma2`, `gemma3` from a GGUF file of their \
+                 own); this model is `{model_type}`{}",
                 match gguf {
                     Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
                     None => String::new(),
                 }
             )));
+        }
+        if let Some(moe) = &config.moe {
+            if moe.sparse_layers.iter().any(|sparse| !sparse) {
+                return Err(Error::InvalidInput(
+                    "this mixture of experts has dense layers among its sparse ones (`mlp_only_layers` or a \
+                     `decoder_sparse_step` above 1), which llama.cpp's architectures for it do not have"
+                        .into(),
+                ));
+            }
         }
         let rope_factors = match (gguf, &config.rope_scaling) {
             (Some(file), _) => file
@@ -194,26 +225,39 @@ impl<'a> Conversion<'a> {
     /// factors first, then by Hugging Face name, the order of its safetensors files) — or, for the types that
     /// llama-quantize writes, in its order.
     pub fn tensors(&self, quantization: Quantization) -> Result<Vec<Planned>> {
-        let mut hf: Vec<(String, Vec<usize>, TensorSource)> = Vec::new();
+        // Each tensor under the name of the file's tensor the converter writes it after (it sorts by those).
+        let mut hf: Vec<(String, Unplanned)> = Vec::new();
+        let mut push = |hf_name: String, shape: Vec<usize>, source| -> Result<()> {
+            let name = self.llama_cpp_name(&hf_name)?;
+            hf.push((hf_name, (name, shape, source)));
+            Ok(())
+        };
         let embedding = self.model.embedding_table().dims().to_vec();
-        hf.push((
+        push(
             "model.embed_tokens.weight".into(),
             embedding.clone(),
             TensorSource::Embedding,
-        ));
+        )?;
         for (i, layer) in self.model.layers.iter().enumerate() {
             for (module, w) in layer.norms() {
-                hf.push((
+                push(
                     format!("model.layers.{i}.{module}.weight"),
                     w.dims().to_vec(),
                     TensorSource::LayerNorm { layer: i, module },
-                ));
+                )?;
             }
         }
+        let mut stacked = Vec::new();
         for (name, linear) in self.model.linears() {
+            if let Some((layer, expert)) = expert_of(&name) {
+                if expert == 0 && name.ends_with(".down_proj") {
+                    stacked.extend(self.stacked_experts(layer));
+                }
+                continue;
+            }
             if let Some(bias) = &linear.base.bias {
                 let source = TensorSource::Bias { name: name.clone() };
-                hf.push((format!("{name}.bias"), bias.dims().to_vec(), source));
+                push(format!("{name}.bias"), bias.dims().to_vec(), source)?;
             }
             let permute_heads = self.permuted_heads(&name);
             let (rows, columns) = linear.base.weight.dims2()?;
@@ -221,15 +265,24 @@ impl<'a> Conversion<'a> {
                 name: name.clone(),
                 permute_heads,
             };
-            hf.push((format!("{name}.weight"), vec![rows, columns], source));
+            push(format!("{name}.weight"), vec![rows, columns], source)?;
         }
-        hf.push((
+        push(
             "model.norm.weight".into(),
             self.model.norm.dims().to_vec(),
             TensorSource::FinalNorm,
-        ));
+        )?;
         if self.writes_head()? {
-            hf.push(("lm_head.weight".into(), embedding, TensorSource::Head));
+            push("lm_head.weight".into(), embedding, TensorSource::Head)?;
+        }
+        hf.extend(stacked);
+        if self.mixtral_files() {
+            // Mixtral's checkpoints name the router `block_sparse_moe.gate`, which sorts before the layer's norms.
+            for (file_name, _) in &mut hf {
+                if let Some(layer) = file_name.strip_suffix(".mlp.gate.weight") {
+                    *file_name = format!("{layer}.block_sparse_moe.gate.weight");
+                }
+            }
         }
         if let Origin::Folder { .. } = self.origin {
             hf.sort_by(|a, b| a.0.cmp(&b.0));
@@ -239,9 +292,7 @@ impl<'a> Conversion<'a> {
             let source = TensorSource::RopeFactors(factors.clone());
             out.push(("rope_freqs.weight".into(), vec![factors.len()], source));
         }
-        for (hf_name, shape, source) in hf {
-            out.push((self.llama_cpp_name(&hf_name)?, shape, source));
-        }
+        out.extend(hf.into_iter().map(|(_, tensor)| tensor));
         if let Origin::Gguf(file) = self.origin {
             let infos = &file.content().tensor_infos;
             out.sort_by_key(|(name, _, _)| infos.get(name).map_or(u64::MAX, |i| i.offset));
@@ -252,6 +303,56 @@ impl<'a> Conversion<'a> {
         Ok(self.typed(out, quantization))
     }
 
+    /// Whether the checkpoint names its experts as Mixtral's does (`block_sparse_moe.experts.{e}.w1`/`w2`/`w3`).
+    fn mixtral_files(&self) -> bool {
+        self.model.config().architecture.model_type() == "mixtral"
+    }
+
+    /// The experts of sparse layer `layer` stacked as llama.cpp holds them (`ffn_gate_exps`, `ffn_up_exps`
+    /// `[experts, width, hidden]`, `ffn_down_exps` `[experts, hidden, width]`), each under the file name after
+    /// which the converter writes it: it writes all three once it has read the layer's last expert tensor (in name
+    /// order), Mixtral's gate, down, up and Qwen's down, gate, up.
+    fn stacked_experts(&self, layer: usize) -> Vec<(String, Unplanned)> {
+        let config = self.model.config();
+        let Some(moe) = &config.moe else {
+            return Vec::new();
+        };
+        let (experts, width, hidden) = (
+            moe.num_experts,
+            moe.moe_intermediate_size,
+            config.hidden_size,
+        );
+        let last_expert = (0..experts)
+            .map(|e| e.to_string())
+            .max()
+            .unwrap_or_default();
+        let (last_file_name, parts) = match self.mixtral_files() {
+            true => (
+                format!("model.layers.{layer}.block_sparse_moe.experts.{last_expert}.w3.weight"),
+                [ExpertPart::Gate, ExpertPart::Down, ExpertPart::Up],
+            ),
+            false => (
+                format!("model.layers.{layer}.mlp.experts.{last_expert}.up_proj.weight"),
+                [ExpertPart::Down, ExpertPart::Gate, ExpertPart::Up],
+            ),
+        };
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| {
+                let (kind, shape) = match part {
+                    ExpertPart::Gate => ("gate", vec![experts, width, hidden]),
+                    ExpertPart::Up => ("up", vec![experts, width, hidden]),
+                    ExpertPart::Down => ("down", vec![experts, hidden, width]),
+                };
+                // Right after that file name, in the converter's order among the three.
+                let key = format!("{last_file_name}\u{1}{i}");
+                let name = format!("blk.{layer}.ffn_{kind}_exps.weight");
+                (key, (name, shape, TensorSource::Experts { layer, part }))
+            })
+            .collect()
+    }
+
     /// `tensors` with the types `quantization` gives them, in their order.
     fn typed(&self, tensors: Vec<Unplanned>, quantization: Quantization) -> Vec<Planned> {
         let config = self.model.config();
@@ -260,7 +361,7 @@ impl<'a> Conversion<'a> {
             layers: self.model.layers.len(),
             heads: config.num_attention_heads,
             kv_heads: config.num_key_value_heads,
-            experts: 0,
+            experts: config.moe.as_ref().map_or(0, |m| m.num_experts),
         };
         let named: Vec<(&str, &[usize])> = tensors
             .iter()
@@ -314,6 +415,12 @@ impl<'a> Conversion<'a> {
         let alpha = first.scaling * rank(first)? as f64;
         let mut out = Vec::new();
         for (name, adapter) in adapted {
+            if expert_of(&name).is_some() {
+                return Err(Error::InvalidInput(format!(
+                    "`{name}` is an expert's projection: an adapter on experts is not written alone yet (llama.cpp \
+                     holds the experts stacked); export the model with the adapter merged in (without --adapter-only)"
+                )));
+            }
             if adapter.magnitude.is_some() {
                 return Err(Error::InvalidInput(format!(
                     "`{name}` is a DoRA module, which llama.cpp does not apply: export the model with the adapter \
@@ -402,6 +509,33 @@ impl<'a> Conversion<'a> {
                 name,
                 permute_heads,
             } => permuted_values(&effective_weight(linear(model, name)?)?, *permute_heads),
+            TensorSource::Experts { layer, part } => {
+                let experts = model.config().moe.as_ref().map_or(0, |m| m.num_experts);
+                let mut out = Vec::new();
+                for e in 0..experts {
+                    let prefix = format!("model.layers.{layer}.mlp.experts.{e}");
+                    let w = match part {
+                        ExpertPart::Down => {
+                            effective_weight(linear(model, &format!("{prefix}.down_proj"))?)?
+                        }
+                        ExpertPart::Gate | ExpertPart::Up => {
+                            let gate_up = effective_weight(linear(
+                                model,
+                                &format!("{prefix}.gate_up_proj"),
+                            )?)?;
+                            let width = gate_up.dim(0)? / 2;
+                            let start = if matches!(part, ExpertPart::Up) {
+                                width
+                            } else {
+                                0
+                            };
+                            gate_up.narrow(0, start, width)?
+                        }
+                    };
+                    out.extend(values_of(&w)?);
+                }
+                Ok(out)
+            }
             TensorSource::RopeFactors(f) => Ok(f.clone()),
             TensorSource::Bias { name } => match &linear(model, name)?.base.bias {
                 Some(b) => values_of(b),
@@ -524,6 +658,10 @@ fn architecture_metadata(
             Value::F32(c.rms_norm_eps as f32),
         ),
     ];
+    if let Some(moe) = &c.moe {
+        head.push(entry(key("expert_count"), u(moe.num_experts)));
+        head.push(entry(key("expert_used_count"), u(moe.num_experts_per_tok)));
+    }
     if explicit_head_dim {
         head.push(entry(key("attention.key_length"), u(c.head_dim)));
         head.push(entry(key("attention.value_length"), u(c.head_dim)));
@@ -536,6 +674,15 @@ fn architecture_metadata(
         ],
         _ => Vec::new(),
     };
+    if let (Some(moe), "qwen2moe") = (&c.moe, arch) {
+        tail.push(entry(
+            key("expert_feed_forward_length"),
+            u(moe.moe_intermediate_size),
+        ));
+        if let Some(shared) = moe.shared_expert_intermediate_size {
+            tail.push(entry(key("expert_shared_feed_forward_length"), u(shared)));
+        }
+    }
     if let Some(RopeScaling::Linear { factor }) = c.rope_scaling {
         tail.push(entry(
             key("rope.scaling.type"),

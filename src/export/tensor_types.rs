@@ -149,9 +149,13 @@ fn kind(name: &str) -> Kind {
     }
 }
 
-/// Whether a tensor is quantized at all: matrices, not norms nor expert routers.
-fn quantizable(name: &str, shape: &[usize]) -> bool {
-    shape.len() >= 2 && !name.contains("_norm.weight") && !name.contains("ffn_gate_inp.weight")
+/// Whether a tensor is quantized at all: matrices, not norms nor expert routers (nor, in the converter's files,
+/// the shared expert's gate, which llama-quantize would quantize).
+fn quantizable(name: &str, shape: &[usize], quantization: Quantization) -> bool {
+    let kept = name.contains("_norm.weight")
+        || name.contains("ffn_gate_inp.weight")
+        || (quantization.written_by_converter() && name.contains("ffn_gate_inp_shexp.weight"));
+    shape.len() >= 2 && !kept
 }
 
 /// Where llama-quantize puts a tensor in its file: the tensors outside the blocks first, then block by block, by
@@ -185,7 +189,7 @@ pub fn tensor_types(
     tensors
         .iter()
         .map(|&(name, shape)| {
-            if !quantizable(name, shape) {
+            if !quantizable(name, shape, quantization) {
                 return GgmlType::F32;
             }
             let chosen = match quantization {

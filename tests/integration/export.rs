@@ -224,7 +224,13 @@ fn assert_is_the_converters(what: &str, out: &Path, expected: &serde_json::Value
 #[test]
 fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3",
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+    ] {
         let golden: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
         )
@@ -391,6 +397,101 @@ fn an_exported_merge_holds_the_merged_weights() {
         assert!(
             (a - b).abs() <= 2.0 * f32::EPSILON as f64 * b.abs(),
             "{a} vs {b}"
+        );
+    }
+}
+
+/// Mixtral and Qwen 2-MoE with a random adapter on every linear layer (experts, router and shared expert
+/// included) exported in float32 load back as llama.cpp's `llama` with experts and `qwen2moe`, and give the logits
+/// of the model running the adapter unmerged, within the float32 bound of both chains: the experts stacked from the
+/// merged weights, each expert's gate and up projections split apart again.
+#[test]
+fn mixtures_of_experts_export_with_their_experts_merged_and_stacked() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, arch) in [("tiny-mixtral", "llama"), ("tiny-qwen2-moe", "qwen2moe")] {
+        let folder = data_path(&format!("models/{name}"));
+        let mut adapted = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+            .unwrap()
+            .model;
+        let lora = LoraConfig {
+            r: 4,
+            lora_alpha: 8.0,
+            target_modules: Some(TargetModules::AllLinear),
+            target_parameters: Some(
+                [
+                    "mlp.gate.weight",
+                    "mlp.experts.gate_up_proj",
+                    "mlp.experts.down_proj",
+                ]
+                .map(String::from)
+                .to_vec(),
+            ),
+            ..Default::default()
+        };
+        adapted.add_adapter("default", &lora, 7).unwrap();
+        let mut experts = 0;
+        for (param, var) in adapted.adapter_parameters("default").unwrap() {
+            if param.contains("lora_B") {
+                experts += param.contains(".experts.") as usize;
+                var.set(&Tensor::randn(0f32, 0.05, var.shape(), &Device::Cpu).unwrap())
+                    .unwrap();
+            }
+        }
+        assert!(experts > 0, "{name}: the adapter reaches the experts");
+        let out = dir.path().join(format!("{name}.gguf"));
+        let report = gguf(&adapted, &folder, &out, &options(GgmlType::F32)).unwrap();
+        assert_eq!(report.architecture, arch);
+        // The test tokenizer (word-level, no merges) is not one Candle's GGUF tokenizer builds: the copy loaded
+        // has no tokenizer keys, and its vocabulary's size in their place.
+        let (content, data) = read_gguf(&out);
+        let mut metadata: Vec<(String, Value)> = content
+            .metadata
+            .iter()
+            .filter(|(k, _)| !k.starts_with("tokenizer."))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let vocab_size = format!("{arch}.vocab_size");
+        if !content.metadata.contains_key(&vocab_size) {
+            let vocab = adapted.config().vocab_size as u32;
+            metadata.push((vocab_size, Value::U32(vocab)));
+        }
+        let records: Vec<TensorRecord> = tensor_order(&content)
+            .into_iter()
+            .map(|(name, shape)| {
+                let dtype = content.tensor_infos[&name].ggml_dtype;
+                assert_eq!(dtype, candle_core::quantized::GgmlDType::F32, "{name}");
+                TensorRecord {
+                    name,
+                    shape,
+                    ggml_type: GgmlType::F32,
+                }
+            })
+            .collect();
+        let copy = dir.path().join(format!("{name}-no-tokenizer.gguf"));
+        let mut writer = GgufWriter::start(
+            std::fs::File::create(&copy).unwrap(),
+            &metadata,
+            records.clone(),
+        )
+        .unwrap();
+        for record in &records {
+            writer.write_tensor(&data[&record.name]).unwrap();
+        }
+        writer.finish().unwrap();
+        let exported = load_model(copy.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+        let ids = Tensor::new(&[[1u32, 5, 9, 14, 3, 77, 20, 2]], &Device::Cpu).unwrap();
+        let expected = adapted.logits(&ids).unwrap();
+        let terms = 2 * decoder_chain_terms(adapted.config(), ids.dim(1).unwrap())
+            + adapter_chain_terms(&adapted, branch_terms)
+            + adapter_chain_terms(&adapted, merge_terms);
+        let bound = float32_bound(terms, max_abs(&expected));
+        let d = max_abs_diff(&exported.model.logits(&ids).unwrap(), &expected);
+        eprintln!(
+            "{name} with an adapter, exported in f32: logits differ by {d:.3e} (bound {bound:.3e})"
+        );
+        assert!(
+            d <= bound,
+            "{name}: logits differ by {d:.3e}, beyond {bound:.3e}"
         );
     }
 }
