@@ -4,7 +4,7 @@
 The converter is not on PyPI by itself: it ships inside the source distribution of llama-cpp-python, whose
 `vendor/llama.cpp` holds llama.cpp's converter and its `gguf-py` package. This script downloads that sdist (pinned
 below, checked by its sha256), runs the converter on tiny models of the tests — the Llama for each type it writes
-(f32, f16, bf16, q8_0), the Qwen 2, Qwen 3, Mixtral and Qwen 2-MoE in some — and `convert_lora_to_gguf.py` on a LoRA adapter of the
+(f32, f16, bf16, q8_0), the Qwen 2, Qwen 3, Mixtral, Qwen 2-MoE and Phi-3 in some — and `convert_lora_to_gguf.py` on a LoRA adapter of the
 Llama and of the Qwen 3 (tests/data/peft) in the same types, and records each file — every metadata key with its
 type and value, every tensor's name, dimensions, type and the sha256 of its bytes — in tests/data/gguf/NAME.json
 (`files`: the model; `adapter_files`: the adapter).
@@ -62,6 +62,12 @@ MODELS = {
     "tiny-qwen3": (["f32", "q8_0"], "qwen3_lora"),
     "tiny-mixtral": (["f32", "q8_0"], None),
     "tiny-qwen2-moe": (["f32", "q8_0"], None),
+    "tiny-phi3": (["f32", "q8_0"], None),
+}
+# The tokenizer_config.json the converter is given (see above); Phi-3's converter takes a byte-level vocabulary only
+# from a `GPT2Tokenizer` (Phi-4-mini's), whose default special tokens the test vocabulary does not have.
+TOKENIZER_CONFIGS = {
+    "tiny-phi3": {"tokenizer_class": "GPT2Tokenizer", "bos_token": None, "eos_token": None, "unk_token": None},
 }
 QUANT_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -333,7 +339,7 @@ def generate():
             model = os.path.join(work, name)
             shutil.copytree(os.path.join(MODELS_DIR, name), model)
             with open(os.path.join(model, "tokenizer_config.json"), "w") as f:
-                json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+                json.dump(TOKENIZER_CONFIGS.get(name, {"tokenizer_class": "PreTrainedTokenizerFast"}), f)
             adapter = None
             if adapter_name:
                 adapter = os.path.join(work, adapter_name)

@@ -114,12 +114,13 @@ pub(super) struct Conversion<'a> {
     /// `general.architecture`.
     arch: String,
     origin: Origin<'a>,
-    /// `rope_freqs`, when RoPE is scaled Llama 3's way.
-    rope_factors: Option<Vec<f32>>,
+    /// RoPE's per-frequency factors, written first: Llama 3's `rope_freqs`, or LongRoPE's `rope_factors_long` and
+    /// `rope_factors_short` (Phi-3).
+    rope_factors: Vec<(&'static str, Vec<f32>)>,
 }
 
 /// The llama.cpp architectures written.
-const WRITTEN: [&str; 4] = ["llama", "qwen2", "qwen3", "qwen2moe"];
+const WRITTEN: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen2moe", "phi3"];
 
 /// The llama.cpp architectures written back from a GGUF file of their own (its metadata carried over), not from a
 /// Hugging Face folder: Gemma's.
@@ -127,7 +128,7 @@ const CARRIED: [&str; 2] = ["gemma2", "gemma3"];
 
 /// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama, Mixtral and
 /// Mistral (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written
-/// without it), Qwen 2's, Qwen 2-MoE's and Qwen 3's own.
+/// without it), Phi-3's, Qwen 2's, Qwen 2-MoE's and Qwen 3's own.
 fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
     Ok(match config.architecture.model_type() {
         "llama" => "llama",
@@ -141,6 +142,7 @@ fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
                 config.sliding_window.unwrap_or_default()
             )))
         }
+        "phi3" => "phi3",
         "qwen2" => "qwen2",
         "qwen2_moe" => "qwen2moe",
         "qwen3" => "qwen3",
@@ -168,7 +170,7 @@ impl<'a> Conversion<'a> {
         if !(WRITTEN.contains(&arch.as_str()) || carried_only) {
             return Err(Error::InvalidInput(format!(
                 "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral and Mixtral without a sliding window), \
-                 `qwen2`, `qwen2moe` and `qwen3` architectures so far (and `gemma2`, `gemma3` from a GGUF file of their \
+                 `phi3`, `qwen2`, `qwen2moe` and `qwen3` architectures so far (and `gemma2`, `gemma3` from a GGUF file of their \
                  own); this model is `{model_type}`{}",
                 match gguf {
                     Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
@@ -185,19 +187,24 @@ impl<'a> Conversion<'a> {
                 ));
             }
         }
+        let floats = |v: &[f64]| v.iter().map(|&f| f as f32).collect::<Vec<f32>>();
         let rope_factors = match (gguf, &config.rope_scaling) {
+            (_, Some(RopeScaling::LongRope(s))) => vec![
+                ("rope_factors_long.weight", floats(&s.long_factor)),
+                ("rope_factors_short.weight", floats(&s.short_factor)),
+            ],
             (Some(file), _) => file
                 .rope_frequency_factors()?
-                .map(|f| f.into_iter().map(|v| v as f32).collect()),
-            (None, Some(RopeScaling::Llama3(s))) => Some(llama3_frequency_divisors(
-                config.rotary_dim,
-                config.rope_theta,
-                s,
-            )),
-            (None, None | Some(RopeScaling::Linear { .. })) => None,
+                .map(|f| vec![("rope_freqs.weight", floats(&f))])
+                .unwrap_or_default(),
+            (None, Some(RopeScaling::Llama3(s))) => vec![(
+                "rope_freqs.weight",
+                llama3_frequency_divisors(config.rotary_dim, config.rope_theta, s),
+            )],
+            (None, None | Some(RopeScaling::Linear { .. })) => Vec::new(),
             (None, Some(other)) => {
                 return Err(Error::InvalidInput(format!(
-                    "GGUF export: RoPE scaling {other:?} is not written yet (Llama 3's, linear and none are)"
+                    "GGUF export: RoPE scaling {other:?} is not written yet (Llama 3's, LongRoPE, linear and none are)"
                 )))
             }
         };
@@ -288,9 +295,9 @@ impl<'a> Conversion<'a> {
             hf.sort_by(|a, b| a.0.cmp(&b.0));
         }
         let mut out: Vec<Unplanned> = Vec::new();
-        if let Some(factors) = &self.rope_factors {
+        for (name, factors) in &self.rope_factors {
             let source = TensorSource::RopeFactors(factors.clone());
-            out.push(("rope_freqs.weight".into(), vec![factors.len()], source));
+            out.push((name.to_string(), vec![factors.len()], source));
         }
         out.extend(hf.into_iter().map(|(_, tensor)| tensor));
         if let Origin::Gguf(file) = self.origin {
@@ -580,10 +587,22 @@ impl<'a> Conversion<'a> {
                 tokenizer_pre,
             } => {
                 let config = self.model.config();
-                let explicit_head_dim = read_json::<serde_json::Value>(&folder.join("config.json"))
-                    .map(|c| c.get("head_dim").is_some_and(|h| !h.is_null()))
-                    .unwrap_or(false);
-                let (head, tail) = architecture_metadata(&self.arch, config, explicit_head_dim);
+                let hf_config: serde_json::Value = read_json(&folder.join("config.json"))?;
+                let (head, tail) = match self.arch.as_str() {
+                    "phi3" => phi3_metadata(config, &hf_config, &folder.join("config.json"))?,
+                    arch => {
+                        let explicit_head_dim =
+                            hf_config.get("head_dim").is_some_and(|h| !h.is_null());
+                        architecture_metadata(arch, config, explicit_head_dim)
+                    }
+                };
+                if let ("phi3", Some(RopeScaling::LongRope(s))) =
+                    (self.arch.as_str(), &config.rope_scaling)
+                {
+                    // The converter sets it while writing the factors, before the other keys.
+                    let factor = Value::F32(s.attention_factor as f32);
+                    out.insert(1, entry("phi3.rope.scaling.attn_factor", factor));
+                }
                 out.extend(head);
                 out.push(file_type.clone());
                 out.extend(tail);
@@ -691,6 +710,51 @@ fn architecture_metadata(
         tail.push(entry(key("rope.scaling.factor"), Value::F32(factor as f32)));
     }
     (head, tail)
+}
+
+/// The converter's `phi3.*` keys: those it writes before `general.file_type`, and after (the sliding window, 0
+/// for none). The pre-training context length is LongRoPE's, else `config.json`'s.
+fn phi3_metadata(
+    c: &ModelConfig,
+    hf: &serde_json::Value,
+    config_file: &Path,
+) -> Result<(Vec<Entry>, Vec<Entry>)> {
+    let key = |k: &str| format!("phi3.{k}");
+    let u = |n: usize| Value::U32(n as u32);
+    let original = match &c.rope_scaling {
+        Some(RopeScaling::LongRope(s)) => s.original_max_position_embeddings,
+        _ => hf
+            .get("rope_parameters")
+            .and_then(|r| r.get("original_max_position_embeddings"))
+            .or_else(|| hf.get("original_max_position_embeddings"))
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| Error::InvalidFile {
+                path: config_file.to_path_buf(),
+                reason: "a Phi-3 config needs `original_max_position_embeddings` (llama.cpp records the \
+                         pre-training context length)"
+                    .into(),
+            })? as usize,
+    };
+    let head = vec![
+        entry(key("context_length"), u(c.max_position_embeddings)),
+        entry(key("rope.scaling.original_context_length"), u(original)),
+        entry(key("embedding_length"), u(c.hidden_size)),
+        entry(key("feed_forward_length"), u(c.intermediate_size)),
+        entry(key("block_count"), u(c.num_hidden_layers)),
+        entry(key("attention.head_count"), u(c.num_attention_heads)),
+        entry(key("attention.head_count_kv"), u(c.num_key_value_heads)),
+        entry(
+            key("attention.layer_norm_rms_epsilon"),
+            Value::F32(c.rms_norm_eps as f32),
+        ),
+        entry(key("rope.dimension_count"), u(c.rotary_dim)),
+        entry(key("rope.freq_base"), Value::F32(c.rope_theta as f32)),
+    ];
+    let tail = vec![entry(
+        key("attention.sliding_window"),
+        u(c.sliding_window.unwrap_or(0)),
+    )];
+    Ok((head, tail))
 }
 
 /// llama.cpp's token types.

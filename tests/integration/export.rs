@@ -230,6 +230,7 @@ fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
         "tiny-qwen3",
         "tiny-mixtral",
         "tiny-qwen2-moe",
+        "tiny-phi3",
     ] {
         let golden: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
@@ -401,14 +402,20 @@ fn an_exported_merge_holds_the_merged_weights() {
     }
 }
 
-/// Mixtral and Qwen 2-MoE with a random adapter on every linear layer (experts, router and shared expert
-/// included) exported in float32 load back as llama.cpp's `llama` with experts and `qwen2moe`, and give the logits
-/// of the model running the adapter unmerged, within the float32 bound of both chains: the experts stacked from the
-/// merged weights, each expert's gate and up projections split apart again.
+/// Mixtral, Qwen 2-MoE and Phi-3 with a random adapter on every linear layer (experts, router and shared expert
+/// included) exported in float32 load back as llama.cpp's `llama` with experts, `qwen2moe` and `phi3`, and give
+/// the logits of the model running the adapter unmerged, within the float32 bound of both chains: the experts
+/// stacked from the merged weights, each expert's gate and up projections split apart again; Phi-3's fused
+/// projections and LongRoPE factors.
 #[test]
-fn mixtures_of_experts_export_with_their_experts_merged_and_stacked() {
+fn mixtures_of_experts_and_phi3_export_with_their_adapters_merged() {
     let dir = tempfile::tempdir().unwrap();
-    for (name, arch) in [("tiny-mixtral", "llama"), ("tiny-qwen2-moe", "qwen2moe")] {
+    for (name, arch) in [
+        ("tiny-mixtral", "llama"),
+        ("tiny-qwen2-moe", "qwen2moe"),
+        ("tiny-phi3", "phi3"),
+    ] {
+        let moe = arch != "phi3";
         let folder = data_path(&format!("models/{name}"));
         let mut adapted = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
             .unwrap()
@@ -417,15 +424,15 @@ fn mixtures_of_experts_export_with_their_experts_merged_and_stacked() {
             r: 4,
             lora_alpha: 8.0,
             target_modules: Some(TargetModules::AllLinear),
-            target_parameters: Some(
+            target_parameters: moe.then(|| {
                 [
                     "mlp.gate.weight",
                     "mlp.experts.gate_up_proj",
                     "mlp.experts.down_proj",
                 ]
                 .map(String::from)
-                .to_vec(),
-            ),
+                .to_vec()
+            }),
             ..Default::default()
         };
         adapted.add_adapter("default", &lora, 7).unwrap();
@@ -437,7 +444,7 @@ fn mixtures_of_experts_export_with_their_experts_merged_and_stacked() {
                     .unwrap();
             }
         }
-        assert!(experts > 0, "{name}: the adapter reaches the experts");
+        assert_eq!(experts > 0, moe, "{name}: the adapter reaches the experts");
         let out = dir.path().join(format!("{name}.gguf"));
         let report = gguf(&adapted, &folder, &out, &options(GgmlType::F32)).unwrap();
         assert_eq!(report.architecture, arch);
@@ -997,14 +1004,18 @@ fn k_quant_exports_equal_llama_quantizes_files() {
     }
 }
 
-/// Gemma 2 and 3 GGUF files (tests/data/models/tiny-gemma*-gguf) export back in float32 to the same file: every
-/// tensor's bytes (the norms as llama.cpp stores them, the scale plus one), the metadata carried over (the
-/// quantization version added), the tensor order kept.
+/// Gemma 2 and 3 and Phi-3 GGUF files (tests/data/models/tiny-gemma*-gguf, tiny-phi3) export back in float32 to the
+/// same file: every tensor's bytes (Gemma's norms as llama.cpp stores them, the scale plus one; Phi-3's LongRoPE
+/// factors), the metadata carried over (the quantization version added), the tensor order kept.
 #[test]
-fn gemma_gguf_files_export_back_to_themselves() {
+fn gguf_files_export_back_to_themselves() {
     let dir = tempfile::tempdir().unwrap();
-    for name in ["tiny-gemma2-gguf", "tiny-gemma3-gguf"] {
-        let source = data_path(&format!("models/{name}/model.gguf"));
+    for (name, file) in [
+        ("tiny-gemma2-gguf", "models/tiny-gemma2-gguf/model.gguf"),
+        ("tiny-gemma3-gguf", "models/tiny-gemma3-gguf/model.gguf"),
+        ("tiny-phi3", "models/tiny-phi3/model.gguf"),
+    ] {
+        let source = data_path(file);
         let model = load_model(source.to_str().unwrap(), None, &LoadOptions::default())
             .unwrap()
             .model;
