@@ -36,6 +36,7 @@ fn measure(model_path: &str, args: &EstimateArgs) -> (u64, u64) {
     let opts = LoadOptions {
         quantization: args.quantize.then(QuantConfig::nf4),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let model = load_model(model_path, None, &opts).expect("model").model;
     let dir = tempfile::tempdir().expect("tempdir");

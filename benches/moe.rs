@@ -103,6 +103,7 @@ fn load(dir: &Path) -> LlamaModel {
     let options = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let mut model = load_model(dir.to_str().unwrap(), None, &options)
         .unwrap()

@@ -8,6 +8,9 @@
 //! Without `--model`, it writes (once, into `target/load-memory-1b/`) a folder shaped like Llama-3.2-1B — bf16
 //! safetensors with random weights, 2.5 GB — and measures that. Linux only (reads VmHWM).
 
+#[path = "common/random_weights.rs"]
+mod random_weights;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -163,17 +166,7 @@ fn one_b_folder() -> Result<PathBuf> {
     let tensors = shapes.into_iter().map(|(name, shape)| {
         let n: usize = shape.iter().product();
         let norm = name.ends_with("norm.weight");
-        let mut bytes = Vec::with_capacity(2 * n);
-        for _ in 0..n {
-            // splitmix64: small uniform weights (norms are 1), as bf16 little-endian bytes.
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            let uniform = (z >> 40) as f32 / (1u64 << 24) as f32;
-            let value = if norm { 1.0 } else { (uniform - 0.5) * 0.04 };
-            bytes.extend_from_slice(&half::bf16::from_f32(value).to_le_bytes());
-        }
+        let bytes = random_weights::random_bf16_bytes(&mut state, n, norm);
         let raw = candle_qlora::files::RawTensor {
             dtype: safetensors::Dtype::BF16,
             shape,

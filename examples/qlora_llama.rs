@@ -156,6 +156,7 @@ fn main() -> Result<()> {
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let (loaded, which) = resolve(model.as_deref(), &opts, &output)?;
     println!("model: {which}");

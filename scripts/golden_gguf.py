@@ -4,8 +4,9 @@
 The converter is not on PyPI by itself: it ships inside the source distribution of llama-cpp-python, whose
 `vendor/llama.cpp` holds llama.cpp's converter and its `gguf-py` package. This script downloads that sdist (pinned
 below, checked by its sha256), runs the converter on tiny models of the tests — the Llama for each type it writes
-(f32, f16, bf16, q8_0), the Qwen 2, Qwen 3, Mixtral, Qwen 2-MoE and Phi-3 in some — and `convert_lora_to_gguf.py` on a LoRA adapter of the
-Llama and of the Qwen 3 (tests/data/peft) in the same types, and records each file — every metadata key with its
+(f32, f16, bf16, q8_0), the Qwen 2, Qwen 3, Mixtral, Qwen 2-MoE, Phi-3 and an all-sparse Qwen 3-MoE in some (that
+one, tests/data/models/tiny-qwen3-moe-sparse, is written once by `sparse_qwen3_moe`) — and `convert_lora_to_gguf.py`
+on a LoRA adapter of the Llama and of the Qwen 3 (tests/data/peft) in the same types, and records each file — every metadata key with its
 type and value, every tensor's name, dimensions, type and the sha256 of its bytes — in tests/data/gguf/NAME.json
 (`files`: the model; `adapter_files`: the adapter).
 It also quantizes a fixed set of rows (random values at several scales, a zero block, a constant block, a lone
@@ -63,6 +64,7 @@ MODELS = {
     "tiny-mixtral": (["f32", "q8_0"], None),
     "tiny-qwen2-moe": (["f32", "q8_0"], None),
     "tiny-phi3": (["f32", "q8_0"], None),
+    "tiny-qwen3-moe-sparse": (["f32", "q8_0"], None),
 }
 # The tokenizer_config.json the converter is given (see above); Phi-3's converter takes a byte-level vocabulary only
 # from a `GPT2Tokenizer` (Phi-4-mini's), whose default special tokens the test vocabulary does not have.
@@ -331,8 +333,33 @@ def kquant_models(llama_cpp, work, bin_dir):
         print(f"wrote {path}")
 
 
+def sparse_qwen3_moe():
+    """tests/data/models/tiny-qwen3-moe-sparse (written once): a Qwen 3-MoE whose every layer is sparse, as llama.cpp's
+    `qwen3moe` requires (the tests' tiny-qwen3-moe has a dense layer), random weights from transformers' own
+    initialization (seed 47)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    folder = os.path.join(MODELS_DIR, "tiny-qwen3-moe-sparse")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return
+    config = Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(47)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    shutil.copy(os.path.join(MODELS_DIR, "tiny-qwen3-moe", "tokenizer.json"), folder)
+    for extra in ("generation_config.json",):
+        if os.path.exists(os.path.join(folder, extra)):
+            os.remove(os.path.join(folder, extra))
+
+
 def generate():
     os.makedirs(GGUF_DIR, exist_ok=True)
+    sparse_qwen3_moe()
     with tempfile.TemporaryDirectory() as work:
         llama_cpp = fetch_converter(work)
         for name, (types, adapter_name) in MODELS.items():

@@ -150,6 +150,7 @@ pub fn base_quantization(model: &LlamaModel) -> Option<QuantConfig> {
             FrozenWeight::Dense(_) => None,
             FrozenWeight::Nf4(q) => Some(q.config()),
             FrozenWeight::Nf4OnDevice(q) => Some(q.config()),
+            FrozenWeight::Deferred(d) => d.quantization(),
         })
 }
 

@@ -499,7 +499,8 @@ fn export(args: ExportArgs) -> anyhow::Result<()> {
         // Merging is exact float32 arithmetic on the host, whatever the build.
         device: ComputeOn::Cpu,
     };
-    let loaded = margs.load()?;
+    // The linear weights stay in their files until written: the export holds one at a time.
+    let loaded = margs.load_deferring(true)?;
     let options = GgufOptions {
         quant: args.quant,
         tokenizer_pre: args.tokenizer_pre.clone(),
@@ -646,6 +647,12 @@ enum ComputeOn {
 
 impl ModelArgs {
     fn load(&self) -> anyhow::Result<LoadedModel> {
+        self.load_deferring(false)
+    }
+
+    /// The model, its linear weights left in their files with `defer_linear_weights`
+    /// ([`LoadOptions::defer_linear_weights`]).
+    fn load_deferring(&self, defer_linear_weights: bool) -> anyhow::Result<LoadedModel> {
         let start = std::time::Instant::now();
         let (quantization, why) = self.base_quantization()?;
         let device = select_device(self.device == ComputeOn::Cpu, 0, "computing")?;
@@ -668,6 +675,7 @@ impl ModelArgs {
         let opts = LoadOptions {
             quantization,
             compute_dtype,
+            defer_linear_weights,
         };
         let mut loaded = load_model(&self.model, self.revision.as_deref(), &opts)
             .with_context(|| format!("loading model `{}`", self.model))?;

@@ -120,7 +120,7 @@ pub(super) struct Conversion<'a> {
 }
 
 /// The llama.cpp architectures written.
-const WRITTEN: [&str; 5] = ["llama", "qwen2", "qwen3", "qwen2moe", "phi3"];
+const WRITTEN: [&str; 6] = ["llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "phi3"];
 
 /// The llama.cpp architectures written back from a GGUF file of their own (its metadata carried over), not from a
 /// Hugging Face folder: Gemma's.
@@ -128,7 +128,7 @@ const CARRIED: [&str; 2] = ["gemma2", "gemma3"];
 
 /// llama.cpp's architecture for a Hugging Face config, as its converter names it: Llama's for Llama, Mixtral and
 /// Mistral (whose sliding window llama.cpp's `llama` has not: a config that sets one is refused rather than written
-/// without it), Phi-3's, Qwen 2's, Qwen 2-MoE's and Qwen 3's own.
+/// without it), Phi-3's, Qwen 2's, Qwen 2-MoE's, Qwen 3's and Qwen 3-MoE's own.
 fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
     Ok(match config.architecture.model_type() {
         "llama" => "llama",
@@ -146,6 +146,7 @@ fn gguf_architecture(config: &ModelConfig) -> Result<&'static str> {
         "qwen2" => "qwen2",
         "qwen2_moe" => "qwen2moe",
         "qwen3" => "qwen3",
+        "qwen3_moe" => "qwen3moe",
         // Refused by the caller, naming the model type.
         _ => "",
     })
@@ -170,7 +171,7 @@ impl<'a> Conversion<'a> {
         if !(WRITTEN.contains(&arch.as_str()) || carried_only) {
             return Err(Error::InvalidInput(format!(
                 "GGUF export writes llama.cpp's `llama` (Llama, SmolLM, Mistral and Mixtral without a sliding window), \
-                 `phi3`, `qwen2`, `qwen2moe` and `qwen3` architectures so far (and `gemma2`, `gemma3` from a GGUF file of their \
+                 `phi3`, `qwen2`, `qwen2moe`, `qwen3` and `qwen3moe` architectures so far (and `gemma2`, `gemma3` from a GGUF file of their \
                  own); this model is `{model_type}`{}",
                 match gguf {
                     Some(f) => format!(" from a GGUF file of architecture `{}`", f.arch()),
@@ -693,7 +694,7 @@ fn architecture_metadata(
         ],
         _ => Vec::new(),
     };
-    if let (Some(moe), "qwen2moe") = (&c.moe, arch) {
+    if let (Some(moe), "qwen2moe" | "qwen3moe") = (&c.moe, arch) {
         tail.push(entry(
             key("expert_feed_forward_length"),
             u(moe.moe_intermediate_size),

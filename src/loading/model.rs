@@ -17,6 +17,7 @@ use crate::files::first_non_finite;
 use crate::lora::LoraLinear;
 use crate::models::config::validate::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
+use crate::ops::frozen_linear::DeferredWeight;
 use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::precision::master_dtype;
@@ -30,6 +31,11 @@ pub struct LoadOptions {
     pub quantization: Option<QuantConfig>,
     /// Activation / matmul dtype.
     pub compute_dtype: DType,
+    /// Leave the linear weights of a Hugging Face folder in their files, each read (and quantized) again at every
+    /// use ([`FrozenWeight::Deferred`]): the model holds only its embeddings, head and norms, which lets an export
+    /// stream a model larger than memory. Slow for anything that uses a weight more than once (training,
+    /// generation).
+    pub defer_linear_weights: bool,
 }
 
 impl Default for LoadOptions {
@@ -37,7 +43,44 @@ impl Default for LoadOptions {
         LoadOptions {
             quantization: None,
             compute_dtype: DType::F32,
+            defer_linear_weights: false,
         }
+    }
+}
+
+/// A linear weight of a safetensors folder left in its file ([`LoadOptions::defer_linear_weights`]).
+struct WeightInFile {
+    weights: Arc<Weights>,
+    name: String,
+    shape: [usize; 2],
+    quant: Option<QuantConfig>,
+}
+
+impl std::fmt::Debug for WeightInFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` {:?} in {}",
+            self.name,
+            self.shape,
+            self.weights.where_()
+        )
+    }
+}
+
+impl DeferredWeight for WeightInFile {
+    fn dims2(&self) -> (usize, usize) {
+        (self.shape[0], self.shape[1])
+    }
+
+    fn read(&self) -> candle_core::Result<FrozenWeight> {
+        self.weights
+            .stored_or_quantized(&self.name, self.shape, self.quant.as_ref())
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn quantization(&self) -> Option<QuantConfig> {
+        self.quant
     }
 }
 
@@ -231,6 +274,49 @@ impl Weights {
         } else {
             None
         };
+        Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
+    }
+}
+
+impl Weights {
+    /// Linear layer `prefix` as [`Weights::linear`] loads it, its weight left in the file ([`WeightInFile`]) when
+    /// it is a plain safetensors tensor of `shape` (a bitsandbytes 4-bit or a GGUF one is read now).
+    fn deferred_linear(
+        weights: &Arc<Weights>,
+        prefix: &str,
+        shape: [usize; 2],
+        bias: bool,
+        quant: Option<&QuantConfig>,
+    ) -> Result<LoraLinear> {
+        let name = format!("{prefix}.weight");
+        let Weights::Safetensors(s) = weights.as_ref() else {
+            return weights.linear(prefix, shape, bias, quant);
+        };
+        let Some(file) = s.file_of(&name) else {
+            return weights.linear(prefix, shape, bias, quant);
+        };
+        let stored = file.tensors()?;
+        let view = stored
+            .tensor(&name)
+            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+        if view.shape() != shape || weights.nf4(&name)?.is_some() {
+            return weights.linear(prefix, shape, bias, quant);
+        }
+        s.mark_read(&name);
+        let bias = match bias {
+            true => Some(
+                weights
+                    .dense(&format!("{prefix}.bias"), &shape[..1])?
+                    .to_dtype(DType::F32)?,
+            ),
+            false => None,
+        };
+        let weight = FrozenWeight::Deferred(Arc::new(WeightInFile {
+            weights: Arc::clone(weights),
+            name,
+            shape,
+            quant: quant.copied(),
+        }));
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
     }
 }
@@ -558,14 +644,14 @@ impl Weights {
     }
 }
 
-fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
+fn build_model(weights: &Arc<Weights>, cfg: ModelConfig, opts: &LoadOptions) -> Result<LlamaModel> {
     weights.check_matches(&cfg)?;
     let quant = opts.quantization.as_ref();
     let arch = cfg.architecture;
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     // Norm weights as the model uses them: Gemma stores `w` for a scale of `1 + w` (llama.cpp's GGUF stores the
     // scale itself).
-    let offset = match weights {
+    let offset = match weights.as_ref() {
         Weights::Gguf(_) => 0.0,
         Weights::Safetensors(_) => arch.norm_weight_offset(),
     };
@@ -598,7 +684,11 @@ fn build_model(weights: &Weights, cfg: ModelConfig, opts: &LoadOptions) -> Resul
                 let bias = cfg.attention_bias
                     && name.starts_with("self_attn.")
                     && (name != "self_attn.o_proj" || arch.biases_attention_output());
-                linears.push(weights.linear(&format!("{p}.{name}"), shape, bias, quant)?);
+                let prefix = format!("{p}.{name}");
+                linears.push(match opts.defer_linear_weights {
+                    true => Weights::deferred_linear(weights, &prefix, shape, bias, quant)?,
+                    false => weights.linear(&prefix, shape, bias, quant)?,
+                });
             }
         }
         layers.push(LayerWeights {
@@ -666,7 +756,7 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
                      delete it"
                 );
             }
-            let weights = Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?);
+            let weights = Arc::new(Weights::Safetensors(ShardedSafetensors::open_folder(&dir)?));
             let model = build_model(&weights, cfg, opts)?;
             let tokenizer = folder_tokenizer(&dir)?;
             Ok(LoadedModel {
@@ -679,7 +769,7 @@ pub fn load_model(spec: &str, revision: Option<&str>, opts: &LoadOptions) -> Res
             let file = GgufFile::open(&path)?;
             let cfg = gguf_config(&file)?;
             let tokenizer = gguf_tokenizer(&file)?;
-            let weights = Weights::Gguf(Box::new((file, cfg.clone())));
+            let weights = Arc::new(Weights::Gguf(Box::new((file, cfg.clone()))));
             let model = build_model(&weights, cfg, opts)?;
             Ok(LoadedModel {
                 model,

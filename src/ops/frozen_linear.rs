@@ -15,7 +15,7 @@ use super::autograd::op::{Apply, Op, Value};
 use super::cpu::bf16_matvec::bf16_matvec;
 use super::cpu::nf4_matvec::{nf4_matvec, MAX_ROWS};
 use super::cpu::{with_elements, with_slice};
-use crate::quant::{DeviceNf4, Nf4Tensor};
+use crate::quant::{DeviceNf4, Nf4Tensor, QuantConfig};
 
 thread_local! {
     /// Whether this thread is in [`InferenceMode`].
@@ -91,6 +91,17 @@ pub(crate) fn decoding_device_codes<'a>(
     }
 }
 
+/// A weight left in its file until used: each use reads it (and quantizes it, if the model is 4-bit) again. A model
+/// so loaded holds almost none of its linear weights, which lets an export stream a model larger than memory.
+pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
+    /// `(out_features, in_features)`.
+    fn dims2(&self) -> (usize, usize);
+    /// The weight as a model loaded at once would hold it (dense, or 4-bit).
+    fn read(&self) -> Result<FrozenWeight>;
+    /// The 4-bit format it is quantized to when read, if any.
+    fn quantization(&self) -> Option<QuantConfig>;
+}
+
 /// A frozen weight `[out_features, in_features]`.
 #[derive(Clone, Debug)]
 pub enum FrozenWeight {
@@ -100,6 +111,8 @@ pub enum FrozenWeight {
     Nf4(Arc<Nf4Tensor>),
     /// Stored in 4 bits on a GPU, dequantized there.
     Nf4OnDevice(Arc<DeviceNf4>),
+    /// Read from its file at each use.
+    Deferred(Arc<dyn DeferredWeight>),
 }
 
 impl FrozenWeight {
@@ -109,6 +122,7 @@ impl FrozenWeight {
             FrozenWeight::Dense(t) => t.dims2(),
             FrozenWeight::Nf4(q) => two_dims(q.shape()),
             FrozenWeight::Nf4OnDevice(q) => two_dims(q.shape()),
+            FrozenWeight::Deferred(d) => Ok(d.dims2()),
         }
     }
 
@@ -124,6 +138,7 @@ impl FrozenWeight {
             FrozenWeight::Dense(t) => return t.to_dtype(dtype),
             FrozenWeight::Nf4(q) => q.dequantize(via),
             FrozenWeight::Nf4OnDevice(q) => q.dequantize(via),
+            FrozenWeight::Deferred(d) => return d.read()?.to_dense(dtype),
         };
         dense.map_err(candle_core::Error::wrap)?.to_dtype(dtype)
     }
@@ -141,15 +156,18 @@ impl FrozenWeight {
                 candle_core::bail!("a 4-bit weight on one GPU cannot move to another device")
             }
             FrozenWeight::Nf4(_) => self.clone(),
+            FrozenWeight::Deferred(_) if device.is_cpu() => self.clone(),
+            FrozenWeight::Deferred(d) => d.read()?.to_device(device)?,
         })
     }
 
-    /// Bytes the stored weight takes.
+    /// Bytes the stored weight takes in memory (none while it waits in its file).
     pub fn size_in_bytes(&self) -> usize {
         match self {
             FrozenWeight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
             FrozenWeight::Nf4(q) => q.size_in_bytes(),
             FrozenWeight::Nf4OnDevice(q) => q.size_in_bytes(),
+            FrozenWeight::Deferred(_) => 0,
         }
     }
 }

@@ -460,6 +460,7 @@ fn smollm2_dpo_raises_the_held_out_reward_accuracy() {
     let nf4 = LoadOptions {
         quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
         compute_dtype: candle_core::DType::F32,
+        ..Default::default()
     };
     let loaded = load_model(path.to_str().unwrap(), None, &nf4).unwrap();
     let tokenizer = loaded.tokenizer.clone().unwrap();

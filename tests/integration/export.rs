@@ -13,6 +13,7 @@ use candle_qlora::loading::gguf::GgufFile;
 use candle_qlora::loading::{load_model, load_model_config, LoadOptions};
 use candle_qlora::lora::{LoraConfig, TargetModules};
 use candle_qlora::ops::rope::inverse_frequencies;
+use candle_qlora::ops::FrozenWeight;
 use candle_qlora::quant::QuantConfig;
 use sha2::{Digest, Sha256};
 
@@ -231,6 +232,7 @@ fn the_export_of_a_folder_equals_llama_cpp_converters_files() {
         "tiny-mixtral",
         "tiny-qwen2-moe",
         "tiny-phi3",
+        "tiny-qwen3-moe-sparse",
     ] {
         let golden: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
@@ -402,8 +404,9 @@ fn an_exported_merge_holds_the_merged_weights() {
     }
 }
 
-/// Mixtral, Qwen 2-MoE and Phi-3 with a random adapter on every linear layer (experts, router and shared expert
-/// included) exported in float32 load back as llama.cpp's `llama` with experts, `qwen2moe` and `phi3`, and give
+/// Mixtral, Qwen 2-MoE, Qwen 3-MoE and Phi-3 with a random adapter on every linear layer (experts, router and shared
+/// expert included) exported in float32 load back as llama.cpp's `llama` with experts, `qwen2moe`, `qwen3moe` and
+/// `phi3`, and give
 /// the logits of the model running the adapter unmerged, within the float32 bound of both chains: the experts
 /// stacked from the merged weights, each expert's gate and up projections split apart again; Phi-3's fused
 /// projections and LongRoPE factors.
@@ -413,6 +416,7 @@ fn mixtures_of_experts_and_phi3_export_with_their_adapters_merged() {
     for (name, arch) in [
         ("tiny-mixtral", "llama"),
         ("tiny-qwen2-moe", "qwen2moe"),
+        ("tiny-qwen3-moe-sparse", "qwen3moe"),
         ("tiny-phi3", "phi3"),
     ] {
         let moe = arch != "phi3";
@@ -500,6 +504,44 @@ fn mixtures_of_experts_and_phi3_export_with_their_adapters_merged() {
             d <= bound,
             "{name}: logits differ by {d:.3e}, beyond {bound:.3e}"
         );
+    }
+}
+
+/// A model whose linear weights stay in their files until written (`defer_linear_weights`, what `qlora export`
+/// loads) exports the same bytes as the model loaded at once: dense, and 4-bit as a QLoRA adapter's base (each
+/// weight read, quantized and dequantized at its turn), with an adapter merged in.
+#[test]
+fn a_model_left_in_its_files_exports_as_one_loaded_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = data_path("models/tiny-llama");
+    for (i, quantization) in [None, Some(QuantConfig::nf4())].into_iter().enumerate() {
+        let mut files = Vec::new();
+        for defer_linear_weights in [false, true] {
+            let opts = LoadOptions {
+                quantization,
+                defer_linear_weights,
+                ..Default::default()
+            };
+            let mut model = load_model(folder.to_str().unwrap(), None, &opts)
+                .unwrap()
+                .model;
+            let deferred = model
+                .linears()
+                .iter()
+                .filter(|(_, l)| matches!(l.base.weight, FrozenWeight::Deferred(_)))
+                .count();
+            assert_eq!(deferred > 0, defer_linear_weights);
+            candle_qlora::adapter::load_adapter(
+                &mut model,
+                &data_path("peft/lora_all_linear"),
+                "default",
+            )
+            .unwrap();
+            let out = dir.path().join(format!("{i}-{defer_linear_weights}.gguf"));
+            gguf(&model, &folder, &out, &options(GgmlType::F32)).unwrap();
+            files.push(std::fs::read(&out).unwrap());
+        }
+        assert!(files[0] == files[1], "{quantization:?}: the files differ");
     }
 }
 
@@ -677,7 +719,7 @@ fn the_command_exports_and_refuses_clearly() {
         "--overwrite",
     ]);
     assert!(
-        !ok && text.contains("`qwen3` architectures so far") && text.contains("gemma2"),
+        !ok && text.contains("`qwen3moe` architectures so far") && text.contains("gemma2"),
         "{text}"
     );
     let (ok, text) = qlora(&[

@@ -36,6 +36,7 @@ fn load_tiny_in(name: &str, quant: Option<QuantConfig>, compute_dtype: DType) ->
         &LoadOptions {
             quantization: quant,
             compute_dtype,
+            ..Default::default()
         },
     )
     .unwrap()
@@ -336,6 +337,7 @@ fn smollm2_gguf_matches_transformers() {
     let opts = LoadOptions {
         quantization: Some(nf4_like_bitsandbytes_cpu()),
         compute_dtype: DType::F64,
+        ..Default::default()
     };
     let q = load_model(path, None, &opts).unwrap();
     let expected = g["loss_nf4_f64"].as_f64().unwrap();
@@ -360,6 +362,7 @@ fn bf16_compute_tracks_f32_and_trains() {
         let opts = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
             compute_dtype,
+            ..Default::default()
         };
         let model = load_model(dir.to_str().unwrap(), None, &opts)
             .unwrap()
@@ -595,6 +598,7 @@ fn load_gguf_in(
         &LoadOptions {
             quantization,
             compute_dtype,
+            ..Default::default()
         },
     )
     .unwrap()

@@ -275,6 +275,7 @@ fn load_moe_in(name: &str, quantization: Option<QuantConfig>, compute_dtype: DTy
     let options = LoadOptions {
         quantization,
         compute_dtype,
+        ..Default::default()
     };
     load_model(dir.to_str().unwrap(), None, &options)
         .unwrap()
@@ -660,6 +661,7 @@ fn bitsandbytes_folders_of_mixtures_load_with_4_bit_experts() {
         let options = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
             compute_dtype: DType::F64,
+            ..Default::default()
         };
         let from_folder = load_model(bnb.to_str().unwrap(), None, &options)
             .unwrap()

@@ -454,6 +454,7 @@ fn merge_command_writes_a_loadable_folder() {
     let opts = LoadOptions {
         quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let on_load = load_model(bf16.to_str().unwrap(), None, &opts)
         .unwrap()
@@ -528,6 +529,7 @@ fn smollm2_adapter_round_trip_and_merged_generation() {
     let nf4 = LoadOptions {
         quantization: Some(candle_qlora::quant::QuantConfig::nf4()),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let loaded = load_model(path, None, &nf4).unwrap();
     let tok = loaded.tokenizer.clone().unwrap();
@@ -722,6 +724,7 @@ fn qlora_steps_lower_the_loss_with_and_without_checkpointing() {
         let opts = LoadOptions {
             quantization: Some(QuantConfig::nf4()),
             compute_dtype: DType::F32,
+            ..Default::default()
         };
         let mut model = load_model(
             data_path("models/tiny-llama").to_str().unwrap(),

@@ -37,6 +37,7 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
     let nf4 = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         compute_dtype: DType::F32,
+        ..Default::default()
     };
     let loaded = load_model(path, None, &nf4).unwrap();
     let tok = loaded.tokenizer.clone().unwrap();
@@ -90,6 +91,7 @@ fn smollm2_qlora_run_lowers_eval_loss_and_reloads_identically() {
             let opts = LoadOptions {
                 quantization,
                 compute_dtype: DType::F64,
+                ..Default::default()
             };
             let mut model = load_model(path, None, &opts).unwrap().model;
             let base = evaluate(&model, &eval, 8).unwrap().loss;

@@ -1289,6 +1289,7 @@ fn tiled_run(
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         compute_dtype: run.compute_dtype,
+        ..Default::default()
     };
     let path = data_path(&format!("models/{}", run.model));
     let model = load_model(path.to_str().unwrap(), None, &opts)?.model;

@@ -85,6 +85,7 @@ impl Trainer {
         let options = LoadOptions {
             quantization,
             compute_dtype: precision.compute_dtype,
+            ..Default::default()
         };
         // A memory snapshot records from before the load, so the weights are in it.
         let recording = args
