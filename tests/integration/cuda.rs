@@ -620,6 +620,7 @@ fn every_family_on_the_gpu_matches_transformers() {
             let opts = LoadOptions {
                 quantization,
                 compute_dtype: DType::F32,
+                ..Default::default()
             };
             load_model(
                 data_path(&format!("models/{name}")).to_str().unwrap(),
@@ -693,6 +694,7 @@ fn mixture_of_experts_models_on_the_gpu_match_transformers() {
             let opts = LoadOptions {
                 quantization,
                 compute_dtype: DType::F32,
+                ..Default::default()
             };
             load_model(dir.to_str().unwrap(), None, &opts)
                 .unwrap()
@@ -1202,6 +1204,7 @@ fn nf4_model_on_gpu(folder: &std::path::Path) -> candle_qlora::models::LlamaMode
     let opts = LoadOptions {
         quantization: Some(QuantConfig::nf4()),
         compute_dtype: training_half(),
+        ..Default::default()
     };
     load_model(folder.to_str().unwrap(), None, &opts)
         .unwrap()
