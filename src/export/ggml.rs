@@ -1,7 +1,7 @@
 //! ggml's tensor types that an export writes, and their encodings: float32, float16 and bfloat16 element by
 //! element (the types llama.cpp's `convert_hf_to_gguf.py` writes, with `q8_0`), the block types `q8_0`, `q4_0`,
 //! `q4_1`, `q5_0`, `q5_1` in blocks of 32, and the k-quants `q2_k` … `q6_k` in super-blocks of 256
-//! ([`k_quants`](super::k_quants)). Each encoding follows ggml's reference quantizer (`ggml-quants.c`), so the bytes
+//! (`k_quants.rs`). Each encoding follows ggml's reference quantizer (`ggml-quants.c`), so the bytes
 //! equal those of llama.cpp's tools; the tests check them against the `gguf` Python package's quantizers and
 //! ggml's own.
 
