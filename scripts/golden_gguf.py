@@ -357,9 +357,73 @@ def sparse_qwen3_moe():
             os.remove(os.path.join(folder, extra))
 
 
+SPM_CORPUS = """The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
+How vexingly quick daft zebras jump! The five boxing wizards jump quickly. Sphinx of black quartz, judge my vow.
+Training a small model is a good way to test the whole road from data to a file that runs elsewhere.
+"""
+
+
+def spm_llama():
+    """tests/data/models/tiny-llama-spm (written once): a Llama config with a SentencePiece tokenizer as Llama 2's
+    and Mistral's are — a BPE `tokenizer.model` with byte fallback (320 pieces: control, user-defined and byte pieces
+    among them), and transformers' `tokenizer.json` / `tokenizer_config.json` converted from it. Its weights are
+    `kquant_weights`' (not stored)."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizerFast
+
+    folder = os.path.join(MODELS_DIR, "tiny-llama-spm")
+    if os.path.exists(os.path.join(folder, "tokenizer.model")):
+        return
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        corpus = os.path.join(work, "corpus.txt")
+        with open(corpus, "w") as f:
+            f.write(SPM_CORPUS * 20)
+        spm.SentencePieceTrainer.train(
+            input=corpus, model_prefix=os.path.join(work, "tok"), vocab_size=320, model_type="bpe",
+            byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>"], control_symbols=["<ctl>"],
+            unk_id=0, bos_id=1, eos_id=2, pad_id=-1, add_dummy_prefix=True, normalization_rule_name="identity",
+            split_digits=True, remove_extra_whitespaces=False, minloglevel=2,
+        )
+        tokenizer = LlamaTokenizerFast(vocab_file=os.path.join(work, "tok.model"), legacy=False)
+        tokenizer.save_pretrained(folder)
+    os.remove(os.path.join(folder, "special_tokens_map.json"))
+    with open(os.path.join(MODELS_DIR, "kquant-llama", "config.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=320)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
+def spm_golden(llama_cpp, work):
+    """The converter's files of tiny-llama-spm (its SentencePiece vocabulary: tokens, scores, types) in f32 and
+    q8_0, as tests/data/gguf/tiny-llama-spm.json."""
+    from safetensors.numpy import save_file
+
+    name = "tiny-llama-spm"
+    model = os.path.join(work, name)
+    shutil.copytree(os.path.join(MODELS_DIR, name), model)
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    save_file(kquant_weights(config), os.path.join(model, "model.safetensors"), metadata={"format": "pt"})
+    files = {}
+    for outtype in ["f32", "q8_0"]:
+        out = os.path.join(work, f"{name}-{outtype}.gguf")
+        convert(llama_cpp, model, outtype, out)
+        files[outtype] = describe(out)
+    path = os.path.join(GGUF_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"converter": CONVERTER, "files": files}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
 def generate():
     os.makedirs(GGUF_DIR, exist_ok=True)
     sparse_qwen3_moe()
+    spm_llama()
     with tempfile.TemporaryDirectory() as work:
         llama_cpp = fetch_converter(work)
         for name, (types, adapter_name) in MODELS.items():
@@ -393,6 +457,7 @@ def generate():
         bin_dir = llama_cpp_tools(llama_cpp)
         quantized.update(k_quants(bin_dir))
         kquant_models(llama_cpp, work, bin_dir)
+        spm_golden(llama_cpp, work)
     with open(QUANTS_OUT, "w") as f:
         quantizers = "gguf-py 0.19.0 and, for k-quants, libggml-base (llama.cpp 0c1e5709)"
         json.dump({"quantizers": quantizers, **quantized}, f, indent=1)

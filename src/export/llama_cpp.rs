@@ -1,10 +1,10 @@
-//! A model of llama.cpp's `llama`, `qwen2` or `qwen3` architecture as its converter (`convert_hf_to_gguf.py`)
-//! writes it: which tensors, under which names and in which layouts (Llama's q/k rows permuted for its interleaved
-//! RoPE, Llama 3's RoPE scaling as `rope_freqs`, Qwen 2's biases, Qwen 3's q/k norms), in which order, and the
-//! metadata — the architecture's hyperparameters and the tokenizer's vocabulary, merges, special tokens and chat
-//! template. A model loaded from GGUF (Gemma's too) keeps its file's metadata and tensor order.
+//! A model as llama.cpp's converter (`convert_hf_to_gguf.py`) writes it for its architecture (`llama`, with
+//! Mixtral's experts; `phi3`, `qwen2`, `qwen2moe`, `qwen3`, `qwen3moe`): which tensors, under which names and in
+//! which layouts (Llama's q/k rows permuted for its interleaved RoPE, Llama 3's `rope_freqs`, Phi-3's LongRoPE
+//! factors, Qwen 2's biases, Qwen 3's q/k norms, experts stacked), in which order, and the metadata: the
+//! architecture's hyperparameters, and the tokenizer ([`vocabulary`](super::vocabulary)). A model loaded from GGUF
+//! (Gemma's too) keeps its file's metadata and tensor order.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::Value;
@@ -12,21 +12,14 @@ use candle_core::quantized::gguf_file::Value;
 use super::ggml::GgmlType;
 use super::gguf_writer::TensorRecord;
 use super::tensor_types::{llama_quantize_order, tensor_types, ModelShape, Quantization};
+use super::vocabulary::{entry, tokenizer_metadata, Entry};
 use crate::adapter::effective_weight;
 use crate::error::{Error, Result};
 use crate::files::read_json;
 use crate::loading::gguf::{gguf_name, permute, GgufFile};
 use crate::lora::{LoraAdapter, LoraLinear};
-use crate::models::{LlamaModel, ModelConfig, TextTokenizer};
+use crate::models::{LlamaModel, ModelConfig};
 use crate::ops::rope::{llama3_frequency_divisors, RopeScaling};
-
-/// A metadata entry: key and value.
-type Entry = (String, Value);
-
-/// A metadata entry.
-fn entry(key: impl Into<String>, value: Value) -> Entry {
-    (key.into(), value)
-}
 
 /// A tensor of the model as float32 values in row-major order.
 fn values_of(t: &candle_core::Tensor) -> Result<Vec<f32>> {
@@ -608,7 +601,12 @@ impl<'a> Conversion<'a> {
                 out.push(file_type.clone());
                 out.extend(tail);
                 out.push(quantization_version.clone());
-                out.extend(tokenizer_metadata(folder, config, tokenizer_pre)?);
+                out.extend(tokenizer_metadata(
+                    folder,
+                    config,
+                    &self.arch,
+                    tokenizer_pre,
+                )?);
             }
         }
         if !quantization.written_by_converter() {
@@ -756,251 +754,4 @@ fn phi3_metadata(
         u(c.sliding_window.unwrap_or(0)),
     )];
     Ok((head, tail))
-}
-
-/// llama.cpp's token types.
-const NORMAL: i32 = 1;
-const CONTROL: i32 = 3;
-const USER_DEFINED: i32 = 4;
-const UNUSED: i32 = 5;
-
-/// The special tokens the converter looks up, with their keys' names in `tokenizer.ggml.*`.
-const SPECIAL_TOKENS: [(&str, &str); 7] = [
-    ("bos", "bos"),
-    ("eos", "eos"),
-    ("unk", "unknown"),
-    ("sep", "seperator"),
-    ("pad", "padding"),
-    ("cls", "cls"),
-    ("mask", "mask"),
-];
-
-/// The `tokenizer.*` keys for a folder's tokenizer (`tokenizer.json`), as the converter writes a vocabulary that has
-/// no SentencePiece model (its GPT-2 style): every id below the config's vocabulary size (`[PAD<id>]` where the
-/// tokenizer has none), added tokens as control tokens (special, or looking special: `<|…|>`) or user-defined ones,
-/// the merges, the pre-tokenizer's name, the special tokens' ids (`tokenizer_config.json`, else `config.json`),
-/// whether they are added (`add_bos_token`, or the post-processor's template), and the chat template.
-fn tokenizer_metadata(
-    folder: &Path,
-    config: &ModelConfig,
-    given_pre: Option<&str>,
-) -> Result<Vec<Entry>> {
-    let path = folder.join("tokenizer.json");
-    if !path.exists() {
-        return Err(Error::invalid_file(
-            &path,
-            "is missing: llama.cpp needs the tokenizer in the GGUF file",
-        ));
-    }
-    let json: serde_json::Value = read_json(&path)?;
-    let model = &json["model"];
-    if model["type"] == "Unigram" || model["byte_fallback"] == true {
-        return Err(Error::invalid_file(
-            &path,
-            "a SentencePiece-style tokenizer (Unigram, or BPE with byte fallback), which llama.cpp keeps as its \
-             `llama` vocabulary with scores; GGUF export writes GPT-2-style vocabularies so far: export the adapter \
-             alone (--adapter-only) for a GGUF of the base converted by llama.cpp",
-        ));
-    }
-    let pre = match (given_pre, pre_tokenizer_name(&json["pre_tokenizer"])) {
-        (Some(given), _) => given.to_string(),
-        (None, Some(known)) => known.to_string(),
-        (None, None) => {
-            return Err(Error::invalid_file(
-                &path,
-                format!(
-                    "its pre-tokenizer {} is not one llama.cpp is known to name (Llama 3's, Qwen 2's, GPT-2's, \
-                     SmolLM's): name llama.cpp's for it (--tokenizer-pre, e.g. `default`)",
-                    json["pre_tokenizer"]
-                ),
-            ))
-        }
-    };
-    let mut tokens: Vec<Option<(String, i32)>> = vec![None; config.vocab_size];
-    for (token, id) in model["vocab"].as_object().into_iter().flatten() {
-        if let Some(slot) = id.as_u64().and_then(|i| tokens.get_mut(i as usize)) {
-            *slot = Some((token.clone(), NORMAL));
-        }
-    }
-    for added in json["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) else {
-            continue;
-        };
-        if let Some(slot) = tokens.get_mut(id as usize) {
-            *slot = Some(match added["special"] == true || looks_special(content) {
-                true => (content.to_string(), CONTROL),
-                // User-defined spaces are pre-normalized for llama.cpp (Gemma's `▁`).
-                false => (content.replace('\u{2581}', " "), USER_DEFINED),
-            });
-        }
-    }
-    let (names, types): (Vec<Value>, Vec<Value>) = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let (name, kind) = t.unwrap_or_else(|| (format!("[PAD{i}]"), UNUSED));
-            (Value::String(name), Value::I32(kind))
-        })
-        .unzip();
-    let mut out = vec![
-        entry("tokenizer.ggml.model", Value::String("gpt2".into())),
-        entry("tokenizer.ggml.pre", Value::String(pre)),
-        entry("tokenizer.ggml.tokens", Value::Array(names)),
-        entry("tokenizer.ggml.token_type", Value::Array(types)),
-    ];
-    let merges: Vec<Value> = model["merges"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|m| match m {
-            serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Array(pair) => Some(
-                pair.iter()
-                    .filter_map(|p| p.as_str())
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ),
-            _ => None,
-        })
-        .map(Value::String)
-        .collect();
-    if !merges.is_empty() {
-        out.push(entry("tokenizer.ggml.merges", Value::Array(merges)));
-    }
-    let tokenizer = TextTokenizer::from_folder(folder)?;
-    let tokenizer_config =
-        read_json::<serde_json::Value>(&folder.join("tokenizer_config.json")).ok();
-    let model_config = read_json::<serde_json::Value>(&folder.join("config.json")).ok();
-    let mut texts: HashMap<&str, String> = HashMap::new();
-    for (kind, key) in SPECIAL_TOKENS {
-        let text = tokenizer_config
-            .as_ref()
-            .and_then(|c| special_text(&c[format!("{kind}_token")]));
-        let id = text
-            .as_deref()
-            .and_then(|t| tokenizer.token_to_id(t))
-            .or_else(|| {
-                model_config
-                    .as_ref()
-                    .and_then(|c| c[format!("{kind}_token_id")].as_u64())
-                    .map(|i| i as u32)
-            });
-        if let Some(text) = text {
-            texts.insert(kind, text);
-        }
-        if let Some(id) = id {
-            out.push(entry(
-                format!("tokenizer.ggml.{key}_token_id"),
-                Value::U32(id),
-            ));
-        }
-    }
-    for (kind, added) in
-        added_special_tokens(&json["post_processor"], tokenizer_config.as_ref(), &texts)
-    {
-        out.push(entry(
-            format!("tokenizer.ggml.add_{kind}_token"),
-            Value::Bool(added),
-        ));
-    }
-    if let Some(template) = &tokenizer.chat_template {
-        out.push(entry(
-            "tokenizer.chat_template",
-            Value::String(template.clone()),
-        ));
-    }
-    Ok(out)
-}
-
-/// The text of a special token in `tokenizer_config.json`: a string, or an added token's `content`.
-fn special_text(v: &serde_json::Value) -> Option<String> {
-    v.as_str()
-        .or_else(|| v["content"].as_str())
-        .map(str::to_string)
-}
-
-/// Whether an added token not marked special is one all the same, by the converter's rule: `<|…|>`, `<｜…｜>`,
-/// `<unused…>`, and a few models' own.
-fn looks_special(token: &str) -> bool {
-    matches!(token, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
-        || (token.starts_with("<|") && token.ends_with("|>"))
-        || (token.starts_with("<｜") && token.ends_with("｜>"))
-        || (token.starts_with("<unused") && token.ends_with('>'))
-}
-
-/// Whether the beginning- and end-of-sequence tokens are added: from the post-processor's template for one
-/// sequence (its first and last items), overridden by `tokenizer_config.json`'s `add_bos_token` / `add_eos_token`.
-fn added_special_tokens(
-    post_processor: &serde_json::Value,
-    tokenizer_config: Option<&serde_json::Value>,
-    texts: &HashMap<&str, String>,
-) -> Vec<(&'static str, bool)> {
-    let mut added: Vec<(&'static str, bool)> = Vec::new();
-    let mut set = |kind: &'static str, value: bool| match added.iter_mut().find(|(k, _)| *k == kind)
-    {
-        Some(entry) => entry.1 = value,
-        None => added.push((kind, value)),
-    };
-    let processors = match post_processor["processors"].as_array() {
-        Some(list) => list.iter().collect(),
-        None => vec![post_processor],
-    };
-    if let Some(template) = processors
-        .into_iter()
-        .find(|p| p["type"] == "TemplateProcessing")
-        .and_then(|p| p["single"].as_array())
-        .filter(|single| single.len() > 1)
-    {
-        let special =
-            |item: &serde_json::Value| item["SpecialToken"]["id"].as_str().map(str::to_string);
-        let is = |kind: &str, text: &Option<String>| {
-            text.is_some() && (texts.get(kind).is_none() || texts.get(kind) == text.as_ref())
-        };
-        let (first, last) = (
-            special(&template[0]),
-            special(&template[template.len() - 1]),
-        );
-        if first.is_some() {
-            set("bos", is("bos", &first));
-        }
-        if last.is_some() {
-            set("eos", is("eos", &last));
-        }
-    }
-    for kind in ["bos", "eos"] {
-        if let Some(value) = tokenizer_config.and_then(|c| c[format!("add_{kind}_token")].as_bool())
-        {
-            set(kind, value);
-        }
-    }
-    added
-}
-
-/// llama.cpp's name (`tokenizer.ggml.pre`) of a byte-level pre-tokenizer, from how it splits words: GPT-2's
-/// (ByteLevel's own expression), Llama 3's or Qwen 2's (their expressions), or SmolLM's (digits one by one, then
-/// GPT-2's).
-fn pre_tokenizer_name(pre: &serde_json::Value) -> Option<&'static str> {
-    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    let parts: Vec<&serde_json::Value> = match pre["type"].as_str()? {
-        "Sequence" => pre["pretokenizers"].as_array()?.iter().collect(),
-        _ => vec![pre],
-    };
-    let split = parts
-        .iter()
-        .find(|k| k["type"] == "Split")
-        .and_then(|k| k["pattern"]["Regex"].as_str());
-    let digits_alone = parts
-        .iter()
-        .any(|k| k["type"] == "Digits" && k["individual_digits"] == true);
-    let byte_level_splits = parts
-        .iter()
-        .any(|k| k["type"] == "ByteLevel" && k["use_regex"] != false);
-    match (split, digits_alone, byte_level_splits) {
-        (Some(LLAMA3), false, false) => Some("llama-bpe"),
-        (Some(QWEN2), false, false) => Some("qwen2"),
-        (None, true, true) => Some("smollm"),
-        (None, false, true) => Some("gpt-2"),
-        _ => None,
-    }
 }

@@ -10,6 +10,7 @@ mod k_quants;
 mod llama_cpp;
 pub mod ollama;
 pub mod tensor_types;
+mod vocabulary;
 
 use std::io::IsTerminal;
 use std::path::Path;

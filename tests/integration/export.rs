@@ -404,22 +404,25 @@ fn an_exported_merge_holds_the_merged_weights() {
     }
 }
 
-/// Mixtral, Qwen 2-MoE, Qwen 3-MoE and Phi-3 with a random adapter on every linear layer (experts, router and shared
-/// expert included) exported in float32 load back as llama.cpp's `llama` with experts, `qwen2moe`, `qwen3moe` and
-/// `phi3`, and give
-/// the logits of the model running the adapter unmerged, within the float32 bound of both chains: the experts
-/// stacked from the merged weights, each expert's gate and up projections split apart again; Phi-3's fused
-/// projections and LongRoPE factors.
+/// Every family written from a folder — the tiny Llama, Qwen 2, Qwen 3, Mixtral, Qwen 2-MoE, Qwen 3-MoE and Phi-3 —
+/// with a random adapter on every linear layer (experts, router and shared expert included) exported in float32
+/// loads back as its llama.cpp architecture, and gives the logits of the model running the adapter unmerged, within
+/// the float32 bound of both chains: Llama's q/k rows permuted and back, Qwen 2's biases, the experts stacked from
+/// the merged weights with each expert's gate and up projections split apart again, Phi-3's fused projections and
+/// LongRoPE factors.
 #[test]
-fn mixtures_of_experts_and_phi3_export_with_their_adapters_merged() {
+fn every_family_exported_with_its_adapter_merged_gives_the_adapted_logits() {
     let dir = tempfile::tempdir().unwrap();
     for (name, arch) in [
+        ("tiny-llama", "llama"),
+        ("tiny-qwen2", "qwen2"),
+        ("tiny-qwen3", "qwen3"),
         ("tiny-mixtral", "llama"),
         ("tiny-qwen2-moe", "qwen2moe"),
         ("tiny-qwen3-moe-sparse", "qwen3moe"),
         ("tiny-phi3", "phi3"),
     ] {
-        let moe = arch != "phi3";
+        let moe = name.contains("moe") || name.contains("mixtral");
         let folder = data_path(&format!("models/{name}"));
         let mut adapted = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
             .unwrap()
@@ -958,14 +961,15 @@ fn lowbias32(mut x: u32) -> u32 {
     x ^ (x >> 16)
 }
 
-/// The generated Llama `name` (tests/data/models/NAME: config and tokenizer) with the weights of
+/// The generated Llama `name` (tests/data/models/NAME: config and tokenizer files) with the weights of
 /// `scripts/golden_gguf.py`'s `kquant_weights`, bit for bit, as a folder under `dir`.
-fn kquant_model(name: &str, dir: &Path) -> std::path::PathBuf {
+fn generated_model(name: &str, dir: &Path) -> std::path::PathBuf {
     let source = data_path(&format!("models/{name}"));
     let folder = dir.join(name);
     std::fs::create_dir_all(&folder).unwrap();
-    for file in ["config.json", "tokenizer.json"] {
-        std::fs::copy(source.join(file), folder.join(file)).unwrap();
+    for file in std::fs::read_dir(&source).unwrap() {
+        let file = file.unwrap().path();
+        std::fs::copy(&file, folder.join(file.file_name().unwrap())).unwrap();
     }
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(source.join("config.json")).unwrap())
@@ -1033,7 +1037,7 @@ fn k_quant_exports_equal_llama_quantizes_files() {
             &std::fs::read_to_string(data_path(&format!("gguf/{name}.json"))).unwrap(),
         )
         .unwrap();
-        let folder = kquant_model(name, dir.path());
+        let folder = generated_model(name, dir.path());
         let model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
             .unwrap()
             .model;
@@ -1044,6 +1048,42 @@ fn k_quant_exports_equal_llama_quantizes_files() {
             assert_is_the_converters(&format!("{name} in {quant}"), &out, expected);
         }
     }
+}
+
+/// A Llama with a SentencePiece tokenizer (tests/data/models/tiny-llama-spm: a BPE `tokenizer.model` with byte
+/// fallback, control, user-defined and byte pieces, as Llama 2's and Mistral's) exports in f32 and q8_0 as the
+/// converter writes it: the `llama` vocabulary's tokens, scores and types, the special tokens, and whether they
+/// are added (the pair template's separator too). Without its `tokenizer.model` it is refused, naming the file.
+#[test]
+fn a_sentencepiece_vocabulary_is_written_as_the_converter_writes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(data_path("gguf/tiny-llama-spm.json")).unwrap(),
+    )
+    .unwrap();
+    let folder = generated_model("tiny-llama-spm", dir.path());
+    let model = load_model(folder.to_str().unwrap(), None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    for (quant, expected) in golden["files"].as_object().unwrap() {
+        let out = dir.path().join(format!("spm-{quant}.gguf"));
+        let quant: GgmlType = quant.parse().unwrap();
+        let opts = GgufOptions {
+            tokenizer_pre: None,
+            ..options(quant)
+        };
+        gguf(&model, &folder, &out, &opts).unwrap();
+        assert_is_the_converters(&format!("tiny-llama-spm in {quant:?}"), &out, expected);
+    }
+    // Without its tokenizer.model the vocabulary (byte fallback in tokenizer.json) is refused, naming the file.
+    std::fs::remove_file(folder.join("tokenizer.model")).unwrap();
+    let out = dir.path().join("spm-without-model.gguf");
+    let err = gguf(&model, &folder, &out, &options(GgmlType::F32)).unwrap_err();
+    assert!(
+        err.to_string().contains("SentencePiece") && err.to_string().contains("tokenizer.model"),
+        "{err}"
+    );
+    assert!(!out.exists());
 }
 
 /// Gemma 2 and 3 and Phi-3 GGUF files (tests/data/models/tiny-gemma*-gguf, tiny-phi3) export back in float32 to the
