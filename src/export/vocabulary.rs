@@ -120,6 +120,15 @@ pub(super) fn tokenizer_metadata(
             Value::String(template.clone()),
         ));
     }
+    if arch == "llama" && config.vocab_size == 49_152 {
+        // The converter's rule for Granite's small models, which their vocabulary size names (SmolLM's too): no
+        // beginning-of-sequence token, the key's value replaced where it is.
+        let no_bos = entry("tokenizer.ggml.add_bos_token", Value::Bool(false));
+        match out.iter_mut().find(|(k, _)| k == &no_bos.0) {
+            Some(existing) => *existing = no_bos,
+            None => out.push(no_bos),
+        }
+    }
     Ok(out)
 }
 
@@ -404,21 +413,23 @@ fn looks_special(token: &str) -> bool {
         || (token.starts_with("<unused") && token.ends_with('>'))
 }
 
-/// Whether the beginning- and end-of-sequence tokens (and a separator) are added, as the converter reads them:
-/// from the post-processor's template for one sequence (its first and last items) and for a pair (a separator or
-/// end-of-sequence token between `A` and `B`), overridden by `tokenizer_config.json`'s `add_bos_token` /
-/// `add_eos_token`.
+/// Whether the special tokens are added, as the converter (gguf-py's `SpecialVocab`) reads them from the
+/// post-processors in order: a byte-level one adds neither beginning nor end (unless set already), RoBERTa's adds
+/// both and a separator, a template adds what its single-sequence form starts and ends with and a separator when its
+/// pair form puts one (or the end-of-sequence token) between `A` and `B`; `tokenizer_config.json`'s `add_*_token`
+/// then decides what they left open.
 fn added_special_tokens(
     post_processor: &serde_json::Value,
     tokenizer_config: Option<&serde_json::Value>,
     texts: &HashMap<&str, String>,
 ) -> Vec<(&'static str, bool)> {
     let mut added: Vec<(&'static str, bool)> = Vec::new();
-    let mut set = |kind: &'static str, value: bool| match added.iter_mut().find(|(k, _)| *k == kind)
-    {
-        Some(entry) => entry.1 = value,
-        None => added.push((kind, value)),
-    };
+    fn set(added: &mut Vec<(&'static str, bool)>, kind: &'static str, value: bool) {
+        match added.iter_mut().find(|(k, _)| *k == kind) {
+            Some(entry) => entry.1 = value,
+            None => added.push((kind, value)),
+        }
+    }
     let processors = match post_processor["processors"].as_array() {
         Some(list) => list.iter().collect(),
         None => vec![post_processor],
@@ -426,50 +437,64 @@ fn added_special_tokens(
     let special =
         |item: &serde_json::Value| item["SpecialToken"]["id"].as_str().map(str::to_string);
     let sequence = |item: &serde_json::Value| item["Sequence"]["id"].as_str().map(str::to_string);
-    if let Some(template) = processors
-        .into_iter()
-        .find(|p| p["type"] == "TemplateProcessing")
-    {
-        let (mut first, mut last) = (None, None);
-        if let Some(single) = template["single"].as_array().filter(|s| s.len() > 1) {
-            let is = |kind: &str, text: &Option<String>| {
-                text.is_some() && (texts.get(kind).is_none() || texts.get(kind) == text.as_ref())
-            };
-            first = special(&single[0]);
-            last = special(&single[single.len() - 1]);
-            if first.is_some() {
-                set("bos", is("bos", &first));
+    for processor in processors {
+        match processor["type"].as_str() {
+            Some("ByteLevel") => {
+                for kind in ["bos", "eos"] {
+                    if !added.iter().any(|(k, _)| *k == kind) {
+                        set(&mut added, kind, false);
+                    }
+                }
             }
-            if last.is_some() {
-                set("eos", is("eos", &last));
+            Some("RobertaProcessing") => ["bos", "eos", "sep"]
+                .into_iter()
+                .for_each(|k| set(&mut added, k, true)),
+            Some("TemplateProcessing") => {
+                let (mut first, mut last) = (None, None);
+                if let Some(single) = processor["single"].as_array().filter(|s| s.len() > 1) {
+                    let is = |kind: &str, text: &Option<String>| {
+                        text.is_some()
+                            && (texts.get(kind).is_none() || texts.get(kind) == text.as_ref())
+                    };
+                    first = special(&single[0]);
+                    last = special(&single[single.len() - 1]);
+                    if first.is_some() {
+                        set(&mut added, "bos", is("bos", &first));
+                    }
+                    if last.is_some() {
+                        set(&mut added, "eos", is("eos", &last));
+                    }
+                }
+                if let Some(pair) = processor["pair"].as_array().filter(|p| !p.is_empty()) {
+                    // The pair's items between the single template's leading and trailing special tokens: `A … B`.
+                    let start = usize::from(first.is_some() && special(&pair[0]) == first);
+                    let stop = pair.len()
+                        - usize::from(last.is_some() && special(&pair[pair.len() - 1]) == last);
+                    let inner = &pair[start..stop.max(start)];
+                    let ends_are_a_b = inner.len() > 2
+                        && sequence(&inner[0]).as_deref() == Some("A")
+                        && sequence(&inner[inner.len() - 1]).as_deref() == Some("B");
+                    if ends_are_a_b {
+                        let middle = &inner[1..inner.len() - 1];
+                        let separates = |item: &serde_json::Value| {
+                            special(item).is_some_and(|t| {
+                                texts.get("sep") == Some(&t) || texts.get("eos") == Some(&t)
+                            })
+                        };
+                        let add_sep = (separates(&middle[0]) && last.is_none())
+                            || (middle.len() == 2 && separates(&middle[1]));
+                        set(&mut added, "sep", add_sep);
+                    }
+                }
             }
-        }
-        if let Some(pair) = template["pair"].as_array().filter(|p| !p.is_empty()) {
-            // The pair's items between the single template's leading and trailing special tokens: `A … B`.
-            let start = usize::from(first.is_some() && special(&pair[0]) == first);
-            let stop =
-                pair.len() - usize::from(last.is_some() && special(&pair[pair.len() - 1]) == last);
-            let inner = &pair[start..stop.max(start)];
-            let ends_are_a_b = inner.len() > 2
-                && sequence(&inner[0]).as_deref() == Some("A")
-                && sequence(&inner[inner.len() - 1]).as_deref() == Some("B");
-            if ends_are_a_b {
-                let middle = &inner[1..inner.len() - 1];
-                let separates = |item: &serde_json::Value| {
-                    special(item).is_some_and(|t| {
-                        texts.get("sep") == Some(&t) || texts.get("eos") == Some(&t)
-                    })
-                };
-                let add_sep = (separates(&middle[0]) && last.is_none())
-                    || (middle.len() == 2 && separates(&middle[1]));
-                set("sep", add_sep);
-            }
+            _ => {}
         }
     }
-    for kind in ["bos", "eos"] {
-        if let Some(value) = tokenizer_config.and_then(|c| c[format!("add_{kind}_token")].as_bool())
-        {
-            set(kind, value);
+    // `tokenizer_config.json` decides only what the post-processor leaves open.
+    for (kind, _) in SPECIAL_TOKENS {
+        let value = tokenizer_config.and_then(|c| c[format!("add_{kind}_token")].as_bool());
+        if let Some(value) = value.filter(|_| !added.iter().any(|(k, _)| *k == kind)) {
+            set(&mut added, kind, value);
         }
     }
     added
@@ -501,5 +526,62 @@ fn pre_tokenizer_name(pre: &serde_json::Value) -> Option<&'static str> {
         (None, true, true) => Some("smollm"),
         (None, false, true) => Some("gpt-2"),
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn texts() -> HashMap<&'static str, String> {
+        HashMap::from([("bos", "<s>".to_string()), ("eos", "</s>".to_string())])
+    }
+
+    #[test]
+    fn post_processors_decide_before_the_tokenizer_config() {
+        let config = serde_json::json!({"add_bos_token": true, "add_eos_token": true, "add_sep_token": false});
+        let byte_level = serde_json::json!({"type": "ByteLevel"});
+        assert_eq!(
+            added_special_tokens(&byte_level, Some(&config), &texts()),
+            [("bos", false), ("eos", false), ("sep", false)]
+        );
+        let roberta = serde_json::json!({"type": "RobertaProcessing"});
+        assert_eq!(
+            added_special_tokens(&roberta, None, &texts()),
+            [("bos", true), ("eos", true), ("sep", true)]
+        );
+        assert_eq!(
+            added_special_tokens(&serde_json::Value::Null, Some(&config), &texts()),
+            [("bos", true), ("eos", true), ("sep", false)]
+        );
+    }
+
+    #[test]
+    fn a_pair_template_names_the_separator() {
+        let special = |t: &str| serde_json::json!({"SpecialToken": {"id": t, "type_id": 0}});
+        let sequence = |s: &str| serde_json::json!({"Sequence": {"id": s, "type_id": 0}});
+        // Llama's: `<s> A` and `<s> A <s> B`: the middle token is no separator.
+        let llama = serde_json::json!({"type": "TemplateProcessing",
+            "single": [special("<s>"), sequence("A")],
+            "pair": [special("<s>"), sequence("A"), special("<s>"), sequence("B")]});
+        assert_eq!(
+            added_special_tokens(&llama, None, &texts()),
+            [("bos", true), ("sep", false)]
+        );
+        // `<s> A` and `<s> A </s> B`: the end-of-sequence token separates.
+        let separated = serde_json::json!({"type": "TemplateProcessing",
+            "single": [special("<s>"), sequence("A")],
+            "pair": [special("<s>"), sequence("A"), special("</s>"), sequence("B")]});
+        assert_eq!(
+            added_special_tokens(&separated, None, &texts()),
+            [("bos", true), ("sep", true)]
+        );
+    }
+
+    #[test]
+    fn malformed_protobuf_is_an_error_not_a_panic() {
+        assert!(sentencepiece_pieces(&[0x0a, 0x05, 0x0a]).is_err());
+        assert!(sentencepiece_pieces(&[0xff; 11]).is_err());
+        assert!(sentencepiece_pieces(&[]).is_err());
     }
 }
