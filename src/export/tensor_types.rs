@@ -107,7 +107,7 @@ pub struct ModelShape<'a> {
     pub arch: &'a str,
     /// Transformer blocks.
     pub layers: usize,
-    /// Attention heads, and key/value heads.
+    /// Attention heads.
     pub heads: usize,
     /// Key/value heads.
     pub kv_heads: usize,
