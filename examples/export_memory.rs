@@ -140,23 +140,7 @@ fn seven_b_folder() -> Result<PathBuf> {
         ("model.norm.weight".into(), vec![hidden]),
     ]];
     for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        shards.push(
-            [
-                ("self_attn.q_proj.weight", vec![hidden, hidden]),
-                ("self_attn.k_proj.weight", vec![hidden, hidden]),
-                ("self_attn.v_proj.weight", vec![hidden, hidden]),
-                ("self_attn.o_proj.weight", vec![hidden, hidden]),
-                ("mlp.gate_proj.weight", vec![inter, hidden]),
-                ("mlp.up_proj.weight", vec![inter, hidden]),
-                ("mlp.down_proj.weight", vec![hidden, inter]),
-                ("input_layernorm.weight", vec![hidden]),
-                ("post_attention_layernorm.weight", vec![hidden]),
-            ]
-            .into_iter()
-            .map(|(name, shape)| (format!("{p}.{name}"), shape))
-            .collect(),
-        );
+        shards.push(random_weights::llama_layer_shapes(l, hidden, hidden, inter));
     }
     eprintln!("writing a 7B-shaped bf16 model to {} (once)", dir.display());
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
@@ -168,14 +152,7 @@ fn seven_b_folder() -> Result<PathBuf> {
             .into_iter()
             .map(|(name, shape)| {
                 weight_map.insert(name.clone(), file.clone().into());
-                let n: usize = shape.iter().product();
-                let norm = name.ends_with("norm.weight");
-                let bytes = random_weights::random_bf16_bytes(&mut state, n, norm);
-                let raw = RawTensor {
-                    dtype: safetensors::Dtype::BF16,
-                    shape,
-                    data: std::borrow::Cow::Owned(bytes),
-                };
+                let raw = random_weights::random_bf16_tensor(&mut state, &name, shape);
                 (name, raw)
             })
             .collect();

@@ -189,10 +189,7 @@ impl Weights {
         let st = file.tensors()?;
         let is_companion = |k: &str| k.starts_with(name) && k[name.len()..].starts_with('.');
         let names = st.names();
-        if !names
-            .iter()
-            .any(|k| is_companion(k) && k[name.len()..].starts_with(".quant_state."))
-        {
+        if !is_bnb_4bit(&names, name) {
             return Ok(None);
         }
         s.mark_read(name);
@@ -299,7 +296,7 @@ impl Weights {
         let view = stored
             .tensor(&name)
             .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
-        if view.shape() != shape || weights.nf4(&name)?.is_some() {
+        if view.shape() != shape || is_bnb_4bit(&stored.names(), &name) {
             return weights.linear(prefix, shape, bias, quant);
         }
         s.mark_read(&name);
@@ -319,6 +316,14 @@ impl Weights {
         }));
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
     }
+}
+
+/// Whether tensor `name` is stored as bitsandbytes 4-bit: `names` (its file's) hold its `quant_state` companions.
+fn is_bnb_4bit(names: &[&str], name: &str) -> bool {
+    names.iter().any(|k| {
+        k.strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with(".quant_state."))
+    })
 }
 
 /// `dense` as the model holds it: quantized with `quant` (errors naming `name`), or as stored.

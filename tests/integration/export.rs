@@ -404,6 +404,29 @@ fn an_exported_merge_holds_the_merged_weights() {
     }
 }
 
+/// `exported` (a float32 export of `adapted` with its adapter merged in) gives `adapted`'s logits on `ids`, within
+/// the float32 bound of both chains: the decoder twice, the adapter's branches, the merged weights' sums.
+fn assert_gives_the_adapted_logits(
+    what: &str,
+    exported: &candle_qlora::models::LlamaModel,
+    adapted: &candle_qlora::models::LlamaModel,
+    ids: &Tensor,
+) {
+    let expected = adapted.logits(ids).unwrap();
+    let terms = 2 * decoder_chain_terms(adapted.config(), ids.dim(1).unwrap())
+        + adapter_chain_terms(adapted, branch_terms)
+        + adapter_chain_terms(adapted, merge_terms);
+    let bound = float32_bound(terms, max_abs(&expected));
+    let d = max_abs_diff(&exported.logits(ids).unwrap(), &expected);
+    eprintln!(
+        "{what} with an adapter, exported in f32: logits differ by {d:.3e} (bound {bound:.3e})"
+    );
+    assert!(
+        d <= bound,
+        "{what}: logits differ by {d:.3e}, beyond {bound:.3e}"
+    );
+}
+
 /// Every family written from a folder — the tiny Llama, Qwen 2, Qwen 3, Mixtral, Qwen 2-MoE, Qwen 3-MoE and Phi-3 —
 /// with a random adapter on every linear layer (experts, router and shared expert included) exported in float32
 /// loads back as its llama.cpp architecture, and gives the logits of the model running the adapter unmerged, within
@@ -494,19 +517,7 @@ fn every_family_exported_with_its_adapter_merged_gives_the_adapted_logits() {
         writer.finish().unwrap();
         let exported = load_model(copy.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
         let ids = Tensor::new(&[[1u32, 5, 9, 14, 3, 77, 20, 2]], &Device::Cpu).unwrap();
-        let expected = adapted.logits(&ids).unwrap();
-        let terms = 2 * decoder_chain_terms(adapted.config(), ids.dim(1).unwrap())
-            + adapter_chain_terms(&adapted, branch_terms)
-            + adapter_chain_terms(&adapted, merge_terms);
-        let bound = float32_bound(terms, max_abs(&expected));
-        let d = max_abs_diff(&exported.model.logits(&ids).unwrap(), &expected);
-        eprintln!(
-            "{name} with an adapter, exported in f32: logits differ by {d:.3e} (bound {bound:.3e})"
-        );
-        assert!(
-            d <= bound,
-            "{name}: logits differ by {d:.3e}, beyond {bound:.3e}"
-        );
+        assert_gives_the_adapted_logits(name, &exported.model, &adapted, &ids);
     }
 }
 
@@ -596,16 +607,7 @@ fn a_gguf_base_exports_back_to_its_own_architecture() {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let expected = adapted.logits(&ids).unwrap();
-    let terms = 2 * decoder_chain_terms(adapted.config(), ids.dim(1).unwrap())
-        + adapter_chain_terms(&adapted, branch_terms)
-        + adapter_chain_terms(&adapted, merge_terms);
-    let bound = float32_bound(terms, max_abs(&expected));
-    let d = max_abs_diff(&exported.model.logits(&ids).unwrap(), &expected);
-    eprintln!(
-        "SmolLM2 with an adapter, exported in f32: logits differ by {d:.3e} (bound {bound:.3e})"
-    );
-    assert!(d <= bound, "logits differ by {d:.3e}, beyond {bound:.3e}");
+    assert_gives_the_adapted_logits("SmolLM2", &exported.model, &adapted, &ids);
 
     let q8 = dir.path().join("smollm2-q8_0.gguf");
     gguf(&exported.model, &out, &q8, &options(GgmlType::Q8_0)).unwrap();
