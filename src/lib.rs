@@ -176,6 +176,8 @@ mod doc_pages {
     pub struct Moe;
     #[doc = include_str!("../docs/dpo.md")]
     pub struct Dpo;
+    #[doc = include_str!("../docs/grpo.md")]
+    pub struct Grpo;
     #[doc = include_str!("../docs/reliability.md")]
     pub struct Reliability;
     #[doc = include_str!("../docs/cli.md")]

@@ -24,7 +24,7 @@ use candle_qlora::models::{generate, ChatMessage, GenerationConfig};
 use candle_qlora::optim::OptimizerName;
 use candle_qlora::precision::{is_bf16_supported, select_device, TorchDtype};
 use candle_qlora::quant::{BnbKernels, QuantConfig, QuantType};
-use candle_qlora::trainer::{evaluate, DpoConfig, RunConfig, Trainer};
+use candle_qlora::trainer::{evaluate, DpoConfig, GrpoConfig, RunConfig, Trainer};
 use clap::{Parser, Subcommand, ValueEnum};
 
 /// Counts heap bytes so memory statistics and the timeline are exact.
@@ -134,6 +134,13 @@ struct EstimateCliArgs {
     /// DPO: --batch counts preference pairs, each forward holding both sequences of every pair.
     #[arg(long)]
     dpo: bool,
+    /// GRPO: --batch counts completions, --seq is a prompt and its longest completion; generating a prompt's
+    /// --num-generations completions adds their KV cache (the larger of generation and training counts).
+    #[arg(long, conflicts_with = "dpo")]
+    grpo: bool,
+    /// GRPO's completions per prompt (TRL's num_generations).
+    #[arg(long = "num-generations", default_value_t = 8, value_parser = count, requires = "grpo")]
+    num_generations: usize,
     /// Print one JSON object for the configuration given instead of the table.
     #[arg(long)]
     json: bool,
@@ -151,6 +158,16 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     {
         anyhow::bail!(
             "--world-size {} with --dpo: {why}, and qlora train refuses it; estimate it with --world-size 1",
+            args.world_size
+        );
+    }
+    if let Some(why) = args
+        .grpo
+        .then(|| GrpoConfig::world_size_problem(args.world_size))
+        .flatten()
+    {
+        anyhow::bail!(
+            "--world-size {} with --grpo: {why}, and qlora train refuses it; estimate it with --world-size 1",
             args.world_size
         );
     }
@@ -177,6 +194,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         dtype: args.dtype,
         world_size: args.world_size,
         preference: args.dpo,
+        grpo_generations: args.grpo.then_some(args.num_generations),
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;

@@ -199,14 +199,24 @@ pub struct ReadReport {
     pub lines: Vec<usize>,
 }
 
-/// Reads a JSONL file. A bad line is an error naming the file and line, unless `skip_bad_lines`, which counts it
-/// in the report instead (also a line that is not UTF-8). Blank lines are ignored, and so is a UTF-8 byte order
-/// mark at the start (as Python's `utf-8-sig` and the datasets library's JSON loader read it).
+/// Reads a JSONL file of examples in `format`; see [`read_json_lines`].
 pub fn read_jsonl(
     path: &Path,
     format: DataFormat,
     skip_bad_lines: bool,
 ) -> Result<(Vec<Example>, ReadReport)> {
+    read_json_lines(path, skip_bad_lines, |v| parse_line(v, format))
+}
+
+/// Reads a JSONL file, each line's JSON value read by `parse`. A bad line is an error naming the file and line,
+/// unless `skip_bad_lines`, which counts it in the report instead (also a line that is not UTF-8). Blank lines are
+/// ignored, and so is a UTF-8 byte order mark at the start (as Python's `utf-8-sig` and the datasets library's JSON
+/// loader read it).
+pub fn read_json_lines<T>(
+    path: &Path,
+    skip_bad_lines: bool,
+    mut parse: impl FnMut(&Value) -> std::result::Result<T, String>,
+) -> Result<(Vec<T>, ReadReport)> {
     let bytes = std::fs::read(path).map_err(|e| Error::io("cannot read data file", path, e))?;
     let bytes = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(&bytes);
     let mut examples = Vec::new();
@@ -224,8 +234,7 @@ pub fn read_jsonl(
         let parsed = line.and_then(|line| {
             serde_json::from_str::<Value>(line).map_err(|e| format!("not valid JSON ({e})"))
         });
-        let parsed = parsed.and_then(|v| parse_line(&v, format));
-        match parsed {
+        match parsed.and_then(|v| parse(&v)) {
             Ok(ex) => {
                 examples.push(ex);
                 report.lines.push(line_no);

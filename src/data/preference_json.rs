@@ -31,7 +31,7 @@ pub struct PreferenceExample {
 }
 
 /// Whether `v` is a list of chat messages (TRL's `is_conversational`: a list whose first item has a `role`).
-fn is_conversational(v: &Value) -> bool {
+pub(crate) fn is_conversational(v: &Value) -> bool {
     v.as_array()
         .and_then(|l| l.first())
         .and_then(Value::as_object)
@@ -39,7 +39,7 @@ fn is_conversational(v: &Value) -> bool {
 }
 
 /// The messages of `key`.
-fn messages(v: &Value, key: &str) -> std::result::Result<Vec<ChatMessage>, String> {
+pub(crate) fn messages(v: &Value, key: &str) -> std::result::Result<Vec<ChatMessage>, String> {
     let list = v
         .as_array()
         .ok_or(format!("`{key}` must be a list of messages"))?;

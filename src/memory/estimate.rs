@@ -63,6 +63,9 @@ pub struct EstimateArgs {
     /// DPO: `batch` counts preference pairs, and each forward runs both sequences of every pair (2 × `batch`
     /// rows, `seq` tokens each), after a reference forward without gradients.
     pub preference: bool,
+    /// GRPO: `batch` counts completions and `seq` is a prompt and its longest completion; generating a prompt's
+    /// completions holds a KV cache of this many rows (`num_generations`), before the training forward.
+    pub grpo_generations: Option<usize>,
 }
 
 /// PyTorch DDP's gradient bucket size in MiB, which a data-parallel run uses unless `ddp_bucket_cap_mb` says
@@ -193,6 +196,9 @@ impl EstimateArgs {
         if self.preference {
             flags += " --dpo";
         }
+        if let Some(g) = self.grpo_generations {
+            flags += &format!(" --grpo --num-generations {g}");
+        }
         Some(flags)
     }
 }
@@ -214,6 +220,7 @@ impl Default for EstimateArgs {
             dtype: None,
             world_size: 1,
             preference: false,
+            grpo_generations: None,
         }
     }
 }
@@ -854,7 +861,17 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
                 args.batch,
                 args.batch / 2
             ),
-            false => "supervised fine-tuning: one sequence per row".into(),
+            false => match args.grpo_generations {
+                Some(g) => format!(
+                    "GRPO: {} completions per micro-batch, each a prompt and its completion ({} tokens); generating \
+                     a prompt's {g} completions holds their KV cache ({}) and one row of float32 logits each, \
+                     before and apart from the training forward (the larger of the two counts)",
+                    args.batch,
+                    args.seq,
+                    human_bytes(generation_bytes(c, g, args.seq, e))
+                ),
+                None => "supervised fine-tuning: one sequence per row".into(),
+            },
         },
         match args.device {
             DeviceKind::Cpu => "other: the process' runtime, tokenizer and data are not counted (tens of MiB)".into(),
@@ -904,7 +921,10 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
             4 * n.lora,
             optimizer_bytes(optim, &n.lora_tensors),
             4 * n.lora,
-            activation_bytes(c, args, e),
+            match args.grpo_generations {
+                Some(g) => activation_bytes(c, args, e).max(generation_bytes(c, g, args.seq, e)),
+                None => activation_bytes(c, args, e),
+            },
             other,
         ],
         assumptions,
@@ -913,6 +933,19 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     estimate.data_parallel = data_parallel;
     estimate.routing = routing;
     Ok(estimate)
+}
+
+/// What sampling `rows` completions of `seq` tokens (prompt included) holds besides the weights: every layer's
+/// keys and values of every row (a sliding-window layer keeps its window), and a row of float32 logits each.
+pub fn generation_bytes(c: &ModelConfig, rows: usize, seq: usize, e: u64) -> u64 {
+    let kv_row = 2 * c.num_key_value_heads as u64 * c.head_dim as u64 * e;
+    let positions: u64 = (0..c.num_hidden_layers)
+        .map(|l| match c.window_of(l) {
+            Some(w) => seq.min(w) as u64,
+            None => seq as u64,
+        })
+        .sum();
+    rows as u64 * (positions * kv_row + 4 * c.vocab_size as u64)
 }
 
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
@@ -1020,6 +1053,33 @@ mod tests {
             .assumptions
             .iter()
             .any(|a| a.contains("DPO: 4 rows per forward")));
+    }
+
+    /// GRPO counts the larger of the training forward and the generation's KV cache: Llama-2-7B's cache is 0.5 MiB a
+    /// token a row in bf16 (32 layers × 2 × 4096 × 2 bytes), plus a float32 row of logits per completion.
+    #[test]
+    fn grpo_counts_the_generation_kv_cache_when_it_is_larger() {
+        let c = llama2_7b();
+        let kv = generation_bytes(&c, 8, 1024, 2);
+        assert_eq!(kv, 8 * (1024 * 32 * 2 * 4096 * 2 + 4 * 32000));
+        let args = |batch: usize, grpo: Option<usize>| EstimateArgs {
+            batch,
+            seq: 1024,
+            gradient_checkpointing: true,
+            device: DeviceKind::Cuda,
+            grpo_generations: grpo,
+            ..Default::default()
+        };
+        let train = estimate(&c, &args(1, None)).unwrap();
+        let grpo = estimate(&c, &args(1, Some(64))).unwrap();
+        assert!(generation_bytes(&c, 64, 1024, 2) > train.activations_bytes);
+        assert_eq!(grpo.activations_bytes, generation_bytes(&c, 64, 1024, 2));
+        let small = estimate(&c, &args(1, Some(1))).unwrap();
+        assert_eq!(small.activations_bytes, train.activations_bytes);
+        assert!(grpo
+            .assumptions
+            .iter()
+            .any(|a| a.contains("GRPO: 1 completions")));
     }
 
     /// Data parallel on 8 GPUs: the per-GPU figures are one GPU's plus a bucket and its sum; the exchange is

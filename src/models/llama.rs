@@ -136,6 +136,33 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Keeps the batch rows `rows` of every layer's keys and values, in that order (a row may repeat): the cache
+    /// of a batch whose row `i` is the old row `rows[i]`, at the same positions (sliding-window layers included).
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<()> {
+        let Some((k, _)) = self.layers.iter().flatten().next() else {
+            return Ok(());
+        };
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let ids = Tensor::new(ids.as_slice(), k.device())?;
+        for (k, v) in self.layers.iter_mut().flatten() {
+            // `index_select` reads contiguous tensors; a sliding window's kept suffix is a narrowed view.
+            *k = k.contiguous()?.index_select(&ids, 0)?;
+            *v = v.contiguous()?.index_select(&ids, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Repeats each batch row `n` times in place (`[a, b]` → `[a, a, b, b]` for `n = 2`): one prompt's cache for
+    /// `n` completions.
+    pub fn repeat_rows(&mut self, n: usize) -> Result<()> {
+        let Some((k, _)) = self.layers.iter().flatten().next() else {
+            return Ok(());
+        };
+        let batch = k.dim(0)?;
+        let rows: Vec<usize> = (0..batch * n).map(|i| i / n).collect();
+        self.select_rows(&rows)
+    }
 }
 
 /// The cos/sin of a batch's positions: of the model's RoPE, and of its sliding-window layers' own RoPE if any.
@@ -1059,6 +1086,46 @@ impl LlamaModel {
             })
             .collect::<Result<Vec<_>>>()?;
         Tensor::stack(&rows, 0)
+    }
+
+    /// The log-probability of each completion token under the model's distribution at `temperature` (its logits
+    /// divided by it, after any soft-capping), and the entropy of that distribution there, as TRL's GRPO computes
+    /// them: `rows[b] = (prompt_len, completion)` for row `b` of `hidden: [batch, seq, hidden]` (the final hidden
+    /// states of prompt ++ completion, right-padded). Returns the log-probabilities of every row's completion tokens,
+    /// row after row, `[Σ completion lengths]` float32 (float64 for a float64 model), differentiable; and their
+    /// entropies. No `[tokens, vocab]` logits exist (the head runs token block by block).
+    pub fn completion_logps(
+        &self,
+        hidden: &Tensor,
+        rows: &[(usize, &[u32])],
+        temperature: f64,
+    ) -> Result<(Tensor, Vec<f64>)> {
+        let (b, t, hdim) = hidden.dims3()?;
+        if rows.len() != b {
+            candle_core::bail!("{} completion rows for a batch of {b}", rows.len());
+        }
+        // Position p predicts token p + 1: a completion starting at `prompt_len` is predicted from `prompt_len − 1`.
+        let mut positions = Vec::new();
+        let mut labels = Vec::new();
+        for (row, (prompt_len, completion)) in rows.iter().enumerate() {
+            if *prompt_len == 0 || prompt_len + completion.len() > t {
+                candle_core::bail!(
+                    "row {row}: a prompt of {prompt_len} tokens and a completion of {} do not fit {t} positions",
+                    completion.len()
+                );
+            }
+            positions.extend((0..completion.len()).map(|i| (row * t + prompt_len - 1 + i) as u32));
+            labels.extend_from_slice(completion);
+        }
+        let index = Tensor::new(positions.as_slice(), hidden.device())?;
+        let picked = hidden.reshape((b * t, hdim))?.index_select(&index, 0)?;
+        ops::token_logps(
+            &picked,
+            &self.head_weight()?,
+            &labels,
+            temperature,
+            self.config.final_logit_softcapping,
+        )
     }
 
     /// Logits `[batch, vocab]` of the last position for new tokens `ids`, extending `cache` (generation).

@@ -1,6 +1,6 @@
 //! The Llama-family models (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the mixtures of experts Mixtral,
 //! Qwen2/3-MoE, gpt-oss): configuration, each family's differences in a file of its own (`config::family`),
-//! tokenizer, decoder, and generation; and the mixture-of-experts block (`moe`).
+//! tokenizer, decoder, generation, and GRPO's sampling (`sampling`); and the mixture-of-experts block (`moe`).
 
 pub mod config;
 pub mod generate;
@@ -8,14 +8,16 @@ pub mod llama;
 pub mod mlp;
 pub mod moe;
 pub(crate) mod pyjson;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use config::{Architecture, Family, LayerAttention, ModelConfig, MoeConfig};
-pub use generate::{generate, GenerationConfig};
+pub use generate::{generate, generate_group, GenerationConfig, GroupCompletion};
 pub use llama::{
     Checkpointing, FeedForward, KvCache, LayerWeights, LlamaModel, Positions, QkvProjections,
     SavedModules,
 };
 pub use mlp::{mlp_slice_rows, GateUpProjections, Mlp, MlpTiling};
 pub use moe::{load_balancing_loss, RouterLogits, SharedExpert, SparseMoe};
+pub use sampling::{draw, draw_index, SamplingConfig};
 pub use tokenizer::{ChatMessage, TextTokenizer};

@@ -23,6 +23,7 @@
 //! | [`clamped_swiglu()`] | gpt-oss's `(clamp(up) + 1)·g·σ(α·g)` on interleaved gate/up, `g = min(gate, limit)` |
 //! | [`linear_cross_entropy`] | output head + cross-entropy, token block by block |
 //! | [`linear_cross_entropy_capped`], [`softcap()`] | the same with the logits soft-capped, `cap·tanh(z/cap)` |
+//! | [`token_logps()`] | output head + per-token log-probabilities and entropies (GRPO), token block by block |
 //! | [`embedding()`] | row lookup |
 //! | [`checkpoint()`] | a block recomputed in the backward |
 //! | [`checkpoint_chain()`] | a chain of blocks (the layers) recomputed in turn, inputs offloaded with [`ActivationOffload`] |
@@ -43,6 +44,7 @@ pub mod rope;
 #[cfg(feature = "cuda")]
 mod rows_cuda;
 pub mod swiglu;
+pub mod token_logps;
 
 pub use attention::{
     attention, causal_attention, packed_causal_attention, AttentionSinks, AttentionSpec, Segments,
@@ -63,6 +65,7 @@ pub use low_rank_linear::{
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_split_heads, RopeTables};
 pub use swiglu::{gated_activation, geglu_tanh, swiglu, GateActivation};
+pub use token_logps::token_logps;
 
 /// With the `cuda` feature: whether the ops run the crate's own CUDA kernels (the default) or Candle's composed ops
 /// on a GPU, for the whole process (`TrainingArguments::use_liger_kernel` sets it for a training run).

@@ -1,5 +1,5 @@
 //! Training: `TrainingArguments` (transformers' names and defaults), TOML run configs, and the `Trainer` with its
-//! training methods (supervised fine-tuning, DPO).
+//! training methods (supervised fine-tuning, DPO, GRPO).
 //!
 //! The trainer is layers, each importing only from those below it (`tests/integration/layering.rs` enforces it):
 //!
@@ -29,6 +29,7 @@ pub(crate) mod window;
 // The module paths programs already use (`trainer::dpo::METRICS`, `trainer::interrupt::stop_on_ctrl_c`,
 // `trainer::config::RunConfig`, `trainer::checkpoint::checkpoints`, `trainer::tensorboard::scalars`).
 pub use methods::dpo;
+pub use methods::grpo;
 pub use reporting::tensorboard;
 pub use run::interrupt;
 pub use settings::config;
@@ -43,5 +44,6 @@ pub use run::trainer::Trainer;
 pub use settings::args::{IntervalStrategy, ReportTo, SamplingStrategy, TrainingArguments};
 pub use settings::config::RunConfig;
 pub use settings::dpo::{DpoConfig, LossType};
+pub use settings::grpo::GrpoConfig;
 pub use storage::checkpoint::latest_checkpoint;
 pub use storage::state::{LogEntry, TrainOutput, TrainerState};

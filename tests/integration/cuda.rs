@@ -2651,3 +2651,112 @@ fn a_long_context_run_offloaded_and_tiled_peaks_at_its_estimate() {
         );
     }
 }
+
+/// GRPO on the GPU (NF4 base): training on the golden rollouts agrees with the CPU run (loss, metrics, adapter), and
+/// the batched group sampler on the GPU, with top-k 1, gives the CPU's completions.
+#[test]
+fn grpo_on_the_gpu_matches_the_cpu() {
+    use candle_qlora::adapter::load_adapter;
+    use candle_qlora::data::PromptDataset;
+    use candle_qlora::models::generate::generate_group;
+    use candle_qlora::models::sampling::SamplingConfig;
+    use candle_qlora::trainer::grpo::Reward;
+    use candle_qlora::trainer::GrpoConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = data_path("dpo/tiny-llama-chat");
+    let tokenizer = candle_qlora::loading::load_tokenizer(model_dir.to_str().unwrap(), None)
+        .unwrap()
+        .unwrap();
+    let rollouts = PromptDataset::from_jsonl(
+        &data_path("grpo/rollouts.jsonl"),
+        &tokenizer,
+        true,
+        false,
+        64,
+    )
+    .unwrap();
+    let model_on = |device: &Device| {
+        let opts = LoadOptions {
+            quantization: Some(QuantConfig::nf4()),
+            ..Default::default()
+        };
+        load_model(model_dir.to_str().unwrap(), None, &opts)
+            .unwrap()
+            .model
+            .to_device(device)
+            .unwrap()
+    };
+    let run = |device: &Device, name: &str| {
+        let out = dir.path().join(name);
+        let mut model = model_on(device);
+        let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
+        let args = TrainingArguments {
+            output_dir: out.display().to_string(),
+            per_device_train_batch_size: 4,
+            gradient_accumulation_steps: 2,
+            learning_rate: 5e-3,
+            max_steps: 3,
+            logging_steps: 1.0,
+            save_steps: 100.0,
+            optim: OptimizerName::AdamWTorch,
+            gradient_checkpointing: true,
+            use_cpu: device.is_cpu(),
+            ..Default::default()
+        };
+        let grpo = GrpoConfig {
+            num_generations: 4,
+            max_completion_length: 6,
+            beta: 0.04,
+            num_iterations: 2,
+            ..Default::default()
+        };
+        let log = Trainer::new_grpo(
+            model,
+            args,
+            &lora,
+            grpo,
+            rollouts.clone(),
+            PromptDataset::default(),
+            Vec::<Reward>::new(),
+            tokenizer.clone(),
+        )
+        .unwrap()
+        .train(None)
+        .unwrap();
+        let figures: Vec<f64> = log
+            .log_history
+            .iter()
+            .filter(|e| e.loss.is_some())
+            .flat_map(|e| {
+                let kept = ["kl", "entropy", "clip_ratio/region_mean", "reward"];
+                std::iter::once(e.loss.unwrap()).chain(
+                    e.metrics
+                        .iter()
+                        .filter(move |(k, _)| kept.contains(&k.as_str()))
+                        .map(|(_, v)| *v),
+                )
+            })
+            .collect();
+        (figures, read_adapter(&out))
+    };
+    let (cpu_figures, cpu_adapter) = run(&Device::Cpu, "cpu");
+    let (gpu_figures, gpu_adapter) = run(&gpu(), "gpu");
+    assert_eq!(cpu_figures.len(), 3 + 3 * 3 + 2, "{cpu_figures:?}");
+    assert_runs_agree(
+        "GRPO",
+        (&cpu_figures, &cpu_adapter),
+        (&gpu_figures, &gpu_adapter),
+        1e-4,
+        1e-3,
+    );
+    let greedy = SamplingConfig {
+        top_k: 1,
+        ..Default::default()
+    };
+    let prompt = &rollouts.prompts[0].ids;
+    let sample = |device: &Device| {
+        let model = model_on(device);
+        generate_group(&model, prompt, 3, 8, &greedy, &[2], 7).unwrap()
+    };
+    assert_eq!(sample(&gpu()), sample(&Device::Cpu));
+}

@@ -12,6 +12,7 @@ mod dpo;
 mod export;
 mod families;
 mod fuzz;
+mod grpo;
 mod layering;
 mod memory;
 mod model_cli;

@@ -339,7 +339,7 @@ pub(crate) fn write_tiny_config(dir: &Path, data: &str, training: &str) -> PathB
 }
 
 /// Runs `qlora train --config config extra…`: (success, stdout + stderr).
-fn run_train(config: &Path, extra: &[&str]) -> (bool, String) {
+pub(crate) fn run_train(config: &Path, extra: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_qlora"))
         .args(["train", "--config", config.to_str().unwrap()])
         .args(extra)

@@ -16,7 +16,7 @@ use crate::trainer::reporting::memory::StepMemory;
 use crate::trainer::settings::args::TrainingArguments;
 use crate::trainer::settings::preflight::DataFacts;
 use crate::trainer::storage::position::DataFingerprint;
-use crate::trainer::window::batches::{WindowBatches, WindowOutput};
+use crate::trainer::window::batches::{PromptGroups, WindowBatches, WindowOutput};
 use crate::trainer::window::shard::{Shard, SumOverRanks};
 
 /// A training method: its data, and the loss it optimizes over an accumulation window. The trained adapter is
@@ -39,6 +39,12 @@ pub(crate) trait Method {
     /// counts twice the rows).
     fn runs_pairs(&self) -> bool {
         false
+    }
+
+    /// The completions sampled per prompt, for a method that samples them (GRPO): the memory estimate counts
+    /// their KV cache.
+    fn completions_per_prompt(&self) -> Option<usize> {
+        None
     }
 
     /// An error when the method cannot run on `world_size` processes.
@@ -66,7 +72,7 @@ pub(crate) trait Method {
     /// the loss sum and what it averages over, and the method's metrics. Micro-batch `k` draws its dropout and noise
     /// from `window.first_micro + k` whichever rank runs it; the memory of each phase goes to `memory`.
     fn run_window(
-        &self,
+        &mut self,
         model: &mut LlamaModel,
         trained: &str,
         args: &TrainingArguments,
@@ -74,6 +80,17 @@ pub(crate) trait Method {
         vars: &[Var],
         memory: &mut StepMemory,
     ) -> Result<WindowOutput>;
+
+    /// How the loop deals the items when they are prompts sampled in groups (GRPO); `None` deals them one by one.
+    fn prompt_groups(&self) -> Option<PromptGroups> {
+        None
+    }
+
+    /// Writes what the method shows of the last step into the run's folder `out` when a step is logged (GRPO's
+    /// sample completions), and returns texts for TensorBoard (tag, text).
+    fn write_samples(&mut self, _out: &Path, _step: usize) -> Result<Vec<(String, String)>> {
+        Ok(Vec::new())
+    }
 
     /// The names of the metrics of [`WindowOutput::metrics`], in order (logged under them).
     fn metric_names(&self) -> &'static [&'static str] {

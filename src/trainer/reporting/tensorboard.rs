@@ -92,6 +92,24 @@ fn event(wall_time: f64, step: u64, body: EventBody<'_>) -> Vec<u8> {
             field_bytes(1, &v, &mut summary);
             field_bytes(5, &summary, &mut out);
         }
+        EventBody::Text(tag, text) => {
+            // Value { tag = 1; metadata = 9: SummaryMetadata { plugin_data = 1: { plugin_name = 1: "text" } };
+            // tensor = 8: TensorProto { dtype = 1: DT_STRING (7); tensor_shape = 2: {}; string_val = 8 } }
+            let mut plugin = Vec::new();
+            field_bytes(1, b"text", &mut plugin);
+            let mut metadata = Vec::new();
+            field_bytes(1, &plugin, &mut metadata);
+            let mut tensor = vec![0x08, 7];
+            field_bytes(2, &[], &mut tensor);
+            field_bytes(8, text.as_bytes(), &mut tensor);
+            let mut v = Vec::new();
+            field_bytes(1, tag.as_bytes(), &mut v);
+            field_bytes(9, &metadata, &mut v);
+            field_bytes(8, &tensor, &mut v);
+            let mut summary = Vec::new();
+            field_bytes(1, &v, &mut summary);
+            field_bytes(5, &summary, &mut out);
+        }
     }
     out
 }
@@ -100,6 +118,8 @@ fn event(wall_time: f64, step: u64, body: EventBody<'_>) -> Vec<u8> {
 enum EventBody<'a> {
     FileVersion(&'a str),
     Scalar(&'a str, f32),
+    /// A Markdown text (TensorBoard's text plugin).
+    Text(&'a str, &'a str),
 }
 
 /// transformers' tag for log key `key`.
@@ -239,6 +259,10 @@ impl TrainerCallback for TensorBoardCallback {
                 entry.step as u64,
                 EventBody::Scalar(&tag, value as f32),
             );
+            self.write(&bytes)?;
+        }
+        for (tag, text) in &entry.texts {
+            let bytes = event(wall, entry.step as u64, EventBody::Text(&tag_of(tag), text));
             self.write(&bytes)?;
         }
         Ok(())

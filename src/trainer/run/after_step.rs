@@ -26,7 +26,11 @@ impl Trainer {
         micro: usize,
         last_window: bool,
     ) -> Result<()> {
+        let mut entry = entry;
         let (step, lr) = (entry.step, entry.learning_rate.unwrap_or_default());
+        if Self::log_now(run, &run.args, step) && run.writes() {
+            entry.texts = self.method.write_samples(&run.out, step)?;
+        }
         if Self::log_now(run, &run.args, step) || entry.skipped {
             self.log(run.log_path.as_deref(), entry)?;
         }

@@ -29,6 +29,8 @@ pub(super) struct RunShape<'a> {
     pub world_size: usize,
     /// DPO: each row of a batch is a pair of sequences.
     pub preference: bool,
+    /// GRPO: the completions sampled per prompt (their KV cache while generating).
+    pub grpo_generations: Option<usize>,
 }
 
 impl RunShape<'_> {
@@ -55,6 +57,7 @@ impl RunShape<'_> {
             dtype: Some(TorchDtype::of(self.compute_dtype)),
             world_size: self.world_size,
             preference: self.preference,
+            grpo_generations: self.grpo_generations,
         }
     }
 }

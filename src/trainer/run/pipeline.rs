@@ -78,6 +78,7 @@ impl Trainer {
                 compute_dtype: precision.compute_dtype,
                 world_size: world.as_ref().map_or(1, |w| w.world_size),
                 preference: method.runs_pairs(),
+                grpo_generations: method.completions_per_prompt(),
             };
             let model_config = load_model_config(model_name, revision)?;
             check_memory_fits(&model_config, &run, &config.path.display().to_string())?;

@@ -3,6 +3,34 @@
 
 use crate::trainer::settings::args::{SamplingStrategy, TrainingArguments};
 use crate::trainer::storage::position::{DataFingerprint, DataPosition};
+use crate::trainer::window::batches::PromptGroups;
+
+/// `0..n` in a seeded order: Fisher–Yates with a counter-based generator, a pure function of (`seed`, `epoch`).
+fn shuffled(n: usize, seed: u64, epoch: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    let mut state = seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for i in (1..n).rev() {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let j = ((state >> 33) as usize) % (i + 1);
+        order.swap(i, j);
+    }
+    order
+}
+
+/// The micro-batches of `epoch` for prompts dealt in groups (see [`PromptGroups`]): every micro-batch of a
+/// generation batch lists its prompts.
+fn grouped_batches(n: usize, groups: PromptGroups, seed: u64, epoch: usize) -> Vec<Vec<usize>> {
+    let order = match groups.shuffle {
+        true => shuffled(n, seed, epoch),
+        false => (0..n).collect(),
+    };
+    order
+        .chunks_exact(groups.prompts_per_generation)
+        .flat_map(|chunk| std::iter::repeat_n(chunk.to_vec(), groups.micro_batches))
+        .collect()
+}
 
 /// Micro-batches of example indices for `epoch` (seeded shuffle, or length-grouped).
 fn epoch_batches(
@@ -14,18 +42,10 @@ fn epoch_batches(
     strategy: SamplingStrategy,
     drop_last: bool,
 ) -> Vec<Vec<usize>> {
-    let mut order: Vec<usize> = (0..n).collect();
-    if strategy != SamplingStrategy::Sequential {
-        // Fisher–Yates with a counter-based generator: the order is a pure function of (seed, epoch).
-        let mut state = seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        for i in (1..n).rev() {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            let j = ((state >> 33) as usize) % (i + 1);
-            order.swap(i, j);
-        }
-    }
+    let mut order: Vec<usize> = match strategy {
+        SamplingStrategy::Sequential => (0..n).collect(),
+        _ => shuffled(n, seed, epoch),
+    };
     if strategy == SamplingStrategy::GroupByLength {
         // Length-sorted within chunks of 50 batches, as transformers' LengthGroupedSampler does.
         for chunk in order.chunks_mut(batch * 50) {
@@ -54,6 +74,8 @@ fn even_out(mut batches: Vec<Vec<usize>>, world_size: usize) -> Vec<Vec<usize>> 
 pub(super) struct DataPlan {
     lengths: Vec<usize>,
     data: DataFingerprint,
+    /// Prompts dealt in groups (GRPO), instead of items one by one.
+    groups: Option<PromptGroups>,
     strategy: SamplingStrategy,
     data_seed: u64,
     /// Processes of the run; each takes every `world_size`-th micro-batch.
@@ -63,10 +85,12 @@ pub(super) struct DataPlan {
 }
 
 impl DataPlan {
-    /// The plan over training items of `lengths` (tokens each, for `group_by_length`) holding `data`.
+    /// The plan over training items of `lengths` (tokens each, for `group_by_length`) holding `data`, dealt in
+    /// `groups` when the items are prompts sampled in groups.
     pub(super) fn new(
         lengths: Vec<usize>,
         data: DataFingerprint,
+        groups: Option<PromptGroups>,
         args: &TrainingArguments,
         world_size: usize,
     ) -> Self {
@@ -75,6 +99,7 @@ impl DataPlan {
         let mut plan = DataPlan {
             lengths,
             data,
+            groups,
             strategy,
             data_seed,
             world_size,
@@ -86,6 +111,9 @@ impl DataPlan {
 
     /// The micro-batches of `epoch`, of all ranks: micro-batch `i` is rank `i % world_size`'s (see [`even_out`]).
     pub(super) fn batches(&self, epoch: usize, args: &TrainingArguments) -> Vec<Vec<usize>> {
+        if let Some(groups) = self.groups {
+            return grouped_batches(self.lengths.len(), groups, self.data_seed, epoch);
+        }
         let batches = epoch_batches(
             self.lengths.len(),
             args.per_device_train_batch_size,

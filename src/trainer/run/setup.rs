@@ -113,6 +113,7 @@ impl Trainer {
             compute_dtype: self.model.compute_dtype(),
             world_size,
             preference: self.method.runs_pairs(),
+            grpo_generations: self.method.completions_per_prompt(),
         };
         RunEstimate::new(self.model.config(), run.estimate_args()).ok()
     }
@@ -151,6 +152,7 @@ impl Trainer {
         let plan = DataPlan::new(
             self.method.train_lengths(),
             self.method.train_fingerprint(),
+            self.method.prompt_groups(),
             &args,
             shard.world_size,
         );

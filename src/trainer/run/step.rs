@@ -86,7 +86,7 @@ impl Trainer {
         let aux_loss = result.aux_loss.as_ref().map(|_| read[aux_at]);
         let flag_at = aux_at + usize::from(aux_loss.is_some());
         // The method's metrics, averaged as the loss is (DPO's: means over the window's micro-batches).
-        let metrics: BTreeMap<String, f64> = match result.metrics {
+        let mut metrics: BTreeMap<String, f64> = match result.metrics {
             Some(_) => self
                 .method
                 .metric_names()
@@ -96,6 +96,7 @@ impl Trainer {
                 .collect(),
             None => BTreeMap::new(),
         };
+        metrics.extend(result.host_metrics);
         // A distributed run stops where the ranks agreed (a Ctrl-C arriving later on one rank counts next step).
         run.agreed_stop = stop_flag.map(|_| read[flag_at] > 0.0);
         let loss = read[0] / result.counted.max(1) as f64;

@@ -5,14 +5,16 @@
 use std::path::PathBuf;
 
 use crate::adapter::Adapters;
-use crate::data::{Dataset, PreferenceDataset};
+use crate::data::{Dataset, PreferenceDataset, PromptDataset};
 use crate::error::Result;
 use crate::files::lock::OutputLock;
 use crate::lora::LoraConfig;
 use crate::memory::snapshot::Recording;
 use crate::models::LlamaModel;
+use crate::models::TextTokenizer;
 use crate::precision::Precision;
 use crate::trainer::methods::dpo::Dpo;
+use crate::trainer::methods::grpo::{Grpo, Reward};
 use crate::trainer::methods::method::Method;
 use crate::trainer::methods::supervised::Supervised;
 use crate::trainer::reporting::callbacks::TrainerCallback;
@@ -20,6 +22,7 @@ use crate::trainer::reporting::eval_report::EvalReport;
 use crate::trainer::reporting::tensorboard::TensorBoardCallback;
 use crate::trainer::settings::args::TrainingArguments;
 use crate::trainer::settings::dpo::DpoConfig;
+use crate::trainer::settings::grpo::GrpoConfig;
 use crate::trainer::settings::preflight::check_trainer_data;
 use crate::trainer::storage::manifest::Manifest;
 use crate::trainer::storage::state::TrainerState;
@@ -85,6 +88,24 @@ impl Trainer {
         eval: PreferenceDataset,
     ) -> Result<Self> {
         let method = Dpo::new(dpo, &args, train, eval)?;
+        Self::with_method(model, args, lora, Box::new(method))
+    }
+
+    /// A GRPO trainer (TRL's `GRPOTrainer`) on `train` prompts — or rollouts: a [`PromptDataset`] read with its
+    /// completions —, evaluated on `eval` prompts, scored by `rewards` (closures, or [`Reward::from_spec`]), the
+    /// completions decoded with `tokenizer` (the model's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_grpo(
+        model: LlamaModel,
+        args: TrainingArguments,
+        lora: &LoraConfig,
+        grpo: GrpoConfig,
+        train: PromptDataset,
+        eval: PromptDataset,
+        rewards: Vec<Reward>,
+        tokenizer: TextTokenizer,
+    ) -> Result<Self> {
+        let method = Grpo::new(grpo, &args, train, eval, rewards, tokenizer)?;
         Self::with_method(model, args, lora, Box::new(method))
     }
 

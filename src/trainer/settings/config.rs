@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::args::{IntervalStrategy, TrainingArguments};
 use super::dpo::DpoConfig;
+use super::grpo::{GrpoConfig, REFUSED_TRL_FIELDS};
 use super::overrides::{apply_override, explain_raw};
 use super::sections::{check_keys, closest, either, field_names, read_section, unknown_key};
 use crate::data::DataConfig;
@@ -130,17 +131,28 @@ pub struct RunConfig {
     pub callbacks: CallbackSection,
     /// `[dpo]`: its presence makes the run DPO on preference pairs.
     pub dpo: Option<DpoConfig>,
+    /// `[grpo]`: its presence makes the run GRPO on prompts (or rollouts), with the rollouts file resolved against
+    /// the config's folder.
+    pub grpo: Option<GrpoConfig>,
     /// The config after `--set` overrides, as TOML (copied into checkpoints).
     pub resolved: String,
 }
 
 /// The sections of a run config.
-const SECTIONS: &[&str] = &["model", "lora", "data", "training", "callbacks", "dpo"];
+const SECTIONS: &[&str] = &[
+    "model",
+    "lora",
+    "data",
+    "training",
+    "callbacks",
+    "dpo",
+    "grpo",
+];
 
 /// PEFT keys `[lora]` accepts besides [`LoraConfig`]'s fields (its task is always causal LM).
 const LORA_EXTRA_KEYS: &[&str] = &["task_type"];
 /// The keys of each section of a run config, `model.quantization` (a table inside `[model]`) apart.
-fn section_keys() -> [(&'static str, Vec<&'static str>); 7] {
+fn section_keys() -> [(&'static str, Vec<&'static str>); 8] {
     let lora = [field_names::<LoraConfig>(), LORA_EXTRA_KEYS].concat();
     [
         ("model", field_names::<ModelSection>().to_vec()),
@@ -153,6 +165,7 @@ fn section_keys() -> [(&'static str, Vec<&'static str>); 7] {
         ("training", field_names::<TrainingArguments>().to_vec()),
         ("callbacks", field_names::<CallbackSection>().to_vec()),
         ("dpo", field_names::<DpoConfig>().to_vec()),
+        ("grpo", field_names::<GrpoConfig>().to_vec()),
     ]
 }
 
@@ -305,13 +318,15 @@ impl RunConfig {
                 )));
             }
         }
-        data.train_file = Some(
-            base.join(
-                data.train_file
-                    .as_ref()
-                    .ok_or_else(|| Error::InvalidInput(format!("{p}: [data] needs train_file")))?,
-            ),
-        );
+        // A GRPO run on rollouts reads its prompts from the rollouts file.
+        let rollouts = root.get("grpo").and_then(|g| g.get("rollouts")).is_some();
+        data.train_file = match (&data.train_file, rollouts) {
+            (Some(f), _) => Some(base.join(f)),
+            (None, true) => None,
+            (None, false) => {
+                return Err(Error::InvalidInput(format!("{p}: [data] needs train_file")))
+            }
+        };
         data.eval_file = data.eval_file.map(|f| base.join(f));
         data.validate()
             .map_err(|e| Error::InvalidInput(format!("{p}: [data]: {e}")))?;
@@ -343,6 +358,15 @@ impl RunConfig {
                 )));
             }
         }
+        let grpo: Option<GrpoConfig> = match root.get("grpo") {
+            Some(v) => Some(read_grpo(v, &p, base, &training, &data)?),
+            None => None,
+        };
+        if dpo.is_some() && grpo.is_some() {
+            return Err(Error::InvalidInput(format!(
+                "{p}: both [dpo] and [grpo]: a run trains with one method; remove one of the sections"
+            )));
+        }
         Ok(RunConfig {
             path: path.to_path_buf(),
             model,
@@ -351,6 +375,7 @@ impl RunConfig {
             training,
             callbacks,
             dpo,
+            grpo,
             resolved: root.to_string(),
         })
     }
@@ -395,8 +420,53 @@ impl RunConfig {
                 "{p}: [dpo] with {world_size} processes: DPO runs in one process for now; {alone}"
             )));
         }
+        if let (Some(_), Some(why)) = (&self.grpo, GrpoConfig::world_size_problem(world_size)) {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [grpo] with {world_size} processes: {why}; {alone}"
+            )));
+        }
         Ok(())
     }
+}
+
+/// `[grpo]` read and checked against `[training]` and `[data]`: a TRL field this trainer lacks is refused with why,
+/// and the rollouts file is resolved against the config's folder `base`.
+fn read_grpo(
+    value: &toml::Value,
+    p: &str,
+    base: &Path,
+    training: &TrainingArguments,
+    data: &DataConfig,
+) -> Result<GrpoConfig> {
+    if let Some(table) = value.as_table() {
+        if let Some((key, why)) = REFUSED_TRL_FIELDS
+            .iter()
+            .find(|(k, _)| table.contains_key(*k))
+        {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [grpo] {key}: TRL's GRPOConfig has it, and this trainer does not: {why}; remove it"
+            )));
+        }
+    }
+    let mut grpo: GrpoConfig = read_section(value, p, "grpo", &[])?;
+    grpo.validate(p)?;
+    grpo.check_training(training, p)?;
+    if data.packing {
+        return Err(Error::InvalidInput(format!(
+            "{p}: [data] packing = true: GRPO generates whole completions after each prompt; remove packing"
+        )));
+    }
+    if grpo
+        .rollouts
+        .as_ref()
+        .is_some_and(|r| r.as_os_str().is_empty())
+    {
+        return Err(Error::InvalidInput(format!(
+            "{p}: [grpo] rollouts = \"\" names no file: set it to a JSONL file of rollouts, or remove it"
+        )));
+    }
+    grpo.rollouts = grpo.rollouts.map(|r| base.join(r));
+    Ok(grpo)
 }
 
 /// `tiled_mlp` runs each MLP over slices of its rows, and LoRA dropout's mask is drawn over a projection's whole

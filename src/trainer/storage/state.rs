@@ -53,6 +53,9 @@ pub struct LogEntry {
     /// evaluation), written as keys of the entry itself.
     #[serde(flatten, default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metrics: BTreeMap<String, f64>,
+    /// Texts shown with the step in TensorBoard (tag, Markdown: GRPO's sample completions); not in `log.jsonl`.
+    #[serde(skip)]
+    pub texts: Vec<(String, String)>,
 }
 
 /// `trainer_state.json`, with transformers' keys.

@@ -2,6 +2,8 @@
 //! rank, with the run's index of the first) and its outcome (the loss sum and what it averages over, tokens,
 //! gradients, an auxiliary loss, the method's metrics).
 
+use std::collections::BTreeMap;
+
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 
@@ -36,4 +38,21 @@ pub(crate) struct WindowOutput {
     /// The method's metrics ([`Method::metric_names`](crate::trainer::methods::method::Method::metric_names)),
     /// summed as the loss is: float64 on the device.
     pub metrics: Option<Tensor>,
+    /// Metrics the method computed on the host, already averaged over the window, logged as they are (GRPO's, whose
+    /// names depend on its rewards).
+    pub host_metrics: BTreeMap<String, f64>,
+}
+
+/// How a method whose items are prompts sampled in groups (GRPO) has the loop deal them, as TRL's `RepeatSampler`:
+/// each epoch's prompts in order (shuffled with `shuffle`), cut into generation batches of `prompts_per_generation`
+/// (an incomplete last one dropped), each dealt as `micro_batches` micro-batches that all list the generation
+/// batch's prompts — the method splits the completions it generates for them among those micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct PromptGroups {
+    /// Prompts per generation batch.
+    pub prompts_per_generation: usize,
+    /// Micro-batches each generation batch feeds (`steps_per_generation × num_iterations`).
+    pub micro_batches: usize,
+    /// Whether the prompts are shuffled each epoch.
+    pub shuffle: bool,
 }

@@ -269,7 +269,7 @@ impl Method for Dpo {
     }
 
     fn run_window(
-        &self,
+        &mut self,
         model: &mut LlamaModel,
         trained: &str,
         args: &TrainingArguments,

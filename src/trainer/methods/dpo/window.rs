@@ -83,5 +83,6 @@ pub(super) fn run_window(
         grads,
         aux_loss: aux_sum.map(|s| s / aux_count as f64).transpose()?,
         metrics: metrics_sum,
+        host_metrics: Default::default(),
     })
 }

@@ -125,7 +125,7 @@ impl Method for Supervised {
     }
 
     fn run_window(
-        &self,
+        &mut self,
         model: &mut LlamaModel,
         _trained: &str,
         args: &TrainingArguments,

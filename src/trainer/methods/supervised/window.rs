@@ -93,5 +93,6 @@ pub(super) fn run_window(
         grads,
         aux_loss: aux_sum.map(|s| s / aux_count as f64).transpose()?,
         metrics: None,
+        host_metrics: Default::default(),
     })
 }
