@@ -84,7 +84,7 @@ pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
 }
 
 /// A soft-cap is finite and positive.
-fn check_cap(cap: f64) -> Result<()> {
+pub(super) fn check_cap(cap: f64) -> Result<()> {
     if !(cap.is_finite() && cap > 0.0) {
         candle_core::bail!("the logit soft-cap must be finite and positive, got {cap}");
     }
@@ -108,22 +108,64 @@ fn block_logits(
     w: &Tensor,
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (logits, tanh) = capped_logits(h, w, softcap)?;
+    let lse = log_sum_exp(&logits)?;
+    Ok((logits, lse, tanh))
+}
+
+/// The logits `h·wᵀ` of a block of rows (soft-capped with `softcap`), and with a cap the `tanh(z/cap)` of the raw
+/// logits `z` (for the gradient).
+pub(super) fn capped_logits(
+    h: &Tensor,
+    w: &Tensor,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Option<Tensor>)> {
     let raw = h.matmul(&w.t()?)?;
-    let (logits, tanh) = match softcap {
+    Ok(match softcap {
         Some(cap) => {
             let t = (raw / cap)?.tanh()?;
             ((&t * cap)?, Some(t))
         }
         None => (raw, None),
-    };
-    let max = logits.max_keepdim(D::Minus1)?;
-    let lse = (logits
-        .broadcast_sub(&max)?
+    })
+}
+
+/// `log Σ exp` over the last dimension, kept (`[rows, 1]`), the maximum subtracted first.
+pub(super) fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    x.broadcast_sub(&max)?
         .exp()?
         .sum_keepdim(D::Minus1)?
         .log()?
-        + max)?;
-    Ok((logits, lse, tanh))
+        + max
+}
+
+/// A block's share of the head's backward: `dlogits`, the gradient with respect to its (capped) logits, taken
+/// through the cap (`1 − tanh²(z/cap)`, with `tanh` from [`capped_logits`]) to the block's rows `hb` — pushed onto
+/// `dh_blocks` — and to the head `w` — added to `dw` —, each where `needs` asks.
+pub(super) fn head_backward(
+    dlogits: Tensor,
+    tanh: Option<&Tensor>,
+    (hb, w): (&Tensor, &Tensor),
+    needs: [bool; 2],
+    dh_blocks: &mut Vec<Tensor>,
+    dw: &mut Option<Tensor>,
+) -> Result<()> {
+    let dlogits = match tanh {
+        Some(t) => (dlogits * (1.0 - t.sqr()?)?)?,
+        None => dlogits,
+    };
+    if needs[0] {
+        dh_blocks.push(dlogits.matmul(w)?);
+    }
+    if needs[1] {
+        let part = dlogits.t()?.matmul(hb)?;
+        *dw = Some(match dw.take() {
+            Some(acc) => (acc + part)?,
+            None => part,
+        });
+    }
+    Ok(())
 }
 
 impl LinearCrossEntropy {
@@ -238,21 +280,14 @@ impl LinearCrossEntropy {
             let onehot =
                 candle_nn::encoding::one_hot(idx.squeeze(1)?, vocab, 1f32, 0f32)?.to_dtype(work)?;
             let dlogits = (probs - onehot)?.broadcast_mul(&keep)?.broadcast_mul(&g)?;
-            // Through the cap: d cap·tanh(z/cap) / dz = 1 − tanh²(z/cap).
-            let dlogits = match tanh {
-                Some(t) => (dlogits * (1.0 - t.sqr()?)?)?,
-                None => dlogits,
-            };
-            if needs[0] {
-                dh_blocks.push(dlogits.matmul(&w)?);
-            }
-            if needs[1] {
-                let part = dlogits.t()?.matmul(&hb)?;
-                dw = Some(match dw {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
-            }
+            head_backward(
+                dlogits,
+                tanh.as_ref(),
+                (&hb, &w),
+                needs,
+                &mut dh_blocks,
+                &mut dw,
+            )?;
         }
         let dh = if needs[0] {
             Some(Tensor::cat(&dh_blocks, 0)?.to_dtype(hidden.dtype())?)

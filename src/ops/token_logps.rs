@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Result, Tensor, D};
 
 use super::autograd::op::{Apply, Op, Value};
-use super::cross_entropy::TOKEN_BLOCK;
+use super::cross_entropy::{capped_logits, check_cap, head_backward, log_sum_exp, TOKEN_BLOCK};
 use crate::precision::master_dtype;
 
 /// Per-token log-probabilities of `labels` under `softmax(cap(hidden·weightᵀ) / temperature)`, and each token's
@@ -34,9 +34,7 @@ pub fn token_logps(
         candle_core::bail!("the temperature must be finite and positive, got {temperature}");
     }
     if let Some(cap) = softcap {
-        if !(cap.is_finite() && cap > 0.0) {
-            candle_core::bail!("the logit soft-cap must be finite and positive, got {cap}");
-        }
+        check_cap(cap)?;
     }
     let (n, d) = hidden.dims2()?;
     let (vocab, wd) = weight.dims2()?;
@@ -90,23 +88,10 @@ struct BlockLogits {
 impl TokenLogps {
     /// The logits of rows `h` (in the master dtype) against the head `w`.
     fn block(&self, h: &Tensor, w: &Tensor) -> Result<BlockLogits> {
-        let raw = h.matmul(&w.t()?)?;
-        let (capped, tanh) = match self.softcap {
-            Some(cap) => {
-                let t = (raw / cap)?.tanh()?;
-                ((&t * cap)?, Some(t))
-            }
-            None => (raw, None),
-        };
+        let (capped, tanh) = capped_logits(h, w, self.softcap)?;
         // The cap first, then the temperature (TRL divides the model's capped logits).
         let scaled = (capped / self.temperature)?;
-        let max = scaled.max_keepdim(D::Minus1)?;
-        let lse = (scaled
-            .broadcast_sub(&max)?
-            .exp()?
-            .sum_keepdim(D::Minus1)?
-            .log()?
-            + max)?;
+        let lse = log_sum_exp(&scaled)?;
         Ok(BlockLogits { scaled, lse, tanh })
     }
 
@@ -174,21 +159,14 @@ impl Op<2> for TokenLogps {
             let onehot = ids.broadcast_eq(&idx)?.to_dtype(work)?;
             let gb = (g.narrow(0, start, len)?.unsqueeze(1)? / self.temperature)?;
             let dz = (onehot - p)?.broadcast_mul(&gb)?;
-            // Through the cap: d cap·tanh(z/cap) / dz = 1 − tanh²(z/cap).
-            let dz = match b.tanh {
-                Some(t) => (dz * (1.0 - t.sqr()?)?)?,
-                None => dz,
-            };
-            if needs[0] {
-                dh_blocks.push(dz.matmul(&w)?);
-            }
-            if needs[1] {
-                let part = dz.t()?.matmul(&hb)?;
-                dw = Some(match dw {
-                    Some(acc) => (acc + part)?,
-                    None => part,
-                });
-            }
+            head_backward(
+                dz,
+                b.tanh.as_ref(),
+                (&hb, &w),
+                needs,
+                &mut dh_blocks,
+                &mut dw,
+            )?;
         }
         let dh = match needs[0] {
             true if n == 0 => Some(hidden.zeros_like()?),

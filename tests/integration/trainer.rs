@@ -463,7 +463,12 @@ fn bundled_configs_are_valid() {
             n += 1;
         }
     }
-    assert_eq!(n, 13);
+    assert_eq!(n, 14);
+    // The GRPO recipe is GRPO, with its two checked rewards.
+    let grpo =
+        candle_qlora::trainer::RunConfig::load(&dir.join("smollm2-135m-grpo.toml"), &[]).unwrap();
+    let grpo = grpo.grpo.unwrap();
+    assert_eq!((grpo.num_generations, grpo.reward_funcs.len()), (8, 2));
     // The DPO recipe is DPO, and its commented continuation of an SFT adapter reads that adapter's settings.
     let dpo =
         candle_qlora::trainer::RunConfig::load(&dir.join("smollm2-135m-dpo.toml"), &[]).unwrap();

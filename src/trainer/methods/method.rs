@@ -19,6 +19,16 @@ use crate::trainer::storage::position::DataFingerprint;
 use crate::trainer::window::batches::{PromptGroups, WindowBatches, WindowOutput};
 use crate::trainer::window::shard::{Shard, SumOverRanks};
 
+/// The error of a method that cannot run on `world_size` processes, for `problem` (its settings' reason), if any.
+pub(crate) fn refuse_ranks(world_size: usize, problem: Option<&str>) -> Result<()> {
+    match problem {
+        Some(why) => Err(crate::error::Error::InvalidInput(format!(
+            "WORLD_SIZE={world_size}: {why}; train it without torchrun or --nproc-per-node"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// A training method: its data, and the loss it optimizes over an accumulation window. The trained adapter is
 /// named `trained` wherever a method switches the model to another one (and back).
 pub(crate) trait Method {

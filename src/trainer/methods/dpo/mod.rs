@@ -18,7 +18,7 @@ use std::path::Path;
 
 use candle_core::{Tensor, Var};
 
-use super::method::Method;
+use super::method::{refuse_ranks, Method};
 use crate::adapter::Adapters;
 use crate::data::{PreferenceDataset, PreferencePair};
 use crate::error::{Error, Result};
@@ -212,12 +212,7 @@ impl Method for Dpo {
     }
 
     fn check_world_size(&self, world_size: usize) -> Result<()> {
-        if let Some(why) = DpoConfig::world_size_problem(world_size) {
-            return Err(Error::InvalidInput(format!(
-                "WORLD_SIZE={world_size}: {why}; train it without torchrun or --nproc-per-node"
-            )));
-        }
-        Ok(())
+        refuse_ranks(world_size, DpoConfig::world_size_problem(world_size))
     }
 
     /// The reference: none with `reference_free`, else a frozen copy of a `continued` adapter (made now, under

@@ -111,6 +111,18 @@ pub(crate) fn generation_order(n: usize, seed: u64, index: usize) -> Vec<usize> 
     order
 }
 
+/// Splits `values`, the completions' tokens one after another, into one vector per completion.
+pub(crate) fn per_row(values: &[f64], completions: &[&Completion]) -> Vec<Vec<f64>> {
+    let mut at = 0;
+    completions
+        .iter()
+        .map(|c| {
+            at += c.ids.len();
+            values[at - c.ids.len()..at].to_vec()
+        })
+        .collect()
+}
+
 /// The policy's (or, with the model switched, the reference's) log-probabilities of each completion's tokens,
 /// `batch_size` completions per forward, without dropout.
 pub(crate) fn completion_logps(
@@ -126,11 +138,7 @@ pub(crate) fn completion_logps(
         let (hidden, rows) = forward(model, prompts, chunk)?;
         let (logps, _) = model.completion_logps(&hidden, &rows, temperature)?;
         let values: Vec<f64> = logps.detach().to_dtype(DType::F64)?.to_vec1()?;
-        let mut at = 0;
-        for c in chunk {
-            out.push(values[at..at + c.ids.len()].to_vec());
-            at += c.ids.len();
-        }
+        out.extend(per_row(&values, chunk));
     }
     Ok(out)
 }

@@ -24,7 +24,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::method::Method;
+use super::method::{refuse_ranks, Method};
 use crate::adapter::Adapters;
 use crate::data::{PromptDataset, TokenizedExample};
 use crate::error::{Error, Result};
@@ -289,12 +289,7 @@ impl Method for Grpo {
     }
 
     fn check_world_size(&self, world_size: usize) -> Result<()> {
-        if let Some(why) = GrpoConfig::world_size_problem(world_size) {
-            return Err(Error::InvalidInput(format!(
-                "WORLD_SIZE={world_size}: {why}; train it without torchrun or --nproc-per-node"
-            )));
-        }
-        Ok(())
+        refuse_ranks(world_size, GrpoConfig::world_size_problem(world_size))
     }
 
     /// With `beta` ≠ 0 and a continued adapter, its frozen copy is the reference (TRL's `ref` adapter); else the
@@ -431,16 +426,20 @@ impl Method for Grpo {
                 .generator(args, trained, true)
                 .generate(model, index, prompts, 1)?;
             let completions: Vec<&generation::Completion> = batch.parts[0].iter().collect();
-            let logps = generation::completion_logps(
-                model,
-                &self.eval.prompts,
-                &completions,
-                self.config.temperature,
-                args.per_device_eval_batch_size,
-            )?;
-            // Entropies are not needed for the loss without an entropy mask; the metric uses the logged ones.
-            let entropies: Vec<Vec<f64>> =
-                completions.iter().map(|c| vec![0.0; c.ids.len()]).collect();
+            // On policy the ratios are 1, so the loss needs the log-probabilities only for the KL term; neither it
+            // nor the entropy mask (off in evaluation) needs the entropies.
+            let zeros: Vec<Vec<f64>> = completions.iter().map(|c| vec![0.0; c.ids.len()]).collect();
+            let logps = match self.config.beta {
+                0.0 => zeros.clone(),
+                _ => generation::completion_logps(
+                    model,
+                    &self.eval.prompts,
+                    &completions,
+                    self.config.temperature,
+                    args.per_device_eval_batch_size,
+                )?,
+            };
+            let entropies = zeros;
             let rows = window::loss_rows(&completions, &logps, &entropies, &self.config);
             let config = GrpoConfig {
                 top_entropy_quantile: 1.0,

@@ -6,7 +6,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::generation::{rows_of, Completion};
+use super::generation::{per_row, rows_of, Completion};
 use super::loss::{micro_batch_loss, LossRow, MicroLoss, Normalization};
 use crate::data::{Prompt, TokenizedExample};
 use crate::error::Result;
@@ -15,18 +15,6 @@ use crate::trainer::reporting::memory::StepMemory;
 use crate::trainer::settings::args::TrainingArguments;
 use crate::trainer::settings::grpo::GrpoConfig;
 use crate::trainer::window::micro_batch::{backward_into, forward_micro_batch, MicroBatchForward};
-
-/// Splits `values`, the completions' tokens one after another, into one vector per completion.
-pub(super) fn per_row(values: &[f64], completions: &[&Completion]) -> Vec<Vec<f64>> {
-    let mut at = 0;
-    completions
-        .iter()
-        .map(|c| {
-            at += c.ids.len();
-            values[at - c.ids.len()..at].to_vec()
-        })
-        .collect()
-}
 
 /// The loss rows of `completions` with their current log-probabilities and entropies.
 pub(super) fn loss_rows<'a>(
@@ -72,7 +60,6 @@ pub(super) fn run_micro_batch(
     let MicroBatchForward { hidden, ck, .. } =
         forward_micro_batch(model, &refs, args, vars, seed, false, memory)?;
     let (logps, entropies) = model.completion_logps(&hidden, &rows, config.temperature)?;
-    model.lora_runtime.set_training(false);
     let values: Vec<f64> = logps.detach().to_dtype(DType::F64)?.to_vec1()?;
     let (values, entropies) = (
         per_row(&values, &completions),
@@ -88,6 +75,8 @@ pub(super) fn run_micro_batch(
         Tensor::from_vec(gradient, logps.dims1()?, model.device())?.to_dtype(logps.dtype())?;
     // d(Σ g·logp)/dθ = Σ g·dlogp/dθ: the loss's gradient, with g = ∂loss/∂logp computed on the host.
     let objective = (logps * gradient)?.sum_all()?;
+    // Dropout stays on through the backward, whose recomputed layers draw the forward's masks again.
     backward_into(grads, &objective, &ck, vars, memory, k)?;
+    model.lora_runtime.set_training(false);
     Ok(loss)
 }
