@@ -66,6 +66,7 @@ CASES = {
     "accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4, num_iterations=2, beta=0.04),
     "clip_higher": dict(epsilon_high=0.28, delta=1.5, num_iterations=2, mask_truncated_completions=True),
     "bnpo_no_bias_kl": dict(loss_type="bnpo", beta=0.04, use_bias_correction_kl=False, num_iterations=2),
+    "entropy_quantile": dict(top_entropy_quantile=0.5, num_iterations=2, loss_type="grpo"),
 }
 
 MASK64 = (1 << 64) - 1

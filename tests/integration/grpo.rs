@@ -1,9 +1,9 @@
 //! GRPO against TRL 1.16's `GRPOTrainer` (goldens: `scripts/golden_grpo.py`): the same completions and rewards fed
 //! to both (ours through the rollouts file), and the loss, gradient norm and TRL's metrics of three optimizer steps
 //! for every `loss_type`, `beta` 0 and 0.04, one and two iterations, each `scale_rewards`, token and sequence
-//! importance sampling, accumulation, clip-higher with `delta` and masked truncated completions — starting from a
-//! PEFT adapter with non-zero B whose frozen copy is the reference. Also the command's run on the test model with a
-//! reward command, a checkpoint resumed mid-generation, and the bundled example's config.
+//! importance sampling, accumulation, clip-higher with `delta`, masked truncated completions and the entropy mask —
+//! starting from a PEFT adapter with non-zero B whose frozen copy is the reference. Also the command's run on the
+//! test model with a reward command, a checkpoint resumed mid-generation, and SmolLM2 from code.
 
 use candle_core::DType;
 use candle_qlora::adapter::load_adapter;
@@ -433,4 +433,47 @@ fn smollm2_grpo_samples_scores_and_evaluates_from_code() {
         "held-out reward before {:.3}; completions at step 2: {texts:?}",
         before.metrics["reward"]
     );
+}
+
+/// A mixture of experts whose config sets `output_router_logits` (the tiny Qwen 2-MoE, coefficient 0.1) adds its
+/// load-balancing loss to GRPO's, as TRL does, and logs it.
+#[test]
+fn a_mixture_of_experts_adds_its_load_balancing_loss() {
+    let model_dir = data_path("models/tiny-qwen2-moe").display().to_string();
+    let tokenizer = load_tokenizer(&model_dir, None).unwrap().unwrap();
+    let rollouts = PromptDataset::from_jsonl(
+        &data_path("grpo/rollouts.jsonl"),
+        &tokenizer,
+        true,
+        false,
+        1024,
+    )
+    .unwrap();
+    let model = load_model(&model_dir, None, &LoadOptions::default())
+        .unwrap()
+        .model;
+    let lora = candle_qlora::lora::LoraConfig {
+        r: 4,
+        target_modules: Some(candle_qlora::lora::TargetModules::AllLinear),
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let settings = serde_json::json!({});
+    let out = Trainer::new_grpo(
+        model,
+        golden_args(dir.path(), &settings),
+        &lora,
+        grpo_config(&settings),
+        rollouts,
+        PromptDataset::default(),
+        Vec::<Reward>::new(),
+        tokenizer,
+    )
+    .unwrap()
+    .train(None)
+    .unwrap();
+    for step in out.log_history.iter().filter(|e| e.loss.is_some()) {
+        let aux = step.aux_loss.expect("the load-balancing loss is logged");
+        assert!(aux.is_finite() && aux > 0.0, "{step:?}");
+    }
 }

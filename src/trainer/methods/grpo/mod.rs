@@ -328,6 +328,7 @@ impl Method for Grpo {
         let mut input_tokens = 0;
         let (mut generated, mut micro_metrics) = (Vec::new(), Vec::new());
         let mut generation_seconds = 0.0;
+        let mut aux_losses = Vec::new();
         for (k, prompts) in window.batches.iter().enumerate() {
             let micro = window.first_micro + k;
             let index = micro / every;
@@ -347,7 +348,7 @@ impl Method for Grpo {
                 generation_tokens: batch.tokens,
                 training: true,
             };
-            let loss = window::run_micro_batch(
+            let (loss, aux) = window::run_micro_batch(
                 model,
                 &self.train.prompts,
                 &batch.parts[micro % parts],
@@ -361,6 +362,7 @@ impl Method for Grpo {
                 k,
             )?;
             loss_total += loss.loss;
+            aux_losses.extend(aux);
             let mut m: BTreeMap<String, f64> = LOSS_METRICS
                 .iter()
                 .map(|n| n.to_string())
@@ -385,7 +387,10 @@ impl Method for Grpo {
             counted: 1,
             input_tokens,
             grads,
-            aux_loss: None,
+            aux_loss: match aux_losses.is_empty() {
+                true => None,
+                false => Some(Tensor::new(nanmean(&aux_losses), model.device())?),
+            },
             metrics: None,
             host_metrics,
         })
