@@ -268,6 +268,7 @@ impl RunConfig {
     /// against its folder.
     pub fn from_table(root: &toml::Table, path: &Path) -> Result<Self> {
         let p = path.display().to_string();
+        refuse_trl_only_grpo_fields(root, &p)?;
         check_section_keys(root, &p)?;
         let required = |name: &str| {
             root.get(name)
@@ -429,8 +430,21 @@ impl RunConfig {
     }
 }
 
-/// `[grpo]` read and checked against `[training]` and `[data]`: a TRL field this trainer lacks is refused with why,
-/// and the rollouts file is resolved against the config's folder `base`.
+/// A field of TRL's `GRPOConfig` in `[grpo]` that this trainer lacks, refused with why (rather than as an unknown key).
+fn refuse_trl_only_grpo_fields(root: &toml::Table, p: &str) -> Result<()> {
+    let Some(table) = root.get("grpo").and_then(toml::Value::as_table) else {
+        return Ok(());
+    };
+    match REFUSED_TRL_FIELDS.iter().find(|(k, _)| table.contains_key(*k)) {
+        Some((key, why)) => Err(Error::InvalidInput(format!(
+            "{p}: [grpo] {key}: TRL's GRPOConfig has it, and this trainer does not: {why}; remove it"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// `[grpo]` read and checked against `[training]` and `[data]`, the rollouts file resolved against the config's
+/// folder `base`.
 fn read_grpo(
     value: &toml::Value,
     p: &str,
@@ -438,16 +452,6 @@ fn read_grpo(
     training: &TrainingArguments,
     data: &DataConfig,
 ) -> Result<GrpoConfig> {
-    if let Some(table) = value.as_table() {
-        if let Some((key, why)) = REFUSED_TRL_FIELDS
-            .iter()
-            .find(|(k, _)| table.contains_key(*k))
-        {
-            return Err(Error::InvalidInput(format!(
-                "{p}: [grpo] {key}: TRL's GRPOConfig has it, and this trainer does not: {why}; remove it"
-            )));
-        }
-    }
     let mut grpo: GrpoConfig = read_section(value, p, "grpo", &[])?;
     grpo.validate(p)?;
     grpo.check_training(training, p)?;
@@ -521,6 +525,40 @@ optim = "paged_adamw_8bit"
         let p = dir.path().join("run.toml");
         std::fs::write(&p, text).unwrap();
         (dir, p)
+    }
+
+    /// `[grpo]`: a TRL field we lack is refused with the reason, `[dpo]` with it is refused, a rollouts file
+    /// replaces `train_file` and is resolved against the config's folder, the batch shape follows TRL's rules.
+    #[test]
+    fn grpo_sections_are_read_and_checked() {
+        let grpo = |section: &str| RECIPE.to_string() + "[grpo]\nnum_generations = 4\n" + section;
+        let (dir, p) = write(&grpo("rollouts = \"r.jsonl\"\n"));
+        let c = RunConfig::load(&p, &[]).unwrap();
+        assert_eq!(
+            c.grpo.unwrap().rollouts.unwrap(),
+            dir.path().join("r.jsonl")
+        );
+        let (_d, p) = write(
+            &grpo("rollouts = \"r.jsonl\"\n").replace("train_file = \"data/train.jsonl\"\n", ""),
+        );
+        assert!(RunConfig::load(&p, &[]).unwrap().data.train_file.is_none());
+        for (section, says) in [
+            (
+                "use_vllm = true\n",
+                "[grpo] use_vllm: TRL's GRPOConfig has it",
+            ),
+            ("num_generations_typo = 2\n", "num_generations"),
+            ("[dpo]\nbeta = 0.1\n", "both [dpo] and [grpo]"),
+            (
+                "generation_batch_size = 6\n",
+                "multiple of [training] per_device_train_batch_size",
+            ),
+            ("rollouts = \"\"\n", "[grpo] rollouts = \"\" names no file"),
+        ] {
+            let (_d, p) = write(&grpo(section));
+            let err = RunConfig::load(&p, &[]).unwrap_err().to_string();
+            assert!(err.contains(says), "{section}: {err}");
+        }
     }
 
     #[test]
