@@ -22,11 +22,10 @@ impl Trainer {
     pub(super) fn after_step(
         &mut self,
         run: &mut Run,
-        entry: LogEntry,
+        mut entry: LogEntry,
         micro: usize,
         last_window: bool,
     ) -> Result<()> {
-        let mut entry = entry;
         let (step, lr) = (entry.step, entry.learning_rate.unwrap_or_default());
         if Self::log_now(run, &run.args, step) && run.writes() {
             entry.texts = self.method.write_samples(&run.out, step)?;

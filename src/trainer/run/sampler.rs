@@ -195,6 +195,25 @@ mod tests {
         assert_eq!(even_out(single[..4].to_vec(), 4).len(), 4);
     }
 
+    /// TRL's RepeatSampler: 7 prompts in generation batches of 3 (the incomplete last dropped), each dealt as 4
+    /// micro-batches listing its prompts; shuffled per epoch with the seed, or in order.
+    #[test]
+    fn prompt_groups_deal_whole_generation_batches() {
+        let groups = |shuffle| PromptGroups {
+            prompts_per_generation: 3,
+            micro_batches: 4,
+            shuffle,
+        };
+        let ordered = grouped_batches(7, groups(false), 5, 0);
+        assert_eq!(ordered.len(), 8);
+        assert!(ordered[..4].iter().all(|b| b == &vec![0, 1, 2]));
+        assert!(ordered[4..].iter().all(|b| b == &vec![3, 4, 5]));
+        let shuffled = grouped_batches(7, groups(true), 5, 0);
+        assert_eq!(shuffled, grouped_batches(7, groups(true), 5, 0));
+        assert_ne!(shuffled, grouped_batches(7, groups(true), 5, 1));
+        assert!(shuffled.chunks(4).all(|g| g.iter().all(|b| b == &g[0])));
+    }
+
     #[test]
     fn group_by_length_puts_similar_lengths_together() {
         // 400 examples, lengths 1..=400 shuffled; a batch of 8 within a 400-example chunk is length-sorted, so

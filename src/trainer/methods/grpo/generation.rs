@@ -65,6 +65,8 @@ pub(crate) struct GenerationBatch {
     pub tokens: usize,
     /// Prompt and completion tokens.
     pub input_tokens: usize,
+    /// Seconds spent sampling (or reading) the completions.
+    pub seconds: f64,
     /// TRL's generation metrics (`reward`, `reward_std`, `rewards/{name}/mean`, `completions/mean_length`, …).
     pub metrics: BTreeMap<String, f64>,
     /// The completions with their prompts and rewards, for the completions files.
@@ -327,14 +329,13 @@ impl Generator<'_> {
             .iter()
             .map(|c| self.prompts.prompts[c.prompt].ids.len() + c.ids.len())
             .sum();
-        let mut metrics = generation_metrics(
+        let metrics = generation_metrics(
             &completions,
             &names,
             &per_func,
             &scored.rewards,
             &scored.std_is_zero,
         );
-        metrics.insert("generation_seconds".into(), generation_seconds);
         let samples = completions
             .iter()
             .zip(&texts)
@@ -367,6 +368,7 @@ impl Generator<'_> {
             parts,
             tokens,
             input_tokens,
+            seconds: generation_seconds,
             metrics,
             samples,
         })

@@ -22,7 +22,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 
 use super::method::{refuse_ranks, Method};
 use crate::adapter::Adapters;
@@ -337,7 +337,7 @@ impl Method for Grpo {
                     .generator(args, trained, false)
                     .generate(model, index, prompts, parts)?;
                 input_tokens += batch.input_tokens;
-                generation_seconds += batch.metrics["generation_seconds"];
+                generation_seconds += batch.seconds;
                 generated.push(batch.metrics.clone());
                 self.generation = Some(batch);
             }
@@ -372,9 +372,7 @@ impl Method for Grpo {
             micro_metrics.push(m);
         }
         let mut host_metrics = mean_by_key(&micro_metrics);
-        let mut generation_metrics = mean_by_key(&generated);
-        generation_metrics.remove("generation_seconds");
-        host_metrics.extend(generation_metrics);
+        host_metrics.extend(mean_by_key(&generated));
         if !generated.is_empty() {
             host_metrics.insert("generation_seconds".into(), generation_seconds);
             host_metrics.insert(
@@ -383,7 +381,7 @@ impl Method for Grpo {
             );
         }
         Ok(WindowOutput {
-            loss_sum: Tensor::new(loss_total, model.device())?.to_dtype(DType::F64)?,
+            loss_sum: Tensor::new(loss_total, model.device())?,
             counted: 1,
             input_tokens,
             grads,
@@ -459,9 +457,7 @@ impl Method for Grpo {
             losses.push(micro_batch_loss(&rows, &config, normalization).loss);
             tokens += completions.iter().map(|c| c.ids.len()).sum::<usize>();
             truncated += completions.iter().filter(|c| c.truncated).count();
-            let mut m = batch.metrics.clone();
-            m.remove("generation_seconds");
-            metrics.push(m);
+            metrics.push(batch.metrics);
         }
         Ok(EvalReport {
             loss: nanmean(&losses),
