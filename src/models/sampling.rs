@@ -49,33 +49,38 @@ impl SamplingConfig {
     /// Checks the settings as transformers' processors do: a finite temperature above 0, `top_p` in (0, 1],
     /// `min_p` in [0, 1], a finite repetition penalty above 0.
     pub fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::InvalidInput(format!("sampling: {m}")));
+        match self.problem() {
+            Some(m) => Err(Error::InvalidInput(format!("sampling: {m}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// What [`SamplingConfig::validate`] refuses, named by the setting (`temperature = 0: …`), if anything.
+    pub fn problem(&self) -> Option<String> {
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
-            return bad(format!(
+            return Some(format!(
                 "temperature = {}: must be finite and more than 0 (1 leaves the logits as they are)",
                 self.temperature
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!(
+            return Some(format!(
                 "top_p = {}: must be in (0, 1] (1 keeps every token)",
                 self.top_p
             ));
         }
-        if let Some(min_p) = self.min_p {
-            if !(0.0..=1.0).contains(&min_p) {
-                return bad(format!(
-                    "min_p = {min_p}: must be in [0, 1] (or unset to keep every token)"
-                ));
-            }
+        if let Some(min_p) = self.min_p.filter(|m| !(0.0..=1.0).contains(m)) {
+            return Some(format!(
+                "min_p = {min_p}: must be in [0, 1] (or unset to keep every token)"
+            ));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!(
+            return Some(format!(
                 "repetition_penalty = {}: must be finite and more than 0 (1 = no penalty)",
                 self.repetition_penalty
             ));
         }
-        Ok(())
+        None
     }
 
     /// Applies the processors to one row of logits in place, as transformers does for `input_ids = [history]`:

@@ -937,6 +937,23 @@ fn training_on_the_gpu_matches_the_cpu_with(fused: bool) {
 
 /// DPO from a PEFT adapter (its frozen copy the reference, computed per batch) on the 4-bit tiny model with
 /// checkpointed layers, float32 compute on both devices: the losses, reward metrics and trained adapter agree.
+/// The DPO golden's tiny chat Llama with an NF4 base, on `device`.
+fn tiny_chat_nf4(device: &Device) -> candle_qlora::models::LlamaModel {
+    let opts = LoadOptions {
+        quantization: Some(QuantConfig::nf4()),
+        ..Default::default()
+    };
+    load_model(
+        data_path("dpo/tiny-llama-chat").to_str().unwrap(),
+        None,
+        &opts,
+    )
+    .unwrap()
+    .model
+    .to_device(device)
+    .unwrap()
+}
+
 #[test]
 fn preference_training_on_the_gpu_matches_the_cpu() {
     use candle_qlora::adapter::load_adapter;
@@ -956,15 +973,7 @@ fn preference_training_on_the_gpu_matches_the_cpu() {
     .unwrap();
     let run = |device: &Device, name: &str| {
         let out = dir.path().join(name);
-        let opts = LoadOptions {
-            quantization: Some(QuantConfig::nf4()),
-            ..Default::default()
-        };
-        let mut model = load_model(model_dir.to_str().unwrap(), None, &opts)
-            .unwrap()
-            .model
-            .to_device(device)
-            .unwrap();
+        let mut model = tiny_chat_nf4(device);
         let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
         let args = TrainingArguments {
             output_dir: out.display().to_string(),
@@ -2675,20 +2684,9 @@ fn grpo_on_the_gpu_matches_the_cpu() {
         64,
     )
     .unwrap();
-    let model_on = |device: &Device| {
-        let opts = LoadOptions {
-            quantization: Some(QuantConfig::nf4()),
-            ..Default::default()
-        };
-        load_model(model_dir.to_str().unwrap(), None, &opts)
-            .unwrap()
-            .model
-            .to_device(device)
-            .unwrap()
-    };
     let run = |device: &Device, name: &str| {
         let out = dir.path().join(name);
-        let mut model = model_on(device);
+        let mut model = tiny_chat_nf4(device);
         let lora = load_adapter(&mut model, &data_path("dpo/adapter"), "default").unwrap();
         let args = TrainingArguments {
             output_dir: out.display().to_string(),
@@ -2755,7 +2753,7 @@ fn grpo_on_the_gpu_matches_the_cpu() {
     };
     let prompt = &rollouts.prompts[0].ids;
     let sample = |device: &Device| {
-        let model = model_on(device);
+        let model = tiny_chat_nf4(device);
         generate_group(&model, prompt, 3, 8, &greedy, &[2], 7).unwrap()
     };
     assert_eq!(sample(&gpu()), sample(&Device::Cpu));

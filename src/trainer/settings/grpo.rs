@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::args::TrainingArguments;
 use crate::error::{Error, Result};
+use crate::models::sampling::SamplingConfig;
 use crate::names::named_enum;
 
 named_enum! {
@@ -239,6 +240,17 @@ pub const REFUSED_TRL_FIELDS: &[(&str, &str)] = &[
 ];
 
 impl GrpoConfig {
+    /// How completions are sampled.
+    pub fn sampling(&self) -> SamplingConfig {
+        SamplingConfig {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
+
     /// The upper clipping offset (`epsilon_high`, or `epsilon`).
     pub fn epsilon_high(&self) -> f64 {
         self.epsilon_high.unwrap_or(self.epsilon)
@@ -257,23 +269,8 @@ impl GrpoConfig {
         if self.max_completion_length == 0 {
             return bad("max_completion_length = 0: must be at least 1".into());
         }
-        if !(self.temperature.is_finite() && self.temperature > 0.0) {
-            return bad(format!(
-                "temperature = {}: must be a positive number (GRPO samples; the loss divides the logits by it)",
-                self.temperature
-            ));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p = {}: must be in (0, 1]", self.top_p));
-        }
-        if let Some(m) = self.min_p.filter(|m| !(0.0..=1.0).contains(m)) {
-            return bad(format!("min_p = {m}: must be in [0, 1]"));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return bad(format!(
-                "repetition_penalty = {}: must be a positive number (1 is off)",
-                self.repetition_penalty
-            ));
+        if let Some(problem) = self.sampling().problem() {
+            return bad(problem);
         }
         if !(self.beta.is_finite() && self.beta >= 0.0) {
             return bad(format!("beta = {}: must be a number ≥ 0", self.beta));
@@ -408,9 +405,9 @@ impl GrpoConfig {
         )
     }
 
-    /// Refuses `[training]` settings that have no meaning for GRPO, and checks the batch shape; `path` names the
-    /// config in errors.
-    pub fn check_training(&self, args: &TrainingArguments, path: &str) -> Result<()> {
+    /// Refuses `[training]` settings that have no meaning for GRPO, and checks the batch shape, which it returns
+    /// ([`GrpoConfig::generation_shape`]); `path` names the config in errors.
+    pub fn check_training(&self, args: &TrainingArguments, path: &str) -> Result<(usize, usize)> {
         if args.predict_with_generate {
             return Err(Error::InvalidInput(format!(
                 "{path}: [training] predict_with_generate = true: GRPO's evaluation samples completions and \
@@ -423,8 +420,7 @@ impl GrpoConfig {
                  (TRL's RepeatSampler); turn it off"
             )));
         }
-        self.generation_shape(args, path)?;
-        Ok(())
+        self.generation_shape(args, path)
     }
 }
 

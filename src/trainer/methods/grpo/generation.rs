@@ -18,7 +18,6 @@ use crate::adapter::Adapters;
 use crate::data::{collate, Prompt, PromptDataset, TokenizedExample};
 use crate::error::{Error, Result};
 use crate::models::generate::{generate_group, GroupCompletion};
-use crate::models::sampling::SamplingConfig;
 use crate::models::{Checkpointing, LlamaModel, TextTokenizer};
 use crate::ops::IGNORE_INDEX;
 use crate::rng::splitmix;
@@ -200,17 +199,6 @@ fn forward<'c>(
 }
 
 impl Generator<'_> {
-    /// The sampling settings.
-    fn sampling(&self) -> SamplingConfig {
-        SamplingConfig {
-            temperature: self.config.temperature,
-            top_p: self.config.top_p,
-            top_k: self.config.top_k,
-            min_p: self.config.min_p,
-            repetition_penalty: self.config.repetition_penalty,
-        }
-    }
-
     /// Whether `ids` ended (its last token ends a sequence).
     fn ended(model: &LlamaModel, ids: &[u32]) -> bool {
         ids.last()
@@ -230,14 +218,13 @@ impl Generator<'_> {
             self.config.max_completion_length,
         );
         let Some(rollout) = self.prompts.rollouts.get(prompt) else {
-            let eos = model.config().eos_token_ids.clone();
             let sampled = generate_group(
                 model,
                 &self.prompts.prompts[prompt].ids,
                 g,
                 max,
-                &self.sampling(),
-                &eos,
+                &self.config.sampling(),
+                &model.config().eos_token_ids,
                 seed,
             )?;
             return Ok((sampled, None));
@@ -301,19 +288,12 @@ impl Generator<'_> {
             .map(|c| self.tokenizer.decode(&c.ids, true))
             .collect::<Result<Vec<String>>>()?;
         let (names, per_func) = self.score(prompts, &completions, &texts, &given)?;
+        // One weight per reward (checked against the rewards when the method was made).
         let weights = self
             .config
             .reward_weights
             .clone()
             .unwrap_or(vec![1.0; names.len()]);
-        if weights.len() != names.len() {
-            return Err(Error::InvalidInput(format!(
-                "[grpo] reward_weights has {} values for {} rewards ({}): give one weight per reward",
-                weights.len(),
-                names.len(),
-                names.join(", ")
-            )));
-        }
         let scored = advantages(&per_func, &weights, g, self.config.scale_rewards);
         for (c, a) in completions.iter_mut().zip(&scored.advantages) {
             c.advantage = *a;
@@ -437,26 +417,27 @@ impl Generator<'_> {
     /// The log-probabilities the loss will need from now: the policy's (when it will have moved) and the
     /// reference's (adapter off, or the frozen copy of a continued adapter).
     fn keep_logps(&self, model: &mut LlamaModel, completions: &mut [Completion]) -> Result<()> {
-        let prompts = &self.prompts.prompts;
-        let temperature = self.config.temperature;
-        if self.keep_old_logps {
-            let refs: Vec<&Completion> = completions.iter().collect();
-            let old = completion_logps(model, prompts, &refs, temperature, self.batch_size)?;
-            for (c, l) in completions.iter_mut().zip(old) {
-                c.old_logps = Some(l);
-            }
-        }
-        if self.config.beta != 0.0 {
+        let refs: Vec<&Completion> = completions.iter().collect();
+        let logps = |model: &LlamaModel| {
+            let (prompts, temperature) = (&self.prompts.prompts, self.config.temperature);
+            completion_logps(model, prompts, &refs, temperature, self.batch_size)
+        };
+        let old = self.keep_old_logps.then(|| logps(model)).transpose()?;
+        let reference = if self.config.beta != 0.0 {
             match self.reference_adapter {
                 Some(name) => model.set_adapter(name)?,
                 None => model.disable_adapters(),
             }
-            let refs: Vec<&Completion> = completions.iter().collect();
-            let reference = completion_logps(model, prompts, &refs, temperature, self.batch_size);
+            let reference = logps(model);
             model.set_adapter(self.trained)?;
-            for (c, l) in completions.iter_mut().zip(reference?) {
-                c.ref_logps = Some(l);
-            }
+            Some(reference?)
+        } else {
+            None
+        };
+        let (mut old, mut reference) = (old.map(Vec::into_iter), reference.map(Vec::into_iter));
+        for c in completions.iter_mut() {
+            c.old_logps = old.as_mut().and_then(Iterator::next);
+            c.ref_logps = reference.as_mut().and_then(Iterator::next);
         }
         Ok(())
     }
@@ -490,28 +471,18 @@ fn generation_metrics(
         .filter(|c| !c.truncated)
         .map(|c| c.ids.len() as f64)
         .collect();
+    // TRL reports 0 for the terminated lengths when every completion was cut.
     let ended = if ended.is_empty() { vec![0.0] } else { ended };
-    m.insert("completions/mean_length".into(), nanmean(&lengths));
-    m.insert(
-        "completions/min_length".into(),
-        lengths.iter().copied().fold(f64::INFINITY, f64::min),
-    );
-    m.insert(
-        "completions/max_length".into(),
-        lengths.iter().copied().fold(0.0, f64::max),
-    );
+    for (what, values) in [("length", &lengths), ("terminated_length", &ended)] {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(0.0, f64::max);
+        m.insert(format!("completions/mean_{what}"), nanmean(values));
+        m.insert(format!("completions/min_{what}"), min);
+        m.insert(format!("completions/max_{what}"), max);
+    }
     m.insert(
         "completions/clipped_ratio".into(),
         share(completions.iter().filter(|c| c.truncated).count()),
-    );
-    m.insert("completions/mean_terminated_length".into(), nanmean(&ended));
-    m.insert(
-        "completions/min_terminated_length".into(),
-        ended.iter().copied().fold(f64::INFINITY, f64::min),
-    );
-    m.insert(
-        "completions/max_terminated_length".into(),
-        ended.iter().copied().fold(0.0, f64::max),
     );
     m
 }
@@ -528,7 +499,17 @@ mod tests {
         assert_eq!(sorted, (0..10).collect::<Vec<_>>());
         assert_eq!(a, generation_order(10, 42, 3));
         assert_ne!(a, generation_order(10, 42, 4));
-        // The golden script's Python copy gives this order (tests/data/grpo/golden.json checks it end to end).
         assert_eq!(generation_order(1, 42, 0), vec![0]);
+        // The golden script's Python copy (which deals TRL's batches) gives the same orders.
+        let golden: serde_json::Value =
+            serde_json::from_str(include_str!("../../../../tests/data/grpo/golden.json")).unwrap();
+        for (index, order) in golden["generation_order"].as_object().unwrap() {
+            let order: Vec<usize> = serde_json::from_value(order.clone()).unwrap();
+            assert_eq!(
+                generation_order(8, 0, index.parse().unwrap()),
+                order,
+                "batch {index}"
+            );
+        }
     }
 }

@@ -88,9 +88,7 @@ impl Grpo {
         tokenizer: TextTokenizer,
     ) -> Result<Self> {
         config.validate("GrpoConfig")?;
-        config.check_training(args, "GrpoConfig")?;
-        let (generation_size, steps_per_generation) =
-            config.generation_shape(args, "GrpoConfig")?;
+        let (generation_size, steps_per_generation) = config.check_training(args, "GrpoConfig")?;
         let prompts = generation_size / config.num_generations;
         if train.len() < prompts {
             return Err(Error::InvalidInput(format!(
@@ -115,14 +113,21 @@ impl Grpo {
                     .into(),
             ));
         }
-        if let Some(w) = &config.reward_weights {
-            if !rewards.is_empty() && w.len() != rewards.len() {
-                return Err(Error::InvalidInput(format!(
-                    "[grpo] reward_weights has {} values for {} rewards: give one weight per reward",
-                    w.len(),
-                    rewards.len()
-                )));
-            }
+        // The rollouts file's own rewards, when it gives them, replace the configured ones (as one named `rollouts`).
+        let scored_by = if has_rollout_rewards {
+            1
+        } else {
+            rewards.len()
+        };
+        if let Some(w) = config
+            .reward_weights
+            .as_ref()
+            .filter(|w| w.len() != scored_by)
+        {
+            return Err(Error::InvalidInput(format!(
+                "[grpo] reward_weights has {} values for {scored_by} rewards: give one weight per reward",
+                w.len()
+            )));
         }
         Ok(Grpo {
             config,
@@ -416,6 +421,11 @@ impl Method for Grpo {
         _sum_over_ranks: SumOverRanks<'_>,
     ) -> Result<EvalReport> {
         let per_batch = (args.per_device_eval_batch_size / self.config.num_generations).max(1);
+        // The entropy mask is off in evaluation (TRL's eval loss sees every token).
+        let config = GrpoConfig {
+            top_entropy_quantile: 1.0,
+            ..self.config.clone()
+        };
         let (mut losses, mut metrics, mut tokens, mut truncated) = (Vec::new(), Vec::new(), 0, 0);
         let chunks: Vec<Vec<usize>> = (0..self.eval.len())
             .collect::<Vec<_>>()
@@ -443,11 +453,7 @@ impl Method for Grpo {
                 )?,
             };
             let entropies = zeros;
-            let rows = window::loss_rows(&completions, &logps, &entropies, &self.config);
-            let config = GrpoConfig {
-                top_entropy_quantile: 1.0,
-                ..self.config.clone()
-            };
+            let rows = window::loss_rows(&completions, &logps, &entropies, &config);
             let normalization = Normalization {
                 accumulation: 1,
                 steps_per_generation: 1,
