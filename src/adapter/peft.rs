@@ -151,6 +151,7 @@ pub fn base_quantization(model: &LlamaModel) -> Option<QuantConfig> {
             FrozenWeight::Nf4(q) => Some(q.config()),
             FrozenWeight::Nf4OnDevice(q) => Some(q.config()),
             FrozenWeight::Deferred(d) => d.quantization(),
+            FrozenWeight::Sharded(frame) => frame.quantization(),
         })
 }
 

@@ -13,10 +13,11 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use super::config::{LayerAttention, ModelConfig};
 use super::mlp::{GateUpProjections, Mlp, MlpTiling};
 use super::moe::{RouterLogits, SharedExpert, SparseMoe};
+use super::shard::{FlatShards, Sharding};
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
     self, attention, rms_norm, rope, split_heads, AttentionSinks, AttentionSpec, FrozenLinear,
-    FrozenWeight, GradSink, Pass, RopeTables, Segments,
+    FrozenWeight, GradSink, Pass, RopeTables, Segments, WeightFrame,
 };
 use crate::precision::master_dtype;
 
@@ -81,6 +82,9 @@ pub struct DecoderLayer {
     /// MLP: dense, or a mixture of experts.
     pub mlp: FeedForward,
     eps: f64,
+    /// With FSDP, this rank's share of the linear weights (which are then [`FrozenWeight::Sharded`] frames): the
+    /// layer gathers them before it runs.
+    shard: Option<Arc<FlatShards>>,
 }
 
 /// A layer's feed-forward block.
@@ -352,6 +356,12 @@ impl DecoderLayer {
         pass: Pass,
         ffn: &FeedForwardRun,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        if let Some(shard) = &self.shard {
+            // The ops of the run hold the gathered weights as long as its graph needs them.
+            return self
+                .gathered(shard)?
+                .run(x, tables, cache, segments, pass, ffn);
+        }
         let norm = |t: &Tensor, w: &Tensor| rms_norm(t, w, self.eps);
         match (
             &self.pre_feedforward_layernorm,
@@ -465,6 +475,48 @@ impl DecoderLayer {
                 .filter_map(|(n, t)| t.as_ref().map(|t| (n, t))),
         );
         out
+    }
+
+    /// This layer holding only rank `sharding.rank()`'s share of its linear weights (see [`crate::models::shard`]);
+    /// norms, biases and sinks stay whole (a few vectors). Adapters stay as they are.
+    fn sharded(&self, sharding: &Arc<Sharding>) -> crate::Result<DecoderLayer> {
+        let mut out = self.clone();
+        let mut storage = Vec::new();
+        for (_, lin) in out.linears_mut() {
+            let (frame, parts) = WeightFrame::split(&lin.base.weight)?;
+            storage.extend(parts);
+            let base = FrozenLinear::new(FrozenWeight::Sharded(Arc::new(frame)), lin.base.bias.clone());
+            lin.base = Arc::new(base);
+        }
+        out.shard = Some(Arc::new(FlatShards::new(&storage, sharding.clone())?));
+        Ok(out)
+    }
+
+    /// This layer with its linear weights gathered whole from `shard` (every rank's share).
+    fn gathered(&self, shard: &FlatShards) -> Result<DecoderLayer> {
+        let storage = shard
+            .gather("a layer's weights")
+            .map_err(candle_core::Error::wrap)?;
+        let mut storage = storage.into_iter();
+        let mut out = self.clone();
+        out.shard = None;
+        for (_, lin) in out.linears_mut() {
+            let FrozenWeight::Sharded(frame) = &lin.base.weight else {
+                candle_core::bail!("a sharded layer holds a whole weight");
+            };
+            let parts = match frame.as_ref() {
+                WeightFrame::Dense { .. } => 1,
+                WeightFrame::Nf4(q) => q.storage().len(),
+            };
+            let weight = frame.rebuild(storage.by_ref().take(parts).collect())?;
+            lin.base = Arc::new(FrozenLinear::new(weight, lin.base.bias.clone()));
+        }
+        Ok(out)
+    }
+
+    /// Bytes of this rank's share of the layer's linear weights, if it is sharded.
+    pub fn shard_bytes(&self) -> Option<usize> {
+        self.shard.as_ref().map(|s| s.shard_bytes())
     }
 
     /// This layer with every tensor mapped by `norm` and every projection by `linear` (moving a model).
@@ -737,6 +789,7 @@ impl LlamaModel {
                 };
                 let window = config.window_of(i);
                 Ok(Arc::new(DecoderLayer {
+                    shard: None,
                     input_layernorm: w.input_layernorm,
                     self_attn: Attention {
                         qkv,
@@ -788,13 +841,41 @@ impl LlamaModel {
     /// weights as their 4-bit codes (dequantized on the device in each forward). Move a model before adding or
     /// loading adapters: they are created on the model's device.
     pub fn to_device(self, device: &Device) -> crate::Result<Self> {
+        self.move_to(device, None)
+    }
+
+    /// [`LlamaModel::to_device`], each layer keeping only rank `sharding.rank()`'s share of its linear weights
+    /// (FSDP's full sharding, see [`crate::models::shard`]): a layer is sharded as it arrives, so the device never
+    /// holds more than the shards and one whole layer. The layers gather through `sharding`'s exchange when they
+    /// run, so every rank must run the same layers in the same order.
+    pub fn to_device_sharded(self, device: &Device, sharding: &Arc<Sharding>) -> crate::Result<Self> {
+        self.move_to(device, Some(sharding))
+    }
+
+    fn move_to(self, device: &Device, sharding: Option<&Arc<Sharding>>) -> crate::Result<Self> {
         if !self.adapter_configs.is_empty() {
             return Err(crate::Error::InvalidInput(
                 "move the model to its device before adding or loading adapters".into(),
             ));
         }
+        let shard = |layer: DecoderLayer| -> crate::Result<Arc<DecoderLayer>> {
+            Ok(Arc::new(match sharding {
+                Some(s) => layer.sharded(s)?,
+                None => layer,
+            }))
+        };
         if self.embed_tokens.device().same_device(device) {
-            return Ok(self);
+            return match sharding {
+                None => Ok(self),
+                Some(_) => {
+                    let layers = self
+                        .layers
+                        .iter()
+                        .map(|l| shard(l.as_ref().clone()))
+                        .collect::<crate::Result<Vec<_>>>()?;
+                    Ok(LlamaModel { layers, ..self })
+                }
+            };
         }
         let embed_tokens = self.embed_tokens.to_device(device)?;
         // A head tied to the embeddings stays one tensor on the device.
@@ -809,8 +890,8 @@ impl LlamaModel {
         let layers = self
             .layers
             .iter()
-            .map(|l| Ok(Arc::new(l.map(|t| t.to_device(device), linear)?)))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|l| shard(l.map(|t| t.to_device(device), linear)?))
+            .collect::<crate::Result<Vec<_>>>()?;
         let (rope, sliding_rope) = rope_tables(&self.config, device, self.compute_dtype)?;
         Ok(LlamaModel {
             embed_tokens,
@@ -1204,6 +1285,7 @@ impl LlamaModel {
         }
         for l in &self.layers {
             total += l.norms().into_iter().map(|(_, w)| t(w)).sum::<usize>();
+            total += l.shard_bytes().unwrap_or(0);
             for (_, lin) in l.linears() {
                 total +=
                     lin.base.weight.size_in_bytes() + lin.base.bias.as_ref().map(t).unwrap_or(0);

@@ -9,6 +9,7 @@ pub mod mlp;
 pub mod moe;
 pub(crate) mod pyjson;
 pub mod sampling;
+pub mod shard;
 pub mod tokenizer;
 
 pub use config::{Architecture, Family, LayerAttention, ModelConfig, MoeConfig};
@@ -20,4 +21,5 @@ pub use llama::{
 pub use mlp::{mlp_slice_rows, GateUpProjections, Mlp, MlpTiling};
 pub use moe::{load_balancing_loss, RouterLogits, SharedExpert, SparseMoe};
 pub use sampling::{draw, draw_index, SamplingConfig};
+pub use shard::{FlatShards, LocalRank, LocalRanks, ShardExchange, Sharding};
 pub use tokenizer::{ChatMessage, TextTokenizer};

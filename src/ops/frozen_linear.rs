@@ -113,6 +113,81 @@ pub enum FrozenWeight {
     Nf4OnDevice(Arc<DeviceNf4>),
     /// Read from its file at each use.
     Deferred(Arc<dyn DeferredWeight>),
+    /// Held as this rank's share of its layer's storage (FSDP's full sharding): the layer gathers the whole weight
+    /// before it runs, and rebuilds it from this frame ([`WeightFrame::rebuild`]); the frame alone computes nothing.
+    Sharded(Arc<WeightFrame>),
+}
+
+/// What a sharded weight keeps besides its storage: enough to rebuild the weight from the storage gathered from
+/// every rank (see [`FrozenWeight::Sharded`]).
+#[derive(Clone, Debug)]
+pub enum WeightFrame {
+    /// A dense weight: its one storage tensor is the flattened weight.
+    Dense {
+        /// `[out_features, in_features]`.
+        shape: (usize, usize),
+    },
+    /// A 4-bit weight: its storage is [`DeviceNf4::storage`]'s; on the CPU it is rebuilt as an [`Nf4Tensor`].
+    Nf4(DeviceNf4),
+}
+
+impl WeightFrame {
+    /// `weight`'s frame and its storage tensors (1-D), which a rank shares out with its layer's: a dense weight is
+    /// its one tensor; a 4-bit weight its codes and scales ([`DeviceNf4::storage`]).
+    pub fn split(weight: &FrozenWeight) -> Result<(WeightFrame, Vec<Tensor>)> {
+        let device_nf4 = |q: &DeviceNf4| -> Result<(WeightFrame, Vec<Tensor>)> {
+            let frame = q.frame().map_err(candle_core::Error::wrap)?;
+            Ok((WeightFrame::Nf4(frame), q.storage()))
+        };
+        match weight {
+            FrozenWeight::Dense(t) => Ok((
+                WeightFrame::Dense {
+                    shape: t.dims2()?,
+                },
+                vec![t.flatten_all()?],
+            )),
+            FrozenWeight::Nf4(q) => {
+                device_nf4(&DeviceNf4::new(q, &Device::Cpu).map_err(candle_core::Error::wrap)?)
+            }
+            FrozenWeight::Nf4OnDevice(q) => device_nf4(q),
+            FrozenWeight::Deferred(_) | FrozenWeight::Sharded(_) => {
+                candle_core::bail!("a weight left in its file or already sharded cannot be sharded")
+            }
+        }
+    }
+
+    /// The weight of this frame with `storage` (the tensors [`WeightFrame::split`] gave, gathered whole): on the
+    /// CPU a 4-bit weight becomes an [`Nf4Tensor`] again, so the sharded model computes what the whole one does.
+    pub fn rebuild(&self, storage: Vec<Tensor>) -> Result<FrozenWeight> {
+        match self {
+            WeightFrame::Dense { shape } => match <[Tensor; 1]>::try_from(storage) {
+                Ok([t]) => Ok(FrozenWeight::Dense(t.reshape(*shape)?)),
+                Err(parts) => {
+                    candle_core::bail!("a dense weight has one storage tensor, not {}", parts.len())
+                }
+            },
+            WeightFrame::Nf4(frame) => {
+                let on_cpu = storage.first().is_some_and(|t| t.device().is_cpu());
+                let q = frame
+                    .with_storage(storage)
+                    .map_err(candle_core::Error::wrap)?;
+                Ok(match on_cpu {
+                    true => FrozenWeight::Nf4(Arc::new(
+                        q.to_host().map_err(candle_core::Error::wrap)?,
+                    )),
+                    false => FrozenWeight::Nf4OnDevice(Arc::new(q)),
+                })
+            }
+        }
+    }
+
+    /// The 4-bit format of the weight, if it is 4-bit.
+    pub fn quantization(&self) -> Option<QuantConfig> {
+        match self {
+            WeightFrame::Dense { .. } => None,
+            WeightFrame::Nf4(q) => Some(q.config()),
+        }
+    }
 }
 
 impl FrozenWeight {
@@ -123,6 +198,10 @@ impl FrozenWeight {
             FrozenWeight::Nf4(q) => two_dims(q.shape()),
             FrozenWeight::Nf4OnDevice(q) => two_dims(q.shape()),
             FrozenWeight::Deferred(d) => Ok(d.dims2()),
+            FrozenWeight::Sharded(frame) => match frame.as_ref() {
+                WeightFrame::Dense { shape } => Ok(*shape),
+                WeightFrame::Nf4(q) => two_dims(q.shape()),
+            },
         }
     }
 
@@ -139,6 +218,7 @@ impl FrozenWeight {
             FrozenWeight::Nf4(q) => q.dequantize(via),
             FrozenWeight::Nf4OnDevice(q) => q.dequantize(via),
             FrozenWeight::Deferred(d) => return d.read()?.to_dense(dtype),
+            FrozenWeight::Sharded(_) => return Err(sharded_use()),
         };
         dense.map_err(candle_core::Error::wrap)?.to_dtype(dtype)
     }
@@ -158,18 +238,27 @@ impl FrozenWeight {
             FrozenWeight::Nf4(_) => self.clone(),
             FrozenWeight::Deferred(_) if device.is_cpu() => self.clone(),
             FrozenWeight::Deferred(d) => d.read()?.to_device(device)?,
+            FrozenWeight::Sharded(_) => return Err(sharded_use()),
         })
     }
 
-    /// Bytes the stored weight takes in memory (none while it waits in its file).
+    /// Bytes the stored weight takes in memory (none while it waits in its file; a sharded weight's share is its
+    /// layer's).
     pub fn size_in_bytes(&self) -> usize {
         match self {
             FrozenWeight::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
             FrozenWeight::Nf4(q) => q.size_in_bytes(),
             FrozenWeight::Nf4OnDevice(q) => q.size_in_bytes(),
-            FrozenWeight::Deferred(_) => 0,
+            FrozenWeight::Deferred(_) | FrozenWeight::Sharded(_) => 0,
         }
     }
+}
+
+/// The error of a sharded weight used outside its layer's gathered run.
+fn sharded_use() -> candle_core::Error {
+    candle_core::Error::Msg(
+        "this weight is sharded across the ranks (FSDP): only its layer's run, which gathers it, uses it".into(),
+    )
 }
 
 fn two_dims(shape: &[usize]) -> Result<(usize, usize)> {

@@ -56,7 +56,7 @@ pub use autograd::{
 pub use clamped_swiglu::{clamped_swiglu, ClampedSwiglu};
 pub use cross_entropy::{linear_cross_entropy, linear_cross_entropy_capped, softcap, IGNORE_INDEX};
 pub use embedding::embedding;
-pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight};
+pub use frozen_linear::{frozen_linear, FrozenLinear, FrozenWeight, WeightFrame};
 pub use heads::{merge_heads, split_heads};
 pub use low_rank_linear::{
     low_rank_linear, low_rank_linear_from_heads, low_rank_linear_plus, low_rank_linear_to_heads,

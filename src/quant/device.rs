@@ -9,6 +9,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::QuantConfig;
+use super::cpu::NestedAbsmax;
 use super::tensor::{BlockScales, Nf4Tensor};
 use crate::error::Result;
 
@@ -41,6 +42,8 @@ pub struct DeviceNf4 {
     pairs: Tensor,
     scales: DeviceScales,
     shape: Vec<usize>,
+    /// The dtype the weight was quantized from (bitsandbytes' `quant_state.dtype`).
+    dtype: DType,
     bytes: usize,
     config: QuantConfig,
 }
@@ -134,9 +137,128 @@ impl DeviceNf4 {
             pairs: Tensor::from_vec(pairs, (256, 2), device)?,
             scales,
             shape: q.shape().to_vec(),
+            dtype: q.dtype(),
             bytes: q.size_in_bytes(),
             config: q.config(),
         })
+    }
+
+    /// The tensors whose size grows with the weight's — the packed codes, then the block scales (the float32
+    /// absmax; or the 8-bit codes, then their float32 scales) — each 1-D, in the order [`DeviceNf4::with_storage`]
+    /// takes them. The rest (code tables, the nested map and offset) is a few hundred bytes: a sharded weight keeps
+    /// it whole, in its [`DeviceNf4::frame`].
+    pub fn storage(&self) -> Vec<Tensor> {
+        let mut parts = vec![self.packed.clone()];
+        match &self.scales {
+            DeviceScales::Plain(absmax) => parts.push(absmax.clone()),
+            DeviceScales::Nested { codes, absmax, .. } => {
+                parts.extend([codes.clone(), absmax.clone()])
+            }
+        }
+        parts
+    }
+
+    /// This weight without its [`DeviceNf4::storage`] (left empty, on the host): what a rank keeps beside its share
+    /// of the storage, to rebuild the weight from the gathered storage with [`DeviceNf4::with_storage`]. A frame
+    /// only rebuilds: it computes nothing.
+    pub fn frame(&self) -> Result<Self> {
+        let empty = |t: &Tensor| Tensor::zeros(0, t.dtype(), &Device::Cpu);
+        let scales = match &self.scales {
+            DeviceScales::Plain(absmax) => DeviceScales::Plain(empty(absmax)?),
+            DeviceScales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+                blocksize,
+            } => DeviceScales::Nested {
+                codes: empty(codes)?,
+                absmax: empty(absmax)?,
+                map: map.clone(),
+                offset: *offset,
+                blocksize: *blocksize,
+            },
+        };
+        Ok(DeviceNf4 {
+            packed: empty(&self.packed)?,
+            scales,
+            ..self.clone()
+        })
+    }
+
+    /// The weight of this frame (see [`DeviceNf4::frame`]) with `parts` as its storage: as many tensors, of the
+    /// lengths and dtypes [`DeviceNf4::storage`] gives, on the frame's device.
+    pub fn with_storage(&self, parts: Vec<Tensor>) -> Result<Self> {
+        let n: usize = self.shape.iter().product();
+        let blocks = n.div_ceil(self.config.blocksize);
+        let mut expected = vec![(n.div_ceil(2), DType::U8)];
+        match &self.scales {
+            DeviceScales::Plain(_) => expected.push((blocks, DType::F32)),
+            DeviceScales::Nested { blocksize, .. } => {
+                expected.extend([(blocks, DType::U8), (blocks.div_ceil(*blocksize), DType::F32)])
+            }
+        }
+        let got: Vec<(usize, DType)> = parts.iter().map(|t| (t.elem_count(), t.dtype())).collect();
+        if got != expected {
+            return Err(crate::error::Error::InvalidQuantConfig(format!(
+                "the storage of a {:?} 4-bit weight is {expected:?} (elements, dtype), not {got:?}",
+                self.shape
+            )));
+        }
+        let mut parts = parts.into_iter();
+        let mut next = || parts.next().expect("checked above").flatten_all();
+        let packed = next()?;
+        let scales = match &self.scales {
+            DeviceScales::Plain(_) => DeviceScales::Plain(next()?),
+            DeviceScales::Nested {
+                map,
+                offset,
+                blocksize,
+                ..
+            } => DeviceScales::Nested {
+                codes: next()?,
+                absmax: next()?,
+                map: map.clone(),
+                offset: *offset,
+                blocksize: *blocksize,
+            },
+        };
+        Ok(DeviceNf4 {
+            packed,
+            scales,
+            ..self.clone()
+        })
+    }
+
+    /// The weight as an [`Nf4Tensor`] on the host: the same bytes.
+    pub fn to_host(&self) -> Result<Nf4Tensor> {
+        let mut code = [0f32; 16];
+        code.copy_from_slice(&self.code.to_vec1::<f32>()?);
+        let scales = match &self.scales {
+            DeviceScales::Plain(absmax) => BlockScales::Plain(absmax.to_vec1()?),
+            DeviceScales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+                blocksize,
+            } => BlockScales::Nested(NestedAbsmax {
+                codes: codes.to_vec1()?,
+                absmax: absmax.to_vec1()?,
+                code: map.to_vec1()?,
+                offset: *offset,
+                blocksize: *blocksize,
+            }),
+        };
+        Nf4Tensor::from_parts(
+            self.packed.to_vec1()?,
+            scales,
+            code,
+            self.shape.clone(),
+            self.dtype,
+            self.config.quant_type,
+            self.config.blocksize,
+        )
     }
 
     /// How the weight was quantized.

@@ -11,6 +11,7 @@ mod cuda;
 mod dpo;
 mod export;
 mod families;
+mod fsdp;
 mod fuzz;
 mod grpo;
 mod layering;

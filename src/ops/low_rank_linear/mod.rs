@@ -216,7 +216,9 @@ fn slice_path(x: &Tensor, base: &FrozenLinear, branch: &LowRank) -> Option<DType
     let weight_fits = match &base.weight {
         FrozenWeight::Dense(w) => w.dtype() == dtype,
         FrozenWeight::Nf4(_) => dtype == DType::F32,
-        FrozenWeight::Nf4OnDevice(_) | FrozenWeight::Deferred(_) => false,
+        FrozenWeight::Nf4OnDevice(_) | FrozenWeight::Deferred(_) | FrozenWeight::Sharded(_) => {
+            false
+        }
     };
     weight_fits.then_some(dtype)
 }

@@ -1,0 +1,98 @@
+//! FSDP's sharded base on the CPU, its ranks as threads of the test (`LocalRanks`): a model whose layers each
+//! rank holds 1/N of, gathered before each layer runs (forward, and the recomputation of checkpointed layers),
+//! computes what the whole model computes, bit for bit.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_qlora::loading::{load_model, LoadOptions};
+use candle_qlora::models::{LlamaModel, LocalRanks, Sharding};
+use candle_qlora::quant::QuantConfig;
+
+use crate::common::{data_path, embeds_loss};
+
+fn tiny(folder: &str, quantization: Option<QuantConfig>) -> LlamaModel {
+    let opts = LoadOptions {
+        quantization,
+        ..Default::default()
+    };
+    let dir = data_path(&format!("models/{folder}"));
+    load_model(dir.to_str().unwrap(), None, &opts).unwrap().model
+}
+
+/// The loss's bits and its gradient with respect to the input embeddings (which flows through every frozen
+/// weight), with checkpointed layers; and the logits of a plain forward.
+fn loss_grad_and_logits(model: &LlamaModel, ids: &Tensor) -> (u32, Vec<u32>, Vec<u32>) {
+    let bits = |t: &Tensor| -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    };
+    let embeds = Var::from_tensor(&model.embed(ids).unwrap()).unwrap();
+    let loss = embeds_loss(model, embeds.as_tensor(), ids, true);
+    let grads = loss.backward().unwrap();
+    let grad = grads.get(embeds.as_tensor()).unwrap();
+    let loss_bits = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap().to_bits();
+    (loss_bits, bits(grad), bits(&model.logits(ids).unwrap()))
+}
+
+/// A dense and a 4-bit Llama and a 4-bit mixture of experts, sharded over 1, 2 and 3 ranks: every rank holds about
+/// 1/N of the linear weights, and its loss, input gradient and logits equal the whole model's bit for bit.
+#[test]
+fn sharded_models_compute_what_the_whole_model_computes() {
+    let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
+    for (folder, quantization) in [
+        ("tiny-llama", None),
+        ("tiny-llama", Some(QuantConfig::nf4())),
+        ("tiny-mixtral", Some(QuantConfig::nf4())),
+    ] {
+        let whole = tiny(folder, quantization);
+        let expected = loss_grad_and_logits(&whole, &ids);
+        let whole_linears: usize = whole
+            .linears()
+            .iter()
+            .map(|(_, l)| l.base.weight.size_in_bytes())
+            .sum();
+        for world in 1..=3 {
+            let results: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = LocalRanks::new(world)
+                    .into_iter()
+                    .map(|rank| {
+                        let (model, ids) = (whole.clone(), &ids);
+                        s.spawn(move || {
+                            let sharding = Sharding::new(rank.rank(), world).unwrap();
+                            sharding.attach(Arc::new(rank));
+                            let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
+                            let held: usize =
+                                model.layers.iter().filter_map(|l| l.shard_bytes()).sum();
+                            (loss_grad_and_logits(&model, ids), held)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (got, held)) in results.iter().enumerate() {
+                assert!(
+                    got == &expected,
+                    "{folder} {quantization:?}, rank {rank} of {world}: the sharded model differs"
+                );
+                // Each layer's buffers are padded to whole slices and aligned pieces: at most a few hundred bytes a
+                // weight over the even share.
+                let pieces = whole.linears().len() * 3;
+                let bound = whole_linears / world + pieces * 256;
+                // The nested map and offset of a 4-bit weight (1028 bytes) stay in its frame, whole.
+                let kept_whole = whole.linears().len() * 1028;
+                assert!(
+                    *held <= bound && *held * world + kept_whole >= whole_linears,
+                    "{folder}, rank {rank} of {world}: holds {held} bytes of {whole_linears} (bound {bound})"
+                );
+            }
+        }
+    }
+}
