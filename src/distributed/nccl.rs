@@ -17,6 +17,7 @@ use candle_core::{DType, Tensor};
 use super::env::WorldEnv;
 use super::rendezvous::share_from_rank0;
 use crate::error::{Error, Result};
+use crate::models::ShardExchange;
 
 /// How [`Communicator::all_reduce`] combines the ranks' elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +29,21 @@ pub enum Reduce {
     /// The smallest.
     Min,
 }
+
+/// One NCCL collective: `(input, output, input elements, NCCL's dtype, communicator, stream)`. The caller
+/// ([`Communicator::collective`]) passes device pointers to buffers of those sizes on the communicator's device and
+/// stream, of the element type NCCL is told.
+type NcclCall<'a> = Box<
+    dyn FnOnce(
+            *const std::ffi::c_void,
+            *mut std::ffi::c_void,
+            usize,
+            sys::ncclDataType_t,
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> std::result::Result<result::NcclStatus, result::NcclError>
+        + 'a,
+>;
 
 /// A job's communicator on this process's GPU.
 pub struct Communicator {
@@ -139,63 +155,103 @@ impl Communicator {
     /// this returns; every rank gets the same bits. `what` says what it is for ("step 3's gradients"), for the
     /// error when a rank fails.
     pub fn all_reduce(&self, t: &Tensor, op: Reduce, what: &str) -> Result<Tensor> {
+        if t.dtype() == DType::U8 {
+            return Err(Error::Distributed(format!(
+                "all-reduce of {what}: u8 tensors are not reduced (f64, f32, bf16 or f16)"
+            )));
+        }
+        let op = match op {
+            Reduce::Sum => sys::ncclRedOp_t::ncclSum,
+            Reduce::Max => sys::ncclRedOp_t::ncclMax,
+            Reduce::Min => sys::ncclRedOp_t::ncclMin,
+        };
+        let what = format!("the all-reduce of {what}");
+        let call: NcclCall<'_> = Box::new(move |src, dst, n, dtype, comm, stream| {
+            // SAFETY: see `NcclCall`.
+            unsafe { result::all_reduce(src, dst, n, dtype, op, comm, stream) }
+        });
+        self.collective(t, 1, &what, call)
+    }
+
+    /// Every rank's `t` (1-D, the same length on every rank; u8, f64, f32, bf16 or f16) laid end to end in rank
+    /// order, on every rank, finished when this returns. `what` names it for the error when a rank fails.
+    pub fn all_gather(&self, t: &Tensor, what: &str) -> Result<Tensor> {
+        let what = format!("the all-gather of {what}");
+        let call: NcclCall<'_> = Box::new(|src, dst, n, dtype, comm, stream| {
+            // SAFETY: see `NcclCall`; the output holds `world_size` times the input's `n` elements.
+            unsafe { result::all_gather(src, dst, n, dtype, comm, stream) }
+        });
+        self.collective(&t.flatten_all()?, self.world_size(), &what, call)
+    }
+
+    /// Runs `call` on this rank's stream over `t` (made contiguous) and an output of `out_factor` times its
+    /// elements, under the watchdog, and waits for it.
+    fn collective(
+        &self,
+        t: &Tensor,
+        out_factor: usize,
+        what: &str,
+        call: NcclCall<'_>,
+    ) -> Result<Tensor> {
         use sys::ncclDataType_t as Nccl;
         match t.dtype() {
-            DType::F64 => self.all_reduce_typed::<f64>(t, Nccl::ncclFloat64, op, what),
-            DType::F32 => self.all_reduce_typed::<f32>(t, Nccl::ncclFloat32, op, what),
-            DType::BF16 => self.all_reduce_typed::<half::bf16>(t, Nccl::ncclBfloat16, op, what),
-            DType::F16 => self.all_reduce_typed::<half::f16>(t, Nccl::ncclFloat16, op, what),
+            DType::U8 => self.collective_typed::<u8>(t, Nccl::ncclUint8, out_factor, what, call),
+            DType::F64 => self.collective_typed::<f64>(t, Nccl::ncclFloat64, out_factor, what, call),
+            DType::F32 => self.collective_typed::<f32>(t, Nccl::ncclFloat32, out_factor, what, call),
+            DType::BF16 => {
+                self.collective_typed::<half::bf16>(t, Nccl::ncclBfloat16, out_factor, what, call)
+            }
+            DType::F16 => {
+                self.collective_typed::<half::f16>(t, Nccl::ncclFloat16, out_factor, what, call)
+            }
             other => Err(Error::Distributed(format!(
-                "all-reduce of {what}: {other:?} tensors are not reduced (f64, f32, bf16 or f16)"
+                "{what}: {other:?} tensors are not exchanged (u8, f64, f32, bf16 or f16)"
             ))),
         }
     }
 
-    fn all_reduce_typed<T: CudaDType + DeviceRepr>(
+    fn collective_typed<T: CudaDType + DeviceRepr>(
         &self,
         t: &Tensor,
         dtype: sys::ncclDataType_t,
-        op: Reduce,
+        out_factor: usize,
         what: &str,
+        call: NcclCall<'_>,
     ) -> Result<Tensor> {
         let s = &*self.shared;
-        let what = format!("the all-reduce of {what}");
         let t = t.contiguous()?;
         let n = t.elem_count();
         let held = crate::cuda::hold(&t)?;
         let input = held.view::<T>()?;
-        let mut out = crate::cuda::alloc::<T>(&s.device, n)?;
+        let mut out = crate::cuda::alloc::<T>(&s.device, n * out_factor)?;
         let stream = s.device.cuda_stream();
-        self.begin(&what)?;
+        self.begin(what)?;
         let issued = {
             let (src, _read) = input.device_ptr(&stream);
             let (dst, _write) = out.device_ptr_mut(&stream);
-            // SAFETY: both buffers hold `n` elements of `dtype` on this communicator's device and stream.
-            unsafe {
-                result::all_reduce(
-                    src as *const _,
-                    dst as *mut _,
-                    n,
-                    dtype,
-                    match op {
-                        Reduce::Sum => sys::ncclRedOp_t::ncclSum,
-                        Reduce::Max => sys::ncclRedOp_t::ncclMax,
-                        Reduce::Min => sys::ncclRedOp_t::ncclMin,
-                    },
-                    s.comm.0,
-                    stream.cu_stream() as _,
-                )
-            }
+            // Both buffers are on this communicator's device and stream, of the sizes `call` is told.
+            call(
+                src as *const _,
+                dst as *mut _,
+                n,
+                dtype,
+                s.comm.0,
+                stream.cu_stream() as _,
+            )
         };
         let finished = issued
-            .map_err(|e| nccl_error(s.rank, &what, e, Some(&s.comm)))
+            .map_err(|e| nccl_error(s.rank, what, e, Some(&s.comm)))
             .and_then(|_| {
                 stream
                     .synchronize()
                     .map_err(|e| Error::Distributed(format!("rank {}: {what}: {e}", s.rank)))
             });
         self.end(finished)?;
-        Ok(crate::cuda::tensor(out, &s.device, t.shape().clone()))
+        let shape = match out_factor {
+            1 => t.shape().clone(),
+            k => candle_core::Shape::from(n * k),
+        };
+        Ok(crate::cuda::tensor(out, &s.device, shape))
     }
 
     /// Marks `what` in flight (the watchdog's clock starts), or the fault that already stopped the communicator.
@@ -216,6 +272,12 @@ impl Communicator {
             (Some(fault), _) => Err(Error::Distributed(fault.clone())),
             (None, outcome) => outcome,
         }
+    }
+}
+
+impl ShardExchange for Communicator {
+    fn all_gather(&self, shard: &Tensor, what: &str) -> Result<Tensor> {
+        Communicator::all_gather(self, shard, what)
     }
 }
 

@@ -514,9 +514,9 @@ impl DecoderLayer {
         Ok(out)
     }
 
-    /// Bytes of this rank's share of the layer's linear weights, if it is sharded.
-    pub fn shard_bytes(&self) -> Option<usize> {
-        self.shard.as_ref().map(|s| s.shard_bytes())
+    /// This layer's share ([`FlatShards`]), if it is sharded.
+    pub fn shard(&self) -> Option<&FlatShards> {
+        self.shard.as_deref()
     }
 
     /// This layer with every tensor mapped by `norm` and every projection by `linear` (moving a model).
@@ -643,6 +643,8 @@ pub struct LlamaModel {
     pub active_adapter: Option<String>,
     /// Modules an adapter trains in full (`modules_to_save`), by adapter name.
     pub saved_modules: std::collections::BTreeMap<String, SavedModules>,
+    /// With FSDP, this process's place among the ranks its layers are sharded over.
+    sharding: Option<Arc<Sharding>>,
 }
 
 /// Tensors an adapter trains in full (PEFT's `modules_to_save`), replacing the base's while it is active.
@@ -834,6 +836,7 @@ impl LlamaModel {
             adapter_configs: Default::default(),
             active_adapter: None,
             saved_modules: Default::default(),
+            sharding: None,
         })
     }
 
@@ -846,18 +849,14 @@ impl LlamaModel {
 
     /// [`LlamaModel::to_device`], each layer keeping only rank `sharding.rank()`'s share of its linear weights
     /// (FSDP's full sharding, see [`crate::models::shard`]): a layer is sharded as it arrives, so the device never
-    /// holds more than the shards and one whole layer. The layers gather through `sharding`'s exchange when they
+    /// holds more than the shards and one whole layer. A model already on `device` is sharded in place, its
+    /// adapters kept. The layers gather through `sharding`'s exchange when they
     /// run, so every rank must run the same layers in the same order.
     pub fn to_device_sharded(self, device: &Device, sharding: &Arc<Sharding>) -> crate::Result<Self> {
         self.move_to(device, Some(sharding))
     }
 
     fn move_to(self, device: &Device, sharding: Option<&Arc<Sharding>>) -> crate::Result<Self> {
-        if !self.adapter_configs.is_empty() {
-            return Err(crate::Error::InvalidInput(
-                "move the model to its device before adding or loading adapters".into(),
-            ));
-        }
         let shard = |layer: DecoderLayer| -> crate::Result<Arc<DecoderLayer>> {
             Ok(Arc::new(match sharding {
                 Some(s) => layer.sharded(s)?,
@@ -873,9 +872,18 @@ impl LlamaModel {
                         .iter()
                         .map(|l| shard(l.as_ref().clone()))
                         .collect::<crate::Result<Vec<_>>>()?;
-                    Ok(LlamaModel { layers, ..self })
+                    Ok(LlamaModel {
+                        layers,
+                        sharding: sharding.cloned(),
+                        ..self
+                    })
                 }
             };
+        }
+        if !self.adapter_configs.is_empty() {
+            return Err(crate::Error::InvalidInput(
+                "move the model to its device before adding or loading adapters".into(),
+            ));
         }
         let embed_tokens = self.embed_tokens.to_device(device)?;
         // A head tied to the embeddings stays one tensor on the device.
@@ -900,8 +908,24 @@ impl LlamaModel {
             lm_head: Arc::new(lm_head),
             rope,
             sliding_rope,
+            sharding: sharding.cloned(),
             ..self
         })
+    }
+
+    /// With FSDP ([`LlamaModel::to_device_sharded`]), this process's place among the ranks, where the job's
+    /// exchange is attached.
+    pub fn sharding(&self) -> Option<&Arc<Sharding>> {
+        self.sharding.as_ref()
+    }
+
+    /// With FSDP, the bytes of the layers' linear weights this rank holds, and those of the whole weights.
+    pub fn sharded_bytes(&self) -> Option<(usize, usize)> {
+        self.sharding.as_ref()?;
+        let shards = self.layers.iter().filter_map(|l| l.shard());
+        Some(shards.fold((0, 0), |(held, whole), s| {
+            (held + s.shard_bytes(), whole + s.whole_bytes())
+        }))
     }
 
     /// The device the model's tensors live on.
@@ -1285,7 +1309,7 @@ impl LlamaModel {
         }
         for l in &self.layers {
             total += l.norms().into_iter().map(|(_, w)| t(w)).sum::<usize>();
-            total += l.shard_bytes().unwrap_or(0);
+            total += l.shard().map_or(0, FlatShards::shard_bytes);
             for (_, lin) in l.linears() {
                 total +=
                     lin.base.weight.size_in_bytes() + lin.base.bias.as_ref().map(t).unwrap_or(0);

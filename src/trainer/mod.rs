@@ -44,6 +44,7 @@ pub use run::trainer::Trainer;
 pub use settings::args::{IntervalStrategy, ReportTo, SamplingStrategy, TrainingArguments};
 pub use settings::config::RunConfig;
 pub use settings::dpo::{DpoConfig, LossType};
+pub use settings::fsdp::{FsdpConfig, FsdpPlan};
 pub use settings::grpo::GrpoConfig;
 pub use storage::checkpoint::latest_checkpoint;
 pub use storage::state::{LogEntry, TrainOutput, TrainerState};

@@ -69,8 +69,7 @@ fn sharded_models_compute_what_the_whole_model_computes() {
                             let sharding = Sharding::new(rank.rank(), world).unwrap();
                             sharding.attach(Arc::new(rank));
                             let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                            let held: usize =
-                                model.layers.iter().filter_map(|l| l.shard_bytes()).sum();
+                            let held = model.sharded_bytes().unwrap().0;
                             (loss_grad_and_logits(&model, ids), held)
                         })
                     })
@@ -95,4 +94,50 @@ fn sharded_models_compute_what_the_whole_model_computes() {
             }
         }
     }
+}
+
+/// `fsdp = "full_shard"` in one process (the trainer shards the model it is given, as rank 0 of 1): the losses and
+/// the adapter equal those of the same run without it, bit for bit.
+#[test]
+fn a_fsdp_run_in_one_process_trains_as_without_it() {
+    use candle_qlora::lora::{LoraConfig, TargetModules};
+    use candle_qlora::optim::OptimizerName;
+    use candle_qlora::trainer::{Trainer, TrainingArguments};
+    let dir = tempfile::tempdir().unwrap();
+    let run = |fsdp: Option<&str>| {
+        let out = dir.path().join(fsdp.unwrap_or("whole").replace(' ', "-"));
+        let args = TrainingArguments {
+            output_dir: out.display().to_string(),
+            per_device_train_batch_size: 2,
+            gradient_accumulation_steps: 2,
+            learning_rate: 5e-3,
+            max_steps: 3,
+            logging_steps: 1.0,
+            save_steps: 100.0,
+            optim: OptimizerName::AdamWTorch,
+            gradient_checkpointing: true,
+            fsdp: fsdp.map(str::to_string),
+            ..Default::default()
+        };
+        let lora = LoraConfig {
+            r: 4,
+            lora_alpha: 8.0,
+            target_modules: Some(TargetModules::AllLinear),
+            ..Default::default()
+        };
+        let model = tiny("tiny-llama", Some(QuantConfig::nf4()));
+        let mut trainer = Trainer::new(model, args, &lora, crate::trainer::examples(), vec![]).unwrap();
+        let log = trainer.train(None).unwrap();
+        assert_eq!(trainer.model.sharding().is_some(), fsdp.is_some());
+        let losses: Vec<u64> = log
+            .log_history
+            .iter()
+            .filter_map(|e| e.loss.map(f64::to_bits))
+            .collect();
+        let adapter = std::fs::read(out.join("adapter_model.safetensors")).unwrap();
+        (losses, adapter)
+    };
+    let whole = run(None);
+    assert_eq!(whole.0.len(), 3);
+    assert!(run(Some("full_shard auto_wrap")) == whole, "the sharded run differs");
 }

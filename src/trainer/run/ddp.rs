@@ -5,6 +5,7 @@
 //! sum and a stop request (Ctrl-C on any rank) are agreed the same way, and at each checkpoint the adapters of all
 //! ranks are compared (a per-parameter checksum: a mismatch stops the run).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::backprop::GradStore;
@@ -17,7 +18,7 @@ use crate::trainer::settings::args::TrainingArguments;
 
 /// This rank's part in a distributed run.
 pub(super) struct Ddp {
-    comm: Communicator,
+    comm: Arc<Communicator>,
     /// This rank's GPU.
     device: Device,
     bucket_bytes: usize,
@@ -41,11 +42,16 @@ impl Ddp {
         };
         let timeout = Duration::from_secs(args.ddp_timeout);
         Ok(Ddp {
-            comm: Communicator::new(gpu, world, timeout)?,
+            comm: Arc::new(Communicator::new(gpu, world, timeout)?),
             device: device.clone(),
             bucket_bytes: (args.ddp_bucket_cap_mb.unwrap_or(DDP_BUCKET_CAP_MB) * (1 << 20) as f64)
                 as usize,
         })
+    }
+
+    /// The communicator, for the layers of a sharded base to gather through (FSDP).
+    pub(super) fn exchange(&self) -> Arc<Communicator> {
+        self.comm.clone()
     }
 
     /// Sums the gradients of `vars` over the ranks in place, in buckets of about `ddp_bucket_cap_mb` (in reverse

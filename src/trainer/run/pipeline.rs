@@ -8,7 +8,8 @@ use super::fits::{check_memory_fits, RunShape};
 use super::trainer::{Prepared, Trainer, ADAPTER};
 use crate::adapter::{load_adapter, ADAPTER_CONFIG};
 use crate::distributed::{RanksFrom, WorldEnv};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::models::Sharding;
 use crate::loading::model::no_tokenizer;
 use crate::loading::{load_model, load_model_config, load_tokenizer, LoadOptions};
 use crate::lora::LoraConfig;
@@ -106,7 +107,23 @@ impl Trainer {
             human_bytes(loaded.model.weight_bytes() as u64),
             started.elapsed().as_secs_f64()
         );
-        let mut model = loaded.model.to_device(&device)?;
+        let mut model = match args.fsdp_plan().map_err(Error::InvalidInput)? {
+            Some(_) => {
+                let (rank, world_size) = world.as_ref().map_or((0, 1), |w| (w.rank, w.world_size));
+                let sharding = Sharding::new(rank, world_size)?;
+                let model = loaded.model.to_device_sharded(&device, &sharding)?;
+                if let Some((held, whole)) = model.sharded_bytes() {
+                    eprintln!(
+                        "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the layers' {} ({whole} B) of \
+                         linear weights",
+                        human_bytes(held as u64),
+                        human_bytes(whole as u64)
+                    );
+                }
+                model
+            }
+            None => loaded.model.to_device(&device)?,
+        };
         if let Some(dir) = &config.model.adapter {
             load_adapter(&mut model, dir, ADAPTER)?;
             eprintln!("continuing adapter {}", dir.display());

@@ -15,10 +15,11 @@ use super::sampler::DataPlan;
 use super::trainer::{Trainer, ADAPTER};
 use crate::adapter::{base_quantization, Adapters};
 use crate::distributed::{check_ranks, RanksFrom, WorldEnv};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::files::lock::OutputLock;
 use crate::memory::snapshot::Recording;
 use crate::memory::{MemoryTimeline, RunEstimate};
+use crate::models::Sharding;
 use crate::ops::ActivationOffload;
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::trainer::reporting::callbacks::TrainerControl;
@@ -120,6 +121,31 @@ impl Trainer {
 
     /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored
     /// from `resume`), the log file, and the callbacks' `on_train_begin`.
+    /// With `fsdp`, the model's layers sharded over the job's ranks (a model `from_run_config` loaded was sharded
+    /// as it moved to its device; one made in code is sharded here); a model sharded for other ranks is refused.
+    fn shard_base(&mut self, args: &TrainingArguments, shard: Shard) -> Result<()> {
+        let plan = args.fsdp_plan().map_err(Error::InvalidInput)?;
+        match (plan, self.model.sharding()) {
+            (_, Some(s)) if (s.rank(), s.world_size()) != (shard.rank, shard.world_size) => {
+                Err(Error::InvalidInput(format!(
+                    "the model is sharded as rank {} of {}, but this process is rank {} of {}: shard it for this job \
+                     (LlamaModel::to_device_sharded) or set fsdp and let the trainer shard it",
+                    s.rank(),
+                    s.world_size(),
+                    shard.rank,
+                    shard.world_size
+                )))
+            }
+            (Some(_), None) => {
+                let sharding = Sharding::new(shard.rank, shard.world_size)?;
+                let device = self.model.device().clone();
+                self.model = self.model.clone().to_device_sharded(&device, &sharding)?;
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
     pub(super) fn setup(&mut self, resume: Option<&Path>) -> Result<Run> {
         crate::memory::keep_freed_memory();
         interrupt::reset();
@@ -149,6 +175,11 @@ impl Trainer {
             _ => None,
         };
         self.method.check_world_size(shard.world_size)?;
+        self.shard_base(&args, shard)?;
+        #[cfg(feature = "nccl")]
+        if let (Some(ddp), Some(sharding)) = (&ddp, self.model.sharding()) {
+            sharding.attach(ddp.exchange());
+        }
         let plan = DataPlan::new(
             self.method.train_lengths(),
             self.method.train_fingerprint(),

@@ -8,6 +8,7 @@ use super::sections::read_section;
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::names::named_enum;
+use super::fsdp::{FsdpConfig, FsdpPlan};
 use crate::optim::schedule::{check_kwargs, warmup_steps};
 use crate::optim::{OptimizerName, SchedulerType};
 
@@ -222,6 +223,13 @@ pub struct TrainingArguments {
     /// Accepted for compatibility: a LoRA model has no buffers to broadcast (the frozen base is loaded alike by
     /// every rank).
     pub ddp_broadcast_buffers: Option<bool>,
+    /// FSDP over the ranks of a distributed run (transformers' option words): `"full_shard"` (optionally with
+    /// `"auto_wrap"`) has every rank keep `1/world_size` of each decoder layer's frozen weights, gathered from the
+    /// others before the layer runs, instead of the whole base. The adapter stays whole on every rank, its gradients
+    /// all-reduced as in data-parallel training. Unset: data-parallel (or one process).
+    pub fsdp: Option<String>,
+    /// transformers' `fsdp_config` (see [`FsdpConfig`]: the keys that apply, the others refused by name).
+    pub fsdp_config: FsdpConfig,
 }
 
 impl Default for TrainingArguments {
@@ -286,6 +294,8 @@ impl Default for TrainingArguments {
             ddp_timeout: 1800,
             ddp_bucket_cap_mb: None,
             ddp_broadcast_buffers: None,
+            fsdp: None,
+            fsdp_config: FsdpConfig::default(),
         }
     }
 }
@@ -547,7 +557,17 @@ impl TrainingArguments {
         {
             return bad("ddp_bucket_cap_mb must be a positive number of MiB".into());
         }
+        if let Err(m) = self.fsdp_plan() {
+            return bad(m);
+        }
         Ok(())
+    }
+
+    /// How the frozen base is shared out over the ranks (`fsdp`, `fsdp_config`): `None` unless `fsdp` is set;
+    /// why not, for settings FSDP refuses.
+    pub fn fsdp_plan(&self) -> std::result::Result<Option<FsdpPlan>, String> {
+        self.fsdp_config
+            .plan(self.fsdp.as_deref(), self.gradient_checkpointing)
     }
 
     /// The metric that picks the best checkpoint: `metric_for_best_model`, or `"loss"` when `load_best_model_at_end`

@@ -345,6 +345,12 @@ impl RunConfig {
             }
         }
         check_tiled_mlp(&training, &lora, &p)?;
+        if training.fsdp.is_some() && lora.use_dora {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [lora] use_dora = true with [training] fsdp: DoRA reads each whole base weight for its norm, \
+                 which a sharded base holds only while its layer runs; remove use_dora or fsdp"
+            )));
+        }
         let dpo: Option<DpoConfig> = root
             .get("dpo")
             .map(|v| read_section(v, &p, "dpo", &[]))
@@ -419,6 +425,13 @@ impl RunConfig {
         if self.dpo.is_some() {
             return Err(Error::InvalidInput(format!(
                 "{p}: [dpo] with {world_size} processes: DPO runs in one process for now; {alone}"
+            )));
+        }
+        if self.training.fsdp.is_some() && self.training.predict_with_generate {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [training] predict_with_generate = true with fsdp over {world_size} processes: each rank would \
+                 generate its own answers, token by token, while its layers gather from the others; remove \
+                 predict_with_generate (the evaluation loss is computed sharded) or fsdp"
             )));
         }
         if let (Some(_), Some(why)) = (&self.grpo, GrpoConfig::world_size_problem(world_size)) {

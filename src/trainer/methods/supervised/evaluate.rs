@@ -41,12 +41,17 @@ pub(super) fn loss_sums(
     // Sort by length so batches pad little; the result does not depend on the order.
     let mut order: Vec<&TokenizedExample> = examples.iter().collect();
     order.sort_by_key(|e| e.input_ids.len());
-    for batch in shard.share(order.chunks(batch_size.max(1))) {
+    let batches: Vec<&[&TokenizedExample]> = order.chunks(batch_size.max(1)).collect();
+    for batch in shard.share(batches.iter()) {
         // Built on the host: the model uploads the ids and reads the labels where they are (no readback).
         let b = collate(batch, &Device::Cpu)?;
         let (sum, n) = model.loss_sum(&b.ids, &b.labels, &b.positions, &layers)?;
         total += sum.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         tokens += n;
+    }
+    for _ in 0..shard.padding_passes(batches.len(), model.sharding().is_some()) {
+        let b = collate(batches[0], &Device::Cpu)?;
+        model.loss_sum(&b.ids, &b.labels, &b.positions, &layers)?;
     }
     Ok((total, tokens))
 }

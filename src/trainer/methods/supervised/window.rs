@@ -85,6 +85,15 @@ pub(super) fn run_window(
         add_to(&mut loss_sum, sum_f64)?;
         backward_into(&mut grads, &objective, &ck, vars, memory, k)?;
     }
+    let passes = shard.padding_passes(examples.len(), model.sharding().is_some());
+    for k in examples.len()..examples.len() + passes {
+        // The window's first micro-batch again, for the gathers of a sharded base; its gradients are dropped.
+        let seed = micro_batch_seed(args.seed, first_micro);
+        let f = forward_micro_batch(model, &examples[0], args, vars, seed, false, memory)?;
+        let (sum, _) = model.loss_from_hidden(&f.hidden, &f.batch.labels)?;
+        let mut dropped = GradStore::default();
+        backward_into(&mut dropped, &(sum * 0.0)?, &f.ck, vars, memory, k)?;
+    }
     model.lora_runtime.set_training(false);
     Ok(WindowOutput {
         loss_sum: loss_sum.map_or_else(|| Tensor::zeros((), DType::F64, model.device()), Ok)?,
