@@ -2435,6 +2435,102 @@ fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
     }
 }
 
+/// The bytes of linear weights a sharded rank says it holds, and the whole model's (`fsdp: rank r of n holds … (X B)
+/// of the layers' … (Y B)`), from its standard error.
+#[cfg(feature = "nccl")]
+fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
+    let number_before = |text: &str, end: usize| -> usize {
+        let start = text[..end].rfind('(').unwrap() + 1;
+        text[start..end].parse().unwrap()
+    };
+    stderr
+        .lines()
+        .filter(|l| l.contains("fsdp: rank"))
+        .map(|l| {
+            let first = l.find(" B)").unwrap();
+            let second = first + 3 + l[first + 3..].find(" B)").unwrap();
+            (number_before(l, first), number_before(l, second))
+        })
+        .collect()
+}
+
+/// FSDP (`fsdp = "full_shard"`) on 2 and 4 emulated GPUs over NCCL, each rank holding 1/N of every layer's 4-bit
+/// weights and gathering the rest per layer (forward and recomputation): the 2-rank run equals the data-parallel
+/// run on 2 ranks bit for bit (losses and adapter), both runs equal one process accumulating as much, and so do
+/// the sharded evaluations — whose 3 batches leave a rank short, which then runs a padding pass so the gathers pair
+/// up. Each rank says it holds 1/N of the linear weights (within the padding of its buffers).
+#[cfg(feature = "nccl")]
+#[test]
+fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
+    let root = tempfile::tempdir().unwrap();
+    let eval = root.path().join("eval.jsonl");
+    let rows: String = (0..6)
+        .map(|i| format!("{{\"text\": \"t{} t{} t{} t{}\"}}\n", i + 2, 3 * i + 1, i + 9, 40 - i))
+        .collect();
+    std::fs::write(&eval, rows).unwrap();
+    let eval_file = format!("data.eval_file={:?}", eval.display().to_string());
+    let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: bool| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = ddp_config(&dir, accumulation, 3, 100);
+        let n = nproc.map(|n| n.to_string());
+        let mut args: Vec<&str> = vec![
+            "--set",
+            &eval_file,
+            "--set",
+            "training.eval_strategy=\"steps\"",
+            "--set",
+            "training.per_device_eval_batch_size=2",
+            "--set",
+            "training.gradient_checkpointing=true",
+        ];
+        if fsdp {
+            args.extend(["--set", "training.fsdp=\"full_shard auto_wrap\""]);
+        }
+        if let Some(n) = &n {
+            args.extend(["--nproc-per-node", n]);
+        }
+        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
+            .wait()
+            .unwrap();
+        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+        assert!(status.success(), "{name}: {err}");
+        let (losses, adapter) = run_outcome(&dir.join("out"));
+        (losses, adapter, logged(&dir.join("out"), "eval_loss"), fsdp_held_bytes(&err))
+    };
+    let (single_losses, single, single_eval, _) = run("single", 4, None, false);
+    assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
+    let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), false);
+    for (name, accumulation, nproc) in [("fsdp-two", 2, 2), ("fsdp-four", 1, 4)] {
+        let (losses, adapter, eval, held) = run(name, accumulation, Some(nproc), true);
+        if nproc == 2 {
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&losses), bits(&ddp_losses), "{name}: losses against data-parallel");
+            assert_eq!(bits(&eval), bits(&ddp_eval), "{name}: evaluations against data-parallel");
+            for (key, t) in &ddp {
+                assert_eq!(
+                    crate::common::tensor_bytes(t),
+                    crate::common::tensor_bytes(&adapter[key]),
+                    "{name}: {key} against data-parallel"
+                );
+            }
+        }
+        assert_runs_agree(name, (&single_losses, &single), (&losses, &adapter), 1e-5, 1e-4);
+        for (a, b) in single_eval.iter().zip(&eval) {
+            assert!((a - b).abs() <= 1e-6 * a.abs(), "{name}: {single_eval:?} vs {eval:?}");
+        }
+        // Every rank reports; its share is 1/N of the whole, plus at most an aligned piece a weight of padding.
+        assert_eq!(held.len(), nproc, "{name}: {held:?}");
+        for (rank_held, whole) in &held {
+            let padding = 7 * 2 * 3 * 256;
+            assert!(
+                rank_held * nproc >= *whole && *rank_held <= whole / nproc + padding,
+                "{name}: a rank holds {rank_held} of {whole} bytes"
+            );
+        }
+    }
+}
+
 /// Ctrl-C reaches the launcher alone (a SIGINT to its pid; a terminal's goes to the launcher's process group, and
 /// the ranks run in one of their own): it passes it to every rank, they agree to stop after the same step, rank 0
 /// writes that step's checkpoint and says how to resume on as many ranks, and the launcher exits with 130.
