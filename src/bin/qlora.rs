@@ -141,6 +141,10 @@ struct EstimateCliArgs {
     /// GRPO's completions per prompt (TRL's num_generations).
     #[arg(long = "num-generations", default_value_t = 8, value_parser = count, requires = "grpo")]
     num_generations: usize,
+    /// FSDP (`fsdp = "full_shard"` in a run config; with --gradient-checkpointing): each of the --world-size GPUs
+    /// holds 1/N of the decoder layers' linear weights and gathers one layer at a time (JSON: sharded).
+    #[arg(long)]
+    fsdp: bool,
     /// Print one JSON object for the configuration given instead of the table.
     #[arg(long)]
     json: bool,
@@ -195,6 +199,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         world_size: args.world_size,
         preference: args.dpo,
         grpo_generations: args.grpo.then_some(args.num_generations),
+        fsdp: args.fsdp,
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;
@@ -292,6 +297,20 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
             d.buckets,
             human_bytes(d.bytes_sent_per_gpu),
             d.bytes_sent_per_gpu as f64 / 100e9 * 1e3,
+        );
+    }
+    if let Some(f) = &asked.sharded {
+        println!(
+            "\nFSDP over {} GPUs, per GPU: {} of the decoder layers' linear weights (1/{}) and one layer gathered \
+             whole ({}); {} whole on every GPU (embeddings, head, norms, RoPE tables); {} of all-gathers received \
+             per micro-batch (each layer twice: forward and recomputation), {:.1} ms at a bus bandwidth of 100 GB/s.",
+            f.world_size,
+            human_bytes(f.shard_bytes),
+            f.world_size,
+            human_bytes(f.gathered_layer_bytes),
+            human_bytes(f.unsharded_bytes),
+            human_bytes(f.all_gather_bytes_per_micro_batch),
+            f.all_gather_bytes_per_micro_batch as f64 / 100e9 * 1e3,
         );
     }
     if let Some((memory, usable, rows)) = longest {

@@ -196,8 +196,12 @@ impl Communicator {
         use sys::ncclDataType_t as Nccl;
         match t.dtype() {
             DType::U8 => self.collective_typed::<u8>(t, Nccl::ncclUint8, out_factor, what, call),
-            DType::F64 => self.collective_typed::<f64>(t, Nccl::ncclFloat64, out_factor, what, call),
-            DType::F32 => self.collective_typed::<f32>(t, Nccl::ncclFloat32, out_factor, what, call),
+            DType::F64 => {
+                self.collective_typed::<f64>(t, Nccl::ncclFloat64, out_factor, what, call)
+            }
+            DType::F32 => {
+                self.collective_typed::<f32>(t, Nccl::ncclFloat32, out_factor, what, call)
+            }
             DType::BF16 => {
                 self.collective_typed::<half::bf16>(t, Nccl::ncclBfloat16, out_factor, what, call)
             }

@@ -66,6 +66,9 @@ pub struct EstimateArgs {
     /// GRPO: `batch` counts completions and `seq` is a prompt and its longest completion; generating a prompt's
     /// completions holds a KV cache of this many rows (`num_generations`), before the training forward.
     pub grpo_generations: Option<usize>,
+    /// FSDP (`fsdp = "full_shard"`, needs `gradient_checkpointing`): each of the `world_size` GPUs holds 1/N of the
+    /// decoder layers' linear weights and gathers one layer at a time ([`Sharded`]).
+    pub fsdp: bool,
 }
 
 /// PyTorch DDP's gradient bucket size in MiB, which a data-parallel run uses unless `ddp_bucket_cap_mb` says
@@ -115,6 +118,13 @@ impl EstimateArgs {
             return bad(
                 "activation offloading moves the inputs of recomputed layers to the host, and no layer is \
                  recomputed without gradient checkpointing: add --gradient-checkpointing"
+                    .into(),
+            );
+        }
+        if self.fsdp && !self.gradient_checkpointing {
+            return bad(
+                "FSDP frees a layer's gathered weights after its forward and gathers them again for its \
+                 recomputation: add --gradient-checkpointing"
                     .into(),
             );
         }
@@ -199,6 +209,9 @@ impl EstimateArgs {
         if let Some(g) = self.grpo_generations {
             flags += &format!(" --grpo --num-generations {g}");
         }
+        if self.fsdp {
+            flags += " --fsdp";
+        }
         Some(flags)
     }
 }
@@ -221,6 +234,7 @@ impl Default for EstimateArgs {
             world_size: 1,
             preference: false,
             grpo_generations: None,
+            fsdp: false,
         }
     }
 }
@@ -281,6 +295,25 @@ pub struct Estimate {
     pub data_parallel: Option<DataParallel>,
     /// How a mixture of experts' tokens spread over its experts (the configuration asked, a sparse model).
     pub routing: Option<Routing>,
+    /// How FSDP shares out the base (the configuration asked, with `fsdp`).
+    pub sharded: Option<Sharded>,
+}
+
+/// What FSDP's full sharding holds and moves on each GPU: the decoder layers' linear weights split over the ranks,
+/// one layer gathered whole while it runs (its forward, then its recomputation and backward).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Sharded {
+    /// Ranks (GPUs).
+    pub world_size: usize,
+    /// The decoder layers' linear weights on each GPU: 1/N of them (counted in `weights_bytes`).
+    pub shard_bytes: u64,
+    /// The largest layer's linear weights, gathered whole while it runs (counted in `weights_bytes`).
+    pub gathered_layer_bytes: u64,
+    /// What stays whole on every GPU (counted in `weights_bytes`): embeddings, head, norms, the RoPE tables.
+    pub unsharded_bytes: u64,
+    /// Bytes each GPU receives per micro-batch: every layer gathered twice (forward, recomputation), `(N − 1) / N`
+    /// of it from the others.
+    pub all_gather_bytes_per_micro_batch: u64,
 }
 
 /// The estimate of one run: the arguments its settings give and what they predict — what `qlora estimate` prints
@@ -770,6 +803,7 @@ fn finish(regime: Regime, parts: [u64; 6], assumptions: Vec<String>) -> Estimate
         assumptions,
         data_parallel: None,
         routing: None,
+        sharded: None,
     }
 }
 
@@ -788,11 +822,27 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     let dtype = args.compute_dtype();
     let e = dtype.dtype().size_in_bytes() as u64;
     let rope_tables = rope_table_bytes(c, e);
+    let layer_linears = match args.quantize {
+        true => per_layer_nf4(c),
+        false => n.block_linear * e,
+    };
+    let sharded = args.fsdp.then(|| {
+        let world = args.world_size as u64;
+        let layers = layer_bytes(c, args.quantize, e);
+        let largest = layers.iter().copied().max().unwrap_or(0);
+        Sharded {
+            world_size: args.world_size,
+            shard_bytes: layer_linears.div_ceil(world),
+            gathered_layer_bytes: largest,
+            unsharded_bytes: rope_tables + n.rest * e,
+            all_gather_bytes_per_micro_batch: 2 * layer_linears * (world - 1) / world,
+        }
+    });
     let weights = rope_tables
-        + if args.quantize {
-            per_layer_nf4(c) + n.rest * e
-        } else {
-            (n.block_linear + n.rest) * e
+        + n.rest * e
+        + match &sharded {
+            Some(s) => s.shard_bytes + s.gathered_layer_bytes,
+            None => layer_linears,
         };
     let data_parallel =
         (args.world_size > 1).then(|| DataParallel::new(args.world_size, 4 * n.lora));
@@ -908,10 +958,28 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     }
     if let Some(d) = &data_parallel {
         assumptions.push(format!(
-            "data parallel over {} GPUs: the figures are per GPU (each holds the whole model and its own \
-             micro-batches); other adds a gradient bucket (up to {DDP_BUCKET_CAP_MB} MiB) and its sum; NCCL's own buffers \
+            "data parallel over {} GPUs: the figures are per GPU (each holds {} and its own micro-batches); \
+             other adds a gradient bucket (up to {DDP_BUCKET_CAP_MB} MiB) and its sum; NCCL's own buffers \
              (NCCL_BUFFSIZE per channel and peer) are not counted",
-            d.world_size
+            d.world_size,
+            match args.fsdp {
+                true => "its share of the model (FSDP, below)",
+                false => "the whole model",
+            }
+        ));
+    }
+    if let Some(s) = &sharded {
+        assumptions.push(format!(
+            "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights ({}) and one layer gathered \
+             whole while it runs ({}; gathered again for its recomputation, not ahead of it); embeddings, head and \
+             norms ({}) and the adapter with its optimizer state stay whole on every GPU; each GPU receives {} of \
+             gathers per micro-batch",
+            s.world_size,
+            s.world_size,
+            human_bytes(s.shard_bytes),
+            human_bytes(s.gathered_layer_bytes),
+            human_bytes(s.unsharded_bytes),
+            human_bytes(s.all_gather_bytes_per_micro_batch)
         ));
     }
     let mut estimate = finish(
@@ -932,6 +1000,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     estimate.host_bytes = offloaded_host_bytes(c, args, e);
     estimate.data_parallel = data_parallel;
     estimate.routing = routing;
+    estimate.sharded = sharded;
     Ok(estimate)
 }
 
@@ -949,6 +1018,24 @@ pub fn generation_bytes(c: &ModelConfig, rows: usize, seq: usize, e: u64) -> u64
 }
 
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
+/// Each decoder layer's linear weights in bytes: NF4 when `quantize`, else `e` bytes a parameter.
+fn layer_bytes(c: &ModelConfig, quantize: bool, e: u64) -> Vec<u64> {
+    let mut layers = vec![0u64; c.num_hidden_layers];
+    for (name, a, b) in block_linear_shapes(c) {
+        let layer = name
+            .strip_prefix("model.layers.")
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        if let Some(slot) = layer.and_then(|i| layers.get_mut(i)) {
+            *slot += match quantize {
+                true => nf4_bytes(a * b),
+                false => a * b * e,
+            };
+        }
+    }
+    layers
+}
+
 fn per_layer_nf4(c: &ModelConfig) -> u64 {
     block_linear_shapes(c)
         .iter()
@@ -1085,6 +1172,54 @@ mod tests {
     /// Data parallel on 8 GPUs: the per-GPU figures are one GPU's plus a bucket and its sum; the exchange is
     /// the adapter's float32 gradients (Llama-2-7B, r=16 on every linear: PEFT's 39,976,960 trainable
     /// parameters), 7 buckets of 25 MiB, 2·7/8 of it sent by each GPU. A CPU run with ranks is refused.
+    /// FSDP divides the decoder layers' linear weights by the ranks and adds one gathered layer; everything else
+    /// is the data-parallel run's; each rank receives every layer twice a micro-batch, (N − 1)/N of it.
+    #[test]
+    fn fsdp_shares_out_the_layers_and_gathers_one() {
+        let c = llama2_7b();
+        let args = |world_size: usize, fsdp: bool| EstimateArgs {
+            device: DeviceKind::Cuda,
+            world_size,
+            gradient_checkpointing: true,
+            fsdp,
+            ..Default::default()
+        };
+        let layers = per_layer_nf4(&c);
+        let layer = layers / c.num_hidden_layers as u64;
+        for world in [1u64, 2, 4] {
+            let ddp = estimate(&c, &args(world as usize, false)).unwrap();
+            let fsdp = estimate(&c, &args(world as usize, true)).unwrap();
+            let s = fsdp.sharded.clone().unwrap();
+            assert_eq!(ddp.sharded, None);
+            assert_eq!(
+                (s.shard_bytes, s.gathered_layer_bytes),
+                (layers.div_ceil(world), layer)
+            );
+            assert_eq!(
+                fsdp.weights_bytes,
+                ddp.weights_bytes - layers + layers.div_ceil(world) + layer
+            );
+            assert_eq!(
+                fsdp.total_bytes - fsdp.weights_bytes,
+                ddp.total_bytes - ddp.weights_bytes
+            );
+            assert_eq!(
+                s.all_gather_bytes_per_micro_batch,
+                2 * layers * (world - 1) / world
+            );
+        }
+        let err = estimate(
+            &c,
+            &EstimateArgs {
+                gradient_checkpointing: false,
+                ..args(2, true)
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("--gradient-checkpointing"), "{err}");
+    }
+
     #[test]
     fn data_parallel_adds_the_bucket_and_counts_the_exchange() {
         let c = llama2_7b();

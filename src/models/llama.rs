@@ -485,7 +485,10 @@ impl DecoderLayer {
         for (_, lin) in out.linears_mut() {
             let (frame, parts) = WeightFrame::split(&lin.base.weight)?;
             storage.extend(parts);
-            let base = FrozenLinear::new(FrozenWeight::Sharded(Arc::new(frame)), lin.base.bias.clone());
+            let base = FrozenLinear::new(
+                FrozenWeight::Sharded(Arc::new(frame)),
+                lin.base.bias.clone(),
+            );
             lin.base = Arc::new(base);
         }
         out.shard = Some(Arc::new(FlatShards::new(&storage, sharding.clone())?));
@@ -852,7 +855,11 @@ impl LlamaModel {
     /// holds more than the shards and one whole layer. A model already on `device` is sharded in place, its
     /// adapters kept. The layers gather through `sharding`'s exchange when they
     /// run, so every rank must run the same layers in the same order.
-    pub fn to_device_sharded(self, device: &Device, sharding: &Arc<Sharding>) -> crate::Result<Self> {
+    pub fn to_device_sharded(
+        self,
+        device: &Device,
+        sharding: &Arc<Sharding>,
+    ) -> crate::Result<Self> {
         self.move_to(device, Some(sharding))
     }
 

@@ -211,7 +211,7 @@ impl FlatShards {
     }
 }
 
-/// A job's ranks as threads of one process ([`LocalRanks::new`] gives each its [`LocalRank`]): an all-gather
+/// A job's ranks as threads of one process ([`LocalRanks::handles`] gives each its [`LocalRank`]): an all-gather
 /// waits for every rank's shard, then hands each the concatenation. For sharded models without GPUs or NCCL
 /// (tests, and trying the sharding on a CPU).
 pub struct LocalRanks {
@@ -227,7 +227,7 @@ pub struct LocalRank {
 
 impl LocalRanks {
     /// Handles for `world_size` ranks, in rank order.
-    pub fn new(world_size: usize) -> Vec<LocalRank> {
+    pub fn handles(world_size: usize) -> Vec<LocalRank> {
         let shared = Arc::new(LocalRanks {
             slots: Mutex::new(vec![None; world_size]),
             barrier: Barrier::new(world_size),
@@ -290,7 +290,7 @@ mod tests {
                 .unwrap()
         };
         for world in 1..=5 {
-            let ranks = LocalRanks::new(world);
+            let ranks = LocalRanks::handles(world);
             let gathered: Vec<(Vec<Vec<f64>>, usize, Vec<usize>)> = std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
                     .into_iter()
@@ -302,7 +302,11 @@ mod tests {
                             let shards = FlatShards::new(tensors, sharding).unwrap();
                             let back = shards.gather("test tensors").unwrap();
                             let offsets = shards.pieces.iter().map(|p| p.offset).collect();
-                            (back.iter().map(flat).collect(), shards.shard_bytes(), offsets)
+                            (
+                                back.iter().map(flat).collect(),
+                                shards.shard_bytes(),
+                                offsets,
+                            )
                         })
                     })
                     .collect();
@@ -327,10 +331,19 @@ mod tests {
     fn gathering_without_an_exchange_needs_one_rank() {
         let t = [Tensor::arange(0f32, 10., &Device::Cpu).unwrap()];
         let alone = FlatShards::new(&t, Sharding::new(0, 1).unwrap()).unwrap();
-        assert_eq!(alone.gather("x").unwrap()[0].to_vec1::<f32>().unwrap().len(), 10);
+        assert_eq!(
+            alone.gather("x").unwrap()[0]
+                .to_vec1::<f32>()
+                .unwrap()
+                .len(),
+            10
+        );
         let two = FlatShards::new(&t, Sharding::new(1, 2).unwrap()).unwrap();
         let err = two.gather("layer 0's weights").unwrap_err().to_string();
-        assert!(err.contains("rank 1 of 2") && err.contains("no communicator"), "{err}");
+        assert!(
+            err.contains("rank 1 of 2") && err.contains("no communicator"),
+            "{err}"
+        );
         assert!(Sharding::new(2, 2).is_err());
     }
 }

@@ -141,9 +141,7 @@ impl WeightFrame {
         };
         match weight {
             FrozenWeight::Dense(t) => Ok((
-                WeightFrame::Dense {
-                    shape: t.dims2()?,
-                },
+                WeightFrame::Dense { shape: t.dims2()? },
                 vec![t.flatten_all()?],
             )),
             FrozenWeight::Nf4(q) => {
@@ -172,9 +170,9 @@ impl WeightFrame {
                     .with_storage(storage)
                     .map_err(candle_core::Error::wrap)?;
                 Ok(match on_cpu {
-                    true => FrozenWeight::Nf4(Arc::new(
-                        q.to_host().map_err(candle_core::Error::wrap)?,
-                    )),
+                    true => {
+                        FrozenWeight::Nf4(Arc::new(q.to_host().map_err(candle_core::Error::wrap)?))
+                    }
                     false => FrozenWeight::Nf4OnDevice(Arc::new(q)),
                 })
             }

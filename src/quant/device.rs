@@ -194,9 +194,10 @@ impl DeviceNf4 {
         let mut expected = vec![(n.div_ceil(2), DType::U8)];
         match &self.scales {
             DeviceScales::Plain(_) => expected.push((blocks, DType::F32)),
-            DeviceScales::Nested { blocksize, .. } => {
-                expected.extend([(blocks, DType::U8), (blocks.div_ceil(*blocksize), DType::F32)])
-            }
+            DeviceScales::Nested { blocksize, .. } => expected.extend([
+                (blocks, DType::U8),
+                (blocks.div_ceil(*blocksize), DType::F32),
+            ]),
         }
         let got: Vec<(usize, DType)> = parts.iter().map(|t| (t.elem_count(), t.dtype())).collect();
         if got != expected {

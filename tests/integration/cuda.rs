@@ -2465,7 +2465,15 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     let root = tempfile::tempdir().unwrap();
     let eval = root.path().join("eval.jsonl");
     let rows: String = (0..6)
-        .map(|i| format!("{{\"text\": \"t{} t{} t{} t{}\"}}\n", i + 2, 3 * i + 1, i + 9, 40 - i))
+        .map(|i| {
+            format!(
+                "{{\"text\": \"t{} t{} t{} t{}\"}}\n",
+                i + 2,
+                3 * i + 1,
+                i + 9,
+                40 - i
+            )
+        })
         .collect();
     std::fs::write(&eval, rows).unwrap();
     let eval_file = format!("data.eval_file={:?}", eval.display().to_string());
@@ -2496,7 +2504,12 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
         let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
         assert!(status.success(), "{name}: {err}");
         let (losses, adapter) = run_outcome(&dir.join("out"));
-        (losses, adapter, logged(&dir.join("out"), "eval_loss"), fsdp_held_bytes(&err))
+        (
+            losses,
+            adapter,
+            logged(&dir.join("out"), "eval_loss"),
+            fsdp_held_bytes(&err),
+        )
     };
     let (single_losses, single, single_eval, _) = run("single", 4, None, false);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
@@ -2505,8 +2518,16 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
         let (losses, adapter, eval, held) = run(name, accumulation, Some(nproc), true);
         if nproc == 2 {
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&losses), bits(&ddp_losses), "{name}: losses against data-parallel");
-            assert_eq!(bits(&eval), bits(&ddp_eval), "{name}: evaluations against data-parallel");
+            assert_eq!(
+                bits(&losses),
+                bits(&ddp_losses),
+                "{name}: losses against data-parallel"
+            );
+            assert_eq!(
+                bits(&eval),
+                bits(&ddp_eval),
+                "{name}: evaluations against data-parallel"
+            );
             for (key, t) in &ddp {
                 assert_eq!(
                     crate::common::tensor_bytes(t),
@@ -2515,9 +2536,18 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
                 );
             }
         }
-        assert_runs_agree(name, (&single_losses, &single), (&losses, &adapter), 1e-5, 1e-4);
+        assert_runs_agree(
+            name,
+            (&single_losses, &single),
+            (&losses, &adapter),
+            1e-5,
+            1e-4,
+        );
         for (a, b) in single_eval.iter().zip(&eval) {
-            assert!((a - b).abs() <= 1e-6 * a.abs(), "{name}: {single_eval:?} vs {eval:?}");
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs(),
+                "{name}: {single_eval:?} vs {eval:?}"
+            );
         }
         // Every rank reports; its share is 1/N of the whole, plus at most an aligned piece a weight of padding.
         assert_eq!(held.len(), nproc, "{name}: {held:?}");

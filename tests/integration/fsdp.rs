@@ -17,7 +17,9 @@ fn tiny(folder: &str, quantization: Option<QuantConfig>) -> LlamaModel {
         ..Default::default()
     };
     let dir = data_path(&format!("models/{folder}"));
-    load_model(dir.to_str().unwrap(), None, &opts).unwrap().model
+    load_model(dir.to_str().unwrap(), None, &opts)
+        .unwrap()
+        .model
 }
 
 /// The loss's bits and its gradient with respect to the input embeddings (which flows through every frozen
@@ -38,7 +40,12 @@ fn loss_grad_and_logits(model: &LlamaModel, ids: &Tensor) -> (u32, Vec<u32>, Vec
     let loss = embeds_loss(model, embeds.as_tensor(), ids, true);
     let grads = loss.backward().unwrap();
     let grad = grads.get(embeds.as_tensor()).unwrap();
-    let loss_bits = loss.to_dtype(DType::F32).unwrap().to_scalar::<f32>().unwrap().to_bits();
+    let loss_bits = loss
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .to_bits();
     (loss_bits, bits(grad), bits(&model.logits(ids).unwrap()))
 }
 
@@ -61,7 +68,7 @@ fn sharded_models_compute_what_the_whole_model_computes() {
             .sum();
         for world in 1..=3 {
             let results: Vec<_> = std::thread::scope(|s| {
-                let handles: Vec<_> = LocalRanks::new(world)
+                let handles: Vec<_> = LocalRanks::handles(world)
                     .into_iter()
                     .map(|rank| {
                         let (model, ids) = (whole.clone(), &ids);
@@ -126,7 +133,8 @@ fn a_fsdp_run_in_one_process_trains_as_without_it() {
             ..Default::default()
         };
         let model = tiny("tiny-llama", Some(QuantConfig::nf4()));
-        let mut trainer = Trainer::new(model, args, &lora, crate::trainer::examples(), vec![]).unwrap();
+        let mut trainer =
+            Trainer::new(model, args, &lora, crate::trainer::examples(), vec![]).unwrap();
         let log = trainer.train(None).unwrap();
         assert_eq!(trainer.model.sharding().is_some(), fsdp.is_some());
         let losses: Vec<u64> = log
@@ -139,5 +147,8 @@ fn a_fsdp_run_in_one_process_trains_as_without_it() {
     };
     let whole = run(None);
     assert_eq!(whole.0.len(), 3);
-    assert!(run(Some("full_shard auto_wrap")) == whole, "the sharded run differs");
+    assert!(
+        run(Some("full_shard auto_wrap")) == whole,
+        "the sharded run differs"
+    );
 }

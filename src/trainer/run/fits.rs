@@ -58,6 +58,7 @@ impl RunShape<'_> {
             world_size: self.world_size,
             preference: self.preference,
             grpo_generations: self.grpo_generations,
+            fsdp: matches!(args.fsdp_plan(), Ok(Some(_))),
         }
     }
 }

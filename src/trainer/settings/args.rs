@@ -4,11 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::fsdp::{FsdpConfig, FsdpPlan};
 use super::sections::read_section;
 use crate::distributed::WorldEnv;
 use crate::error::{Error, Result};
 use crate::names::named_enum;
-use super::fsdp::{FsdpConfig, FsdpPlan};
 use crate::optim::schedule::{check_kwargs, warmup_steps};
 use crate::optim::{OptimizerName, SchedulerType};
 

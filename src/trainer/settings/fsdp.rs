@@ -68,12 +68,18 @@ const REFUSED_WORDS: &[(&str, &str)] = &[
 impl FsdpConfig {
     /// The plan of `fsdp` (space-separated words, as transformers takes them) with this config, or why it is
     /// refused (the message names the key).
-    pub fn plan(&self, fsdp: Option<&str>, gradient_checkpointing: bool) -> Result<Option<FsdpPlan>, String> {
+    pub fn plan(
+        &self,
+        fsdp: Option<&str>,
+        gradient_checkpointing: bool,
+    ) -> Result<Option<FsdpPlan>, String> {
         let words: Vec<&str> = fsdp.unwrap_or("").split_whitespace().collect();
         if words.is_empty() {
             return match self == &FsdpConfig::default() {
                 true => Ok(None),
-                false => Err("fsdp_config is set but fsdp is not: set fsdp = \"full_shard\"".into()),
+                false => {
+                    Err("fsdp_config is set but fsdp is not: set fsdp = \"full_shard\"".into())
+                }
             };
         }
         let mut full_shard = false;
@@ -158,7 +164,9 @@ impl FsdpConfig {
             );
         }
         if let Some(v) = self.version.filter(|v| !matches!(v, 1 | 2)) {
-            return Err(format!("fsdp_config.version = {v}: FSDP's versions are 1 and 2"));
+            return Err(format!(
+                "fsdp_config.version = {v}: FSDP's versions are 1 and 2"
+            ));
         }
         Ok(Some(FsdpPlan { full_shard }))
     }
@@ -180,7 +188,11 @@ mod tests {
             ("shard_grad_op", FsdpConfig::default(), "shard_grad_op"),
             ("auto_wrap", FsdpConfig::default(), "add \"full_shard\""),
             ("full_shard offload", FsdpConfig::default(), "offload"),
-            ("full_shard sharded", FsdpConfig::default(), "unknown option \"sharded\""),
+            (
+                "full_shard sharded",
+                FsdpConfig::default(),
+                "unknown option \"sharded\"",
+            ),
             (
                 "full_shard",
                 FsdpConfig {
@@ -209,12 +221,17 @@ mod tests {
             let err = config.plan(Some(fsdp), true).unwrap_err();
             assert!(err.contains(needle), "{fsdp}: {err}");
         }
-        let err = FsdpConfig::default().plan(Some("full_shard"), false).unwrap_err();
+        let err = FsdpConfig::default()
+            .plan(Some("full_shard"), false)
+            .unwrap_err();
         assert!(err.contains("gradient_checkpointing"), "{err}");
         let stray = FsdpConfig {
             forward_prefetch: true,
             ..Default::default()
         };
-        assert!(stray.plan(None, true).unwrap_err().contains("fsdp_config is set"));
+        assert!(stray
+            .plan(None, true)
+            .unwrap_err()
+            .contains("fsdp_config is set"));
     }
 }

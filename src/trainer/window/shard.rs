@@ -33,7 +33,10 @@ impl Shard {
     /// from all of them, so the ranks' passes must pair up. Otherwise none.
     pub fn padding_passes(self, items: usize, sharded: bool) -> usize {
         match sharded {
-            true => items.div_ceil(self.world_size) - (items + self.world_size - 1 - self.rank) / self.world_size,
+            true => {
+                items.div_ceil(self.world_size)
+                    - (items + self.world_size - 1 - self.rank) / self.world_size
+            }
             false => 0,
         }
     }
@@ -58,7 +61,10 @@ mod tests {
                         shard.share(0..items).count() + shard.padding_passes(items, true)
                     })
                     .collect();
-                assert!(passes.iter().all(|p| *p == items.div_ceil(world_size)), "{passes:?}");
+                assert!(
+                    passes.iter().all(|p| *p == items.div_ceil(world_size)),
+                    "{passes:?}"
+                );
             }
         }
     }
