@@ -507,11 +507,7 @@ impl DecoderLayer {
             let FrozenWeight::Sharded(frame) = &lin.base.weight else {
                 candle_core::bail!("a sharded layer holds a whole weight");
             };
-            let parts = match frame.as_ref() {
-                WeightFrame::Dense { .. } => 1,
-                WeightFrame::Nf4(q) => q.storage().len(),
-            };
-            let weight = frame.rebuild(storage.by_ref().take(parts).collect())?;
+            let weight = frame.rebuild(storage.by_ref().take(frame.parts()).collect())?;
             lin.base = Arc::new(FrozenLinear::new(weight, lin.base.bias.clone()));
         }
         Ok(out)
@@ -853,8 +849,8 @@ impl LlamaModel {
     /// [`LlamaModel::to_device`], each layer keeping only rank `sharding.rank()`'s share of its linear weights
     /// (FSDP's full sharding, see [`crate::models::shard`]): a layer is sharded as it arrives, so the device never
     /// holds more than the shards and one whole layer. A model already on `device` is sharded in place, its
-    /// adapters kept. The layers gather through `sharding`'s exchange when they
-    /// run, so every rank must run the same layers in the same order.
+    /// adapters kept. The layers gather through `sharding`'s exchange when they run, so every rank must run the
+    /// same layers in the same order.
     pub fn to_device_sharded(
         self,
         device: &Device,

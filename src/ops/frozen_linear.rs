@@ -179,6 +179,14 @@ impl WeightFrame {
         }
     }
 
+    /// How many storage tensors [`WeightFrame::rebuild`] takes.
+    pub fn parts(&self) -> usize {
+        match self {
+            WeightFrame::Dense { .. } => 1,
+            WeightFrame::Nf4(q) => q.storage().len(),
+        }
+    }
+
     /// The 4-bit format of the weight, if it is 4-bit.
     pub fn quantization(&self) -> Option<QuantConfig> {
         match self {

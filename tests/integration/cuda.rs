@@ -2374,20 +2374,7 @@ fn free_port() -> u16 {
 #[test]
 fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
     let root = tempfile::tempdir().unwrap();
-    let eval = root.path().join("eval.jsonl");
-    let rows: String = (0..6)
-        .map(|i| {
-            format!(
-                "{{\"text\": \"t{} t{} t{} t{}\"}}\n",
-                i + 2,
-                3 * i + 1,
-                i + 9,
-                40 - i
-            )
-        })
-        .collect();
-    std::fs::write(&eval, rows).unwrap();
-    let eval_file = format!("data.eval_file={:?}", eval.display().to_string());
+    let eval_file = write_eval_rows(root.path());
     let run = |name: &str, accumulation: usize, nproc: Option<usize>| {
         let dir = root.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
@@ -2435,6 +2422,26 @@ fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
     }
 }
 
+/// Six short evaluation rows in `dir/eval.jsonl` (three batches of two: uneven over 2 and 4 ranks), and the
+/// `--set` that names them.
+#[cfg(feature = "nccl")]
+fn write_eval_rows(dir: &std::path::Path) -> String {
+    let eval = dir.join("eval.jsonl");
+    let rows: String = (0..6)
+        .map(|i| {
+            format!(
+                "{{\"text\": \"t{} t{} t{} t{}\"}}\n",
+                i + 2,
+                3 * i + 1,
+                i + 9,
+                40 - i
+            )
+        })
+        .collect();
+    std::fs::write(&eval, rows).unwrap();
+    format!("data.eval_file={:?}", eval.display().to_string())
+}
+
 /// The bytes of linear weights a sharded rank says it holds, and the whole model's (`fsdp: rank r of n holds … (X B)
 /// of the layers' … (Y B)`), from its standard error.
 #[cfg(feature = "nccl")]
@@ -2463,20 +2470,7 @@ fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
 #[test]
 fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     let root = tempfile::tempdir().unwrap();
-    let eval = root.path().join("eval.jsonl");
-    let rows: String = (0..6)
-        .map(|i| {
-            format!(
-                "{{\"text\": \"t{} t{} t{} t{}\"}}\n",
-                i + 2,
-                3 * i + 1,
-                i + 9,
-                40 - i
-            )
-        })
-        .collect();
-    std::fs::write(&eval, rows).unwrap();
-    let eval_file = format!("data.eval_file={:?}", eval.display().to_string());
+    let eval_file = write_eval_rows(root.path());
     let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: bool| {
         let dir = root.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();

@@ -119,8 +119,6 @@ impl Trainer {
         RunEstimate::new(self.model.config(), run.estimate_args()).ok()
     }
 
-    /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored
-    /// from `resume`), the log file, and the callbacks' `on_train_begin`.
     /// With `fsdp`, the model's layers sharded over the job's ranks (a model `from_run_config` loaded was sharded
     /// as it moved to its device; one made in code is sharded here); a model sharded for other ranks is refused.
     fn shard_base(&mut self, args: &TrainingArguments, shard: Shard) -> Result<()> {
@@ -146,6 +144,8 @@ impl Trainer {
         }
     }
 
+    /// Prepares a run: the output folder, the schedule and the optimizer, the memory timeline, the state (restored
+    /// from `resume`), the log file, and the callbacks' `on_train_begin`.
     pub(super) fn setup(&mut self, resume: Option<&Path>) -> Result<Run> {
         crate::memory::keep_freed_memory();
         interrupt::reset();
