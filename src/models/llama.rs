@@ -860,13 +860,20 @@ impl LlamaModel {
     }
 
     fn move_to(self, device: &Device, sharding: Option<&Arc<Sharding>>) -> crate::Result<Self> {
+        let moves = !self.embed_tokens.device().same_device(device);
+        // Sharding in place keeps the adapters; a move would leave them on the old device.
+        if !self.adapter_configs.is_empty() && (moves || sharding.is_none()) {
+            return Err(crate::Error::InvalidInput(
+                "move the model to its device before adding or loading adapters".into(),
+            ));
+        }
         let shard = |layer: DecoderLayer| -> crate::Result<Arc<DecoderLayer>> {
             Ok(Arc::new(match sharding {
                 Some(s) => layer.sharded(s)?,
                 None => layer,
             }))
         };
-        if self.embed_tokens.device().same_device(device) {
+        if !moves {
             return match sharding {
                 None => Ok(self),
                 Some(_) => {
@@ -882,11 +889,6 @@ impl LlamaModel {
                     })
                 }
             };
-        }
-        if !self.adapter_configs.is_empty() {
-            return Err(crate::Error::InvalidInput(
-                "move the model to its device before adding or loading adapters".into(),
-            ));
         }
         let embed_tokens = self.embed_tokens.to_device(device)?;
         // A head tied to the embeddings stays one tensor on the device.
