@@ -145,6 +145,10 @@ struct EstimateCliArgs {
     /// holds 1/N of the decoder layers' linear weights and gathers one layer at a time (JSON: sharded).
     #[arg(long)]
     fsdp: bool,
+    /// With --fsdp, the shards live in host memory (`offload` / `offload_params` in a run config; JSON host_bytes)
+    /// and each layer's share is copied to the GPU before its gather.
+    #[arg(long = "fsdp-offload", requires = "fsdp")]
+    fsdp_offload: bool,
     /// Print one JSON object for the configuration given instead of the table.
     #[arg(long)]
     json: bool,
@@ -200,6 +204,7 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
         preference: args.dpo,
         grpo_generations: args.grpo.then_some(args.num_generations),
         fsdp: args.fsdp,
+        fsdp_offload: args.fsdp_offload,
     };
     let table = comparison(&config, &request)?;
     let asked = table.last().context("empty estimate")?;
@@ -301,12 +306,13 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     }
     if let Some(f) = &asked.sharded {
         println!(
-            "\nFSDP over {} GPUs, per GPU: {} of the decoder layers' linear weights (1/{}) and one layer gathered \
+            "\nFSDP over {} GPUs, per GPU: {} of the decoder layers' linear weights (1/{}{}) and one layer gathered \
              whole ({}); {} whole on every GPU (embeddings, head, norms, RoPE tables); {} of all-gathers received \
              per micro-batch (each layer twice: forward and recomputation), {:.1} ms at a bus bandwidth of 100 GB/s.",
             f.world_size,
             human_bytes(f.shard_bytes),
             f.world_size,
+            if f.offload { ", in host memory" } else { "" },
             human_bytes(f.gathered_layer_bytes),
             human_bytes(f.unsharded_bytes),
             human_bytes(f.all_gather_bytes_per_micro_batch),

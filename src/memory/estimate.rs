@@ -69,6 +69,9 @@ pub struct EstimateArgs {
     /// FSDP (`fsdp = "full_shard"`, needs `gradient_checkpointing`): each of the `world_size` GPUs holds 1/N of the
     /// decoder layers' linear weights and gathers one layer at a time ([`Sharded`]).
     pub fsdp: bool,
+    /// With `fsdp`, the shards live in host memory ([`Estimate::host_bytes`]) and each layer's share is copied to
+    /// the GPU before its gather (`offload_params`).
+    pub fsdp_offload: bool,
 }
 
 /// PyTorch DDP's gradient bucket size in MiB, which a data-parallel run uses unless `ddp_bucket_cap_mb` says
@@ -120,6 +123,9 @@ impl EstimateArgs {
                  recomputed without gradient checkpointing: add --gradient-checkpointing"
                     .into(),
             );
+        }
+        if self.fsdp_offload && !self.fsdp {
+            return bad("--fsdp-offload offloads FSDP's shards: add --fsdp".into());
         }
         if self.fsdp && !self.gradient_checkpointing {
             return bad(
@@ -212,6 +218,9 @@ impl EstimateArgs {
         if self.fsdp {
             flags += " --fsdp";
         }
+        if self.fsdp_offload {
+            flags += " --fsdp-offload";
+        }
         Some(flags)
     }
 }
@@ -235,6 +244,7 @@ impl Default for EstimateArgs {
             preference: false,
             grpo_generations: None,
             fsdp: false,
+            fsdp_offload: false,
         }
     }
 }
@@ -305,9 +315,13 @@ pub struct Estimate {
 pub struct Sharded {
     /// Ranks (GPUs).
     pub world_size: usize,
-    /// The decoder layers' linear weights on each GPU: 1/N of them (counted in `weights_bytes`).
+    /// Whether the shards live in host memory (`offload_params`).
+    pub offload: bool,
+    /// The decoder layers' linear weights each rank holds: 1/N of them (in `weights_bytes`, or offloaded in
+    /// `host_bytes`).
     pub shard_bytes: u64,
-    /// The largest layer's linear weights, gathered whole while it runs (counted in `weights_bytes`).
+    /// The largest layer's linear weights, gathered whole while it runs (counted in `weights_bytes`); offloaded,
+    /// its share's copy on the GPU too.
     pub gathered_layer_bytes: u64,
     /// What stays whole on every GPU (counted in `weights_bytes`): embeddings, head, norms, the RoPE tables.
     pub unsharded_bytes: u64,
@@ -832,8 +846,12 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         let largest = layers.iter().copied().max().unwrap_or(0);
         Sharded {
             world_size: args.world_size,
+            offload: args.fsdp_offload,
             shard_bytes: layer_linears.div_ceil(world),
-            gathered_layer_bytes: largest,
+            gathered_layer_bytes: match args.fsdp_offload {
+                true => largest + largest.div_ceil(world),
+                false => largest,
+            },
             unsharded_bytes: rope_tables + n.rest * e,
             all_gather_bytes_per_micro_batch: 2 * layer_linears * (world - 1) / world,
         }
@@ -841,6 +859,7 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     let weights = rope_tables
         + n.rest * e
         + match &sharded {
+            Some(s) if s.offload => s.gathered_layer_bytes,
             Some(s) => s.shard_bytes + s.gathered_layer_bytes,
             None => layer_linears,
         };
@@ -970,13 +989,17 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     }
     if let Some(s) = &sharded {
         assumptions.push(format!(
-            "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights ({}) and one layer gathered \
+            "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights ({}{}) and one layer gathered \
              whole while it runs ({}; gathered again for its recomputation, not ahead of it); embeddings, head and \
              norms ({}) and the adapter with its optimizer state stay whole on every GPU; each GPU receives {} of \
              gathers per micro-batch",
             s.world_size,
             s.world_size,
             human_bytes(s.shard_bytes),
+            match s.offload {
+                true => ", in host memory (host_bytes), each layer's share copied in before its gather",
+                false => "",
+            },
             human_bytes(s.gathered_layer_bytes),
             human_bytes(s.unsharded_bytes),
             human_bytes(s.all_gather_bytes_per_micro_batch)
@@ -997,7 +1020,11 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         ],
         assumptions,
     );
-    estimate.host_bytes = offloaded_host_bytes(c, args, e);
+    estimate.host_bytes = offloaded_host_bytes(c, args, e)
+        + sharded
+            .as_ref()
+            .filter(|s| s.offload)
+            .map_or(0, |s| s.shard_bytes);
     estimate.data_parallel = data_parallel;
     estimate.routing = routing;
     estimate.sharded = sharded;
@@ -1207,6 +1234,23 @@ mod tests {
                 s.all_gather_bytes_per_micro_batch,
                 2 * layers * (world - 1) / world
             );
+            // Offloaded: the shards move to the host; the GPU holds the gathered layer and its share's copy.
+            let offloaded = estimate(
+                &c,
+                &EstimateArgs {
+                    fsdp_offload: true,
+                    ..args(world as usize, true)
+                },
+            )
+            .unwrap();
+            assert_eq!(
+                offloaded.host_bytes,
+                fsdp.host_bytes + layers.div_ceil(world)
+            );
+            assert_eq!(
+                offloaded.weights_bytes,
+                ddp.weights_bytes - layers + layer + layer.div_ceil(world)
+            );
         }
         let err = estimate(
             &c,
@@ -1218,6 +1262,12 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("--gradient-checkpointing"), "{err}");
+        let offload_alone = EstimateArgs {
+            fsdp_offload: true,
+            ..args(2, false)
+        };
+        let err = estimate(&c, &offload_alone).unwrap_err().to_string();
+        assert!(err.contains("add --fsdp"), "{err}");
     }
 
     #[test]

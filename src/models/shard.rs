@@ -11,7 +11,7 @@
 
 use std::sync::{Arc, Barrier, Mutex, RwLock};
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -26,10 +26,12 @@ pub trait ShardExchange: Send + Sync {
 }
 
 /// This process's place in a sharded job, shared by all of a model's sharded layers: its rank, the number of
-/// ranks, and the exchange that gathers (attached once the job's communicator exists; one rank alone needs none).
+/// ranks, where the shards live, and the exchange that gathers (attached once the job's communicator exists; one
+/// rank alone needs none).
 pub struct Sharding {
     rank: usize,
     world_size: usize,
+    offload: bool,
     exchange: RwLock<Option<Arc<dyn ShardExchange>>>,
 }
 
@@ -40,8 +42,9 @@ impl std::fmt::Debug for Sharding {
 }
 
 impl Sharding {
-    /// Rank `rank` of `world_size`, without an exchange yet.
-    pub fn new(rank: usize, world_size: usize) -> Result<Arc<Self>> {
+    /// Rank `rank` of `world_size`, without an exchange yet; with `offload` the shards live in host memory and
+    /// travel to the device for each gather (FSDP's `offload_params`), otherwise on the device.
+    pub fn new(rank: usize, world_size: usize, offload: bool) -> Result<Arc<Self>> {
         if world_size == 0 || rank >= world_size {
             return Err(Error::InvalidInput(format!(
                 "rank {rank} of {world_size}: a rank is below the number of ranks"
@@ -50,6 +53,7 @@ impl Sharding {
         Ok(Arc::new(Sharding {
             rank,
             world_size,
+            offload,
             exchange: RwLock::new(None),
         }))
     }
@@ -62,6 +66,11 @@ impl Sharding {
     /// The number of ranks sharing the model.
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// Whether the shards live in host memory.
+    pub fn offload(&self) -> bool {
+        self.offload
     }
 
     /// Sets the exchange the layers gather through (the job's communicator).
@@ -100,7 +109,7 @@ struct Piece {
 /// One flat buffer: this rank's slice of it.
 #[derive(Clone, Debug)]
 struct Buffer {
-    /// `[slice_len]`: elements `rank · slice_len ..` of the whole buffer.
+    /// `[slice_len]`: elements `rank · slice_len ..` of the whole buffer, on the device or (offloaded) the host.
     mine: Tensor,
 }
 
@@ -108,6 +117,8 @@ struct Buffer {
 #[derive(Clone, Debug)]
 pub struct FlatShards {
     sharding: Arc<Sharding>,
+    /// Where the gathered tensors are used (the tensors' device).
+    device: Device,
     buffers: Vec<Buffer>,
     pieces: Vec<Piece>,
     /// Bytes of the whole tensors (what one rank alone would hold).
@@ -140,6 +151,7 @@ impl FlatShards {
             lengths[buffer] = offset + t.elem_count();
         }
         let (rank, world) = (sharding.rank, sharding.world_size);
+        let device = tensors.first().map_or(Device::Cpu, |t| t.device().clone());
         let mut buffers = Vec::with_capacity(dtypes.len());
         for (b, (&dtype, &len)) in dtypes.iter().zip(&lengths).enumerate() {
             let slice_len = len.div_ceil(world).max(1);
@@ -158,12 +170,14 @@ impl FlatShards {
                 parts.push(t.flatten_all()?.narrow(0, from - p.offset, to - from)?);
                 at = to;
             }
-            let device = tensors[0].device();
             if end > at {
-                parts.push(Tensor::zeros(end - at, dtype, device)?);
+                parts.push(Tensor::zeros(end - at, dtype, &device)?);
             }
             // A copy of its own, so the whole tensors' storage is not kept alive by a view.
-            let mine = Tensor::cat(&parts, 0)?.copy()?;
+            let mine = match sharding.offload {
+                true => Tensor::cat(&parts, 0)?.to_device(&Device::Cpu)?,
+                false => Tensor::cat(&parts, 0)?.copy()?,
+            };
             buffers.push(Buffer { mine });
         }
         let whole_bytes = tensors
@@ -172,6 +186,7 @@ impl FlatShards {
             .sum();
         Ok(FlatShards {
             sharding,
+            device,
             buffers,
             pieces,
             whole_bytes,
@@ -184,7 +199,10 @@ impl FlatShards {
         let whole: Vec<Tensor> = self
             .buffers
             .iter()
-            .map(|b| self.sharding.all_gather(&b.mine, what))
+            .map(|b| {
+                let mine = b.mine.to_device(&self.device)?;
+                self.sharding.all_gather(&mine, what)
+            })
             .collect::<Result<_>>()?;
         self.pieces
             .iter()
@@ -192,7 +210,7 @@ impl FlatShards {
             .collect()
     }
 
-    /// Bytes this rank holds.
+    /// Bytes this rank holds (on the host when offloaded).
     pub fn shard_bytes(&self) -> usize {
         self.buffers
             .iter()
@@ -262,8 +280,6 @@ impl ShardExchange for LocalRank {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::Device;
-
     use super::*;
 
     /// Tensors of three dtypes and awkward lengths, split over 1 to 5 ranks: every rank holds about its share and
@@ -297,7 +313,7 @@ mod tests {
                     .map(|r| {
                         let tensors = &tensors;
                         s.spawn(move || {
-                            let sharding = Sharding::new(r.rank, world).unwrap();
+                            let sharding = Sharding::new(r.rank, world, false).unwrap();
                             sharding.attach(Arc::new(r));
                             let shards = FlatShards::new(tensors, sharding).unwrap();
                             let back = shards.gather("test tensors").unwrap();
@@ -330,7 +346,7 @@ mod tests {
     #[test]
     fn gathering_without_an_exchange_needs_one_rank() {
         let t = [Tensor::arange(0f32, 10., &Device::Cpu).unwrap()];
-        let alone = FlatShards::new(&t, Sharding::new(0, 1).unwrap()).unwrap();
+        let alone = FlatShards::new(&t, Sharding::new(0, 1, false).unwrap()).unwrap();
         assert_eq!(
             alone.gather("x").unwrap()[0]
                 .to_vec1::<f32>()
@@ -338,12 +354,12 @@ mod tests {
                 .len(),
             10
         );
-        let two = FlatShards::new(&t, Sharding::new(1, 2).unwrap()).unwrap();
+        let two = FlatShards::new(&t, Sharding::new(1, 2, false).unwrap()).unwrap();
         let err = two.gather("layer 0's weights").unwrap_err().to_string();
         assert!(
             err.contains("rank 1 of 2") && err.contains("no communicator"),
             "{err}"
         );
-        assert!(Sharding::new(2, 2).is_err());
+        assert!(Sharding::new(2, 2, false).is_err());
     }
 }

@@ -2462,8 +2462,8 @@ fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
 }
 
 /// FSDP (`fsdp = "full_shard"`) on 2 and 4 emulated GPUs over NCCL, each rank holding 1/N of every layer's 4-bit
-/// weights and gathering the rest per layer (forward and recomputation): the 2-rank run equals the data-parallel
-/// run on 2 ranks bit for bit (losses and adapter), both runs equal one process accumulating as much, and so do
+/// weights and gathering the rest per layer (forward and recomputation): the 2-rank run, with its shards on the GPU
+/// or offloaded to host memory, equals the data-parallel run on 2 ranks bit for bit (losses and adapter), both runs equal one process accumulating as much, and so do
 /// the sharded evaluations — whose 3 batches leave a rank short, which then runs a padding pass so the gathers pair
 /// up. Each rank says it holds 1/N of the linear weights (within the padding of its buffers).
 #[cfg(feature = "nccl")]
@@ -2471,7 +2471,7 @@ fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
 fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     let root = tempfile::tempdir().unwrap();
     let eval_file = write_eval_rows(root.path());
-    let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: bool| {
+    let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: Option<&str>| {
         let dir = root.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
         let config = ddp_config(&dir, accumulation, 3, 100);
@@ -2486,8 +2486,9 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
             "--set",
             "training.gradient_checkpointing=true",
         ];
-        if fsdp {
-            args.extend(["--set", "training.fsdp=\"full_shard auto_wrap\""]);
+        let fsdp = fsdp.map(|f| format!("training.fsdp={f:?}"));
+        if let Some(fsdp) = &fsdp {
+            args.extend(["--set", fsdp]);
         }
         if let Some(n) = &n {
             args.extend(["--nproc-per-node", n]);
@@ -2505,11 +2506,15 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
             fsdp_held_bytes(&err),
         )
     };
-    let (single_losses, single, single_eval, _) = run("single", 4, None, false);
+    let (single_losses, single, single_eval, _) = run("single", 4, None, None);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
-    let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), false);
-    for (name, accumulation, nproc) in [("fsdp-two", 2, 2), ("fsdp-four", 1, 4)] {
-        let (losses, adapter, eval, held) = run(name, accumulation, Some(nproc), true);
+    let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), None);
+    for (name, accumulation, nproc, fsdp) in [
+        ("fsdp-two", 2, 2, "full_shard auto_wrap"),
+        ("fsdp-two-offload", 2, 2, "full_shard offload"),
+        ("fsdp-four", 1, 4, "full_shard"),
+    ] {
+        let (losses, adapter, eval, held) = run(name, accumulation, Some(nproc), Some(fsdp));
         if nproc == 2 {
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(

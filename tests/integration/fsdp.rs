@@ -49,8 +49,9 @@ fn loss_grad_and_logits(model: &LlamaModel, ids: &Tensor) -> (u32, Vec<u32>, Vec
     (loss_bits, bits(grad), bits(&model.logits(ids).unwrap()))
 }
 
-/// A dense and a 4-bit Llama and a 4-bit mixture of experts, sharded over 1, 2 and 3 ranks: every rank holds about
-/// 1/N of the linear weights, and its loss, input gradient and logits equal the whole model's bit for bit.
+/// A dense and a 4-bit Llama and a 4-bit mixture of experts, sharded over 1, 2 and 3 ranks (and 2 with the shards
+/// offloaded to host memory): every rank holds about 1/N of the linear weights, and its loss, input gradient and
+/// logits equal the whole model's bit for bit.
 #[test]
 fn sharded_models_compute_what_the_whole_model_computes() {
     let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
@@ -66,14 +67,14 @@ fn sharded_models_compute_what_the_whole_model_computes() {
             .iter()
             .map(|(_, l)| l.base.weight.size_in_bytes())
             .sum();
-        for world in 1..=3 {
+        for (world, offload) in [(1, false), (2, false), (3, false), (2, true)] {
             let results: Vec<_> = std::thread::scope(|s| {
                 let handles: Vec<_> = LocalRanks::handles(world)
                     .into_iter()
                     .map(|rank| {
                         let (model, ids) = (whole.clone(), &ids);
                         s.spawn(move || {
-                            let sharding = Sharding::new(rank.rank(), world).unwrap();
+                            let sharding = Sharding::new(rank.rank(), world, offload).unwrap();
                             sharding.attach(Arc::new(rank));
                             let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
                             let held = model.sharded_bytes().unwrap().0;
@@ -86,7 +87,7 @@ fn sharded_models_compute_what_the_whole_model_computes() {
             for (rank, (got, held)) in results.iter().enumerate() {
                 assert!(
                     got == &expected,
-                    "{folder} {quantization:?}, rank {rank} of {world}: the sharded model differs"
+                    "{folder} {quantization:?}, rank {rank} of {world} (offload {offload}): the sharded model differs"
                 );
                 // Each layer's buffers are padded to whole slices and aligned pieces: at most a few hundred bytes a
                 // weight over the even share.

@@ -39,6 +39,8 @@ impl RunShape<'_> {
     /// offload, base, device and compute dtype.
     pub(super) fn estimate_args(&self) -> EstimateArgs {
         let args = self.args;
+        // Settings FSDP refuses were refused when the config was read.
+        let fsdp = args.fsdp_plan().ok().flatten();
         EstimateArgs {
             batch: args.per_device_train_batch_size,
             seq: self.longest,
@@ -58,7 +60,8 @@ impl RunShape<'_> {
             world_size: self.world_size,
             preference: self.preference,
             grpo_generations: self.grpo_generations,
-            fsdp: matches!(args.fsdp_plan(), Ok(Some(_))),
+            fsdp: fsdp.is_some(),
+            fsdp_offload: fsdp.is_some_and(|p| p.offload),
         }
     }
 }

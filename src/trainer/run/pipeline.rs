@@ -108,16 +108,17 @@ impl Trainer {
             started.elapsed().as_secs_f64()
         );
         let mut model = match args.fsdp_plan().map_err(Error::InvalidInput)? {
-            Some(_) => {
+            Some(plan) => {
                 let (rank, world_size) = world.as_ref().map_or((0, 1), |w| (w.rank, w.world_size));
-                let sharding = Sharding::new(rank, world_size)?;
+                let sharding = Sharding::new(rank, world_size, plan.offload)?;
                 let model = loaded.model.to_device_sharded(&device, &sharding)?;
                 if let Some((held, whole)) = model.sharded_bytes() {
                     eprintln!(
                         "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the layers' {} ({whole} B) of \
-                         linear weights",
+                         linear weights{}",
                         human_bytes(held as u64),
-                        human_bytes(whole as u64)
+                        human_bytes(whole as u64),
+                        if plan.offload { ", in host memory" } else { "" }
                     );
                 }
                 model

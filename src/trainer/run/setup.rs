@@ -134,8 +134,8 @@ impl Trainer {
                     shard.world_size
                 )))
             }
-            (Some(_), None) => {
-                let sharding = Sharding::new(shard.rank, shard.world_size)?;
+            (Some(plan), None) => {
+                let sharding = Sharding::new(shard.rank, shard.world_size, plan.offload)?;
                 let device = self.model.device().clone();
                 self.model = self.model.clone().to_device_sharded(&device, &sharding)?;
                 Ok(())

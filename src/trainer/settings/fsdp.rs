@@ -9,6 +9,8 @@ use serde::{Deserialize, Serialize};
 pub struct FsdpPlan {
     /// Every rank keeps `1/world_size` of each decoder layer's weights and gathers the rest before the layer runs.
     pub full_shard: bool,
+    /// The shards live in host memory and travel to the GPU for each gather (`"offload"`, `offload_params`).
+    pub offload: bool,
 }
 
 /// transformers' `fsdp_config` (accelerate's FSDP plugin settings), the keys that apply here.
@@ -42,6 +44,8 @@ pub struct FsdpConfig {
     /// FSDP2's: true (free a layer's gathered weights after its forward) is what the sharding does; false refused.
     pub reshard_after_forward: Option<bool>,
     /// Whether the shards live in host memory between uses: accelerate's name for `fsdp = "full_shard offload"`.
+    /// Each layer's share is then copied to the GPU before its gather (the GPU holds the layer being run and that
+    /// copy).
     pub offload_params: bool,
 }
 
@@ -105,13 +109,6 @@ impl FsdpConfig {
                 words.join(" ")
             ));
         }
-        if offload {
-            return Err(
-                "fsdp offload (\"offload\", fsdp_config.offload_params) is not supported yet: the shards stay on \
-                 the GPU; leave it out, or estimate the run with `qlora estimate --fsdp` to see what fits"
-                    .into(),
-            );
-        }
         if !gradient_checkpointing || self.activation_checkpointing == Some(false) {
             return Err(
                 "fsdp needs gradient_checkpointing = true: a layer's gathered weights are freed after its forward \
@@ -168,7 +165,10 @@ impl FsdpConfig {
                 "fsdp_config.version = {v}: FSDP's versions are 1 and 2"
             ));
         }
-        Ok(Some(FsdpPlan { full_shard }))
+        Ok(Some(FsdpPlan {
+            full_shard,
+            offload,
+        }))
     }
 }
 
@@ -182,12 +182,27 @@ mod tests {
         assert_eq!(config.plan(None, true), Ok(None));
         assert_eq!(
             config.plan(Some("full_shard auto_wrap"), true),
-            Ok(Some(FsdpPlan { full_shard: true }))
+            Ok(Some(FsdpPlan {
+                full_shard: true,
+                offload: false
+            }))
         );
+        let offloaded = FsdpConfig {
+            offload_params: true,
+            ..Default::default()
+        };
+        for (fsdp, config) in [("full_shard offload", &config), ("full_shard", &offloaded)] {
+            assert_eq!(
+                config.plan(Some(fsdp), true),
+                Ok(Some(FsdpPlan {
+                    full_shard: true,
+                    offload: true
+                }))
+            );
+        }
         for (fsdp, config, needle) in [
             ("shard_grad_op", FsdpConfig::default(), "shard_grad_op"),
             ("auto_wrap", FsdpConfig::default(), "add \"full_shard\""),
-            ("full_shard offload", FsdpConfig::default(), "offload"),
             (
                 "full_shard sharded",
                 FsdpConfig::default(),
@@ -200,14 +215,6 @@ mod tests {
                     ..Default::default()
                 },
                 "min_num_params",
-            ),
-            (
-                "full_shard",
-                FsdpConfig {
-                    offload_params: true,
-                    ..Default::default()
-                },
-                "offload_params",
             ),
             (
                 "full_shard",
