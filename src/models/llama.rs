@@ -1305,7 +1305,8 @@ impl LlamaModel {
         self.rope.bytes() + self.sliding_rope.as_ref().map_or(0, RopeTables::bytes)
     }
 
-    /// Bytes of the frozen weights (4-bit ones at their packed size).
+    /// Bytes of the frozen weights on the model's device (4-bit ones at their packed size; a sharded layer's share,
+    /// unless it is offloaded to host memory).
     pub fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
         let mut total = t(&self.embed_tokens) + t(&self.norm);
@@ -1314,7 +1315,10 @@ impl LlamaModel {
         }
         for l in &self.layers {
             total += l.norms().into_iter().map(|(_, w)| t(w)).sum::<usize>();
-            total += l.shard().map_or(0, FlatShards::shard_bytes);
+            // Offloaded shards wait in host memory.
+            if !self.sharding.as_ref().is_some_and(|s| s.offload()) {
+                total += l.shard().map_or(0, FlatShards::shard_bytes);
+            }
             for (_, lin) in l.linears() {
                 total +=
                     lin.base.weight.size_in_bytes() + lin.base.bias.as_ref().map(t).unwrap_or(0);

@@ -2560,6 +2560,121 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     }
 }
 
+/// FSDP's memory on 1, 2 and 4 emulated GPUs, one step of a SmolLM2-wide model (4 layers, NF4, bf16, LoRA r=16 on
+/// every linear, paged 8-bit AdamW, checkpointing): rank 0's pool peaks within 10% of the run's own estimate, and
+/// the base weights it holds (the timeline's breakdown at the peak) are the whole model's less (N − 1)/N of the
+/// layers' linear weights; offloaded, less all of them (they wait in host memory).
+#[cfg(feature = "nccl")]
+#[test]
+fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
+    let root = tempfile::tempdir().unwrap();
+    let folder = random_smollm2(root.path(), 4);
+    std::fs::copy(
+        data_path("models/tiny-llama/tokenizer.json"),
+        folder.join("tokenizer.json"),
+    )
+    .unwrap();
+    let data = root.path().join("train.jsonl");
+    let rows: String = (0..8)
+        .map(|i| {
+            let words: Vec<String> = (0..120)
+                .map(|j| format!("t{}", 1 + (i * 7 + j * 3) % 50))
+                .collect();
+            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let run = |name: &str, nproc: usize, fsdp: &str| {
+        let dir = root.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("run.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\nname_or_path = {:?}\n[model.quantization]\nload_in_4bit = true\n\
+                 bnb_4bit_compute_dtype = \"bfloat16\"\n[lora]\nr = 16\nlora_alpha = 16\nlora_dropout = 0.0\n\
+                 target_modules = \"all-linear\"\n[data]\ntrain_file = {:?}\nmax_length = 128\n[training]\n\
+                 output_dir = {:?}\nper_device_train_batch_size = 2\nmax_steps = 1\nbf16 = true\n\
+                 gradient_checkpointing = true\noptim = \"paged_adamw_8bit\"\nsave_strategy = \"no\"\n\
+                 logging_steps = 1\ndisable_tqdm = true\nfsdp = {fsdp:?}\nddp_timeout = 60\n",
+                folder.display().to_string(),
+                data.display().to_string(),
+                dir.join("out").display().to_string(),
+            ),
+        )
+        .unwrap();
+        let n = nproc.to_string();
+        let args: Vec<&str> = match nproc {
+            1 => vec![],
+            _ => vec!["--nproc-per-node", &n],
+        };
+        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
+            .wait()
+            .unwrap();
+        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+        assert!(status.success(), "{name}: {err}");
+        let timeline = read_timeline(&dir.join("out"));
+        // The estimate's pool share, as `pool_share` counts it.
+        let e = &timeline["estimate"]["prediction"];
+        let predicted: u64 = [
+            "weights_bytes",
+            "lora_bytes",
+            "gradients_bytes",
+            "activations_bytes",
+        ]
+        .iter()
+        .map(|k| e[k].as_u64().unwrap())
+        .sum();
+        (
+            timeline_peak(&timeline),
+            timeline["peak"][1]["base_weights"].as_u64().unwrap(),
+            predicted,
+            fsdp_held_bytes(&err)[0],
+        )
+    };
+    let mut rows = Vec::new();
+    for (name, nproc, fsdp) in [
+        ("one", 1, "full_shard"),
+        ("two", 2, "full_shard"),
+        ("four", 4, "full_shard"),
+        ("two-offload", 2, "full_shard offload"),
+    ] {
+        rows.push((
+            name,
+            nproc,
+            fsdp.contains("offload"),
+            run(name, nproc, fsdp),
+        ));
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    eprintln!("run          measured MiB  estimate MiB  ratio  base weights MiB  layers' share MiB of whole");
+    for (name, _, _, (peak, base, predicted, (held, whole))) in &rows {
+        eprintln!(
+            "{name:<12} {:>12.1} {:>13.1} {:>6.3} {:>17.1} {:>9.1} of {:.1}",
+            mib(*peak),
+            mib(*predicted),
+            *predicted as f64 / *peak as f64,
+            mib(*base),
+            mib(*held as u64),
+            mib(*whole as u64)
+        );
+    }
+    // What is not the layers' linear weights: embeddings, norms, RoPE tables.
+    let (_, _, _, (_, base_one, _, (held_one, _))) = rows[0];
+    let rest = base_one - held_one as u64;
+    for (name, nproc, offload, (peak, base, predicted, (held, _))) in &rows {
+        assert!(
+            (*predicted as f64 / *peak as f64 - 1.0).abs() <= 0.10,
+            "{name}: estimate {predicted} vs pool peak {peak}"
+        );
+        let expected = match offload {
+            true => rest,
+            false => rest + *held as u64,
+        };
+        assert_eq!(*base, expected, "{name} ({nproc} ranks): base weights");
+    }
+}
+
 /// Ctrl-C reaches the launcher alone (a SIGINT to its pid; a terminal's goes to the launcher's process group, and
 /// the ranks run in one of their own): it passes it to every rank, they agree to stop after the same step, rank 0
 /// writes that step's checkpoint and says how to resume on as many ranks, and the launcher exits with 130.
