@@ -148,9 +148,8 @@ impl WeightFrame {
                 device_nf4(&DeviceNf4::new(q, &Device::Cpu).map_err(candle_core::Error::wrap)?)
             }
             FrozenWeight::Nf4OnDevice(q) => device_nf4(q),
-            FrozenWeight::Deferred(_) | FrozenWeight::Sharded(_) => {
-                candle_core::bail!("a weight left in its file or already sharded cannot be sharded")
-            }
+            FrozenWeight::Deferred(d) => WeightFrame::split(&d.read()?),
+            FrozenWeight::Sharded(_) => candle_core::bail!("this weight is sharded already"),
         }
     }
 

@@ -2461,6 +2461,20 @@ fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// How far above its start each sharded rank's host heap went while loading (`the host heap peaked … (X B)`), from
+/// its standard error.
+#[cfg(feature = "nccl")]
+fn fsdp_loading_heap(stderr: &str) -> Vec<u64> {
+    stderr
+        .lines()
+        .filter_map(|l| l.split_once("the host heap peaked "))
+        .map(|(_, rest)| {
+            let bytes = &rest[rest.find('(').unwrap() + 1..rest.find(" B)").unwrap()];
+            bytes.parse().unwrap()
+        })
+        .collect()
+}
+
 /// FSDP (`fsdp = "full_shard"`) on 2 and 4 emulated GPUs over NCCL, each rank holding 1/N of every layer's 4-bit
 /// weights and gathering the rest per layer (forward and recomputation): the 2-rank run, with its shards on the GPU
 /// or offloaded to host memory, equals the data-parallel run on 2 ranks bit for bit (losses and adapter), both runs equal one process accumulating as much, and so do
@@ -2625,11 +2639,14 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
         .iter()
         .map(|k| e[k].as_u64().unwrap())
         .sum();
+        let heap = fsdp_loading_heap(&err);
+        assert_eq!(heap.len(), nproc, "{err}");
         (
             timeline_peak(&timeline),
             timeline["peak"][1]["base_weights"].as_u64().unwrap(),
             predicted,
             fsdp_held_bytes(&err)[0],
+            heap.into_iter().max().unwrap(),
         )
     };
     let mut rows = Vec::new();
@@ -2648,21 +2665,22 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
     }
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     eprintln!("run          measured MiB  estimate MiB  ratio  base weights MiB  layers' share MiB of whole");
-    for (name, _, _, (peak, base, predicted, (held, whole))) in &rows {
+    for (name, _, _, (peak, base, predicted, (held, whole), heap)) in &rows {
         eprintln!(
-            "{name:<12} {:>12.1} {:>13.1} {:>6.3} {:>17.1} {:>9.1} of {:.1}",
+            "{name:<12} {:>12.1} {:>13.1} {:>6.3} {:>17.1} {:>9.1} of {:.1}   heap while loading {:.1}",
             mib(*peak),
             mib(*predicted),
             *predicted as f64 / *peak as f64,
             mib(*base),
             mib(*held as u64),
-            mib(*whole as u64)
+            mib(*whole as u64),
+            mib(*heap)
         );
     }
     // What is not the layers' linear weights: embeddings, norms, RoPE tables.
-    let (_, _, _, (_, base_one, _, (held_one, _))) = rows[0];
+    let (_, _, _, (_, base_one, _, (held_one, _), _)) = rows[0];
     let rest = base_one - held_one as u64;
-    for (name, nproc, offload, (peak, base, predicted, (held, _))) in &rows {
+    for (name, nproc, offload, (peak, base, predicted, (held, _), _)) in &rows {
         assert!(
             (*predicted as f64 / *peak as f64 - 1.0).abs() <= 0.10,
             "{name}: estimate {predicted} vs pool peak {peak}"
@@ -2673,6 +2691,67 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
         };
         assert_eq!(*base, expected, "{name} ({nproc} ranks): base weights");
     }
+}
+
+/// Loading a sharded model streams it: each rank's linear weights stay in their files until their layer moves to
+/// its GPU and is sharded, so a rank's host heap while loading does not grow with the model's layers. Two models of
+/// 2 and 10 layers (tiny vocabulary, so the layers are most of the weights) on 2 emulated GPUs: the larger one's
+/// loading peak is within one layer's 4-bit weights of the smaller one's (a whole load would hold 8 more).
+#[cfg(feature = "nccl")]
+#[test]
+fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
+    let root = tempfile::tempdir().unwrap();
+    let widths = LlamaWidths {
+        hidden: 256,
+        intermediate: 1024,
+        heads: 4,
+        kv_heads: 2,
+        vocab: 512,
+        positions: 512,
+    };
+    let loading_heap = |layers: usize| {
+        let dir = root.path().join(format!("layers-{layers}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let folder = random_llama(&dir, layers, &widths);
+        std::fs::copy(
+            data_path("models/tiny-llama/tokenizer.json"),
+            folder.join("tokenizer.json"),
+        )
+        .unwrap();
+        let config = ddp_config(&dir, 1, 1, 100);
+        let text = std::fs::read_to_string(&config).unwrap().replace(
+            &format!("{:?}", data_path("models/tiny-llama").display().to_string()),
+            &format!("{:?}", folder.display().to_string()),
+        );
+        std::fs::write(&config, text).unwrap();
+        let args = [
+            "--nproc-per-node",
+            "2",
+            "--set",
+            "training.fsdp=\"full_shard\"",
+            "--set",
+            "training.gradient_checkpointing=true",
+        ];
+        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
+            .wait()
+            .unwrap();
+        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+        assert!(status.success(), "{err}");
+        let heap = fsdp_loading_heap(&err);
+        assert_eq!(heap.len(), 2, "{err}");
+        heap.into_iter().max().unwrap()
+    };
+    let (small, large) = (loading_heap(2), loading_heap(10));
+    let h = widths.hidden;
+    let layer_params = 2 * h * h + 2 * h * (2 * 64) + 3 * h * widths.intermediate;
+    // NF4 with double quantization: half a byte a parameter and a byte per 64-parameter block, about.
+    let layer_nf4 = layer_params / 2 + layer_params / 64;
+    eprintln!("host heap while loading: 2 layers {small} B, 10 layers {large} B; one layer's 4-bit weights {layer_nf4} B");
+    assert!(
+        large <= small + layer_nf4 as u64,
+        "the host heap grew by {} B for 8 more layers (one layer: {layer_nf4} B)",
+        large.saturating_sub(small)
+    );
 }
 
 /// Ctrl-C reaches the launcher alone (a SIGINT to its pid; a terminal's goes to the launcher's process group, and

@@ -4,6 +4,8 @@
 
 use std::path::Path;
 
+use candle_core::Device;
+
 use super::fits::{check_memory_fits, RunShape};
 use super::trainer::{Prepared, Trainer, ADAPTER};
 use crate::adapter::{load_adapter, ADAPTER_CONFIG};
@@ -12,13 +14,15 @@ use crate::error::{Error, Result};
 use crate::loading::model::no_tokenizer;
 use crate::loading::{load_model, load_model_config, load_tokenizer, LoadOptions};
 use crate::lora::LoraConfig;
-use crate::memory::{human_bytes, process_memory};
-use crate::models::Sharding;
+use crate::memory::heap::reset_heap_peak;
+use crate::memory::{allocated, human_bytes, process_memory};
+use crate::models::{LlamaModel, Sharding};
 use crate::precision::Precision;
 use crate::trainer::methods;
 use crate::trainer::reporting::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use crate::trainer::reporting::memory::start_memory_snapshot;
 use crate::trainer::settings::config::RunConfig;
+use crate::trainer::settings::fsdp::FsdpPlan;
 use crate::trainer::settings::preflight::check_before_loading;
 use crate::trainer::storage::manifest::verify_checkpoint_files;
 use crate::trainer::storage::output_dir::prepare_output_dir;
@@ -84,11 +88,16 @@ impl Trainer {
             let model_config = load_model_config(model_name, revision)?;
             check_memory_fits(&model_config, &run, &config.path.display().to_string())?;
         }
+        let fsdp = args.fsdp_plan().map_err(Error::InvalidInput)?;
         let options = LoadOptions {
             quantization,
             compute_dtype: precision.compute_dtype,
-            ..Default::default()
+            // Sharded, the linear weights of a safetensors folder stay in their files until their layer moves to
+            // the GPU and is sharded: the host holds one tensor at a time, never the model.
+            defer_linear_weights: fsdp.is_some(),
         };
+        reset_heap_peak();
+        let heap_before = allocated().map(|(now, _)| now);
         // A memory snapshot records from before the load, so the weights are in it.
         let recording = args
             .memory_snapshot
@@ -107,22 +116,8 @@ impl Trainer {
             human_bytes(loaded.model.weight_bytes() as u64),
             started.elapsed().as_secs_f64()
         );
-        let mut model = match args.fsdp_plan().map_err(Error::InvalidInput)? {
-            Some(plan) => {
-                let (rank, world_size) = world.as_ref().map_or((0, 1), |w| (w.rank, w.world_size));
-                let sharding = Sharding::new(rank, world_size, plan.offload)?;
-                let model = loaded.model.to_device_sharded(&device, &sharding)?;
-                if let Some((held, whole)) = model.sharded_bytes() {
-                    eprintln!(
-                        "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the layers' {} ({whole} B) of \
-                         linear weights{}",
-                        human_bytes(held as u64),
-                        human_bytes(whole as u64),
-                        if plan.offload { ", in host memory" } else { "" }
-                    );
-                }
-                model
-            }
+        let mut model = match fsdp {
+            Some(plan) => shard_onto(loaded.model, &device, plan, world.as_ref(), heap_before)?,
             None => loaded.model.to_device(&device)?,
         };
         if let Some(dir) = &config.model.adapter {
@@ -152,4 +147,38 @@ impl Trainer {
         }
         Ok(trainer)
     }
+}
+
+/// `model` on `device` with its layers sharded as `plan` says over the ranks of `world` (one process alone: rank 0
+/// of 1), saying what the rank holds and, when the heap is tracked, how far above `heap_before` (its bytes before
+/// the load) the host's heap went while loading and sharding.
+fn shard_onto(
+    model: LlamaModel,
+    device: &Device,
+    plan: FsdpPlan,
+    world: Option<&WorldEnv>,
+    heap_before: Option<u64>,
+) -> Result<LlamaModel> {
+    let (rank, world_size) = world.map_or((0, 1), |w| (w.rank, w.world_size));
+    let sharding = Sharding::new(rank, world_size, plan.offload)?;
+    let model = model.to_device_sharded(device, &sharding)?;
+    let heap = match (heap_before, allocated()) {
+        (Some(before), Some((_, peak))) => {
+            let above = peak.saturating_sub(before);
+            format!(
+                "; the host heap peaked {} ({above} B) above its start while loading",
+                human_bytes(above)
+            )
+        }
+        _ => String::new(),
+    };
+    if let Some((held, whole)) = model.sharded_bytes() {
+        eprintln!(
+            "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the layers' {} ({whole} B) of linear weights{}{heap}",
+            human_bytes(held as u64),
+            human_bytes(whole as u64),
+            if plan.offload { ", in host memory" } else { "" }
+        );
+    }
+    Ok(model)
 }

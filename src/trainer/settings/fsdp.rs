@@ -30,7 +30,9 @@ pub struct FsdpConfig {
     pub forward_prefetch: bool,
     /// Whether at most two layers' gathers are in flight: true here (the current and the next layer's).
     pub limit_all_gathers: Option<bool>,
-    /// Whether every rank reads the weights (false, the default here) or rank 0 alone and broadcasts them.
+    /// accelerate's way to keep host memory low (rank 0 reads, the others receive): here every rank streams the
+    /// weights of a safetensors folder from the files one tensor at a time, straight to its GPU and its share,
+    /// whichever this says (GGUF files and bitsandbytes folders are read whole first).
     pub cpu_ram_efficient_loading: bool,
     /// Whether rank 0's weights are broadcast to the others after loading: each rank loads the same files, so the
     /// shards agree without it.
@@ -143,13 +145,6 @@ impl FsdpConfig {
             return Err(
                 "fsdp_config.limit_all_gathers = false is not supported: at most the current and the next layer \
                  are gathered"
-                    .into(),
-            );
-        }
-        if self.cpu_ram_efficient_loading {
-            return Err(
-                "fsdp_config.cpu_ram_efficient_loading is not supported yet: every rank reads the weights and keeps \
-                 its share on its GPU; leave it false"
                     .into(),
             );
         }
