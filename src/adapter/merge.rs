@@ -149,7 +149,7 @@ pub fn merge_to_folder(
     // The active adapter's trained embedding table, if any.
     tensors.push((
         "model.embed_tokens.weight".into(),
-        raw(model.embedding_table())?,
+        raw(&model.embedding_table()?)?,
     ));
     // Norm weights are stored as the family writes them (Gemma: the scale minus one).
     let offset = model.config().architecture.norm_weight_offset();

@@ -306,14 +306,15 @@ fn estimate_memory(args: EstimateCliArgs) -> anyhow::Result<()> {
     }
     if let Some(f) = &asked.sharded {
         println!(
-            "\nFSDP over {} GPUs, per GPU: {} of the decoder layers' linear weights (1/{}{}) and one layer gathered \
-             whole ({}); {} whole on every GPU (embeddings, head, norms, RoPE tables); {} of all-gathers received \
-             per micro-batch (each layer twice: forward and recomputation), {:.1} ms at a bus bandwidth of 100 GB/s.",
+            "\nFSDP over {} GPUs, per GPU: {} of the layers' linear weights, embedding table and head (1/{}{}) and \
+             one of them gathered whole at a time ({} at most); {} whole on every GPU (norms, RoPE tables); {} of \
+             all-gathers received per micro-batch (each layer twice: forward and recomputation; the head twice), \
+             {:.1} ms at a bus bandwidth of 100 GB/s.",
             f.world_size,
             human_bytes(f.shard_bytes),
             f.world_size,
             if f.offload { ", in host memory" } else { "" },
-            human_bytes(f.gathered_layer_bytes),
+            human_bytes(f.gathered_bytes),
             human_bytes(f.unsharded_bytes),
             human_bytes(f.all_gather_bytes_per_micro_batch),
             f.all_gather_bytes_per_micro_batch as f64 / 100e9 * 1e3,

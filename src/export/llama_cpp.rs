@@ -233,7 +233,7 @@ impl<'a> Conversion<'a> {
             hf.push((hf_name, (name, shape, source)));
             Ok(())
         };
-        let embedding = self.model.embedding_table().dims().to_vec();
+        let embedding = self.model.embedding_table()?.dims().to_vec();
         push(
             "model.embed_tokens.weight".into(),
             embedding.clone(),
@@ -489,14 +489,14 @@ impl<'a> Conversion<'a> {
             return Ok(true);
         }
         let head = self.model.head_weight()?;
-        Ok(values_of(&head)? != values_of(self.model.embedding_table())?)
+        Ok(values_of(&head)? != values_of(&self.model.embedding_table()?)?)
     }
 
     /// A tensor's values in the order the file stores them.
     pub fn values(&self, source: &TensorSource) -> Result<Vec<f32>> {
         let model = self.model;
         match source {
-            TensorSource::Embedding => values_of(model.embedding_table()),
+            TensorSource::Embedding => values_of(&model.embedding_table()?),
             TensorSource::FinalNorm => values_of(&model.norm),
             TensorSource::Head => values_of(&model.head_weight()?),
             TensorSource::LayerNorm { layer, module } => {

@@ -8,6 +8,7 @@ use super::stats::human_bytes;
 use crate::lora::config::{rank_too_large, MAX_RANK};
 use crate::lora::targets::{is_target, rank_and_alpha};
 use crate::lora::{LoraConfig, TargetModules};
+use crate::models::llama::WHOLE_EMBEDDING_ROWS;
 use crate::models::{mlp_slice_rows, LayerAttention, ModelConfig};
 use crate::ops::attention::{dq_kv_heads_per_launch, CUDA_HEAD_DIMS, QUERY_BLOCK};
 use crate::ops::cross_entropy::{CUDA_LOGITS_BYTES, TOKEN_BLOCK};
@@ -317,16 +318,17 @@ pub struct Sharded {
     pub world_size: usize,
     /// Whether the shards live in host memory (`offload_params`).
     pub offload: bool,
-    /// The decoder layers' linear weights each rank holds: 1/N of them (in `weights_bytes`, or offloaded in
-    /// `host_bytes`).
+    /// The sharded weights each rank holds — 1/N of the decoder layers' linear weights, the embedding table and the
+    /// head — in `weights_bytes`, or offloaded in `host_bytes`.
     pub shard_bytes: u64,
-    /// The largest layer's linear weights, gathered whole while it runs (counted in `weights_bytes`); offloaded,
-    /// its share's copy on the GPU too.
-    pub gathered_layer_bytes: u64,
-    /// What stays whole on every GPU (counted in `weights_bytes`): embeddings, head, norms, the RoPE tables.
+    /// The largest weight gathered whole at once (a layer's linear weights, or the embedding table or head), in
+    /// `weights_bytes` (none for one rank alone, whose share is the whole, unless offloaded).
+    pub gathered_bytes: u64,
+    /// What stays whole on every GPU (counted in `weights_bytes`): norms, biases, routers, the RoPE tables and the
+    /// embedding's first rows.
     pub unsharded_bytes: u64,
-    /// Bytes each GPU receives per micro-batch: every layer gathered twice (forward, recomputation), `(N − 1) / N`
-    /// of it from the others.
+    /// Bytes each GPU receives per micro-batch: every layer gathered twice (forward, recomputation), the embedding
+    /// table once and the head twice (the loss, its backward), `(N − 1) / N` of it from the others.
     pub all_gather_bytes_per_micro_batch: u64,
 }
 
@@ -840,29 +842,37 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
         true => per_layer_nf4(c),
         false => n.block_linear * e,
     };
+    // The embedding table, and the head when it is not tied to it: FSDP shards them with the layers.
+    let table = (c.vocab_size * c.hidden_size) as u64 * e;
+    let ends = table * if c.tie_word_embeddings { 1 } else { 2 };
     let sharded = args.fsdp.then(|| {
         let world = args.world_size as u64;
         let layers = layer_bytes(c, args.quantize, e);
-        let largest = layers.iter().copied().max().unwrap_or(0);
+        // One thing gathered at a time: a layer, or the table (the embedding, or the head for the loss).
+        let largest = layers.iter().copied().max().unwrap_or(0).max(table);
+        let shard_bytes = layer_linears.div_ceil(world) + ends.div_ceil(world);
         Sharded {
             world_size: args.world_size,
             offload: args.fsdp_offload,
-            shard_bytes: layer_linears.div_ceil(world),
-            gathered_layer_bytes: match args.fsdp_offload {
-                true => largest + largest.div_ceil(world),
+            shard_bytes,
+            // One rank alone gathers its own share in place; offloaded, its share comes back whole.
+            gathered_bytes: match world == 1 && !args.fsdp_offload {
+                true => 0,
                 false => largest,
             },
-            unsharded_bytes: rope_tables + n.rest * e,
-            all_gather_bytes_per_micro_batch: 2 * layer_linears * (world - 1) / world,
+            unsharded_bytes: rope_tables
+                + (n.rest * e).saturating_sub(ends)
+                + (WHOLE_EMBEDDING_ROWS.min(c.vocab_size) * c.hidden_size) as u64 * e,
+            // Every layer twice (forward, recomputation), the table once, the head twice (loss and its backward).
+            all_gather_bytes_per_micro_batch: (2 * layer_linears + 3 * ends - table) * (world - 1)
+                / world,
         }
     });
-    let weights = rope_tables
-        + n.rest * e
-        + match &sharded {
-            Some(s) if s.offload => s.gathered_layer_bytes,
-            Some(s) => s.shard_bytes + s.gathered_layer_bytes,
-            None => layer_linears,
-        };
+    let weights = match &sharded {
+        Some(s) if s.offload => s.unsharded_bytes + s.gathered_bytes,
+        Some(s) => s.unsharded_bytes + s.shard_bytes + s.gathered_bytes,
+        None => rope_tables + n.rest * e + layer_linears,
+    };
     let data_parallel =
         (args.world_size > 1).then(|| DataParallel::new(args.world_size, 4 * n.lora));
     let other = match args.device {
@@ -989,18 +999,19 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     }
     if let Some(s) = &sharded {
         assumptions.push(format!(
-            "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights ({}{}) and one layer gathered \
-             whole while it runs ({}; gathered again for its recomputation, not ahead of it); embeddings, head and \
-             norms ({}) and the adapter with its optimizer state stay whole on every GPU; each GPU receives {} of \
-             gathers per micro-batch",
+            "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights, the embedding table and the \
+             head ({}{}), and one of them gathered whole while it is used ({} at most: a layer for its forward and \
+             again for its recomputation, the table for the embedding, the head for the loss and again for its \
+             backward; not ahead of use); norms, RoPE tables and the embedding's first rows ({}) and the adapter with \
+             its optimizer state stay whole on every GPU; each GPU receives {} of gathers per micro-batch",
             s.world_size,
             s.world_size,
             human_bytes(s.shard_bytes),
             match s.offload {
-                true => ", in host memory (host_bytes), each layer's share copied in before its gather",
+                true => ", in host memory (host_bytes), each share copied in for its gather",
                 false => "",
             },
-            human_bytes(s.gathered_layer_bytes),
+            human_bytes(s.gathered_bytes),
             human_bytes(s.unsharded_bytes),
             human_bytes(s.all_gather_bytes_per_micro_batch)
         ));
@@ -1212,19 +1223,25 @@ mod tests {
             ..Default::default()
         };
         let layers = per_layer_nf4(&c);
-        let layer = layers / c.num_hidden_layers as u64;
+        // Llama 2's head is not tied: the table twice, bf16.
+        let table: u64 = 32_000 * 4096 * 2;
+        let ends = 2 * table;
         for world in [1u64, 2, 4] {
             let ddp = estimate(&c, &args(world as usize, false)).unwrap();
             let fsdp = estimate(&c, &args(world as usize, true)).unwrap();
             let s = fsdp.sharded.clone().unwrap();
             assert_eq!(ddp.sharded, None);
+            // The table (250 MiB) is larger than a layer (101 MiB in NF4): it is the gathered peak (one rank
+            // alone gathers in place).
+            let gathered = if world == 1 { 0 } else { table };
             assert_eq!(
-                (s.shard_bytes, s.gathered_layer_bytes),
-                (layers.div_ceil(world), layer)
+                (s.shard_bytes, s.gathered_bytes),
+                (layers.div_ceil(world) + ends.div_ceil(world), gathered)
             );
+            let first_rows = 64 * 4096 * 2;
             assert_eq!(
                 fsdp.weights_bytes,
-                ddp.weights_bytes - layers + layers.div_ceil(world) + layer
+                ddp.weights_bytes - layers - ends + s.shard_bytes + gathered + first_rows
             );
             assert_eq!(
                 fsdp.total_bytes - fsdp.weights_bytes,
@@ -1232,9 +1249,9 @@ mod tests {
             );
             assert_eq!(
                 s.all_gather_bytes_per_micro_batch,
-                2 * layers * (world - 1) / world
+                (2 * layers + 3 * ends - table) * (world - 1) / world
             );
-            // Offloaded: the shards move to the host; the GPU holds the gathered layer and its share's copy.
+            // Offloaded: the shards move to the host; the GPU holds the gathered table.
             let offloaded = estimate(
                 &c,
                 &EstimateArgs {
@@ -1243,13 +1260,10 @@ mod tests {
                 },
             )
             .unwrap();
-            assert_eq!(
-                offloaded.host_bytes,
-                fsdp.host_bytes + layers.div_ceil(world)
-            );
+            assert_eq!(offloaded.host_bytes, fsdp.host_bytes + s.shard_bytes);
             assert_eq!(
                 offloaded.weights_bytes,
-                ddp.weights_bytes - layers + layer + layer.div_ceil(world)
+                fsdp.weights_bytes - s.shard_bytes - gathered + table
             );
         }
         let err = estimate(

@@ -644,6 +644,80 @@ pub struct LlamaModel {
     pub saved_modules: std::collections::BTreeMap<String, SavedModules>,
     /// With FSDP, this process's place among the ranks its layers are sharded over.
     sharding: Option<Arc<Sharding>>,
+    /// With FSDP, the embedding table and the head held as this rank's shares (then `embed_tokens` is empty and
+    /// `lm_head` a frame).
+    ends: Option<Arc<ShardedEnds>>,
+}
+
+/// How many of the embedding's first rows a sharded model keeps whole (see [`LlamaModel::embedding_rows`]).
+pub const WHOLE_EMBEDDING_ROWS: usize = 64;
+
+/// The embedding table and the output head of a sharded model (FSDP): this rank's shares, gathered when used.
+#[derive(Debug)]
+struct ShardedEnds {
+    /// The embedding table `[vocab, hidden]`.
+    embed: FlatShards,
+    /// Its shape and dtype.
+    embed_shape: (usize, usize),
+    /// The head's frame and shares; `None` when the head is the embedding table (tied).
+    head: Option<(WeightFrame, FlatShards)>,
+    /// The embedding's first [`WHOLE_EMBEDDING_ROWS`] rows, whole.
+    first_rows: Tensor,
+}
+
+impl ShardedEnds {
+    /// This rank's shares of `embed` and of `head` (`None`: tied to `embed`).
+    fn new(
+        embed: &Tensor,
+        head: Option<&FrozenWeight>,
+        sharding: &Arc<Sharding>,
+    ) -> crate::Result<Self> {
+        let head = match head {
+            Some(w) => {
+                let (frame, storage) = WeightFrame::split(w)?;
+                Some((frame, FlatShards::new(&storage, sharding.clone())?))
+            }
+            None => None,
+        };
+        let rows = embed.dim(0)?.min(WHOLE_EMBEDDING_ROWS);
+        Ok(ShardedEnds {
+            embed: FlatShards::new(&[embed.flatten_all()?], sharding.clone())?,
+            embed_shape: embed.dims2()?,
+            head,
+            // Compact: a view (or Candle's `copy` of one) would keep the whole table.
+            first_rows: embed.narrow(0, 0, rows)?.force_contiguous()?,
+        })
+    }
+
+    /// The whole embedding table.
+    fn embedding(&self) -> Result<Tensor> {
+        let parts = self
+            .embed
+            .gather("the embedding table")
+            .map_err(candle_core::Error::wrap)?;
+        parts[0].reshape(self.embed_shape)
+    }
+
+    /// The whole head, dense.
+    fn head(&self, dtype: DType) -> Result<Tensor> {
+        match &self.head {
+            None => self.embedding(),
+            Some((frame, shards)) => {
+                let storage = shards
+                    .gather("the output head")
+                    .map_err(candle_core::Error::wrap)?;
+                match frame.rebuild(storage)? {
+                    FrozenWeight::Dense(t) => Ok(t),
+                    w => w.to_dense(dtype),
+                }
+            }
+        }
+    }
+
+    /// Bytes of this rank's shares.
+    fn shard_bytes(&self) -> usize {
+        self.embed.shard_bytes() + self.head.as_ref().map_or(0, |(_, h)| h.shard_bytes())
+    }
 }
 
 /// Tensors an adapter trains in full (PEFT's `modules_to_save`), replacing the base's while it is active.
@@ -836,6 +910,7 @@ impl LlamaModel {
             active_adapter: None,
             saved_modules: Default::default(),
             sharding: None,
+            ends: None,
         })
     }
 
@@ -876,17 +951,13 @@ impl LlamaModel {
         if !moves {
             return match sharding {
                 None => Ok(self),
-                Some(_) => {
+                Some(s) => {
                     let layers = self
                         .layers
                         .iter()
                         .map(|l| shard(l.as_ref().clone()))
                         .collect::<crate::Result<Vec<_>>>()?;
-                    Ok(LlamaModel {
-                        layers,
-                        sharding: sharding.cloned(),
-                        ..self
-                    })
+                    LlamaModel { layers, ..self }.with_sharded_ends(s)
                 }
             };
         }
@@ -906,14 +977,44 @@ impl LlamaModel {
             .map(|l| shard(l.map(|t| t.to_device(device), linear)?))
             .collect::<crate::Result<Vec<_>>>()?;
         let (rope, sliding_rope) = rope_tables(&self.config, device, self.compute_dtype)?;
-        Ok(LlamaModel {
+        let moved = LlamaModel {
             embed_tokens,
             layers,
             norm: self.norm.to_device(device)?,
             lm_head: Arc::new(lm_head),
             rope,
             sliding_rope,
-            sharding: sharding.cloned(),
+            ..self
+        };
+        match sharding {
+            Some(s) => moved.with_sharded_ends(s),
+            None => Ok(moved),
+        }
+    }
+
+    /// This model (its layers sharded already) with the embedding table and the head sharded too, by `sharding`.
+    fn with_sharded_ends(self, sharding: &Arc<Sharding>) -> crate::Result<Self> {
+        let tied = matches!(&self.lm_head.weight, FrozenWeight::Dense(w) if w.id() == self.embed_tokens.id());
+        let head = (!tied).then_some(&self.lm_head.weight);
+        let ends = ShardedEnds::new(&self.embed_tokens, head, sharding)?;
+        let (vocab, hidden) = ends.embed_shape;
+        let empty = Tensor::zeros(
+            (0, hidden),
+            self.embed_tokens.dtype(),
+            self.embed_tokens.device(),
+        )?;
+        let frame = WeightFrame::Dense {
+            shape: (vocab, hidden),
+        };
+        let lm_head = match &ends.head {
+            Some((frame, _)) => FrozenWeight::Sharded(Arc::new(frame.clone())),
+            None => FrozenWeight::Sharded(Arc::new(frame)),
+        };
+        Ok(LlamaModel {
+            embed_tokens: empty,
+            lm_head: Arc::new(FrozenLinear::new(lm_head, self.lm_head.bias.clone())),
+            sharding: Some(sharding.clone()),
+            ends: Some(Arc::new(ends)),
             ..self
         })
     }
@@ -924,11 +1025,14 @@ impl LlamaModel {
         self.sharding.as_ref()
     }
 
-    /// With FSDP, the bytes of the layers' linear weights this rank holds, and those of the whole weights.
+    /// With FSDP, the bytes of the sharded weights (the layers' linear weights, the embedding table and the head)
+    /// this rank holds, and those of the whole weights.
     pub fn sharded_bytes(&self) -> Option<(usize, usize)> {
-        self.sharding.as_ref()?;
-        let shards = self.layers.iter().filter_map(|l| l.shard());
-        Some(shards.fold((0, 0), |(held, whole), s| {
+        let ends = self.ends.as_ref()?;
+        let mut shards: Vec<&FlatShards> = self.layers.iter().filter_map(|l| l.shard()).collect();
+        shards.push(&ends.embed);
+        shards.extend(ends.head.as_ref().map(|(_, h)| h));
+        Some(shards.iter().fold((0, 0), |(held, whole), s| {
             (held + s.shard_bytes(), whole + s.whole_bytes())
         }))
     }
@@ -967,18 +1071,39 @@ impl LlamaModel {
 
     /// The embedding table `[vocab, hidden]` in use: the active adapter's trained copy (`modules_to_save`), or the
     /// base's.
-    pub fn embedding_table(&self) -> &Tensor {
-        match self.active_saved().and_then(|s| s.embed_tokens.as_ref()) {
-            Some(v) => v.as_tensor(),
-            None => &self.embed_tokens,
+    pub fn embedding_table(&self) -> Result<Tensor> {
+        match (
+            self.active_saved().and_then(|s| s.embed_tokens.as_ref()),
+            &self.ends,
+        ) {
+            (Some(v), _) => Ok(v.as_tensor().clone()),
+            (None, Some(ends)) => ends.embedding(),
+            (None, None) => Ok(self.embed_tokens.clone()),
         }
+    }
+
+    /// The embedding table's first `n` rows (at most [`WHOLE_EMBEDDING_ROWS`] of a sharded model, which keeps those
+    /// whole): what a checkpoint's fingerprint of the base reads, on every rank alike without a gather.
+    pub fn embedding_rows(&self, n: usize) -> Result<Tensor> {
+        let table = match &self.ends {
+            Some(ends) => &ends.first_rows,
+            None => &self.embed_tokens,
+        };
+        table.narrow(0, 0, n.min(table.dim(0)?))
     }
 
     /// Token embeddings of `ids` (`[batch, seq]`, u32) in the compute dtype, as the first layer takes them (the
     /// input of [`LlamaModel::forward_embeds`]): rows of [`LlamaModel::embedding_table`], times Gemma's `√hidden`
     /// (rounded to the compute dtype), which transformers' Gemma applies inside its embedding module too.
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
-        let rows = ops::embedding(ids, self.embedding_table())?.to_dtype(self.compute_dtype)?;
+        let rows = ops::embedding(ids, &self.embedding_table()?)?.to_dtype(self.compute_dtype)?;
+        // A gathered table is frozen and needs no gradient: the rows must not keep it alive through the step.
+        let rows = match self.ends.is_some()
+            && self.active_saved().is_none_or(|s| s.embed_tokens.is_none())
+        {
+            true => rows.detach(),
+            false => rows,
+        };
         match self.config.embedding_multiplier() {
             Some(m) => {
                 // transformers rounds it to float32 first, unless the model computes in float64.
@@ -994,6 +1119,12 @@ impl LlamaModel {
 
     /// The output head `[vocab, hidden]`: the active adapter's trained copy, or the frozen base head.
     pub fn head_weight(&self) -> Result<Tensor> {
+        if let (None, Some(ends)) = (
+            self.active_saved().and_then(|s| s.lm_head.as_ref()),
+            &self.ends,
+        ) {
+            return ends.head(DType::F32);
+        }
         match self.active_saved().and_then(|s| s.lm_head.as_ref()) {
             Some(v) => Ok(v.as_tensor().clone()),
             None => match &self.lm_head.weight {
@@ -1163,12 +1294,28 @@ impl LlamaModel {
         }
         let h = hidden.reshape((b * t, hdim))?;
         let l = shifted_labels(labels)?.flatten_all()?;
-        ops::linear_cross_entropy_capped(
-            &h,
-            &self.head_weight()?,
-            &l,
-            self.config.final_logit_softcapping,
-        )
+        let cap = self.config.final_logit_softcapping;
+        let sharded_head = self
+            .ends
+            .clone()
+            .filter(|_| self.active_saved().is_none_or(|s| s.lm_head.is_none()));
+        match sharded_head {
+            Some(ends) if h.track_op() => {
+                // A sharded head is gathered for the loss and gathered again for its backward, so the whole head is
+                // not held through the layers' backward in between.
+                let counted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+                let count = counted.clone();
+                let block: ops::Block = Arc::new(move |h: &Tensor, _| {
+                    let (sum, n) =
+                        ops::linear_cross_entropy_capped(h, &ends.head(DType::F32)?, &l, cap)?;
+                    count.store(n, std::sync::atomic::Ordering::Relaxed);
+                    Ok((sum, None))
+                });
+                let sum = ops::checkpoint(&h, block, &[], &GradSink::default())?;
+                Ok((sum, counted.load(std::sync::atomic::Ordering::Relaxed)))
+            }
+            _ => ops::linear_cross_entropy_capped(&h, &self.head_weight()?, &l, cap),
+        }
     }
 
     /// The log-probability of each row's labelled tokens, summed per row: `[batch]` float32 (float64 for a float64
@@ -1310,13 +1457,17 @@ impl LlamaModel {
     pub fn weight_bytes(&self) -> usize {
         let t = |x: &Tensor| x.elem_count() * x.dtype().size_in_bytes();
         let mut total = t(&self.embed_tokens) + t(&self.norm);
+        let offloaded = self.sharding.as_ref().is_some_and(|s| s.offload());
+        if let Some(ends) = &self.ends {
+            total += t(&ends.first_rows) + if offloaded { 0 } else { ends.shard_bytes() };
+        }
         if !self.config.tie_word_embeddings {
             total += self.lm_head.weight.size_in_bytes();
         }
         for l in &self.layers {
             total += l.norms().into_iter().map(|(_, w)| t(w)).sum::<usize>();
             // Offloaded shards wait in host memory.
-            if !self.sharding.as_ref().is_some_and(|s| s.offload()) {
+            if !offloaded {
                 total += l.shard().map_or(0, FlatShards::shard_bytes);
             }
             for (_, lin) in l.linears() {

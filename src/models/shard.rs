@@ -173,10 +173,15 @@ impl FlatShards {
             if end > at {
                 parts.push(Tensor::zeros(end - at, dtype, &device)?);
             }
-            // A copy of its own, so the whole tensors' storage is not kept alive by a view.
+            // A compact copy of its own, so no view keeps the whole tensors' storage alive (Candle's `copy` and a
+            // one-tensor `cat` would: they keep the view's whole storage).
+            let mine = match parts.as_slice() {
+                [one] => one.force_contiguous()?,
+                _ => Tensor::cat(&parts, 0)?,
+            };
             let mine = match sharding.offload {
-                true => Tensor::cat(&parts, 0)?.to_device(&Device::Cpu)?,
-                false => Tensor::cat(&parts, 0)?.copy()?,
+                true => mine.to_device(&Device::Cpu)?,
+                false => mine,
             };
             buffers.push(Buffer { mine });
         }

@@ -49,9 +49,10 @@ fn loss_grad_and_logits(model: &LlamaModel, ids: &Tensor) -> (u32, Vec<u32>, Vec
     (loss_bits, bits(grad), bits(&model.logits(ids).unwrap()))
 }
 
-/// A dense and a 4-bit Llama and a 4-bit mixture of experts, sharded over 1, 2 and 3 ranks (and 2 with the shards
-/// offloaded to host memory): every rank holds about 1/N of the linear weights, and its loss, input gradient and
-/// logits equal the whole model's bit for bit.
+/// A dense and a 4-bit Llama, a 4-bit mixture of experts and a 4-bit Gemma 2 (its head tied to the embeddings),
+/// sharded over 1, 2 and 3 ranks (and 2 with the shards offloaded to host memory) — the layers' linear weights, the
+/// embedding table and the head: every rank holds about 1/N of the linear weights, and its loss, input gradient
+/// and logits equal the whole model's bit for bit.
 #[test]
 fn sharded_models_compute_what_the_whole_model_computes() {
     let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
@@ -59,8 +60,11 @@ fn sharded_models_compute_what_the_whole_model_computes() {
         ("tiny-llama", None),
         ("tiny-llama", Some(QuantConfig::nf4())),
         ("tiny-mixtral", Some(QuantConfig::nf4())),
+        ("tiny-gemma2", Some(QuantConfig::nf4())),
     ] {
         let whole = tiny(folder, quantization);
+        // Storage tensors of the linear weights (a 4-bit one has up to 3).
+        let pieces = whole.linears().len() * 3;
         let expected = loss_grad_and_logits(&whole, &ids);
         let whole_linears: usize = whole
             .linears()
@@ -77,7 +81,25 @@ fn sharded_models_compute_what_the_whole_model_computes() {
                             let sharding = Sharding::new(rank.rank(), world, offload).unwrap();
                             sharding.attach(Arc::new(rank));
                             let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                            let held = model.sharded_bytes().unwrap().0;
+                            assert_eq!(
+                                model.embed_tokens.dim(0).unwrap(),
+                                0,
+                                "the table is sharded"
+                            );
+                            // Every sharded weight (the table and head too): 1/N, padding aside.
+                            let (all_held, all_whole) = model.sharded_bytes().unwrap();
+                            assert!(
+                                all_held * world >= all_whole
+                                    && all_held <= all_whole / world + (pieces + 2) * 256,
+                                "{folder}, rank {} of {world}: holds {all_held} of {all_whole}",
+                                sharding.rank()
+                            );
+                            let held: usize = model
+                                .layers
+                                .iter()
+                                .filter_map(|l| l.shard())
+                                .map(|s| s.shard_bytes())
+                                .sum();
                             (loss_grad_and_logits(&model, ids), held)
                         })
                     })

@@ -174,7 +174,8 @@ fn shard_onto(
     };
     if let Some((held, whole)) = model.sharded_bytes() {
         eprintln!(
-            "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the layers' {} ({whole} B) of linear weights{}{heap}",
+            "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the sharded weights' {} ({whole} B) — the \
+             layers' linear weights, the embedding table and the head{}{heap}",
             human_bytes(held as u64),
             human_bytes(whole as u64),
             if plan.offload { ", in host memory" } else { "" }

@@ -134,6 +134,11 @@ impl Trainer {
                     shard.world_size
                 )))
             }
+            (Some(_), None) if !self.model.saved_modules.is_empty() => Err(Error::InvalidInput(
+                "fsdp with an adapter that trains modules_to_save (the embedding table or head): not supported; \
+                 remove modules_to_save or fsdp"
+                    .into(),
+            )),
             (Some(plan), None) => {
                 let sharding = Sharding::new(shard.rank, shard.world_size, plan.offload)?;
                 let device = self.model.device().clone();

@@ -345,6 +345,12 @@ impl RunConfig {
             }
         }
         check_tiled_mlp(&training, &lora, &p)?;
+        if training.fsdp.is_some() && lora.modules_to_save.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(Error::InvalidInput(format!(
+                "{p}: [lora] modules_to_save with [training] fsdp: the trained copies of the embedding table and \
+                 head would be whole on every rank while the base's are sharded; remove modules_to_save or fsdp"
+            )));
+        }
         if training.fsdp.is_some() && lora.use_dora {
             return Err(Error::InvalidInput(format!(
                 "{p}: [lora] use_dora = true with [training] fsdp: DoRA reads each whole base weight for its norm, \

@@ -33,7 +33,7 @@ pub struct BaseModelId {
 impl BaseModelId {
     /// The identity of `model`, loaded from `name`.
     pub fn of(model: &LlamaModel, name: Option<&str>) -> Result<Self> {
-        const ROWS: usize = 64;
+        const ROWS: usize = crate::models::llama::WHOLE_EMBEDDING_ROWS;
         let c = model.config();
         let mut hash = Sha256::new();
         let shape = format!(
@@ -48,8 +48,7 @@ impl BaseModelId {
             c.head_dim
         );
         hash.update(shape.as_bytes());
-        let rows = model.embed_tokens.dim(0)?.min(ROWS);
-        for t in [&model.embed_tokens.narrow(0, 0, rows)?, &model.norm] {
+        for t in [&model.embedding_rows(ROWS)?, &model.norm] {
             let values: Vec<f32> = t
                 .to_dtype(DType::BF16)?
                 .to_dtype(DType::F32)?
