@@ -1208,6 +1208,34 @@ fn random_llama(dir: &std::path::Path, layers: usize, w: &LlamaWidths) -> std::p
     folder
 }
 
+/// The tiny Llama's tokenizer in `folder` (a random model's): its words `t1`, `t2`, … are what the tests' rows use.
+fn add_tiny_tokenizer(folder: &std::path::Path) {
+    std::fs::copy(
+        data_path("models/tiny-llama/tokenizer.json"),
+        folder.join("tokenizer.json"),
+    )
+    .unwrap();
+}
+
+/// `rows` JSONL rows of text in `path`, row `i` of `words(i)` words `t{1 + (i · stride + 3 j) mod vocab}`.
+fn write_word_rows(
+    path: &std::path::Path,
+    rows: usize,
+    words: impl Fn(usize) -> usize,
+    stride: usize,
+    vocab: usize,
+) {
+    let text: String = (0..rows)
+        .map(|i| {
+            let line: Vec<String> = (0..words(i))
+                .map(|j| format!("t{}", 1 + (i * stride + j * 3) % vocab))
+                .collect();
+            format!("{{\"text\": \"{}\"}}\n", line.join(" "))
+        })
+        .collect();
+    std::fs::write(path, text).unwrap();
+}
+
 /// The model in `folder`, NF4 on load, computing in [`training_half`], on GPU 0.
 fn nf4_model_on_gpu(folder: &std::path::Path) -> candle_qlora::models::LlamaModel {
     let opts = LoadOptions {
@@ -2047,21 +2075,9 @@ fn the_fast_emulated_mode_trains_as_the_race_check_mode_does() {
         positions: 256,
     };
     let folder = random_llama(dir.path(), 2, &widths);
-    std::fs::copy(
-        data_path("models/tiny-llama/tokenizer.json"),
-        folder.join("tokenizer.json"),
-    )
-    .unwrap();
+    add_tiny_tokenizer(&folder);
     let data = dir.path().join("train.jsonl");
-    let rows: String = (0..4)
-        .map(|i| {
-            let words: Vec<String> = (0..120)
-                .map(|j| format!("t{}", 1 + (i * 5 + j * 3) % 40))
-                .collect();
-            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
-        })
-        .collect();
-    std::fs::write(&data, rows).unwrap();
+    write_word_rows(&data, 4, |_| 120, 5, 40);
     let train = |mode: &str, env: &[(&str, &str)]| {
         let out = dir.path().join(mode);
         let config = dir.path().join(format!("{mode}.toml"));
@@ -2243,15 +2259,7 @@ fn ddp_config(
     save_steps: usize,
 ) -> std::path::PathBuf {
     let data = dir.join("train.jsonl");
-    let rows: String = (0..16)
-        .map(|i| {
-            let words: Vec<String> = (0..5 + i % 6)
-                .map(|j| format!("t{}", 1 + (i * 5 + j * 3) % 40))
-                .collect();
-            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
-        })
-        .collect();
-    std::fs::write(&data, rows).unwrap();
+    write_word_rows(&data, 16, |i| 5 + i % 6, 5, 40);
     let config = dir.join("run.toml");
     std::fs::write(
         &config,
@@ -2585,21 +2593,9 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
 fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
     let root = tempfile::tempdir().unwrap();
     let folder = random_smollm2(root.path(), 4);
-    std::fs::copy(
-        data_path("models/tiny-llama/tokenizer.json"),
-        folder.join("tokenizer.json"),
-    )
-    .unwrap();
+    add_tiny_tokenizer(&folder);
     let data = root.path().join("train.jsonl");
-    let rows: String = (0..8)
-        .map(|i| {
-            let words: Vec<String> = (0..120)
-                .map(|j| format!("t{}", 1 + (i * 7 + j * 3) % 50))
-                .collect();
-            format!("{{\"text\": \"{}\"}}\n", words.join(" "))
-        })
-        .collect();
-    std::fs::write(&data, rows).unwrap();
+    write_word_rows(&data, 8, |_| 120, 7, 50);
     let run = |name: &str, nproc: usize, fsdp: &str| {
         let dir = root.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
@@ -2717,11 +2713,7 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
         let dir = root.path().join(format!("layers-{layers}"));
         std::fs::create_dir_all(&dir).unwrap();
         let folder = random_llama(&dir, layers, &widths);
-        std::fs::copy(
-            data_path("models/tiny-llama/tokenizer.json"),
-            folder.join("tokenizer.json"),
-        )
-        .unwrap();
+        add_tiny_tokenizer(&folder);
         let config = ddp_config(&dir, 1, 1, 100);
         let text = std::fs::read_to_string(&config).unwrap().replace(
             &format!("{:?}", data_path("models/tiny-llama").display().to_string()),
