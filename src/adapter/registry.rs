@@ -276,6 +276,13 @@ impl Adapters for LlamaModel {
 
     fn saved_module_bases(&self, config: &LoraConfig) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
+        if self.sharding().is_some() && config.modules_to_save.iter().flatten().next().is_some() {
+            return Err(Error::InvalidInput(
+                "modules_to_save on a sharded model (FSDP): its embedding table and head are split over the ranks; \
+                 remove modules_to_save or fsdp"
+                    .into(),
+            ));
+        }
         for m in config.modules_to_save.iter().flatten() {
             match m.rsplit('.').next().unwrap_or(m) {
                 "lm_head" => out.push((peft_key("lm_head", "weight"), self.lm_head.weight.to_dense(DType::F32)?)),

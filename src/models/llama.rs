@@ -1119,15 +1119,13 @@ impl LlamaModel {
 
     /// The output head `[vocab, hidden]`: the active adapter's trained copy, or the frozen base head.
     pub fn head_weight(&self) -> Result<Tensor> {
-        if let (None, Some(ends)) = (
+        match (
             self.active_saved().and_then(|s| s.lm_head.as_ref()),
             &self.ends,
         ) {
-            return ends.head(DType::F32);
-        }
-        match self.active_saved().and_then(|s| s.lm_head.as_ref()) {
-            Some(v) => Ok(v.as_tensor().clone()),
-            None => match &self.lm_head.weight {
+            (Some(v), _) => Ok(v.as_tensor().clone()),
+            (None, Some(ends)) => ends.head(DType::F32),
+            (None, None) => match &self.lm_head.weight {
                 ops::FrozenWeight::Dense(t) => Ok(t.clone()),
                 w => w.to_dense(DType::F32),
             },

@@ -223,11 +223,6 @@ impl FlatShards {
             .sum()
     }
 
-    /// Bytes a gather makes (the whole buffers, padding included).
-    pub fn gathered_bytes(&self) -> usize {
-        self.shard_bytes() * self.sharding.world_size
-    }
-
     /// Bytes of the tensors themselves (what one process alone holds).
     pub fn whole_bytes(&self) -> usize {
         self.whole_bytes

@@ -96,8 +96,11 @@ impl Trainer {
             // the GPU and is sharded: the host holds one tensor at a time, never the model.
             defer_linear_weights: fsdp.is_some(),
         };
-        reset_heap_peak();
-        let heap_before = allocated().map(|(now, _)| now);
+        // A sharded rank reports how far its host heap rose while loading (`shard_onto`).
+        let heap_before = fsdp.and_then(|_| {
+            reset_heap_peak();
+            allocated().map(|(now, _)| now)
+        });
         // A memory snapshot records from before the load, so the weights are in it.
         let recording = args
             .memory_snapshot
