@@ -447,13 +447,19 @@ fn widths(c: &ModelConfig) -> (u64, u64, u64, u64) {
 fn block_linear_shapes(c: &ModelConfig) -> Vec<(String, u64, u64)> {
     (0..c.num_hidden_layers)
         .flat_map(|l| {
-            c.layer_linears(l)
+            layer_linear_shapes(c, l)
                 .into_iter()
-                .filter(|(name, _)| name != c.architecture.router_name())
-                .map(move |(name, [out, inp])| {
-                    (format!("model.layers.{l}.{name}"), inp as u64, out as u64)
-                })
+                .map(move |(name, inp, out)| (format!("model.layers.{l}.{name}"), inp, out))
         })
+        .collect()
+}
+
+/// Layer `l`'s linear weights as `(name in the layer, in_features, out_features)`, its router left out (kept dense).
+fn layer_linear_shapes(c: &ModelConfig, l: usize) -> Vec<(String, u64, u64)> {
+    c.layer_linears(l)
+        .into_iter()
+        .filter(|(name, _)| name != c.architecture.router_name())
+        .map(|(name, [out, inp])| (name, inp as u64, out as u64))
         .collect()
 }
 
@@ -838,16 +844,13 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     let dtype = args.compute_dtype();
     let e = dtype.dtype().size_in_bytes() as u64;
     let rope_tables = rope_table_bytes(c, e);
-    let layer_linears = match args.quantize {
-        true => per_layer_nf4(c),
-        false => n.block_linear * e,
-    };
+    let layers = layer_bytes(c, args.quantize, e);
+    let layer_linears: u64 = layers.iter().sum();
     // The embedding table, and the head when it is not tied to it: FSDP shards them with the layers.
     let table = (c.vocab_size * c.hidden_size) as u64 * e;
     let ends = table * if c.tie_word_embeddings { 1 } else { 2 };
     let sharded = args.fsdp.then(|| {
         let world = args.world_size as u64;
-        let layers = layer_bytes(c, args.quantize, e);
         // One thing gathered at a time: a layer, or the table (the embedding, or the head for the loss).
         let largest = layers.iter().copied().max().unwrap_or(0).max(table);
         let shard_bytes = layer_linears.div_ceil(world) + ends.div_ceil(world);
@@ -1058,20 +1061,17 @@ pub fn generation_bytes(c: &ModelConfig, rows: usize, seq: usize, e: u64) -> u64
 /// NF4 bytes of the block linears, tensor by tensor (each has its own quantization state).
 /// Each decoder layer's linear weights in bytes: NF4 when `quantize`, else `e` bytes a parameter.
 fn layer_bytes(c: &ModelConfig, quantize: bool, e: u64) -> Vec<u64> {
-    let mut layers = vec![0u64; c.num_hidden_layers];
-    for (name, a, b) in block_linear_shapes(c) {
-        let layer = name
-            .strip_prefix("model.layers.")
-            .and_then(|rest| rest.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok());
-        if let Some(slot) = layer.and_then(|i| layers.get_mut(i)) {
-            *slot += match quantize {
-                true => nf4_bytes(a * b),
-                false => a * b * e,
-            };
-        }
-    }
-    layers
+    (0..c.num_hidden_layers)
+        .map(|l| {
+            layer_linear_shapes(c, l)
+                .iter()
+                .map(|(_, a, b)| match quantize {
+                    true => nf4_bytes(a * b),
+                    false => a * b * e,
+                })
+                .sum()
+        })
+        .collect()
 }
 
 fn per_layer_nf4(c: &ModelConfig) -> u64 {

@@ -935,8 +935,6 @@ fn training_on_the_gpu_matches_the_cpu_with(fused: bool) {
     assert!(timeline.contains("device pool"), "{timeline}");
 }
 
-/// DPO from a PEFT adapter (its frozen copy the reference, computed per batch) on the 4-bit tiny model with
-/// checkpointed layers, float32 compute on both devices: the losses, reward metrics and trained adapter agree.
 /// The DPO golden's tiny chat Llama with an NF4 base, on `device`.
 fn tiny_chat_nf4(device: &Device) -> candle_qlora::models::LlamaModel {
     let opts = LoadOptions {
@@ -954,6 +952,8 @@ fn tiny_chat_nf4(device: &Device) -> candle_qlora::models::LlamaModel {
     .unwrap()
 }
 
+/// DPO from a PEFT adapter (its frozen copy the reference, computed per batch) on the 4-bit tiny model with
+/// checkpointed layers, float32 compute on both devices: the losses, reward metrics and trained adapter agree.
 #[test]
 fn preference_training_on_the_gpu_matches_the_cpu() {
     use candle_qlora::adapter::load_adapter;
@@ -2384,35 +2384,12 @@ fn ddp_on_2_and_4_ranks_equals_one_process_accumulating_as_much() {
     let root = tempfile::tempdir().unwrap();
     let eval_file = write_eval_rows(root.path());
     let run = |name: &str, accumulation: usize, nproc: Option<usize>| {
-        let dir = root.path().join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = ddp_config(&dir, accumulation, 3, 100);
-        let n = nproc.map(|n| n.to_string());
-        let mut args: Vec<&str> = vec![
-            "--set",
-            &eval_file,
-            "--set",
-            "training.eval_strategy=\"steps\"",
-            "--set",
-            "training.per_device_eval_batch_size=2",
-        ];
-        if let Some(n) = &n {
-            args.extend(["--nproc-per-node", n]);
-        }
-        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
-            .wait()
-            .unwrap();
-        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
-        assert!(status.success(), "{name}: {err}");
-        (
-            run_outcome(&dir.join("out")),
-            logged(&dir.join("out"), "eval_loss"),
-        )
+        evaluated_run(root.path(), name, &eval_file, accumulation, nproc, &[])
     };
-    let ((single_losses, single), single_eval) = run("single", 4, None);
+    let (single_losses, single, single_eval, _) = run("single", 4, None);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
     for (name, accumulation, nproc) in [("two", 2, 2), ("four", 1, 4)] {
-        let ((losses, adapter), eval) = run(name, accumulation, Some(nproc));
+        let (losses, adapter, eval, _) = run(name, accumulation, Some(nproc));
         assert_runs_agree(
             name,
             (&single_losses, &single),
@@ -2450,83 +2427,101 @@ fn write_eval_rows(dir: &std::path::Path) -> String {
     format!("data.eval_file={:?}", eval.display().to_string())
 }
 
-/// The bytes of linear weights a sharded rank says it holds, and the whole model's (`fsdp: rank r of n holds … (X B)
-/// of the layers' … (Y B)`), from its standard error.
+/// What a sharded rank says in its standard error (`fsdp: rank r of n holds … (X B) of the sharded weights' …
+/// (Y B) — …; the host heap peaked … (Z B) above its start while loading`), one per rank.
 #[cfg(feature = "nccl")]
-fn fsdp_held_bytes(stderr: &str) -> Vec<(usize, usize)> {
-    let number_before = |text: &str, end: usize| -> usize {
-        let start = text[..end].rfind('(').unwrap() + 1;
-        text[start..end].parse().unwrap()
-    };
+struct FsdpReport {
+    /// Bytes of the sharded weights the rank holds.
+    held: u64,
+    /// Bytes of the whole weights.
+    whole: u64,
+    /// How far its host heap rose while loading.
+    loading_heap: u64,
+}
+
+#[cfg(feature = "nccl")]
+fn fsdp_reports(stderr: &str) -> Vec<FsdpReport> {
     stderr
         .lines()
         .filter(|l| l.contains("fsdp: rank"))
         .map(|l| {
-            let first = l.find(" B)").unwrap();
-            let second = first + 3 + l[first + 3..].find(" B)").unwrap();
-            (number_before(l, first), number_before(l, second))
+            // Every `(N B)` of the line, in order.
+            let bytes: Vec<u64> = l
+                .split(" B)")
+                .filter_map(|part| part.rsplit_once('(')?.1.parse().ok())
+                .collect();
+            assert_eq!(bytes.len(), 3, "{l}");
+            FsdpReport {
+                held: bytes[0],
+                whole: bytes[1],
+                loading_heap: bytes[2],
+            }
         })
         .collect()
 }
 
-/// How far above its start each sharded rank's host heap went while loading (`the host heap peaked … (X B)`), from
-/// its standard error.
+/// One `qlora train` of `ddp_config(root/name, accumulation, 3 steps)` with an evaluation every step on `eval_file`
+/// (`write_eval_rows`), on `nproc` ranks through the launcher (one process without), with `extra` flags: its losses,
+/// adapter, evaluation losses and standard error.
 #[cfg(feature = "nccl")]
-fn fsdp_loading_heap(stderr: &str) -> Vec<u64> {
-    stderr
-        .lines()
-        .filter_map(|l| l.split_once("the host heap peaked "))
-        .map(|(_, rest)| {
-            let bytes = &rest[rest.find('(').unwrap() + 1..rest.find(" B)").unwrap()];
-            bytes.parse().unwrap()
-        })
-        .collect()
+fn evaluated_run(
+    root: &std::path::Path,
+    name: &str,
+    eval_file: &str,
+    accumulation: usize,
+    nproc: Option<usize>,
+    extra: &[&str],
+) -> (
+    Vec<f64>,
+    std::collections::HashMap<String, Tensor>,
+    Vec<f64>,
+    String,
+) {
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = ddp_config(&dir, accumulation, 3, 100);
+    let n = nproc.map(|n| n.to_string());
+    let mut args: Vec<&str> = vec![
+        "--set",
+        eval_file,
+        "--set",
+        "training.eval_strategy=\"steps\"",
+        "--set",
+        "training.per_device_eval_batch_size=2",
+    ];
+    args.extend(extra);
+    if let Some(n) = &n {
+        args.extend(["--nproc-per-node", n]);
+    }
+    let status = qlora_train(&config, &args, None, &dir.join("stderr"))
+        .wait()
+        .unwrap();
+    let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
+    assert!(status.success(), "{name}: {err}");
+    let (losses, adapter) = run_outcome(&dir.join("out"));
+    (losses, adapter, logged(&dir.join("out"), "eval_loss"), err)
 }
 
 /// FSDP (`fsdp = "full_shard"`) on 2 and 4 emulated GPUs over NCCL, each rank holding 1/N of every layer's 4-bit
 /// weights and gathering the rest per layer (forward and recomputation): the 2-rank run, with its shards on the GPU
-/// or offloaded to host memory, equals the data-parallel run on 2 ranks bit for bit (losses and adapter), both runs equal one process accumulating as much, and so do
-/// the sharded evaluations — whose 3 batches leave a rank short, which then runs a padding pass so the gathers pair
-/// up. Each rank says it holds 1/N of the linear weights (within the padding of its buffers).
+/// or offloaded to host memory, equals the data-parallel run on 2 ranks bit for bit (losses and adapter); the runs
+/// equal one process accumulating as much, and so do the sharded evaluations — whose 3 batches leave a rank short,
+/// which then runs a padding pass so the gathers pair up. Each rank says it holds 1/N of the sharded weights (within
+/// the padding of its buffers).
 #[cfg(feature = "nccl")]
 #[test]
 fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     let root = tempfile::tempdir().unwrap();
     let eval_file = write_eval_rows(root.path());
     let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: Option<&str>| {
-        let dir = root.path().join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = ddp_config(&dir, accumulation, 3, 100);
-        let n = nproc.map(|n| n.to_string());
-        let mut args: Vec<&str> = vec![
-            "--set",
-            &eval_file,
-            "--set",
-            "training.eval_strategy=\"steps\"",
-            "--set",
-            "training.per_device_eval_batch_size=2",
-            "--set",
-            "training.gradient_checkpointing=true",
-        ];
         let fsdp = fsdp.map(|f| format!("training.fsdp={f:?}"));
+        let mut extra = vec!["--set", "training.gradient_checkpointing=true"];
         if let Some(fsdp) = &fsdp {
-            args.extend(["--set", fsdp]);
+            extra.extend(["--set", fsdp.as_str()]);
         }
-        if let Some(n) = &n {
-            args.extend(["--nproc-per-node", n]);
-        }
-        let status = qlora_train(&config, &args, None, &dir.join("stderr"))
-            .wait()
-            .unwrap();
-        let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
-        assert!(status.success(), "{name}: {err}");
-        let (losses, adapter) = run_outcome(&dir.join("out"));
-        (
-            losses,
-            adapter,
-            logged(&dir.join("out"), "eval_loss"),
-            fsdp_held_bytes(&err),
-        )
+        let (losses, adapter, eval, err) =
+            evaluated_run(root.path(), name, &eval_file, accumulation, nproc, &extra);
+        (losses, adapter, eval, fsdp_reports(&err))
     };
     let (single_losses, single, single_eval, _) = run("single", 4, None, None);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
@@ -2572,12 +2567,12 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
         }
         // Every rank reports; its share is 1/N of the whole, plus at most an aligned piece a tensor of padding (7
         // linears of 3 pieces in each of 2 layers; the table and the head).
-        assert_eq!(held.len(), nproc, "{name}: {held:?}");
-        for (rank_held, whole) in &held {
-            let padding = (7 * 2 * 3 + 2) * 256;
+        assert_eq!(held.len(), nproc, "{name}");
+        for FsdpReport { held, whole, .. } in &held {
+            let (nproc, padding) = (nproc as u64, (7 * 2 * 3 + 2) * 256);
             assert!(
-                rank_held * nproc >= *whole && *rank_held <= whole / nproc + padding,
-                "{name}: a rank holds {rank_held} of {whole} bytes"
+                held * nproc >= *whole && *held <= whole / nproc + padding,
+                "{name}: a rank holds {held} of {whole} bytes"
             );
         }
     }
@@ -2637,14 +2632,14 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
         .iter()
         .map(|k| e[k].as_u64().unwrap())
         .sum();
-        let heap = fsdp_loading_heap(&err);
-        assert_eq!(heap.len(), nproc, "{err}");
+        let reports = fsdp_reports(&err);
+        assert_eq!(reports.len(), nproc, "{err}");
         (
             timeline_peak(&timeline),
             timeline["peak"][1]["base_weights"].as_u64().unwrap(),
             predicted,
-            fsdp_held_bytes(&err)[0],
-            heap.into_iter().max().unwrap(),
+            (reports[0].held, reports[0].whole),
+            reports.iter().map(|r| r.loading_heap).max().unwrap(),
         )
     };
     let mut rows = Vec::new();
@@ -2672,14 +2667,14 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
             mib(*predicted),
             *predicted as f64 / *peak as f64,
             mib(*base),
-            mib(*held as u64),
-            mib(*whole as u64),
+            mib(*held),
+            mib(*whole),
             mib(*heap)
         );
     }
     // What is not the layers' linear weights: embeddings, norms, RoPE tables.
     let (_, _, _, (_, base_one, _, (held_one, _), _)) = rows[0];
-    let rest = base_one - held_one as u64;
+    let rest = base_one - held_one;
     for (name, nproc, offload, (peak, base, predicted, (held, _), _)) in &rows {
         assert!(
             (*predicted as f64 / *peak as f64 - 1.0).abs() <= 0.10,
@@ -2687,7 +2682,7 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
         );
         let expected = match offload {
             true => rest,
-            false => rest + *held as u64,
+            false => rest + *held,
         };
         assert_eq!(*base, expected, "{name} ({nproc} ranks): base weights");
     }
@@ -2733,9 +2728,9 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
             .unwrap();
         let err = std::fs::read_to_string(dir.join("stderr")).unwrap();
         assert!(status.success(), "{err}");
-        let heap = fsdp_loading_heap(&err);
-        assert_eq!(heap.len(), 2, "{err}");
-        heap.into_iter().max().unwrap()
+        let reports = fsdp_reports(&err);
+        assert_eq!(reports.len(), 2, "{err}");
+        reports.iter().map(|r| r.loading_heap).max().unwrap()
     };
     let (small, large) = (loading_heap(2), loading_heap(10));
     let h = widths.hidden;
