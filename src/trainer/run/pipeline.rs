@@ -176,13 +176,16 @@ fn shard_onto(
         _ => String::new(),
     };
     if let Some((held, whole)) = model.sharded_bytes() {
-        eprintln!(
+        let line = format!(
             "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the sharded weights' {} ({whole} B) — the \
-             layers' linear weights, the embedding table and the head{}{heap}",
+             layers' linear weights, the embedding table and the head{}{heap}\n",
             human_bytes(held as u64),
             human_bytes(whole as u64),
             if plan.offload { ", in host memory" } else { "" }
         );
+        // One write: the ranks share the launcher's standard error, and `eprintln!` writes a line in pieces that
+        // another rank's line could split.
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
     }
     Ok(model)
 }
