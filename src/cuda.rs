@@ -6,6 +6,8 @@
 //! buffers become tensors without a copy ([`tensor`], [`storage`]). Every kernel indexes with 64-bit integers and loops grid-stride, so a
 //! tensor of more than 2³² elements is covered whole.
 
+pub(crate) mod side_stream;
+
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -2,6 +2,13 @@
 //! rendezvous's unique id. Collectives run under a watchdog, as torch's ProcessGroupNCCL does: a peer that exited
 //! (NCCL's asynchronous error) or a collective that has not finished within `ddp_timeout` aborts the communicator,
 //! which ends the waiting call, and the error names the rank and what it was doing.
+//!
+//! An all-gather of a sharded model's weights may be started without waiting ([`Communicator::start_all_gather`]):
+//! it runs on the communicator's own stream (as torch's process group does) after the compute stream's work so far,
+//! the compute stream waits for it on an event when the gathered weights are used, and the watchdog follows it
+//! until the event completes. Once that stream exists every collective runs there (one order of NCCL calls per
+//! communicator); until then — a data-parallel job, which only all-reduces and waits — on the compute stream, which
+//! keeps the device in cudarc's one-stream mode (no event recorded per buffer access).
 
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,15 +16,20 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
+use std::collections::VecDeque;
+
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+};
 use candle_core::cuda_backend::cudarc::nccl::{result, sys};
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{DType, Tensor};
 
 use super::env::WorldEnv;
 use super::rendezvous::share_from_rank0;
+use crate::cuda::side_stream::{mark, new_stream, wait};
 use crate::error::{Error, Result};
-use crate::models::ShardExchange;
+use crate::models::{Gathering, ShardExchange, ShardSource};
 
 /// How [`Communicator::all_reduce`] combines the ranks' elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,6 +69,8 @@ struct Shared {
     rank: usize,
     world_size: usize,
     device: CudaDevice,
+    /// The communicator's own stream, made by the first all-gather started without waiting.
+    stream: std::sync::OnceLock<Arc<CudaStream>>,
     timeout: Duration,
     state: Mutex<State>,
     aborted: AtomicBool,
@@ -66,6 +80,8 @@ struct Shared {
 struct State {
     /// The collective in flight: when it started and what it is ("the all-reduce of step 3's gradients").
     current: Option<(Instant, String)>,
+    /// Collectives started without waiting, oldest first, until their event completes.
+    started: VecDeque<(Instant, String, Arc<CudaEvent>)>,
     /// Why the watchdog aborted the communicator.
     fault: Option<String>,
     closed: bool,
@@ -124,6 +140,7 @@ impl Communicator {
             rank: env.rank,
             world_size: env.world_size,
             device: device.clone(),
+            stream: std::sync::OnceLock::new(),
             timeout,
             state: Mutex::new(State::default()),
             aborted: AtomicBool::new(false),
@@ -170,24 +187,110 @@ impl Communicator {
             // SAFETY: see `NcclCall`.
             unsafe { result::all_reduce(src, dst, n, dtype, op, comm, stream) }
         });
-        self.collective(t, 1, &what, call)
+        let s = &*self.shared;
+        let stream = self.stream();
+        self.begin(&what)?;
+        self.end(
+            self.collective(&stream, t, 1, &what, call)
+                .and_then(|reduced| {
+                    stream
+                        .synchronize()
+                        .map_err(|e| Error::Distributed(format!("rank {}: {what}: {e}", s.rank)))?;
+                    Ok(reduced)
+                }),
+        )
+    }
+
+    /// The stream collectives run on: the communicator's own once made, else the compute stream.
+    fn stream(&self) -> Arc<CudaStream> {
+        let s = &*self.shared;
+        s.stream
+            .get()
+            .cloned()
+            .unwrap_or_else(|| s.device.cuda_stream())
+    }
+
+    /// The communicator's own stream (made on first use).
+    fn own_stream(&self) -> Result<Arc<CudaStream>> {
+        let s = &*self.shared;
+        if let Some(stream) = s.stream.get() {
+            return Ok(stream.clone());
+        }
+        let stream = new_stream(&s.device)?;
+        Ok(s.stream.get_or_init(|| stream).clone())
     }
 
     /// Every rank's `t` (1-D, the same length on every rank; u8, f64, f32, bf16 or f16) laid end to end in rank
     /// order, on every rank, finished when this returns. `what` names it for the error when a rank fails.
     pub fn all_gather(&self, t: &Tensor, what: &str) -> Result<Tensor> {
+        let whole = self.start_all_gather(ShardSource::Tensor(t), what)?.wait();
+        // The watchdog follows the gather while the host waits.
+        self.end(whole.and_then(|whole| {
+            self.stream().synchronize().map_err(|e| {
+                Error::Distributed(format!(
+                    "rank {}: the all-gather of {what}: {e}",
+                    self.rank()
+                ))
+            })?;
+            Ok(whole)
+        }))
+    }
+
+    /// Starts [`Communicator::all_gather`] of `shard` on the communicator's stream and returns at once (a pinned
+    /// shard is first copied to the device there); the compute stream waits for it when [`Gathering::wait`] is
+    /// called. The watchdog follows the gather until it completes.
+    pub fn start_all_gather(&self, shard: ShardSource<'_>, what: &str) -> Result<Gathering> {
         let what = format!("the all-gather of {what}");
+        let s = &*self.shared;
+        let stream = self.own_stream()?;
+        self.begin(&what)?;
+        let started = self
+            .issue_all_gather(&stream, shard, &what)
+            .and_then(|(whole, input)| {
+                let done = Arc::new(mark(&stream)?);
+                s.state.lock().unwrap().started.push_back((
+                    Instant::now(),
+                    what.clone(),
+                    done.clone(),
+                ));
+                let device = s.device.clone();
+                Ok(Gathering::pending(whole, move || {
+                    wait(&device.cuda_stream(), &done)?;
+                    // The input may be freed (stream-ordered, on the compute stream) once the compute stream has
+                    // waited for the gather that reads it.
+                    drop(input);
+                    Ok(())
+                }))
+            });
+        self.end(started)
+    }
+
+    /// Queues the all-gather of `shard` on the communicator's stream: the output (and a pinned shard's device
+    /// copy) are allocated on the compute stream, so the communicator's stream first waits for the compute
+    /// stream's work so far. Returns the output and the input it reads.
+    fn issue_all_gather(
+        &self,
+        stream: &Arc<CudaStream>,
+        shard: ShardSource<'_>,
+        what: &str,
+    ) -> Result<(Tensor, Tensor)> {
+        let input = match shard {
+            ShardSource::Tensor(t) => t.flatten_all()?.contiguous()?,
+            ShardSource::Pinned(p) => p.copy_on(stream)?,
+        };
         let call: NcclCall<'_> = Box::new(|src, dst, n, dtype, comm, stream| {
             // SAFETY: see `NcclCall`; the output holds `world_size` times the input's `n` elements.
             unsafe { result::all_gather(src, dst, n, dtype, comm, stream) }
         });
-        self.collective(&t.flatten_all()?, self.world_size(), &what, call)
+        let whole = self.collective(stream, &input, self.world_size(), what, call)?;
+        Ok((whole, input))
     }
 
-    /// Runs `call` on this rank's stream over `t` (made contiguous) and an output of `out_factor` times its
-    /// elements, under the watchdog, and waits for it.
+    /// Runs `call` on `stream` over `t` (made contiguous) and an output of `out_factor` times its elements, after
+    /// the compute stream's work so far, without waiting for it.
     fn collective(
         &self,
+        stream: &Arc<CudaStream>,
         t: &Tensor,
         out_factor: usize,
         what: &str,
@@ -195,19 +298,31 @@ impl Communicator {
     ) -> Result<Tensor> {
         use sys::ncclDataType_t as Nccl;
         match t.dtype() {
-            DType::U8 => self.collective_typed::<u8>(t, Nccl::ncclUint8, out_factor, what, call),
+            DType::U8 => {
+                self.collective_typed::<u8>(stream, t, Nccl::ncclUint8, out_factor, what, call)
+            }
             DType::F64 => {
-                self.collective_typed::<f64>(t, Nccl::ncclFloat64, out_factor, what, call)
+                self.collective_typed::<f64>(stream, t, Nccl::ncclFloat64, out_factor, what, call)
             }
             DType::F32 => {
-                self.collective_typed::<f32>(t, Nccl::ncclFloat32, out_factor, what, call)
+                self.collective_typed::<f32>(stream, t, Nccl::ncclFloat32, out_factor, what, call)
             }
-            DType::BF16 => {
-                self.collective_typed::<half::bf16>(t, Nccl::ncclBfloat16, out_factor, what, call)
-            }
-            DType::F16 => {
-                self.collective_typed::<half::f16>(t, Nccl::ncclFloat16, out_factor, what, call)
-            }
+            DType::BF16 => self.collective_typed::<half::bf16>(
+                stream,
+                t,
+                Nccl::ncclBfloat16,
+                out_factor,
+                what,
+                call,
+            ),
+            DType::F16 => self.collective_typed::<half::f16>(
+                stream,
+                t,
+                Nccl::ncclFloat16,
+                out_factor,
+                what,
+                call,
+            ),
             other => Err(Error::Distributed(format!(
                 "{what}: {other:?} tensors are not exchanged (u8, f64, f32, bf16 or f16)"
             ))),
@@ -216,6 +331,7 @@ impl Communicator {
 
     fn collective_typed<T: CudaDType + DeviceRepr>(
         &self,
+        stream: &Arc<CudaStream>,
         t: &Tensor,
         dtype: sys::ncclDataType_t,
         out_factor: usize,
@@ -228,12 +344,14 @@ impl Communicator {
         let held = crate::cuda::hold(&t)?;
         let input = held.view::<T>()?;
         let mut out = crate::cuda::alloc::<T>(&s.device, n * out_factor)?;
-        let stream = s.device.cuda_stream();
-        self.begin(what)?;
-        let issued = {
-            let (src, _read) = input.device_ptr(&stream);
-            let (dst, _write) = out.device_ptr_mut(&stream);
-            // Both buffers are on this communicator's device and stream, of the sizes `call` is told.
+        let compute = s.device.cuda_stream();
+        if stream.cu_stream() != compute.cu_stream() {
+            wait(stream, &mark(&compute)?)?;
+        }
+        {
+            let (src, _read) = input.device_ptr(stream);
+            let (dst, _write) = out.device_ptr_mut(stream);
+            // Both buffers are on this communicator's device, of the sizes `call` is told.
             call(
                 src as *const _,
                 dst as *mut _,
@@ -242,15 +360,8 @@ impl Communicator {
                 s.comm.0,
                 stream.cu_stream() as _,
             )
-        };
-        let finished = issued
-            .map_err(|e| nccl_error(s.rank, what, e, Some(&s.comm)))
-            .and_then(|_| {
-                stream
-                    .synchronize()
-                    .map_err(|e| Error::Distributed(format!("rank {}: {what}: {e}", s.rank)))
-            });
-        self.end(finished)?;
+        }
+        .map_err(|e| nccl_error(s.rank, what, e, Some(&s.comm)))?;
         let shape = match out_factor {
             1 => t.shape().clone(),
             k => candle_core::Shape::from(n * k),
@@ -269,7 +380,7 @@ impl Communicator {
     }
 
     /// Ends the collective in flight: its outcome, unless the watchdog aborted it, whose reason comes first.
-    fn end(&self, outcome: Result<()>) -> Result<()> {
+    fn end<R>(&self, outcome: Result<R>) -> Result<R> {
         let mut state = self.shared.state.lock().unwrap();
         state.current = None;
         match (&state.fault, outcome) {
@@ -282,6 +393,10 @@ impl Communicator {
 impl ShardExchange for Communicator {
     fn all_gather(&self, shard: &Tensor, what: &str) -> Result<Tensor> {
         Communicator::all_gather(self, shard, what)
+    }
+
+    fn start_all_gather(&self, shard: ShardSource<'_>, what: &str) -> Result<Gathering> {
+        Communicator::start_all_gather(self, shard, what)
     }
 }
 
@@ -309,7 +424,21 @@ fn watch(s: &Shared) {
         if state.closed {
             return;
         }
-        let doing = state.current.as_ref().map_or_else(
+        while state
+            .started
+            .front()
+            .is_some_and(|(_, _, done)| done.is_complete())
+        {
+            state.started.pop_front();
+        }
+        // The oldest collective not finished: the one the host waits in, or one started earlier.
+        let current = state.current.as_ref().map(|(t, what)| (*t, what));
+        let started = state.started.front().map(|(t, what, _)| (*t, what));
+        let oldest = [current, started]
+            .into_iter()
+            .flatten()
+            .min_by_key(|(t, _)| *t);
+        let doing = oldest.map_or_else(
             || "between collectives".to_string(),
             |(_, what)| format!("in {what}"),
         );
@@ -325,7 +454,7 @@ fn watch(s: &Shared) {
                 last_error(&s.comm).unwrap_or_else(|| format!("NCCL reports {async_error:?}"))
             ))
         } else {
-            match &state.current {
+            match oldest {
                 Some((start, what)) if start.elapsed() > s.timeout => Some(format!(
                     "rank {}: {what} did not finish within ddp_timeout ({} s): another rank died or hangs; every \
                      rank stops",

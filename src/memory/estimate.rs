@@ -311,7 +311,8 @@ pub struct Estimate {
 }
 
 /// What FSDP's full sharding holds and moves on each GPU: the decoder layers' linear weights split over the ranks,
-/// one layer gathered whole while it runs (its forward, then its recomputation and backward).
+/// a layer gathered whole while it runs (its forward, then its recomputation and backward) beside the next one's
+/// gather, started ahead.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Sharded {
     /// Ranks (GPUs).
@@ -321,8 +322,9 @@ pub struct Sharded {
     /// The sharded weights each rank holds — 1/N of the decoder layers' linear weights, the embedding table and the
     /// head — in `weights_bytes`, or offloaded in `host_bytes`.
     pub shard_bytes: u64,
-    /// The largest weight gathered whole at once (a layer's linear weights, or the embedding table or head), in
-    /// `weights_bytes` (none for one rank alone, whose share is the whole, unless offloaded).
+    /// The most gathered whole at once (two neighbouring layers' linear weights — the one running and the one
+    /// prefetched —, or the embedding table or head), in `weights_bytes` (none for one rank alone, whose share is
+    /// the whole, unless offloaded).
     pub gathered_bytes: u64,
     /// What stays whole on every GPU (counted in `weights_bytes`): norms, biases, routers, the RoPE tables and the
     /// embedding's first rows.
@@ -851,8 +853,12 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     let ends = table * if c.tie_word_embeddings { 1 } else { 2 };
     let sharded = args.fsdp.then(|| {
         let world = args.world_size as u64;
-        // One thing gathered at a time: a layer, or the table (the embedding, or the head for the loss).
-        let largest = layers.iter().copied().max().unwrap_or(0).max(table);
+        // Gathered at once: a layer and the one prefetched beside it (the backward's recomputation gathers the
+        // layer before it ahead, as `backward_prefetch` does by default; a forward prefetch is the same pair), or
+        // the table (the embedding, or the head for the loss).
+        let one = layers.iter().copied().max().unwrap_or(0);
+        let pair = layers.windows(2).map(|w| w[0] + w[1]).max().unwrap_or(one);
+        let largest = pair.max(table);
         let shard_bytes = layer_linears.div_ceil(world) + ends.div_ceil(world);
         Sharded {
             world_size: args.world_size,
@@ -1003,9 +1009,9 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
     if let Some(s) = &sharded {
         assumptions.push(format!(
             "FSDP over {} GPUs: each holds 1/{} of the decoder layers' linear weights, the embedding table and the \
-             head ({}{}), and one of them gathered whole while it is used ({} at most: a layer for its forward and \
-             again for its recomputation, the table for the embedding, the head for the loss and again for its \
-             backward; not ahead of use); norms, RoPE tables and the embedding's first rows ({}) and the adapter with \
+             head ({}{}), gathered whole while used ({} at most: a layer for its forward and again for its \
+             recomputation, with the next one's gather started beside it (backward_prefetch, forward_prefetch), the \
+             table for the embedding, the head for the loss and again for its backward); norms, RoPE tables and the embedding's first rows ({}) and the adapter with \
              its optimizer state stay whole on every GPU; each GPU receives {} of gathers per micro-batch",
             s.world_size,
             s.world_size,
@@ -1210,7 +1216,7 @@ mod tests {
     /// Data parallel on 8 GPUs: the per-GPU figures are one GPU's plus a bucket and its sum; the exchange is
     /// the adapter's float32 gradients (Llama-2-7B, r=16 on every linear: PEFT's 39,976,960 trainable
     /// parameters), 7 buckets of 25 MiB, 2·7/8 of it sent by each GPU. A CPU run with ranks is refused.
-    /// FSDP divides the decoder layers' linear weights by the ranks and adds one gathered layer; everything else
+    /// FSDP divides the decoder layers' linear weights by the ranks and adds what is gathered; everything else
     /// is the data-parallel run's; each rank receives every layer twice a micro-batch, (N − 1)/N of it.
     #[test]
     fn fsdp_shares_out_the_layers_and_gathers_one() {
@@ -1231,8 +1237,8 @@ mod tests {
             let fsdp = estimate(&c, &args(world as usize, true)).unwrap();
             let s = fsdp.sharded.clone().unwrap();
             assert_eq!(ddp.sharded, None);
-            // The table (250 MiB) is larger than a layer (101 MiB in NF4): it is the gathered peak (one rank
-            // alone gathers in place).
+            // The table (250 MiB) is larger than two layers (2 × 101 MiB in NF4, the one running and the one
+            // prefetched): it is the gathered peak (one rank alone gathers in place).
             let gathered = if world == 1 { 0 } else { table };
             assert_eq!(
                 (s.shard_bytes, s.gathered_bytes),
@@ -1282,6 +1288,17 @@ mod tests {
         };
         let err = estimate(&c, &offload_alone).unwrap_err().to_string();
         assert!(err.contains("add --fsdp"), "{err}");
+        // With a small vocabulary the table is below two layers: the running layer and the prefetched one are
+        // the gathered peak.
+        let small_vocabulary = ModelConfig {
+            vocab_size: 1000,
+            ..c.clone()
+        };
+        let s = estimate(&small_vocabulary, &args(2, true))
+            .unwrap()
+            .sharded
+            .unwrap();
+        assert_eq!(s.gathered_bytes, 2 * layers / 32);
     }
 
     #[test]

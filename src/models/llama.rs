@@ -347,6 +347,9 @@ macro_rules! named_linears {
 impl DecoderLayer {
     /// The layer for `pass` (see [`Pass`]: in a recomputation the output's value is not computed in full), and in
     /// the recomputation of a checkpointed sparse layer its share of the auxiliary loss (see [`RouterLogits`]).
+    /// `ahead` is the layer that runs next (the following one in a forward, the one before in a recomputation):
+    /// a sharded model starts gathering it while this one computes, where its [`Sharding`] prefetches.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         x: &Tensor,
@@ -355,12 +358,21 @@ impl DecoderLayer {
         segments: Option<&Segments>,
         pass: Pass,
         ffn: &FeedForwardRun,
+        ahead: Option<&DecoderLayer>,
     ) -> Result<(Tensor, Option<Tensor>)> {
         if let Some(shard) = &self.shard {
             // The ops of the run hold the gathered weights as long as its graph needs them.
-            return self
-                .gathered(shard)?
-                .run(x, tables, cache, segments, pass, ffn);
+            let gathered = self.gathered(shard)?;
+            let sharding = shard.sharding();
+            let prefetches = match pass {
+                Pass::Forward => sharding.prefetch_forward(),
+                Pass::Recompute => sharding.prefetch_backward(),
+            };
+            if let Some(next) = ahead.and_then(DecoderLayer::shard).filter(|_| prefetches) {
+                next.prefetch("a layer's weights")
+                    .map_err(candle_core::Error::wrap)?;
+            }
+            return gathered.run(x, tables, cache, segments, pass, ffn, None);
         }
         let norm = |t: &Tensor, w: &Tensor| rms_norm(t, w, self.eps);
         match (
@@ -1216,12 +1228,21 @@ impl LlamaModel {
             .map(|i| {
                 let (layer, tables, segments) =
                     (self.layers[i].clone(), tables.clone(), segments.clone());
+                // The layers that run after this one: the next in the forward, the one before in the backward.
+                let (next, before) = (
+                    self.layers.get(i + 1).cloned(),
+                    i.checked_sub(1).map(|j| self.layers[j].clone()),
+                );
                 let ffn = ffn(i);
                 let block: ops::Block = Arc::new(move |x: &Tensor, pass| {
                     let _layer = snapshot_context::layer(i);
                     let _span = (pass == Pass::Forward)
                         .then(|| trace::span_with(|| format!("model.layers.{i}"), "forward"));
-                    layer.run(x, &tables, None, segments.as_ref(), pass, &ffn)
+                    let ahead = match pass {
+                        Pass::Forward => next.as_deref(),
+                        Pass::Recompute => before.as_deref(),
+                    };
+                    layer.run(x, &tables, None, segments.as_ref(), pass, &ffn, ahead)
                 });
                 let label = label(&|| format!("model.layers.{i}"));
                 ops::LabeledBlock { block, label }
@@ -1249,7 +1270,16 @@ impl LlamaModel {
         for (i, layer) in self.layers.iter().enumerate().skip(recomputed) {
             let _layer = snapshot_context::layer(i);
             let _span = trace::span_with(|| format!("model.layers.{i}"), "forward");
-            let run = layer.run(&x, &tables, None, segments.as_ref(), Pass::Forward, &ffn(i));
+            let next = self.layers.get(i + 1).map(|l| l.as_ref());
+            let run = layer.run(
+                &x,
+                &tables,
+                None,
+                segments.as_ref(),
+                Pass::Forward,
+                &ffn(i),
+                next,
+            );
             x = run?.0;
         }
         match norm_in_chain {
@@ -1403,7 +1433,7 @@ impl LlamaModel {
         let (_, seq) = ids.dims2()?;
         let tables = self.position_tables(&Positions::Range(cache.len()), seq)?;
         let mut x = self.embed(ids)?;
-        for (layer, slot) in self.layers.iter().zip(cache.layers.iter_mut()) {
+        for (i, (layer, slot)) in self.layers.iter().zip(cache.layers.iter_mut()).enumerate() {
             x = layer
                 .run(
                     &x,
@@ -1412,6 +1442,7 @@ impl LlamaModel {
                     None,
                     Pass::Forward,
                     &FeedForwardRun::default(),
+                    self.layers.get(i + 1).map(|l| l.as_ref()),
                 )?
                 .0;
         }

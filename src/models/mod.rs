@@ -21,5 +21,9 @@ pub use llama::{
 pub use mlp::{mlp_slice_rows, GateUpProjections, Mlp, MlpTiling};
 pub use moe::{load_balancing_loss, RouterLogits, SharedExpert, SparseMoe};
 pub use sampling::{draw, draw_index, SamplingConfig};
-pub use shard::{FlatShards, LocalRank, LocalRanks, ShardExchange, Sharding};
+#[cfg(feature = "cuda")]
+pub use shard::PinnedShard;
+pub use shard::{
+    FlatShards, Gathering, LocalRank, LocalRanks, ShardExchange, ShardSource, Sharding,
+};
 pub use tokenizer::{ChatMessage, TextTokenizer};

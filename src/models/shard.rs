@@ -8,7 +8,13 @@
 //! which each tensor is a view; the views live as long as the graph of the layer's run that uses them, so a
 //! checkpointed layer's gathered weights are freed after its forward and gathered again for its recomputation,
 //! as FSDP's `reshard_after_forward` does.
+//!
+//! A gather may be started ahead of its use ([`FlatShards::prefetch`]: the next layer's while this one runs, FSDP's
+//! forward and backward prefetch): on GPUs the exchange runs it on a stream of its own, and the compute stream waits
+//! for it (an event, not the host) only when the layer starts ([`Gathering`]). At most one prefetched gather waits
+//! at a time, so a rank holds at most two gathered layers (FSDP's `limit_all_gathers`).
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex, RwLock};
 
 use candle_core::{DType, Device, Tensor};
@@ -23,6 +29,135 @@ pub const ALIGN_BYTES: usize = 256;
 pub trait ShardExchange: Send + Sync {
     /// The concatenation of every rank's `shard`, in rank order.
     fn all_gather(&self, shard: &Tensor, what: &str) -> Result<Tensor>;
+
+    /// Starts [`ShardExchange::all_gather`] of `shard` without waiting for it, where the exchange can (GPUs: on a
+    /// stream of its own); by default it gathers at once.
+    fn start_all_gather(&self, shard: ShardSource<'_>, what: &str) -> Result<Gathering> {
+        Ok(Gathering::finished(
+            self.all_gather(&shard.to_device()?, what)?,
+        ))
+    }
+}
+
+/// A rank's shard as an exchange reads it.
+pub enum ShardSource<'a> {
+    /// A tensor on the device where the gathered tensors are used (for ranks without a GPU, the CPU).
+    Tensor(&'a Tensor),
+    /// An offloaded shard in pinned host memory, which the gather first copies to its device.
+    #[cfg(feature = "cuda")]
+    Pinned(&'a PinnedShard),
+}
+
+impl ShardSource<'_> {
+    /// The shard on its device; a pinned one is copied there on the compute stream.
+    pub fn to_device(&self) -> Result<Tensor> {
+        match self {
+            ShardSource::Tensor(t) => Ok((*t).clone()),
+            #[cfg(feature = "cuda")]
+            ShardSource::Pinned(p) => p.to_device(),
+        }
+    }
+}
+
+/// An offloaded shard in pinned host memory (page-locked, so copies to the GPU run asynchronously at full speed).
+#[cfg(feature = "cuda")]
+pub struct PinnedShard {
+    pinned: crate::cuda::side_stream::Pinned,
+    device: candle_core::cuda_backend::CudaDevice,
+}
+
+#[cfg(feature = "cuda")]
+impl PinnedShard {
+    fn new(host: &Tensor, device: &candle_core::cuda_backend::CudaDevice) -> Result<Self> {
+        Ok(PinnedShard {
+            pinned: crate::cuda::side_stream::Pinned::from_host(
+                device,
+                host,
+                "an offloaded shard",
+            )?,
+            device: device.clone(),
+        })
+    }
+
+    /// Its elements.
+    pub fn len(&self) -> usize {
+        self.pinned.len()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.pinned.len() == 0
+    }
+
+    /// Its dtype.
+    pub fn dtype(&self) -> DType {
+        self.pinned.dtype()
+    }
+
+    /// The device it is gathered on.
+    pub fn device(&self) -> &candle_core::cuda_backend::CudaDevice {
+        &self.device
+    }
+
+    /// Starts copying it to a new tensor on its device, on `stream` (see [`crate::cuda::side_stream::Pinned`]).
+    pub(crate) fn copy_on(
+        &self,
+        stream: &Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    ) -> Result<Tensor> {
+        // SAFETY: a shard's buffer is written once, when made, and only read afterwards.
+        Ok(unsafe {
+            self.pinned
+                .copy_to_device(&self.device, stream, self.len().into())?
+        })
+    }
+
+    /// A copy on its device, made on the compute stream.
+    fn to_device(&self) -> Result<Tensor> {
+        self.copy_on(&self.device.cuda_stream())
+    }
+}
+
+/// A gather under way: the whole buffer, and what makes the compute stream wait for it (and then lets go of what
+/// the gather reads). Dropped unused, it still orders the compute stream after the gather, so the buffer's memory
+/// is not reused while the gather writes it.
+pub struct Gathering {
+    whole: Tensor,
+    ready: Option<Box<dyn FnOnce() -> Result<()> + Send + Sync>>,
+}
+
+impl Gathering {
+    /// A gather already finished: `whole` may be used at once.
+    pub fn finished(whole: Tensor) -> Self {
+        Gathering { whole, ready: None }
+    }
+
+    /// A gather that finishes on the device: `ready` makes the compute stream wait for it.
+    pub fn pending(
+        whole: Tensor,
+        ready: impl FnOnce() -> Result<()> + Send + Sync + 'static,
+    ) -> Self {
+        Gathering {
+            whole,
+            ready: Some(Box::new(ready)),
+        }
+    }
+
+    /// The whole buffer, for work queued from now on.
+    pub fn wait(mut self) -> Result<Tensor> {
+        if let Some(ready) = self.ready.take() {
+            ready()?;
+        }
+        Ok(self.whole.clone())
+    }
+}
+
+impl Drop for Gathering {
+    fn drop(&mut self) {
+        if let Some(ready) = self.ready.take() {
+            // Nothing better can be done with an error in a drop; the stream's own order then stands.
+            let _ = ready();
+        }
+    }
 }
 
 /// This process's place in a sharded job, shared by all of a model's sharded layers: its rank, the number of
@@ -33,6 +168,15 @@ pub struct Sharding {
     world_size: usize,
     offload: bool,
     exchange: RwLock<Option<Arc<dyn ShardExchange>>>,
+    /// The gather started ahead of its use, and the [`FlatShards::id`] it is for.
+    prefetched: Mutex<Option<(u64, Vec<Gathering>)>>,
+    /// Whether the next layer is gathered while one runs: in the forward (FSDP's `forward_prefetch`), in the
+    /// backward's recomputation (`backward_prefetch`).
+    prefetch_forward: AtomicBool,
+    prefetch_backward: AtomicBool,
+    /// All-gathers started (one per flat buffer of a gather), and those of them started ahead of use.
+    all_gathers: AtomicU64,
+    all_gathers_ahead: AtomicU64,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -55,6 +199,11 @@ impl Sharding {
             world_size,
             offload,
             exchange: RwLock::new(None),
+            prefetched: Mutex::new(None),
+            prefetch_forward: AtomicBool::new(true),
+            prefetch_backward: AtomicBool::new(true),
+            all_gathers: AtomicU64::new(0),
+            all_gathers_ahead: AtomicU64::new(0),
         }))
     }
 
@@ -73,19 +222,46 @@ impl Sharding {
         self.offload
     }
 
+    /// Whether a layer's forward starts gathering the next layer (true unless [`Sharding::set_prefetch`] said
+    /// otherwise).
+    pub fn prefetch_forward(&self) -> bool {
+        self.prefetch_forward.load(Ordering::Relaxed)
+    }
+
+    /// Whether a layer's recomputation in the backward starts gathering the layer before it.
+    pub fn prefetch_backward(&self) -> bool {
+        self.prefetch_backward.load(Ordering::Relaxed)
+    }
+
+    /// Where the layers gather the next one ahead: in the forward, in the backward. Every rank must say the same.
+    pub fn set_prefetch(&self, forward: bool, backward: bool) {
+        self.prefetch_forward.store(forward, Ordering::Relaxed);
+        self.prefetch_backward.store(backward, Ordering::Relaxed);
+    }
+
+    /// All-gathers this rank has started (one per flat buffer of a gather; none for one rank alone), and how many
+    /// of them were started ahead of their use ([`FlatShards::prefetch`]).
+    pub fn all_gathers(&self) -> (u64, u64) {
+        (
+            self.all_gathers.load(Ordering::Relaxed),
+            self.all_gathers_ahead.load(Ordering::Relaxed),
+        )
+    }
+
     /// Sets the exchange the layers gather through (the job's communicator).
     pub fn attach(&self, exchange: Arc<dyn ShardExchange>) {
         *self.exchange.write().unwrap() = Some(exchange);
     }
 
-    /// Every rank's `shard` end to end: `shard` itself for one rank alone.
-    fn all_gather(&self, shard: &Tensor, what: &str) -> Result<Tensor> {
+    /// Starts gathering every rank's `shard` end to end: `shard` itself (on its device) for one rank alone.
+    fn start_all_gather(&self, shard: ShardSource<'_>, what: &str) -> Result<Gathering> {
         if self.world_size == 1 {
-            return Ok(shard.clone());
+            return Ok(Gathering::finished(shard.to_device()?));
         }
+        self.all_gathers.fetch_add(1, Ordering::Relaxed);
         let exchange = self.exchange.read().unwrap().clone();
         match exchange {
-            Some(exchange) => exchange.all_gather(shard, what),
+            Some(exchange) => exchange.start_all_gather(shard, what),
             None => Err(Error::Distributed(format!(
                 "rank {} of {}: {what} must be gathered from the other ranks, but no communicator is attached to the \
                  sharded model",
@@ -106,16 +282,52 @@ struct Piece {
     len: usize,
 }
 
-/// One flat buffer: this rank's slice of it.
-#[derive(Clone, Debug)]
-struct Buffer {
-    /// `[slice_len]`: elements `rank · slice_len ..` of the whole buffer, on the device or (offloaded) the host.
-    mine: Tensor,
+/// One flat buffer: this rank's slice of it, `[slice_len]` elements `rank · slice_len ..` of the whole buffer.
+enum Buffer {
+    /// On the device, or (offloaded without a GPU) in host memory.
+    Tensor(Tensor),
+    /// Offloaded to pinned host memory, for a GPU.
+    #[cfg(feature = "cuda")]
+    Pinned(PinnedShard),
 }
 
+impl Buffer {
+    fn source(&self) -> ShardSource<'_> {
+        match self {
+            Buffer::Tensor(t) => ShardSource::Tensor(t),
+            #[cfg(feature = "cuda")]
+            Buffer::Pinned(p) => ShardSource::Pinned(p),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Buffer::Tensor(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            #[cfg(feature = "cuda")]
+            Buffer::Pinned(p) => p.len() * p.dtype().size_in_bytes(),
+        }
+    }
+}
+
+impl std::fmt::Debug for FlatShards {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "FlatShards({} tensors, {} of {} bytes held)",
+            self.pieces.len(),
+            self.shard_bytes(),
+            self.whole_bytes
+        )
+    }
+}
+
+/// The next [`FlatShards::id`].
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
 /// A list of tensors held as this rank's share ([`Sharding`]), gathered back whole by [`FlatShards::gather`].
-#[derive(Clone, Debug)]
 pub struct FlatShards {
+    /// Names this share for a prefetched gather (unique in the process, unlike an address that may be reused).
+    id: u64,
     sharding: Arc<Sharding>,
     /// Where the gathered tensors are used (the tensors' device).
     device: Device,
@@ -179,17 +391,21 @@ impl FlatShards {
                 [one] => one.force_contiguous()?,
                 _ => Tensor::cat(&parts, 0)?,
             };
-            let mine = match sharding.offload {
-                true => mine.to_device(&Device::Cpu)?,
-                false => mine,
-            };
-            buffers.push(Buffer { mine });
+            buffers.push(match (sharding.offload, &device) {
+                #[cfg(feature = "cuda")]
+                (true, Device::Cuda(cuda)) => {
+                    Buffer::Pinned(PinnedShard::new(&mine.to_device(&Device::Cpu)?, cuda)?)
+                }
+                (true, _) => Buffer::Tensor(mine.to_device(&Device::Cpu)?),
+                (false, _) => Buffer::Tensor(mine),
+            });
         }
         let whole_bytes = tensors
             .iter()
             .map(|t| t.elem_count() * t.dtype().size_in_bytes())
             .sum();
         Ok(FlatShards {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             sharding,
             device,
             buffers,
@@ -199,15 +415,17 @@ impl FlatShards {
     }
 
     /// The tensors again, whole and flat (views of the gathered buffers), in the order given to
-    /// [`FlatShards::new`]; `what` names them in errors ("layer 3's weights").
+    /// [`FlatShards::new`]; `what` names them in errors ("layer 3's weights"). A gather [`FlatShards::prefetch`]
+    /// started is used if it is for these tensors (and let go otherwise).
     pub fn gather(&self, what: &str) -> Result<Vec<Tensor>> {
-        let whole: Vec<Tensor> = self
-            .buffers
-            .iter()
-            .map(|b| {
-                let mine = b.mine.to_device(&self.device)?;
-                self.sharding.all_gather(&mine, what)
-            })
+        let prefetched = self.sharding.prefetched.lock().unwrap().take();
+        let gatherings = match prefetched {
+            Some((id, gatherings)) if id == self.id => gatherings,
+            _ => self.start_gather(what)?,
+        };
+        let whole: Vec<Tensor> = gatherings
+            .into_iter()
+            .map(Gathering::wait)
             .collect::<Result<_>>()?;
         self.pieces
             .iter()
@@ -215,12 +433,51 @@ impl FlatShards {
             .collect()
     }
 
-    /// Bytes this rank holds (on the host when offloaded).
-    pub fn shard_bytes(&self) -> usize {
+    /// Starts gathering these tensors for a [`FlatShards::gather`] to come (the next layer's, while this one runs),
+    /// in place of an earlier prefetch not used. Every rank must prefetch the same tensors in the same order, as
+    /// for gathers.
+    pub fn prefetch(&self, what: &str) -> Result<()> {
+        let gatherings = self.start_gather(what)?;
+        if self.sharding.world_size > 1 {
+            let started = gatherings.len() as u64;
+            self.sharding
+                .all_gathers_ahead
+                .fetch_add(started, Ordering::Relaxed);
+        }
+        let earlier = self
+            .sharding
+            .prefetched
+            .lock()
+            .unwrap()
+            .replace((self.id, gatherings));
+        drop(earlier);
+        Ok(())
+    }
+
+    /// One gather per buffer, started.
+    fn start_gather(&self, what: &str) -> Result<Vec<Gathering>> {
         self.buffers
             .iter()
-            .map(|b| b.mine.elem_count() * b.mine.dtype().size_in_bytes())
-            .sum()
+            .map(|b| match b.source() {
+                // An offloaded shard without a GPU: the host memory is the device's.
+                ShardSource::Tensor(t) if !t.device().same_device(&self.device) => {
+                    let t = t.to_device(&self.device)?;
+                    self.sharding
+                        .start_all_gather(ShardSource::Tensor(&t), what)
+                }
+                source => self.sharding.start_all_gather(source, what),
+            })
+            .collect()
+    }
+
+    /// The ranks these tensors are shared over.
+    pub fn sharding(&self) -> &Sharding {
+        &self.sharding
+    }
+
+    /// Bytes this rank holds (on the host when offloaded).
+    pub fn shard_bytes(&self) -> usize {
+        self.buffers.iter().map(Buffer::bytes).sum()
     }
 
     /// Bytes of the tensors themselves (what one process alone holds).

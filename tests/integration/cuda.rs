@@ -2304,6 +2304,11 @@ fn qlora_train(
         .args(args)
         .env("CUDA_EMU_DEVICES", "4")
         .env("CUDA_EMU_MEMORY", "2GiB")
+        // On the emulated device each process writes its counters beside its standard error (`rank_counters`).
+        .env(
+            "CUDA_EMU_COUNTERS",
+            stderr.with_file_name("emu-counters-%p.json"),
+        )
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(stderr).unwrap());
     for v in [
@@ -2443,7 +2448,7 @@ struct FsdpReport {
 fn fsdp_reports(stderr: &str) -> Vec<FsdpReport> {
     stderr
         .lines()
-        .filter(|l| l.contains("fsdp: rank"))
+        .filter(|l| l.contains("fsdp: rank") && l.contains(" holds "))
         .map(|l| {
             // Every `(N B)` of the line, in order.
             let bytes: Vec<u64> = l
@@ -2457,6 +2462,36 @@ fn fsdp_reports(stderr: &str) -> Vec<FsdpReport> {
                 loading_heap: bytes[2],
             }
         })
+        .collect()
+}
+
+/// Each rank's all-gathers as it says at the end of training: `(started, started ahead of use)`.
+#[cfg(feature = "nccl")]
+fn fsdp_gather_reports(stderr: &str) -> Vec<(u64, u64)> {
+    stderr
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split_once("fsdp: rank ")?.1.split_once(" started ")?.1;
+            let (ahead, rest) = rest.split_once(" of its ")?;
+            let all = rest.split_once(' ')?.0;
+            Some((all.parse().ok()?, ahead.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The emulator's counters of each process of a `qlora_train` run whose standard error went to `dir/…` that ran
+/// a collective (its ranks), as they wrote them at exit; none on a real GPU.
+#[cfg(feature = "nccl")]
+fn rank_counters(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            let path = e.unwrap().path();
+            let name = path.file_name()?.to_str()?.to_string();
+            name.starts_with("emu-counters-").then_some(path)
+        })
+        .map(|path| serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap())
+        .filter(|c: &serde_json::Value| c["collectives"]["count"].as_u64() > Some(0))
         .collect()
 }
 
@@ -2507,31 +2542,53 @@ fn evaluated_run(
 /// or offloaded to host memory, equals the data-parallel run on 2 ranks bit for bit (losses and adapter); the runs
 /// equal one process accumulating as much, and so do the sharded evaluations — whose 3 batches leave a rank short,
 /// which then runs a padding pass so the gathers pair up. Each rank says it holds 1/N of the sharded weights (within
-/// the padding of its buffers).
+/// the padding of its buffers). The runs prefetch the next layer in the forward and the backward (2 ranks), in the
+/// backward (offloaded) or not at all (4 ranks): each gather started ahead of use is one the emulated device saw
+/// overlap the compute stream's kernels.
 #[cfg(feature = "nccl")]
 #[test]
 fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     let root = tempfile::tempdir().unwrap();
     let eval_file = write_eval_rows(root.path());
-    let run = |name: &str, accumulation: usize, nproc: Option<usize>, fsdp: Option<&str>| {
+    let run = |name: &str,
+               accumulation: usize,
+               nproc: Option<usize>,
+               fsdp: Option<&str>,
+               fsdp_config: Option<&str>| {
         let fsdp = fsdp.map(|f| format!("training.fsdp={f:?}"));
         let mut extra = vec!["--set", "training.gradient_checkpointing=true"];
-        if let Some(fsdp) = &fsdp {
-            extra.extend(["--set", fsdp.as_str()]);
+        for set in fsdp.as_deref().into_iter().chain(fsdp_config) {
+            extra.extend(["--set", set]);
         }
         let (losses, adapter, eval, err) =
             evaluated_run(root.path(), name, &eval_file, accumulation, nproc, &extra);
-        (losses, adapter, eval, fsdp_reports(&err))
+        (losses, adapter, eval, err)
     };
-    let (single_losses, single, single_eval, _) = run("single", 4, None, None);
+    let (single_losses, single, single_eval, _) = run("single", 4, None, None, None);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
-    let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), None);
-    for (name, accumulation, nproc, fsdp) in [
-        ("fsdp-two", 2, 2, "full_shard auto_wrap"),
-        ("fsdp-two-offload", 2, 2, "full_shard offload"),
-        ("fsdp-four", 1, 4, "full_shard"),
+    let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), None, None);
+    let ddp_counters = rank_counters(&root.path().join("ddp-two"));
+    // The three ways of prefetching: forward and backward, backward only (the default), none.
+    for (name, accumulation, nproc, fsdp, prefetch) in [
+        (
+            "fsdp-two",
+            2,
+            2,
+            "full_shard auto_wrap",
+            "training.fsdp_config={forward_prefetch=true}",
+        ),
+        ("fsdp-two-offload", 2, 2, "full_shard offload", ""),
+        (
+            "fsdp-four",
+            1,
+            4,
+            "full_shard",
+            "training.fsdp_config={backward_prefetch=\"no_prefetch\"}",
+        ),
     ] {
-        let (losses, adapter, eval, held) = run(name, accumulation, Some(nproc), Some(fsdp));
+        let prefetch = Some(prefetch).filter(|p| !p.is_empty());
+        let (losses, adapter, eval, held) =
+            run(name, accumulation, Some(nproc), Some(fsdp), prefetch);
         if nproc == 2 {
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
@@ -2567,6 +2624,8 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
         }
         // Every rank reports; its share is 1/N of the whole, plus at most an aligned piece a tensor of padding (7
         // linears of 3 pieces in each of 2 layers; the table and the head).
+        let (gathers, err) = (fsdp_gather_reports(&held), held);
+        let held = fsdp_reports(&err);
         assert_eq!(held.len(), nproc, "{name}");
         for FsdpReport { held, whole, .. } in &held {
             let (nproc, padding) = (nproc as u64, (7 * 2 * 3 + 2) * 256);
@@ -2574,6 +2633,46 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
                 held * nproc >= *whole && *held <= whole / nproc + padding,
                 "{name}: a rank holds {held} of {whole} bytes"
             );
+        }
+        // Gathers started ahead of use: with both prefetches half of the layers' gathers (2 layers: the second in
+        // the forward, the first in the recomputation), fewer with the backward's alone, none without.
+        assert_eq!(gathers.len(), nproc, "{name}: {err}");
+        let (all, ahead) = gathers
+            .iter()
+            .fold((0, 0), |(a, b), (all, ahead)| (a + all, b + ahead));
+        match prefetch {
+            None => assert!(ahead > 0 && 3 * ahead < all, "{name}: {gathers:?}"),
+            Some(p) if p.contains("forward") => {
+                assert!(3 * ahead >= all && 2 * ahead < all, "{name}: {gathers:?}")
+            }
+            Some(_) => assert_eq!(ahead, 0, "{name}: {gathers:?}"),
+        }
+        // On the emulated device: every gather started ahead, and no other, overlapped kernels of the compute
+        // stream (queued there before anything waited for it), and the gathers added no host synchronization.
+        let counters = rank_counters(&root.path().join(name));
+        if !counters.is_empty() {
+            let total = |cs: &[serde_json::Value], key: &[&str]| -> u64 {
+                cs.iter()
+                    .map(|c| key.iter().fold(c, |v, k| &v[k]).as_u64().unwrap())
+                    .sum()
+            };
+            assert_eq!(counters.len(), nproc, "{name}");
+            assert_eq!(
+                total(&counters, &["collectives", "overlapped"]),
+                ahead,
+                "{name}: {counters:?}"
+            );
+            // The data-parallel run's steps, and one synchronization more: making the communicator's stream
+            // (the same steps: the 2-rank run; offloaded, the shares' copies to the host add some at the start).
+            let per_rank =
+                |cs: &[serde_json::Value]| total(cs, &["waits", "host"]) / cs.len() as u64;
+            if name == "fsdp-two" {
+                assert_eq!(
+                    per_rank(&counters),
+                    per_rank(&ddp_counters) + 1,
+                    "{name}: {all} all-gathers"
+                );
+            }
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::loading::{load_model, load_model_config, load_tokenizer, LoadOptions}
 use crate::lora::LoraConfig;
 use crate::memory::heap::reset_heap_peak;
 use crate::memory::{allocated, human_bytes, process_memory};
-use crate::models::{LlamaModel, Sharding};
+use crate::models::LlamaModel;
 use crate::precision::Precision;
 use crate::trainer::methods;
 use crate::trainer::reporting::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
@@ -163,7 +163,7 @@ fn shard_onto(
     heap_before: Option<u64>,
 ) -> Result<LlamaModel> {
     let (rank, world_size) = world.map_or((0, 1), |w| (w.rank, w.world_size));
-    let sharding = Sharding::new(rank, world_size, plan.offload)?;
+    let sharding = plan.sharding(rank, world_size)?;
     let model = model.to_device_sharded(device, &sharding)?;
     let heap = match (heap_before, allocated()) {
         (Some(before), Some((_, peak))) => {

@@ -19,7 +19,6 @@ use crate::error::{Error, Result};
 use crate::files::lock::OutputLock;
 use crate::memory::snapshot::Recording;
 use crate::memory::{MemoryTimeline, RunEstimate};
-use crate::models::Sharding;
 use crate::ops::ActivationOffload;
 use crate::optim::{Optimizer, OptimizerConfig, Schedule};
 use crate::trainer::reporting::callbacks::TrainerControl;
@@ -140,7 +139,7 @@ impl Trainer {
                     .into(),
             )),
             (Some(plan), None) => {
-                let sharding = Sharding::new(shard.rank, shard.world_size, plan.offload)?;
+                let sharding = plan.sharding(shard.rank, shard.world_size)?;
                 let device = self.model.device().clone();
                 self.model = self.model.clone().to_device_sharded(&device, &sharding)?;
                 Ok(())

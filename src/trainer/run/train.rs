@@ -70,6 +70,16 @@ impl Trainer {
             }
         }
         run.progress.finish();
+        if let Some(sharding) = self.model.sharding().filter(|s| s.world_size() > 1) {
+            let (all, ahead) = sharding.all_gathers();
+            // One write, as the rank's loading report (see `shard_onto`).
+            let line = format!(
+                "fsdp: rank {} of {} started {ahead} of its {all} all-gathers ahead of use (beside the layer before)\n",
+                sharding.rank(),
+                sharding.world_size()
+            );
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+        }
         // Every step skipped (a loss never finite, below the limit of max_consecutive_nonfinite_losses or with it
         // off): the adapter is the one the run began with, which is no result to save.
         let steps = self.state.global_step - first_step;

@@ -11,6 +11,24 @@ pub struct FsdpPlan {
     pub full_shard: bool,
     /// The shards live in host memory and travel to the GPU for each gather (`"offload"`, `offload_params`).
     pub offload: bool,
+    /// A layer's forward starts gathering the next layer (`forward_prefetch`).
+    pub forward_prefetch: bool,
+    /// A layer's recomputation in the backward starts gathering the layer before it (`backward_prefetch`, unless
+    /// `"no_prefetch"`).
+    pub backward_prefetch: bool,
+}
+
+impl FsdpPlan {
+    /// Rank `rank` of `world_size`'s place in the sharded job this plan describes.
+    pub fn sharding(
+        &self,
+        rank: usize,
+        world_size: usize,
+    ) -> crate::Result<std::sync::Arc<crate::models::Sharding>> {
+        let sharding = crate::models::Sharding::new(rank, world_size, self.offload)?;
+        sharding.set_prefetch(self.forward_prefetch, self.backward_prefetch);
+        Ok(sharding)
+    }
 }
 
 /// transformers' `fsdp_config` (accelerate's FSDP plugin settings), the keys that apply here.
@@ -22,11 +40,14 @@ pub struct FsdpConfig {
     pub transformer_layer_cls_to_wrap: Option<Vec<String>>,
     /// Size-based wrapping: refused (a unit is a decoder layer).
     pub min_num_params: Option<u64>,
-    /// `"backward_pre"` (the default) or `"backward_post"`: when the next layer's gather is issued in the backward.
-    /// The gathers here run in the order the layers need them either way.
+    /// `"backward_pre"` (the default) or `"backward_post"`: the backward's recomputation of a layer starts
+    /// gathering the layer before it (both mean that here: a layer's weights are gathered for its recomputation,
+    /// which comes before its backward); `"no_prefetch"`: each layer gathers as its recomputation starts.
     pub backward_prefetch: Option<String>,
-    /// Whether the next layer's gather is issued before the current layer's forward ends: not yet (each layer
-    /// gathers as it starts), so true is refused.
+    /// Whether a layer's forward starts gathering the next layer before it computes (on GPUs the gather runs on
+    /// the communicator's stream beside the layer's kernels). False (the default, as in transformers): each layer
+    /// starts its gather when it starts, which still runs ahead of the GPU when the host queues work faster than
+    /// the GPU runs it.
     pub forward_prefetch: bool,
     /// Whether at most two layers' gathers are in flight: true here (the current and the next layer's).
     pub limit_all_gathers: Option<bool>,
@@ -134,13 +155,6 @@ impl FsdpConfig {
                 "fsdp_config.backward_prefetch = \"{p}\": use \"backward_pre\", \"backward_post\" or \"no_prefetch\""
             ));
         }
-        if self.forward_prefetch {
-            return Err(
-                "fsdp_config.forward_prefetch = true is not supported yet: each layer gathers its weights as it \
-                 starts; leave it false"
-                    .into(),
-            );
-        }
         if self.limit_all_gathers == Some(false) {
             return Err(
                 "fsdp_config.limit_all_gathers = false is not supported: at most the current and the next layer \
@@ -163,6 +177,8 @@ impl FsdpConfig {
         Ok(Some(FsdpPlan {
             full_shard,
             offload,
+            forward_prefetch: self.forward_prefetch,
+            backward_prefetch: self.backward_prefetch.as_deref() != Some("no_prefetch"),
         }))
     }
 }
@@ -179,7 +195,9 @@ mod tests {
             config.plan(Some("full_shard auto_wrap"), true),
             Ok(Some(FsdpPlan {
                 full_shard: true,
-                offload: false
+                offload: false,
+                forward_prefetch: false,
+                backward_prefetch: true,
             }))
         );
         let offloaded = FsdpConfig {
@@ -191,7 +209,9 @@ mod tests {
                 config.plan(Some(fsdp), true),
                 Ok(Some(FsdpPlan {
                     full_shard: true,
-                    offload: true
+                    offload: true,
+                    forward_prefetch: false,
+                    backward_prefetch: true,
                 }))
             );
         }
@@ -227,10 +247,14 @@ mod tests {
             .plan(Some("full_shard"), false)
             .unwrap_err();
         assert!(err.contains("gradient_checkpointing"), "{err}");
-        let stray = FsdpConfig {
+        let prefetching = FsdpConfig {
             forward_prefetch: true,
+            backward_prefetch: Some("no_prefetch".into()),
             ..Default::default()
         };
+        let plan = prefetching.plan(Some("full_shard"), true).unwrap().unwrap();
+        assert!(plan.forward_prefetch && !plan.backward_prefetch);
+        let stray = prefetching;
         assert!(stray
             .plan(None, true)
             .unwrap_err()

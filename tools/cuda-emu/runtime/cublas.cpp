@@ -221,6 +221,7 @@ int run(const Gemm &g) {
           check_operand("C", g.c, g.c_type, g.m, g.n, g.ldc, g.stride_c, g.batch)})
         if (!bad.empty()) return refuse(EXECUTION_FAILED, g.api, bad);
     count_launch(std::string("cublas:") + g.api);
+    note_kernel(g.handle->stream);
     if (g.m == 0 || g.n == 0 || g.batch == 0) return SUCCESS;
 
     const double alpha = load(g.alpha, g.scalar_type, 0), beta = load(g.beta, g.scalar_type, 0);

@@ -386,6 +386,7 @@ CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
 
 CUresult CUDAAPI cuCtxSynchronize(void) {
     count_host_wait();
+    note_context_sync();
     return ready("cuCtxSynchronize");
 }
 
@@ -695,6 +696,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
 
 CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
     count_host_wait();
+    note_stream_sync(stream);
     if (CUresult r = ready("cuStreamSynchronize")) return r;
     return check_stream(stream, "cuStreamSynchronize");
 }
@@ -709,6 +711,7 @@ CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent event, unsigned int)
     count_stream_wait();
     std::lock_guard<std::mutex> g(g_lock);
     if (!g_events.count(event)) return result(fail(CUDA_ERROR_INVALID_HANDLE, "cuStreamWaitEvent: not a live event"));
+    note_event_wait(event, stream);
     return CUDA_SUCCESS;
 }
 
@@ -767,6 +770,7 @@ CUresult CUDAAPI cuEventDestroy(CUevent event) {
         return result(fail(CUDA_ERROR_INVALID_HANDLE, "cuEventDestroy: not a live event (destroyed twice?)"));
     }
     delete reinterpret_cast<Event *>(event);
+    note_event_forget(event);
     return CUDA_SUCCESS;
 }
 
@@ -777,6 +781,7 @@ CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
     Event *e = reinterpret_cast<Event *>(event);
     e->recorded = true;
     e->time_ms = now_ms();
+    note_event_record(event, stream);
     return CUDA_SUCCESS;
 }
 
@@ -792,6 +797,7 @@ CUresult CUDAAPI cuEventQuery(CUevent event) {
 
 CUresult CUDAAPI cuEventSynchronize(CUevent event) {
     count_host_wait();
+    note_event_sync(event);
     return cuEventQuery(event);
 }
 

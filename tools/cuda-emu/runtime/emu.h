@@ -20,7 +20,7 @@ struct Config {
     int threads;                // CUDA_EMU_THREADS: host threads for GEMMs and fast-mode blocks (default: all cores)
     bool fast;                  // CUDA_EMU_FAST=1: uninstrumented kernels, blocks over the cores (see launch.cpp)
     bool abort_on_error;        // CUDA_EMU_ABORT=1: abort the process at the first error the emulator reports
-    std::string counters_path;  // CUDA_EMU_COUNTERS: the counters are written there as JSON at exit
+    std::string counters_path;  // CUDA_EMU_COUNTERS: the counters are written there as JSON at exit ("%p": the pid)
     std::string kernels_dir;    // CUDA_EMU_KERNELS: the CPU builds of kernel modules (default: kernels/ beside us)
 };
 const Config &config();
@@ -92,6 +92,22 @@ void count_host_wait();
 void count_stream_wait();
 void count_launch(const std::string &kernel);
 void count_allocation(size_t bytes);
+// Overlap of collectives with compute: a collective issued on one stream stays open until something waits for it —
+// a stream's or the host's wait on an event recorded on its stream after it, or the host's wait for its stream or
+// the context. A collective during which a kernel (or GEMM) is queued on another stream counts as overlapped: on a
+// GPU the two would run at the same time. Default streams (null, legacy, per-thread) are one stream here.
+void note_collective(const void *stream);
+void note_kernel(const void *stream);
+// An event stands for its latest record only: recording it again, or destroying it (its handle may be reused),
+// takes it off the collectives an earlier record covered.
+void note_event_record(const void *event, const void *stream);
+void note_event_forget(const void *event);
+// A stream's wait on an event (a stream waiting for its own earlier work orders nothing), and the host's.
+void note_event_wait(const void *event, const void *stream);
+void note_event_sync(const void *event);
+// The host waiting for `stream`, or for the whole context.
+void note_stream_sync(const void *stream);
+void note_context_sync();
 // The counters as JSON.
 std::string counters_json();
 void reset_counters();

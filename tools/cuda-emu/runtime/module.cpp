@@ -182,6 +182,7 @@ CUresult launch_function(CUfunction f, unsigned gx, unsigned gy, unsigned gz, un
     l.block[0] = bx, l.block[1] = by, l.block[2] = bz;
     l.dynamic_shared = shared;
     l.params = params;
+    note_kernel(stream);
     return result(launch(l));
 }
 

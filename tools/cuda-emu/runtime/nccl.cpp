@@ -241,6 +241,7 @@ int check_call(const char *api, Comm *comm, void *stream, int type, int op,
         const std::string bad = in_arena(p) ? check_range(p, b.second) : "not device memory";
         if (!bad.empty()) return refuse(InvalidArgument, comm, format("%s: buffer %p: %s", api, b.first, bad.c_str()));
     }
+    note_collective(stream);
     return Success;
 }
 

@@ -2,6 +2,7 @@
 // test reads.
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +12,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "emu.h"
@@ -91,17 +93,28 @@ struct Counters {
     uint64_t copies[4] = {0, 0, 0, 0}, copy_bytes[4] = {0, 0, 0, 0};
     uint64_t allocations = 0, allocated_bytes = 0, launches = 0;
     uint64_t host_waits = 0, stream_waits = 0;
+    uint64_t collectives = 0, overlapped_collectives = 0;
     std::map<std::string, uint64_t> launches_by_kernel;
+    // The collectives nothing has waited for yet: their stream, whether a kernel ran beside them, and the events
+    // recorded on their stream after them.
+    struct Open {
+        const void *stream;
+        bool overlapped;
+        std::vector<const void *> events;
+    };
+    std::vector<Open> open;
 };
 Counters &counters() {
     static Counters *c = new Counters;
     return *c;
 }
 
-// Writes the counters to CUDA_EMU_COUNTERS at exit.
+// Writes the counters to CUDA_EMU_COUNTERS at exit; a "%p" there becomes the process id (each rank of a job its own
+// file).
 void write_counters_at_exit() {
-    const std::string &path = config().counters_path;
+    std::string path = config().counters_path;
     if (path.empty()) return;
+    if (const size_t at = path.find("%p"); at != std::string::npos) path.replace(at, 2, std::to_string(getpid()));
     if (FILE *f = fopen(path.c_str(), "w")) {
         const std::string json = counters_json();
         fwrite(json.data(), 1, json.size(), f);
@@ -112,12 +125,14 @@ void write_counters_at_exit() {
 }  // namespace
 
 const Config &config() {
-    static const Config c = [] {
-        Config read = read_config();
-        if (!read.counters_path.empty()) atexit(write_counters_at_exit);
+    // Never destroyed: the exit handler that writes the counters runs after the destructors of statics made
+    // before it was registered, and reads the configuration.
+    static const Config *c = [] {
+        Config *read = new Config(read_config());
+        if (!read->counters_path.empty()) atexit(write_counters_at_exit);
         return read;
     }();
-    return c;
+    return *c;
 }
 
 std::string format(const char *fmt, ...) {
@@ -191,6 +206,91 @@ void count_allocation(size_t bytes) {
     c.allocated_bytes += bytes;
 }
 
+namespace {
+// The one default stream: null, CU_STREAM_LEGACY (1) and CU_STREAM_PER_THREAD (2).
+const void *normal_stream(const void *stream) {
+    return reinterpret_cast<uintptr_t>(stream) <= 2 ? nullptr : stream;
+}
+}  // namespace
+
+void note_collective(const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.collectives += 1;
+    c.open.push_back({normal_stream(stream), false, {}});
+}
+
+void note_kernel(const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    stream = normal_stream(stream);
+    for (auto &o : c.open) {
+        if (o.stream != stream && !o.overlapped) {
+            o.overlapped = true;
+            c.overlapped_collectives += 1;
+        }
+    }
+}
+
+namespace {
+void forget_event(Counters &c, const void *event) {
+    for (auto &o : c.open) o.events.erase(std::remove(o.events.begin(), o.events.end(), event), o.events.end());
+}
+}  // namespace
+
+void note_event_record(const void *event, const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    stream = normal_stream(stream);
+    forget_event(c, event);
+    for (auto &o : c.open) {
+        if (o.stream == stream) o.events.push_back(event);
+    }
+}
+
+void note_event_forget(const void *event) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    forget_event(c, event);
+}
+
+void note_event_wait(const void *event, const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    stream = normal_stream(stream);
+    c.open.erase(std::remove_if(c.open.begin(), c.open.end(),
+                                [event, stream](const Counters::Open &o) {
+                                    return o.stream != stream &&
+                                           std::find(o.events.begin(), o.events.end(), event) != o.events.end();
+                                }),
+                 c.open.end());
+}
+
+void note_event_sync(const void *event) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.open.erase(std::remove_if(c.open.begin(), c.open.end(),
+                                [event](const Counters::Open &o) {
+                                    return std::find(o.events.begin(), o.events.end(), event) != o.events.end();
+                                }),
+                 c.open.end());
+}
+
+void note_stream_sync(const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    stream = normal_stream(stream);
+    c.open.erase(std::remove_if(c.open.begin(), c.open.end(),
+                                [stream](const Counters::Open &o) { return o.stream == stream; }),
+                 c.open.end());
+}
+
+void note_context_sync() {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.open.clear();
+}
+
 std::string counters_json() {
     const PoolStats pool = pool_stats();
     Counters &c = counters();
@@ -206,6 +306,8 @@ std::string counters_json() {
                   (unsigned long long)pool.used, (unsigned long long)pool.used_high);
     out += format(", \"waits\": {\"host\": %llu, \"stream\": %llu}", (unsigned long long)c.host_waits,
                   (unsigned long long)c.stream_waits);
+    out += format(", \"collectives\": {\"count\": %llu, \"overlapped\": %llu}", (unsigned long long)c.collectives,
+                  (unsigned long long)c.overlapped_collectives);
     out += format(", \"launches\": {\"count\": %llu, \"by_kernel\": {", (unsigned long long)c.launches);
     bool first = true;
     for (const auto &kv : c.launches_by_kernel) {
@@ -222,7 +324,9 @@ void reset_counters() {
     for (int i = 0; i < 4; ++i) c.copies[i] = c.copy_bytes[i] = 0;
     c.allocations = c.allocated_bytes = c.launches = 0;
     c.host_waits = c.stream_waits = 0;
+    c.collectives = c.overlapped_collectives = 0;
     c.launches_by_kernel.clear();
+    c.open.clear();
 }
 
 }  // namespace emu
