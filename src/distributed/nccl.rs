@@ -10,13 +10,12 @@
 //! communicator); until then — a data-parallel job, which only all-reduces and waits — on the compute stream, which
 //! keeps the device in cudarc's one-stream mode (no event recorded per buffer access).
 
+use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use std::collections::VecDeque;
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,

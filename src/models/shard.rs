@@ -94,11 +94,6 @@ impl PinnedShard {
         self.pinned.dtype()
     }
 
-    /// The device it is gathered on.
-    pub fn device(&self) -> &candle_core::cuda_backend::CudaDevice {
-        &self.device
-    }
-
     /// Starts copying it to a new tensor on its device, on `stream` (see [`crate::cuda::side_stream::Pinned`]).
     pub(crate) fn copy_on(
         &self,
@@ -597,6 +592,47 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A prefetched gather is used by the gather of the same tensors and let go by another's (which gathers its own);
+    /// either way every gather gives the tensors back, and the counts say how many all-gathers started ahead.
+    #[test]
+    fn a_prefetched_gather_serves_its_own_tensors_only() {
+        let cpu = Device::Cpu;
+        let a = vec![
+            Tensor::arange(0u8, 77, &cpu).unwrap(),
+            Tensor::randn(0f32, 1.0, 33, &cpu).unwrap(),
+        ];
+        let b = vec![Tensor::randn(0f32, 1.0, 50, &cpu).unwrap()];
+        let flat = |ts: &[Tensor]| -> Vec<Vec<f64>> {
+            ts.iter()
+                .map(|t| t.to_dtype(DType::F64).unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        let counts: Vec<(u64, u64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = LocalRanks::handles(2)
+                .into_iter()
+                .map(|r| {
+                    let (a, b) = (&a, &b);
+                    s.spawn(move || {
+                        let sharding = Sharding::new(r.rank, 2, false).unwrap();
+                        sharding.attach(Arc::new(r));
+                        let shards_a = FlatShards::new(a, sharding.clone()).unwrap();
+                        let shards_b = FlatShards::new(b, sharding.clone()).unwrap();
+                        shards_a.prefetch("a").unwrap();
+                        assert_eq!(flat(&shards_b.gather("b").unwrap()), flat(b));
+                        assert!(sharding.prefetched.lock().unwrap().is_none());
+                        shards_a.prefetch("a").unwrap();
+                        assert_eq!(flat(&shards_a.gather("a").unwrap()), flat(a));
+                        assert!(sharding.prefetched.lock().unwrap().is_none());
+                        sharding.all_gathers()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        // `a` has two buffers (u8, f32), `b` one: a prefetch, b's gather, a prefetch again.
+        assert_eq!(counts, vec![(5, 4); 2]);
     }
 
     /// One rank alone gathers without an exchange; more ranks without one get an error naming what is missing.
