@@ -7,8 +7,8 @@
 //! it runs on the communicator's own stream (as torch's process group does) after the compute stream's work so far,
 //! the compute stream waits for it on an event when the gathered weights are used, and the watchdog follows it
 //! until the event completes. Once that stream exists every collective runs there (one order of NCCL calls per
-//! communicator); until then — a data-parallel job, which only all-reduces and waits — on the compute stream, which
-//! keeps the device in cudarc's one-stream mode (no event recorded per buffer access).
+//! communicator); until then — a data-parallel job, which only all-reduces and waits — on the compute stream, so
+//! data-parallel training adds no stream (cudarc records an event per buffer access once a device has two).
 
 use std::collections::VecDeque;
 use std::ffi::CStr;
@@ -246,7 +246,10 @@ impl Communicator {
         let started = self
             .issue_all_gather(&stream, shard, &what)
             .and_then(|(whole, input)| {
-                let done = Arc::new(mark(&stream)?);
+                let done = match mark(&stream) {
+                    Ok(done) => Arc::new(done),
+                    Err(e) => return Err(settled(&stream, e.into())),
+                };
                 s.state.lock().unwrap().started.push_back((
                     Instant::now(),
                     what.clone(),
@@ -281,7 +284,10 @@ impl Communicator {
             // SAFETY: see `NcclCall`; the output holds `world_size` times the input's `n` elements.
             unsafe { result::all_gather(src, dst, n, dtype, comm, stream) }
         });
-        let whole = self.collective(stream, &input, self.world_size(), what, call)?;
+        // A copy queued before a failed gather may still read or write the input: it is freed after the stream.
+        let whole = self
+            .collective(stream, &input, self.world_size(), what, call)
+            .map_err(|e| settled(stream, e))?;
         Ok((whole, input))
     }
 
@@ -389,6 +395,13 @@ impl Communicator {
     }
 }
 
+/// `error`, once the work queued on `stream` has finished (what it reads or writes may then be freed on the compute
+/// stream); a failed synchronization leaves the error as it is.
+fn settled(stream: &CudaStream, error: Error) -> Error {
+    let _ = stream.synchronize();
+    error
+}
+
 impl ShardExchange for Communicator {
     fn all_gather(&self, shard: &Tensor, what: &str) -> Result<Tensor> {
         Communicator::all_gather(self, shard, what)
@@ -401,14 +414,25 @@ impl ShardExchange for Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        self.shared.state.lock().unwrap().closed = true;
+        let unfinished = {
+            let mut state = self.shared.state.lock().unwrap();
+            state.closed = true;
+            state
+                .started
+                .iter()
+                .any(|(_, _, done)| !matches!(done.try_is_complete(), Ok(true)))
+        };
         if let Some(dog) = self.watchdog.take() {
             let _ = dog.join();
         }
         if !self.shared.aborted.swap(true, Ordering::SeqCst) {
-            // SAFETY: the watchdog has stopped and no call is in flight: the handle is ours alone.
+            // SAFETY: the watchdog has stopped and no call is in flight: the handle is ours alone. A gather still
+            // running (left by an error) would make the destroy wait for peers that may be gone: it is aborted.
             unsafe {
-                let _ = result::comm_destroy(self.shared.comm.0);
+                let _ = match unfinished {
+                    true => result::comm_abort(self.shared.comm.0),
+                    false => result::comm_destroy(self.shared.comm.0),
+                };
             }
         }
     }
@@ -423,11 +447,13 @@ fn watch(s: &Shared) {
         if state.closed {
             return;
         }
-        while state
-            .started
-            .front()
-            .is_some_and(|(_, _, done)| done.is_complete())
-        {
+        let mut failed = None;
+        while let Some((_, what, done)) = state.started.front() {
+            match done.try_is_complete() {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => failed = Some(format!("rank {}: {what} failed on the GPU: {e}", s.rank)),
+            }
             state.started.pop_front();
         }
         // The oldest collective not finished: the one the host waits in, or one started earlier.
@@ -444,7 +470,9 @@ fn watch(s: &Shared) {
         let mut async_error = sys::ncclResult_t::ncclSuccess;
         // SAFETY: querying the asynchronous error is allowed from any thread.
         unsafe { sys::ncclCommGetAsyncError(s.comm.0, &mut async_error) };
-        let fault = if async_error != sys::ncclResult_t::ncclSuccess
+        let fault = if failed.is_some() {
+            failed
+        } else if async_error != sys::ncclResult_t::ncclSuccess
             && async_error != sys::ncclResult_t::ncclInProgress
         {
             Some(format!(

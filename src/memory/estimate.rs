@@ -1219,7 +1219,7 @@ mod tests {
     /// FSDP divides the decoder layers' linear weights by the ranks and adds what is gathered; everything else
     /// is the data-parallel run's; each rank receives every layer twice a micro-batch, (N − 1)/N of it.
     #[test]
-    fn fsdp_shares_out_the_layers_and_gathers_one() {
+    fn fsdp_shares_out_the_layers_and_gathers_two_at_once() {
         let c = llama2_7b();
         let args = |world_size: usize, fsdp: bool| EstimateArgs {
             device: DeviceKind::Cuda,

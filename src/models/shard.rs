@@ -416,7 +416,11 @@ impl FlatShards {
         let prefetched = self.sharding.prefetched.lock().unwrap().take();
         let gatherings = match prefetched {
             Some((id, gatherings)) if id == self.id => gatherings,
-            _ => self.start_gather(what)?,
+            other => {
+                // Another's prefetch is let go first, so no more than two gathers are held at once.
+                drop(other);
+                self.start_gather(what)?
+            }
         };
         let whole: Vec<Tensor> = gatherings
             .into_iter()

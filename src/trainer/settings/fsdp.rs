@@ -46,8 +46,7 @@ pub struct FsdpConfig {
     pub backward_prefetch: Option<String>,
     /// Whether a layer's forward starts gathering the next layer before it computes (on GPUs the gather runs on
     /// the communicator's stream beside the layer's kernels). False (the default, as in transformers): each layer
-    /// starts its gather when it starts, which still runs ahead of the GPU when the host queues work faster than
-    /// the GPU runs it.
+    /// gathers when it starts, after the previous layer's kernels (the host does not wait, the GPU does).
     pub forward_prefetch: bool,
     /// Whether at most two layers' gathers are in flight: true here (the current and the next layer's).
     pub limit_all_gathers: Option<bool>,

@@ -691,6 +691,7 @@ CUresult CUDAAPI cuStreamDestroy(CUstream stream) {
         return result(fail(CUDA_ERROR_INVALID_HANDLE, "cuStreamDestroy: not a live stream (destroyed twice?)"));
     }
     delete reinterpret_cast<Stream *>(stream);
+    note_stream_sync(stream);  // its work is done; the handle may be reused
     return CUDA_SUCCESS;
 }
 
