@@ -138,7 +138,7 @@ impl Pinned {
         let len = shape.elem_count();
         with_pinned_type!(self.dtype, "a pinned copy", T, {
             let mut dst = alloc::<T>(device, len)?;
-            wait(stream, &mark(&device.cuda_stream())?)?;
+            after_compute(device, stream)?;
             let source = self.elements::<T>(len);
             stream
                 .memcpy_htod(&*source, &mut dst)
@@ -159,7 +159,7 @@ impl Pinned {
         x: &Tensor,
     ) -> Result<()> {
         let len = x.elem_count();
-        wait(stream, &mark(&device.cuda_stream())?)?;
+        after_compute(device, stream)?;
         with_pinned_type!(x.dtype(), "a pinned copy", T, {
             let held = hold(x)?;
             let host = self.elements::<T>(len);
@@ -168,6 +168,16 @@ impl Pinned {
                 .map_err(candle_core::Error::wrap)?;
         });
         Ok(())
+    }
+}
+
+/// Makes `stream`'s later work wait for the work queued so far on `device`'s compute stream (nothing to do when
+/// `stream` is the compute stream).
+pub(crate) fn after_compute(device: &CudaDevice, stream: &CudaStream) -> Result<()> {
+    let compute = device.cuda_stream();
+    match stream.cu_stream() == compute.cu_stream() {
+        true => Ok(()),
+        false => wait(stream, &mark(&compute)?),
     }
 }
 

@@ -26,7 +26,7 @@ use candle_core::{DType, Tensor};
 
 use super::env::WorldEnv;
 use super::rendezvous::share_from_rank0;
-use crate::cuda::side_stream::{mark, new_stream, wait};
+use crate::cuda::side_stream::{after_compute, mark, new_stream, wait};
 use crate::error::{Error, Result};
 use crate::models::{Gathering, ShardExchange, ShardSource};
 
@@ -349,10 +349,7 @@ impl Communicator {
         let held = crate::cuda::hold(&t)?;
         let input = held.view::<T>()?;
         let mut out = crate::cuda::alloc::<T>(&s.device, n * out_factor)?;
-        let compute = s.device.cuda_stream();
-        if stream.cu_stream() != compute.cu_stream() {
-            wait(stream, &mark(&compute)?)?;
-        }
+        after_compute(&s.device, stream)?;
         {
             let (src, _read) = input.device_ptr(stream);
             let (dst, _write) = out.device_ptr_mut(stream);

@@ -324,8 +324,6 @@ pub struct FlatShards {
     /// Names this share for a prefetched gather (unique in the process, unlike an address that may be reused).
     id: u64,
     sharding: Arc<Sharding>,
-    /// Where the gathered tensors are used (the tensors' device).
-    device: Device,
     buffers: Vec<Buffer>,
     pieces: Vec<Piece>,
     /// Bytes of the whole tensors (what one rank alone would hold).
@@ -402,7 +400,6 @@ impl FlatShards {
         Ok(FlatShards {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             sharding,
-            device,
             buffers,
             pieces,
             whole_bytes,
@@ -457,15 +454,7 @@ impl FlatShards {
     fn start_gather(&self, what: &str) -> Result<Vec<Gathering>> {
         self.buffers
             .iter()
-            .map(|b| match b.source() {
-                // An offloaded shard without a GPU: the host memory is the device's.
-                ShardSource::Tensor(t) if !t.device().same_device(&self.device) => {
-                    let t = t.to_device(&self.device)?;
-                    self.sharding
-                        .start_all_gather(ShardSource::Tensor(&t), what)
-                }
-                source => self.sharding.start_all_gather(source, what),
-            })
+            .map(|b| self.sharding.start_all_gather(b.source(), what))
             .collect()
     }
 
