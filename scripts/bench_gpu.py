@@ -35,8 +35,9 @@ start at zero, so both compute the base model's loss).
 Other modes: --decode times NF4 greedy decoding (`qlora generate` against transformers + bitsandbytes `generate`,
 the same 32 prompt ids, exactly --new-tokens tokens); --trace DIR traces step 2 of a 3-step run of each system
 (ours: trace.json and memory_snapshot.pickle; theirs: torch.profiler's chrome trace).
---offload and --tiled-mlp run ours with activation_offloading and tiled_mlp (rows of their own, with --only ours:
-theirs has no such settings); ours' rows also record the run's estimate and pinned host memory beside its peak.
+--offload and --tiled-mlp run ours with activation_offloading and tiled_mlp, --fsdp ours with its base sharded (one
+rank: the sharded layers' path, and with `offload` their shares copied from pinned host memory at each use) (rows of
+their own, with --only ours: theirs has no such settings); ours' rows also record the run's estimate and pinned host memory beside its peak.
 
 Results accumulate in WORK/results.jsonl, or --results (a run already there is not repeated), so the benchmark can
 go on over several invocations; --report prints the tables from what is there. scripts/gpu-check.sh runs the rows
@@ -119,6 +120,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload", action="store_true",
                    help="ours with activation_offloading (a row of its own; theirs has no such setting: --only ours)")
     p.add_argument("--tiled-mlp", action="store_true", help="ours with tiled_mlp (a row of its own, as --offload)")
+    p.add_argument("--fsdp", choices=["full_shard", "offload"],
+                   help="ours with fsdp = \"full_shard\" (offload: its shards in pinned host memory) on one GPU, "
+                        "a row of its own as --offload")
     p.add_argument("--report", action="store_true", help="print the table of WORK/results.jsonl and stop")
     p.add_argument("--prepare-bnb", action="store_true",
                    help=f"(here, with network) put {BNB_WHEEL} trimmed to its CUDA 13.0 library in .gpu/site")
@@ -591,9 +595,11 @@ def main() -> None:
             for system in systems:
                 run(f"{shape}/decode", system, "decode", 0, spec)
             continue
-        variant = ["offload"] * args.offload + ["tiled MLP"] * args.tiled_mlp
+        fsdp = {None: [], "full_shard": ["fsdp"], "offload": ["fsdp offloaded"]}[args.fsdp]
+        variant = ["offload"] * args.offload + ["tiled MLP"] * args.tiled_mlp + fsdp
         row_key = "/".join([shape, f"{batch}x{seq}", str(dropout), *variant])
-        base["extra_training"] = "activation_offloading = true\n" * args.offload + "tiled_mlp = true\n" * args.tiled_mlp
+        base["extra_training"] = ("activation_offloading = true\n" * args.offload + "tiled_mlp = true\n" * args.tiled_mlp
+                                  + (f'fsdp = "full_shard{" offload" * (args.fsdp == "offload")}"\n' if fsdp else ""))
         steps = args.warmup + args.steps
         if args.trace:
             args.trace.mkdir(parents=True, exist_ok=True)
@@ -608,7 +614,8 @@ def main() -> None:
         runs += [("speed", r, {**base, "lr": LEARNING_RATE, "steps": steps}) for r in range(args.rounds)]
         for kind, rnd, spec in runs:
             spec["data"] = str(data_file(work, shape, batch, seq, spec["steps"]))
-            spec["key"] = "-".join([shape, f"{batch}x{seq}", str(dropout), *(v.split()[0] for v in variant), kind])
+            spec["key"] = "-".join([shape, f"{batch}x{seq}", str(dropout), *(v.replace(" ", "_") for v in variant),
+                                    kind])
             order = systems if rnd % 2 == 0 else systems[::-1]
             for system in order:
                 run(row_key, system, kind, rnd, spec)

@@ -29,6 +29,8 @@
 #                 pinned host memory and tokens/s beside `qlora estimate`'s figures
 #   long-8b-16k   ours alone, 8B shape, 1 × 16384, plain and then offloaded with the tiled MLP: what offload and
 #                 tiling cost in tokens/s, and both peaks beside the estimate's
+#   fsdp-8b       ours alone, 8B shape, 1 × 2048: plain, activation offload, fsdp on one rank (shards on the GPU, then
+#                 offloaded to pinned host memory): tokens/s and each peak beside its estimate
 # --stages a,b,…: run only these stages (preflight always runs).
 # --budget SECONDS (default 540): a stage starts only when its estimated time (an H100's, below) fits in what is
 # left, and runs under a timeout of what is left; the summary says what remains for the next call.
@@ -47,7 +49,7 @@ while [ $# -gt 0 ]; do
     --work) work="$2"; shift 2 ;;
     --stages) only=",$2,"; shift 2 ;;
     --rehearse) rehearse=1; shift ;;
-    -h|--help) sed -n '2,42p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,44p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) results="$1"; shift ;;
   esac
@@ -246,6 +248,11 @@ stage bench-8b-16k 200 "${bench[@]}" --shape "$big" --batch 1 --seq "$long_seq" 
 long=("${bench[@]}" --shape "$big" --batch 1 --dropout 0.0 --rounds 1 --loss-steps 0 --only ours)
 stage long-8b-64k 300 "${long[@]}" --seq "$longest_seq" --warmup 0 --steps 1 --offload --tiled-mlp
 stage long-8b-16k 150 bash -c '"$@" && "$@" --offload --tiled-mlp' _ "${long[@]}" --seq "$long_seq" --warmup 1 --steps 1
+# One GPU, the 8B shape at 2048 tokens, ours alone: plain, with activation offload (a second stream: what cudarc's
+# per-buffer events cost), and with the base sharded by fsdp on one rank (the sharded layers' path), its shards on the
+# GPU and then in pinned host memory (copied to the GPU at each use): tokens/s and each peak beside its estimate.
+stage fsdp-8b 240 bash -c '"$@" && "$@" --offload && "$@" --fsdp full_shard && "$@" --fsdp offload' _ "${long[@]}" \
+  --seq "$seq" --warmup 1 --steps 2
 
 write_summary
 if [ ${#deferred[@]} -gt 0 ]; then

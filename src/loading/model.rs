@@ -1,6 +1,7 @@
 //! Loading a model and its tokenizer: weights by Hugging Face name from safetensors (sharded, bitsandbytes 4-bit)
 //! or GGUF, checked against the configuration, quantized on load one tensor at a time.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -53,7 +54,10 @@ struct WeightInFile {
     weights: Arc<Weights>,
     name: String,
     shape: [usize; 2],
+    /// The 4-bit format it is quantized to when read (a bitsandbytes 4-bit weight's own).
     quant: Option<QuantConfig>,
+    /// Stored as bitsandbytes 4-bit (read as stored, whole).
+    stored_4bit: bool,
 }
 
 impl std::fmt::Debug for WeightInFile {
@@ -81,6 +85,17 @@ impl DeferredWeight for WeightInFile {
 
     fn quantization(&self) -> Option<QuantConfig> {
         self.quant
+    }
+
+    fn read_elements(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
+        match self.stored_4bit {
+            true => Ok(None),
+            false => self
+                .weights
+                .elements(&self.name, range)
+                .map(Some)
+                .map_err(candle_core::Error::wrap),
+        }
     }
 }
 
@@ -178,6 +193,40 @@ impl Weights {
         Ok(t)
     }
 
+    /// Elements `range` of plain safetensors tensor `name` taken flat, as stored (1-D, on the host): only their
+    /// bytes of the file are read, and given back to the operating system after.
+    fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        let Weights::Safetensors(s) = self else {
+            return Err(Error::Model(format!(
+                "`{name}` in {}: only a safetensors tensor is read in parts",
+                self.where_()
+            )));
+        };
+        let file = s.file_of(name).ok_or_else(|| {
+            Error::Model(format!(
+                "tensor `{name}` is missing from {}",
+                s.folder().display()
+            ))
+        })?;
+        let st = file.tensors()?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+        let dtype = DType::try_from(view.dtype())
+            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+        let size = dtype.size_in_bytes();
+        let bytes = view
+            .data()
+            .get(range.start * size..range.end * size)
+            .ok_or_else(|| {
+                Error::invalid_file(file.path(), format!("`{name}` holds no elements {range:?}"))
+            })?;
+        let part = Tensor::from_raw_buffer(bytes, dtype, &[range.len()], &Device::Cpu)?;
+        file.release(bytes);
+        check_finite_from(&part, range.start, name, &self.where_())?;
+        Ok(part)
+    }
+
     /// A bitsandbytes 4-bit weight, if stored that way.
     fn nf4(&self, name: &str) -> Result<Option<Nf4Tensor>> {
         let Weights::Safetensors(s) = self else {
@@ -187,15 +236,11 @@ impl Weights {
             return Ok(None);
         };
         let st = file.tensors()?;
-        let is_companion = |k: &str| k.starts_with(name) && k[name.len()..].starts_with('.');
         let names = st.names();
         if !is_bnb_4bit(&names, name) {
             return Ok(None);
         }
-        s.mark_read(name);
-        for companion in names.into_iter().filter(|k| is_companion(k)) {
-            s.mark_read(companion);
-        }
+        mark_read_with_companions(s, &names, name);
         read_bnb_weight(&st, name, file.path()).map(Some)
     }
 
@@ -277,7 +322,8 @@ impl Weights {
 
 impl Weights {
     /// Linear layer `prefix` as [`Weights::linear`] loads it, its weight left in the file ([`WeightInFile`]) when
-    /// it is a plain safetensors tensor of `shape` (a bitsandbytes 4-bit or a GGUF one is read now).
+    /// it is a safetensors tensor: plain of `shape`, or bitsandbytes 4-bit (checked now, read again at use). A GGUF
+    /// one is read now.
     fn deferred_linear(
         weights: &Arc<Weights>,
         prefix: &str,
@@ -296,10 +342,21 @@ impl Weights {
         let view = stored
             .tensor(&name)
             .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
-        if view.shape() != shape || is_bnb_4bit(&stored.names(), &name) {
+        let names = stored.names();
+        let stored_4bit = is_bnb_4bit(&names, &name);
+        // A 4-bit weight's shape is its quant state's, checked when it is read.
+        if view.shape() != shape && !stored_4bit {
             return weights.linear(prefix, shape, bias, quant);
         }
-        s.mark_read(&name);
+        // A 4-bit weight is read once now, for its checks and its quantization settings (what the model reports
+        // as its base's), and let go: the model holds it only while its layer moves.
+        let quant = match stored_4bit {
+            true => weights.nf4_of_shape(&name, &shape)?.map(|q| q.config()),
+            false => {
+                mark_read_with_companions(s, &names, &name);
+                quant.copied()
+            }
+        };
         let bias = match bias {
             true => Some(
                 weights
@@ -312,9 +369,22 @@ impl Weights {
             weights: Arc::clone(weights),
             name,
             shape,
-            quant: quant.copied(),
+            quant,
+            stored_4bit,
         }));
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
+    }
+}
+
+/// Marks tensor `name` of `s` read, with its companions among `names` (its file's: a 4-bit weight's `.absmax`,
+/// `.quant_map`, `.quant_state.…`).
+fn mark_read_with_companions(s: &ShardedSafetensors, names: &[&str], name: &str) {
+    s.mark_read(name);
+    for companion in names.iter().filter(|k| {
+        k.strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with('.'))
+    }) {
+        s.mark_read(companion);
     }
 }
 
@@ -511,11 +581,17 @@ impl ExpertStack {
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
 /// loss from the first step, before any update. Read in chunks, so the check needs no copy of a large tensor.
 fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
+    check_finite_from(t, 0, name, place)
+}
+
+/// [`check_finite`] for elements `first..` of tensor `name`, `t` (the error counts from the tensor's start).
+fn check_finite_from(t: &Tensor, first: usize, name: &str, place: &str) -> Result<()> {
     match first_non_finite(t)? {
         None => Ok(()),
         Some((at, value)) => Err(Error::Model(format!(
-            "tensor `{name}` in {place} holds {value} at element {at}: the model's weights are damaged (or were \
-             saved from a diverged run); use an intact copy of the model"
+            "tensor `{name}` in {place} holds {value} at element {}: the model's weights are damaged (or were \
+             saved from a diverged run); use an intact copy of the model",
+            first + at
         ))),
     }
 }

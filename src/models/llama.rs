@@ -14,6 +14,7 @@ use super::config::{LayerAttention, ModelConfig};
 use super::mlp::{GateUpProjections, Mlp, MlpTiling};
 use super::moe::{RouterLogits, SharedExpert, SparseMoe};
 use super::shard::{FlatShards, Sharding};
+use super::shared_read::read_shared;
 use crate::ops::frozen_linear::InferenceMode;
 use crate::ops::{
     self, attention, rms_norm, rope, split_heads, AttentionSinks, AttentionSpec, FrozenLinear,
@@ -491,10 +492,22 @@ impl DecoderLayer {
 
     /// This layer holding only rank `sharding.rank()`'s share of its linear weights (see [`crate::models::shard`]);
     /// norms, biases and sinks stay whole (a few vectors). Adapters stay as they are.
+    /// A weight still in its file is read on the layer's device first: in parts over the ranks once they can
+    /// gather ([`read_shared`]), otherwise whole.
     fn sharded(&self, sharding: &Arc<Sharding>) -> crate::Result<DecoderLayer> {
         let mut out = self.clone();
+        let device = self.input_layernorm.device().clone();
         let mut storage = Vec::new();
-        for (_, lin) in out.linears_mut() {
+        for (name, lin) in out.linears_mut() {
+            if let FrozenWeight::Deferred(d) = &lin.base.weight {
+                let what = format!("weight `{name}` (being loaded)");
+                let weight = match read_shared(d.as_ref(), sharding, &device, &what)? {
+                    Some(w) => w,
+                    None => d.read()?.to_device(&device)?,
+                };
+                let bias = lin.base.bias.as_ref().map(|b| b.to_device(&device));
+                lin.base = Arc::new(FrozenLinear::new(weight, bias.transpose()?));
+            }
             let (frame, parts) = WeightFrame::split(&lin.base.weight)?;
             storage.extend(parts);
             let base = FrozenLinear::new(
@@ -981,8 +994,13 @@ impl LlamaModel {
             }
             _ => self.lm_head.to_device(device)?,
         };
-        let linear =
-            |l: &Linear| -> Result<Linear> { Ok(Linear::new(Arc::new(l.base.to_device(device)?))) };
+        // A sharded layer reads a weight still in its file itself (`DecoderLayer::sharded`), in parts over the ranks.
+        let linear = |l: &Linear| -> Result<Linear> {
+            match (&l.base.weight, sharding) {
+                (FrozenWeight::Deferred(_), Some(_)) => Ok(l.clone()),
+                _ => Ok(Linear::new(Arc::new(l.base.to_device(device)?))),
+            }
+        };
         let layers = self
             .layers
             .iter()

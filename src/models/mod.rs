@@ -10,6 +10,7 @@ pub mod moe;
 pub(crate) mod pyjson;
 pub mod sampling;
 pub mod shard;
+mod shared_read;
 pub mod tokenizer;
 
 pub use config::{Architecture, Family, LayerAttention, ModelConfig, MoeConfig};

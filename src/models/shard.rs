@@ -110,6 +110,21 @@ impl PinnedShard {
     fn to_device(&self) -> Result<Tensor> {
         self.copy_on(&self.device.cuda_stream())
     }
+
+    /// Starts copying it to its device on `stream`, beside the compute stream, which waits for the copy (an
+    /// event, not the host) when the gathering is waited for: one rank alone's gather of an offloaded share.
+    fn start_copy(
+        &self,
+        stream: &Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+    ) -> Result<Gathering> {
+        use crate::cuda::side_stream::{mark, wait};
+        let copy = self.copy_on(stream)?;
+        let done = mark(stream)?;
+        let device = self.device.clone();
+        Ok(Gathering::pending(copy, move || {
+            Ok(wait(&device.cuda_stream(), &done)?)
+        }))
+    }
 }
 
 /// A gather under way: the whole buffer, and what makes the compute stream wait for it (and then lets go of what
@@ -172,6 +187,13 @@ pub struct Sharding {
     /// All-gathers started (one per flat buffer of a gather), and those of them started ahead of use.
     all_gathers: AtomicU64,
     all_gathers_ahead: AtomicU64,
+    /// Bytes of the model's files this rank read for the layers' weights while loading, and those weights' whole
+    /// stored bytes ([`crate::models::shared_read`]).
+    bytes_read: AtomicU64,
+    bytes_stored: AtomicU64,
+    /// One rank alone's stream for the copies of its offloaded shares (made at the first).
+    #[cfg(feature = "cuda")]
+    copy_stream: std::sync::OnceLock<Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>>,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -199,6 +221,10 @@ impl Sharding {
             prefetch_backward: AtomicBool::new(true),
             all_gathers: AtomicU64::new(0),
             all_gathers_ahead: AtomicU64::new(0),
+            bytes_read: AtomicU64::new(0),
+            bytes_stored: AtomicU64::new(0),
+            #[cfg(feature = "cuda")]
+            copy_stream: std::sync::OnceLock::new(),
         }))
     }
 
@@ -248,9 +274,55 @@ impl Sharding {
         *self.exchange.write().unwrap() = Some(exchange);
     }
 
-    /// Starts gathering every rank's `shard` end to end: `shard` itself (on its device) for one rank alone.
+    /// Every rank's `part` (1-D, as long on every rank, on the device the result is used on) end to end, gathered
+    /// now: for loading, and not counted with the layers' gathers ([`Sharding::all_gathers`]). `None` when the
+    /// ranks cannot gather yet (no exchange attached) or need not (one rank alone).
+    pub fn gather_now(&self, part: &Tensor, what: &str) -> Result<Option<Tensor>> {
+        if self.world_size == 1 {
+            return Ok(None);
+        }
+        let exchange = self.exchange.read().unwrap().clone();
+        exchange
+            .map(|e| e.start_all_gather(ShardSource::Tensor(part), what)?.wait())
+            .transpose()
+    }
+
+    /// Whether [`Sharding::gather_now`] gathers.
+    pub fn gathers_now(&self) -> bool {
+        self.world_size > 1 && self.exchange.read().unwrap().is_some()
+    }
+
+    /// Notes that loading read `read` bytes of a weight whose whole stored bytes are `stored`.
+    pub fn note_read(&self, read: usize, stored: usize) {
+        self.bytes_read.fetch_add(read as u64, Ordering::Relaxed);
+        self.bytes_stored
+            .fetch_add(stored as u64, Ordering::Relaxed);
+    }
+
+    /// Bytes of the model's files this rank read for the weights it read in parts while loading, and those
+    /// weights' whole stored bytes (a rank of N reads about 1/N).
+    pub fn bytes_read(&self) -> (u64, u64) {
+        (
+            self.bytes_read.load(Ordering::Relaxed),
+            self.bytes_stored.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Starts gathering every rank's `shard` end to end: `shard` itself (on its device) for one rank alone, an
+    /// offloaded one copied there on a stream of its own (so a prefetched copy runs beside the compute).
     fn start_all_gather(&self, shard: ShardSource<'_>, what: &str) -> Result<Gathering> {
         if self.world_size == 1 {
+            #[cfg(feature = "cuda")]
+            if let ShardSource::Pinned(p) = shard {
+                let stream = match self.copy_stream.get() {
+                    Some(stream) => stream,
+                    None => {
+                        let made = crate::cuda::side_stream::new_stream(&p.device)?;
+                        self.copy_stream.get_or_init(|| made)
+                    }
+                };
+                return p.start_copy(stream);
+            }
             return Ok(Gathering::finished(shard.to_device()?));
         }
         self.all_gathers.fetch_add(1, Ordering::Relaxed);

@@ -100,6 +100,10 @@ pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
     fn read(&self) -> Result<FrozenWeight>;
     /// The 4-bit format it is quantized to when read, if any.
     fn quantization(&self) -> Option<QuantConfig>;
+    /// Elements `range` of the weight taken flat (row-major), as stored (1-D, on the host), reading no more of
+    /// its file than they take: what one rank of a sharded load reads of it. `None` for a weight stored in a form
+    /// that is read whole (4-bit).
+    fn read_elements(&self, range: std::ops::Range<usize>) -> Result<Option<Tensor>>;
 }
 
 /// A frozen weight `[out_features, in_features]`.

@@ -87,6 +87,19 @@ impl Nf4Tensor {
 
     /// [`Nf4Tensor::quantize`] with the tensor's name for error messages.
     pub fn quantize_named(tensor: &Tensor, config: &QuantConfig, name: &str) -> Result<Self> {
+        let (packed, absmax) = Self::quantize_blocks(tensor, config, name)?;
+        Self::from_codes_and_absmax(packed, absmax, tensor.dims(), tensor.dtype(), config)
+    }
+
+    /// The packed codes and the float32 absmax of every block of `tensor` (f32, f16 or bf16, any device, taken
+    /// flat), without the double quantization: what [`Nf4Tensor::quantize_named`] computes first. Blocks are
+    /// independent, so a run of whole blocks of a larger tensor quantizes here to the same bytes it has in the
+    /// whole (a rank of a sharded load quantizes its part so, see [`Nf4Tensor::from_codes_and_absmax`]).
+    pub fn quantize_blocks(
+        tensor: &Tensor,
+        config: &QuantConfig,
+        name: &str,
+    ) -> Result<(Vec<u8>, Vec<f32>)> {
         config.validate()?;
         let dtype = tensor.dtype();
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
@@ -110,27 +123,16 @@ impl Nf4Tensor {
             name: name.into(),
             reason: "non-contiguous tensor".into(),
         })?;
-        let shape = tensor.dims();
         match &*storage {
             Storage::Cpu(CpuStorage::F32(v)) => {
-                Self::quantize_slice(&v[start..end], |x| x, shape, dtype, config, name)
+                Self::quantize_slice(&v[start..end], |x| x, config, name)
             }
-            Storage::Cpu(CpuStorage::BF16(v)) => Self::quantize_slice(
-                &v[start..end],
-                half::bf16::to_f32,
-                shape,
-                dtype,
-                config,
-                name,
-            ),
-            Storage::Cpu(CpuStorage::F16(v)) => Self::quantize_slice(
-                &v[start..end],
-                half::f16::to_f32,
-                shape,
-                dtype,
-                config,
-                name,
-            ),
+            Storage::Cpu(CpuStorage::BF16(v)) => {
+                Self::quantize_slice(&v[start..end], half::bf16::to_f32, config, name)
+            }
+            Storage::Cpu(CpuStorage::F16(v)) => {
+                Self::quantize_slice(&v[start..end], half::f16::to_f32, config, name)
+            }
             _ => Err(Error::Quantize {
                 name: name.into(),
                 reason: format!("unsupported storage for {dtype:?}"),
@@ -147,18 +149,6 @@ impl Nf4Tensor {
         config: &QuantConfig,
         name: &str,
     ) -> Result<Self> {
-        Self::quantize_slice(values, |x| x, shape, dtype, config, name)
-    }
-
-    /// Quantizes `values` of any element type that `to_f32` widens exactly.
-    fn quantize_slice<T: Copy + Sync>(
-        values: &[T],
-        to_f32: impl Fn(T) -> f32 + Sync + Copy,
-        shape: &[usize],
-        dtype: DType,
-        config: &QuantConfig,
-        name: &str,
-    ) -> Result<Self> {
         config.validate()?;
         if shape.iter().product::<usize>() != values.len() {
             return Err(Error::Quantize {
@@ -166,31 +156,53 @@ impl Nf4Tensor {
                 reason: format!("shape {shape:?} does not hold {} values", values.len()),
             });
         }
-        let (packed, absmax) =
-            cpu::quantize_4bit(values, to_f32, config.blocksize, config.quant_type, config.kernels).map_err(|i| {
-                Error::Quantize {
-                    name: name.into(),
-                    reason: format!(
-                        "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
-                        to_f32(values[i])
-                    ),
-                }
-            })?;
+        let (packed, absmax) = Self::quantize_slice(values, |x| x, config, name)?;
+        Self::from_codes_and_absmax(packed, absmax, shape, dtype, config)
+    }
+
+    /// The packed codes and block absmax of `values` of any element type that `to_f32` widens exactly.
+    fn quantize_slice<T: Copy + Sync>(
+        values: &[T],
+        to_f32: impl Fn(T) -> f32 + Sync + Copy,
+        config: &QuantConfig,
+        name: &str,
+    ) -> Result<(Vec<u8>, Vec<f32>)> {
+        cpu::quantize_4bit(values, to_f32, config.blocksize, config.quant_type, config.kernels).map_err(|i| {
+            Error::Quantize {
+                name: name.into(),
+                reason: format!(
+                    "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
+                    to_f32(values[i])
+                ),
+            }
+        })
+    }
+
+    /// The tensor of `shape` and original dtype `dtype` whose packed codes and float32 block absmax
+    /// [`Nf4Tensor::quantize_blocks`] gave (or several runs of its blocks, joined in order), double-quantized as
+    /// `config` says: the same tensor [`Nf4Tensor::quantize_named`] makes of the whole, bit for bit.
+    pub fn from_codes_and_absmax(
+        packed: Vec<u8>,
+        absmax: Vec<f32>,
+        shape: &[usize],
+        dtype: DType,
+        config: &QuantConfig,
+    ) -> Result<Self> {
+        config.validate()?;
         let scales = if config.double_quant {
             BlockScales::Nested(cpu::quantize_nested(&absmax, config.kernels))
         } else {
             BlockScales::Plain(absmax)
         };
-        Ok(Nf4Tensor {
+        Self::from_parts(
             packed,
             scales,
-            code: *config.quant_type.code(),
-            shape: shape.to_vec(),
+            *config.quant_type.code(),
+            shape.to_vec(),
             dtype,
-            quant_type: config.quant_type,
-            blocksize: config.blocksize,
-            absmax_cache: AbsmaxCache::default(),
-        })
+            config.quant_type,
+            config.blocksize,
+        )
     }
 
     /// Builds a tensor from stored parts (a checkpoint), checking that they fit together.

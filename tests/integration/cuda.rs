@@ -2442,6 +2442,8 @@ struct FsdpReport {
     whole: u64,
     /// How far its host heap rose while loading.
     loading_heap: u64,
+    /// Bytes of the files it read for the weights it read in parts, and their whole stored bytes (`(0, 0)` alone).
+    read: (u64, u64),
 }
 
 #[cfg(feature = "nccl")]
@@ -2455,11 +2457,16 @@ fn fsdp_reports(stderr: &str) -> Vec<FsdpReport> {
                 .split(" B)")
                 .filter_map(|part| part.rsplit_once('(')?.1.parse().ok())
                 .collect();
-            assert_eq!(bytes.len(), 3, "{l}");
+            let read = match bytes.len() {
+                3 => (0, 0),
+                5 => (bytes[2], bytes[3]),
+                _ => panic!("{l}"),
+            };
             FsdpReport {
                 held: bytes[0],
                 whole: bytes[1],
-                loading_heap: bytes[2],
+                loading_heap: bytes[bytes.len() - 1],
+                read,
             }
         })
         .collect()
@@ -2483,6 +2490,15 @@ fn fsdp_gather_reports(stderr: &str) -> Vec<(u64, u64)> {
 /// a collective (its ranks), as they wrote them at exit; none on a real GPU.
 #[cfg(feature = "nccl")]
 fn rank_counters(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    process_counters(dir)
+        .into_iter()
+        .filter(|c: &serde_json::Value| c["collectives"]["count"].as_u64() > Some(0))
+        .collect()
+}
+
+/// The emulated device's counters of every process of the run in `dir` (none on a real GPU).
+#[cfg(feature = "nccl")]
+fn process_counters(dir: &std::path::Path) -> Vec<serde_json::Value> {
     std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| {
@@ -2491,7 +2507,6 @@ fn rank_counters(dir: &std::path::Path) -> Vec<serde_json::Value> {
             name.starts_with("emu-counters-").then_some(path)
         })
         .map(|path| serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap())
-        .filter(|c: &serde_json::Value| c["collectives"]["count"].as_u64() > Some(0))
         .collect()
 }
 
@@ -2544,7 +2559,8 @@ fn evaluated_run(
 /// which then runs a padding pass so the gathers pair up. Each rank says it holds 1/N of the sharded weights (within
 /// the padding of its buffers). The runs prefetch the next layer in the forward and the backward (2 ranks), in the
 /// backward (offloaded) or not at all (4 ranks): each gather started ahead of use is one the emulated device saw
-/// overlap the compute stream's kernels.
+/// overlap the compute stream's kernels. One process with its shares offloaded (copied back on a stream of their
+/// own) equals the plain one-process run bit for bit.
 #[cfg(feature = "nccl")]
 #[test]
 fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
@@ -2566,6 +2582,37 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     };
     let (single_losses, single, single_eval, _) = run("single", 4, None, None, None);
     assert_eq!((single_losses.len(), single_eval.len()), (3, 3));
+    // One process, its shares offloaded: each layer comes back from pinned memory on a stream of its own (with
+    // both prefetches the next layer's copy runs beside this layer's compute): the plain run, bit for bit.
+    let (losses, adapter, eval, _) = run(
+        "fsdp-one-offload",
+        4,
+        None,
+        Some("full_shard offload"),
+        Some("training.fsdp_config={forward_prefetch=true}"),
+    );
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&losses), bits(&single_losses), "offloaded: losses");
+    // On the emulated device, some of the shares' copies overlapped the compute stream's kernels (the prefetched
+    // ones; the plain run's copies never do).
+    for (name, overlapping) in [("fsdp-one-offload", true), ("single", false)] {
+        let counters = process_counters(&root.path().join(name));
+        assert!(counters.len() <= 1, "{name}: one process");
+        if let [counters] = counters.as_slice() {
+            let uploads = &counters["async_uploads"];
+            eprintln!("{name}: asynchronous uploads {uploads}");
+            let overlapped = uploads["overlapped"].as_u64().unwrap();
+            assert_eq!(overlapped > 0, overlapping, "{name}: {uploads}");
+        }
+    }
+    assert_eq!(bits(&eval), bits(&single_eval), "offloaded: evaluations");
+    for (key, t) in &single {
+        assert_eq!(
+            crate::common::tensor_bytes(t),
+            crate::common::tensor_bytes(&adapter[key]),
+            "offloaded: {key}"
+        );
+    }
     let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), None, None);
     let ddp_counters = rank_counters(&root.path().join("ddp-two"));
     // The three ways of prefetching: forward and backward, backward only (the default), none.
@@ -2590,7 +2637,6 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
         let (losses, adapter, eval, held) =
             run(name, accumulation, Some(nproc), Some(fsdp), prefetch);
         if nproc == 2 {
-            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(&losses),
                 bits(&ddp_losses),
@@ -2788,9 +2834,10 @@ fn fsdp_ranks_peak_at_their_estimate_holding_their_share() {
 }
 
 /// Loading a sharded model streams it: each rank's linear weights stay in their files until their layer moves to
-/// its GPU and is sharded, so a rank's host heap while loading does not grow with the model's layers. Two models of
-/// 2 and 10 layers (tiny vocabulary, so the layers are most of the weights) on 2 emulated GPUs: the larger one's
-/// loading peak is within one layer's 4-bit weights of the smaller one's (a whole load would hold 8 more).
+/// its GPU, where each rank reads and quantizes its half of every weight and the ranks gather it, so a rank's host
+/// heap while loading does not grow with the model's layers. Two models of 2 and 10 layers (tiny vocabulary, so the
+/// layers are most of the weights) on 2 emulated GPUs: each rank read half the weights' bytes, and the larger
+/// model's loading peak is within one layer's 4-bit weights of the smaller one's (a whole load would hold 8 more).
 #[cfg(feature = "nccl")]
 #[test]
 fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
@@ -2829,6 +2876,14 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
         assert!(status.success(), "{err}");
         let reports = fsdp_reports(&err);
         assert_eq!(reports.len(), 2, "{err}");
+        // Each rank read its half of every linear weight's bytes (whole 64-element blocks of bfloat16), no more.
+        let stored = reports[0].read.1;
+        let weights = 7 * layers as u64;
+        for r in &reports {
+            assert_eq!(r.read.1, stored, "{err}");
+            assert!(r.read.0 <= stored / 2 + weights * 64 * 2, "{err}");
+        }
+        assert_eq!(reports[0].read.0 + reports[1].read.0, stored, "{err}");
         reports.iter().map(|r| r.loading_heap).max().unwrap()
     };
     let (small, large) = (loading_heap(2), loading_heap(10));

@@ -12,8 +12,14 @@ use candle_qlora::quant::QuantConfig;
 use crate::common::{data_path, embeds_loss};
 
 fn tiny(folder: &str, quantization: Option<QuantConfig>) -> LlamaModel {
+    load_tiny(folder, quantization, false)
+}
+
+/// [`tiny`], its linear weights left in their files with `defer` (as `qlora train` loads a model to shard).
+fn load_tiny(folder: &str, quantization: Option<QuantConfig>, defer: bool) -> LlamaModel {
     let opts = LoadOptions {
         quantization,
+        defer_linear_weights: defer,
         ..Default::default()
     };
     let dir = data_path(&format!("models/{folder}"));
@@ -174,4 +180,125 @@ fn a_fsdp_run_in_one_process_trains_as_without_it() {
         run(Some("full_shard auto_wrap")) == whole,
         "the sharded run differs"
     );
+}
+
+/// A model loaded with its linear weights left in their files, as `qlora train` loads one to shard: each of 2 and 3
+/// ranks reads its part of every weight (about 1/N of the weight's bytes, whole 4-bit blocks) and quantizes it, the
+/// ranks gather the weight, and the sharded model computes what the model loaded whole computes, bit for bit —
+/// dense, NF4 with and without double quantization (whose nested statistics span the whole weight).
+#[test]
+fn ranks_read_their_part_of_each_weight_and_compute_what_one_process_loads() {
+    let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
+    let single = QuantConfig {
+        double_quant: false,
+        ..QuantConfig::nf4()
+    };
+    for quantization in [None, Some(QuantConfig::nf4()), Some(single)] {
+        let whole = tiny("tiny-llama", quantization);
+        let expected = loss_grad_and_logits(&whole, &ids);
+        // The stored weights are float32: 4 bytes an element.
+        let elements: usize = whole
+            .linears()
+            .iter()
+            .map(|(_, l)| {
+                let (rows, cols) = l.base.weight.dims2().unwrap();
+                rows * cols
+            })
+            .sum();
+        let block = quantization.map_or(1, |q| q.blocksize);
+        for world in [2, 3] {
+            let results: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = LocalRanks::handles(world)
+                    .into_iter()
+                    .map(|rank| {
+                        let ids = &ids;
+                        s.spawn(move || {
+                            let model = load_tiny("tiny-llama", quantization, true);
+                            let sharding = Sharding::new(rank.rank(), world, false).unwrap();
+                            sharding.attach(Arc::new(rank));
+                            let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
+                            (loss_grad_and_logits(&model, ids), sharding.bytes_read())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (got, (read, stored))) in results.iter().enumerate() {
+                assert!(
+                    got == &expected,
+                    "{quantization:?}, rank {rank} of {world}: the model differs from the one loaded whole"
+                );
+                assert_eq!(*stored, 4 * elements as u64, "rank {rank} of {world}");
+                // A rank's part of a weight is its share rounded up to whole blocks.
+                let bound = (4 * elements / world + 4 * block * whole.linears().len()) as u64;
+                assert!(
+                    *read <= bound && *read > 0,
+                    "{quantization:?}, rank {rank} of {world}: read {read} of {stored} bytes (bound {bound})"
+                );
+            }
+            let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
+            assert_eq!(total, 4 * elements as u64, "the parts make the whole, once");
+        }
+    }
+}
+
+/// A bitsandbytes 4-bit folder (tiny-llama's linear weights in NF4 as bitsandbytes stores them) loaded with its
+/// weights left in their files: every rank reads each 4-bit weight whole as its layer moves (none in parts), the
+/// model says its base is 4-bit as the one loaded at once does, and the sharded model computes what that one does.
+#[test]
+fn a_bitsandbytes_folder_left_in_its_files_is_sharded_as_loaded_at_once() {
+    use candle_qlora::adapter::base_quantization;
+    use candle_qlora::files::{write_safetensors, RawTensor};
+    use candle_qlora::loading::bnb::bnb_entries;
+    use candle_qlora::quant::Nf4Tensor;
+    let dir = tempfile::tempdir().unwrap();
+    let source = data_path("models/tiny-llama");
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(source.join(file), dir.path().join(file)).unwrap();
+    }
+    let tensors =
+        candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut entries = Vec::new();
+    for (name, t) in &tensors {
+        if name.contains("_proj.weight") {
+            let q = Nf4Tensor::quantize(t, &QuantConfig::nf4()).unwrap();
+            entries.extend(bnb_entries(name, &q));
+        } else {
+            entries.push((name.clone(), RawTensor::from_tensor(t).unwrap()));
+        }
+    }
+    write_safetensors(&dir.path().join("model.safetensors"), entries, None).unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let load = |defer: bool| {
+        let opts = LoadOptions {
+            defer_linear_weights: defer,
+            ..Default::default()
+        };
+        load_model(folder, None, &opts).unwrap().model
+    };
+    let whole = load(false);
+    let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
+    let expected = loss_grad_and_logits(&whole, &ids);
+    let deferred = load(true);
+    assert_eq!(base_quantization(&deferred), base_quantization(&whole));
+    assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalRanks::handles(2)
+            .into_iter()
+            .map(|rank| {
+                let (model, ids) = (deferred.clone(), &ids);
+                s.spawn(move || {
+                    let sharding = Sharding::new(rank.rank(), 2, false).unwrap();
+                    sharding.attach(Arc::new(rank));
+                    let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
+                    (loss_grad_and_logits(&model, ids), sharding.bytes_read())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (got, read)) in results.iter().enumerate() {
+        assert!(got == &expected, "rank {rank}: the model differs");
+        assert_eq!(*read, (0, 0), "rank {rank}: 4-bit weights are read whole");
+    }
 }

@@ -25,12 +25,32 @@ pub(super) struct Ddp {
 }
 
 impl Ddp {
-    /// Joins the job `world` describes on `device` (this rank's GPU).
+    /// Joins the job `world` describes on `device` (this rank's GPU), through `communicator` when this rank made
+    /// it already ([`Ddp::connect`]).
     pub(super) fn join(
         device: &Device,
         world: &WorldEnv,
         args: &TrainingArguments,
+        communicator: Option<Arc<Communicator>>,
     ) -> Result<Self> {
+        let comm = match communicator {
+            Some(c) => c,
+            None => Self::connect(device, world, args)?,
+        };
+        Ok(Ddp {
+            comm,
+            device: device.clone(),
+            bucket_bytes: (args.ddp_bucket_cap_mb.unwrap_or(DDP_BUCKET_CAP_MB) * (1 << 20) as f64)
+                as usize,
+        })
+    }
+
+    /// The communicator of the job `world` describes, on `device` (this rank's GPU), with `args`' `ddp_timeout`.
+    pub(super) fn connect(
+        device: &Device,
+        world: &WorldEnv,
+        args: &TrainingArguments,
+    ) -> Result<Arc<Communicator>> {
         let Device::Cuda(gpu) = device else {
             return Err(Error::InvalidInput(format!(
                 "rank {} of {}: distributed training runs on GPUs (one per rank, over NCCL), but this rank has \
@@ -41,12 +61,7 @@ impl Ddp {
             )));
         };
         let timeout = Duration::from_secs(args.ddp_timeout);
-        Ok(Ddp {
-            comm: Arc::new(Communicator::new(gpu, world, timeout)?),
-            device: device.clone(),
-            bucket_bytes: (args.ddp_bucket_cap_mb.unwrap_or(DDP_BUCKET_CAP_MB) * (1 << 20) as f64)
-                as usize,
-        })
+        Ok(Arc::new(Communicator::new(gpu, world, timeout)?))
     }
 
     /// The communicator, for the layers of a sharded base to gather through (FSDP).

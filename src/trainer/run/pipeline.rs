@@ -3,9 +3,12 @@
 //! training.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::Device;
 
+#[cfg(feature = "nccl")]
+use super::ddp::Ddp;
 use super::fits::{check_memory_fits, RunShape};
 use super::trainer::{Prepared, Trainer, ADAPTER};
 use crate::adapter::{load_adapter, ADAPTER_CONFIG};
@@ -16,7 +19,7 @@ use crate::loading::{load_model, load_model_config, load_tokenizer, LoadOptions}
 use crate::lora::LoraConfig;
 use crate::memory::heap::reset_heap_peak;
 use crate::memory::{allocated, human_bytes, process_memory};
-use crate::models::LlamaModel;
+use crate::models::{LlamaModel, Sharding};
 use crate::precision::Precision;
 use crate::trainer::methods;
 use crate::trainer::reporting::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
@@ -89,6 +92,12 @@ impl Trainer {
             check_memory_fits(&model_config, &run, &config.path.display().to_string())?;
         }
         let fsdp = args.fsdp_plan().map_err(Error::InvalidInput)?;
+        // The ranks of a sharded job read each weight in parts and gather it, so they join before loading.
+        #[cfg(feature = "nccl")]
+        let communicator = match (fsdp, &world) {
+            (Some(_), Some(w)) if w.world_size > 1 => Some(Ddp::connect(&device, w, args)?),
+            _ => None,
+        };
         let options = LoadOptions {
             quantization,
             compute_dtype: precision.compute_dtype,
@@ -120,7 +129,14 @@ impl Trainer {
             started.elapsed().as_secs_f64()
         );
         let mut model = match fsdp {
-            Some(plan) => shard_onto(loaded.model, &device, plan, world.as_ref(), heap_before)?,
+            Some(plan) => {
+                let sharding = shard_plan(plan, world.as_ref())?;
+                #[cfg(feature = "nccl")]
+                if let Some(c) = &communicator {
+                    sharding.attach(c.clone());
+                }
+                shard_onto(loaded.model, &device, &sharding, heap_before)?
+            }
             None => loaded.model.to_device(&device)?,
         };
         if let Some(dir) = &config.model.adapter {
@@ -132,6 +148,8 @@ impl Trainer {
             lock,
             checkpoint,
             recording,
+            #[cfg(feature = "nccl")]
+            communicator,
         });
         trainer.set_base_model_name(model_name);
         trainer.set_run_config(config.resolved.clone());
@@ -152,19 +170,23 @@ impl Trainer {
     }
 }
 
-/// `model` on `device` with its layers sharded as `plan` says over the ranks of `world` (one process alone: rank 0
-/// of 1), saying what the rank holds and, when the heap is tracked, how far above `heap_before` (its bytes before
-/// the load) the host's heap went while loading and sharding.
+/// Rank `rank` of `world`'s place in the sharded job `plan` describes (one process alone: rank 0 of 1).
+fn shard_plan(plan: FsdpPlan, world: Option<&WorldEnv>) -> Result<Arc<Sharding>> {
+    let (rank, world_size) = world.map_or((0, 1), |w| (w.rank, w.world_size));
+    plan.sharding(rank, world_size)
+}
+
+/// `model` on `device` with its layers sharded by `sharding`, saying what the rank holds, what it read of the
+/// files, and, when the heap is tracked, how far above `heap_before` (its bytes before the load) the host's heap
+/// went while loading and sharding.
 fn shard_onto(
     model: LlamaModel,
     device: &Device,
-    plan: FsdpPlan,
-    world: Option<&WorldEnv>,
+    sharding: &Arc<Sharding>,
     heap_before: Option<u64>,
 ) -> Result<LlamaModel> {
-    let (rank, world_size) = world.map_or((0, 1), |w| (w.rank, w.world_size));
-    let sharding = plan.sharding(rank, world_size)?;
-    let model = model.to_device_sharded(device, &sharding)?;
+    let (rank, world_size) = (sharding.rank(), sharding.world_size());
+    let model = model.to_device_sharded(device, sharding)?;
     let heap = match (heap_before, allocated()) {
         (Some(before), Some((_, peak))) => {
             let above = peak.saturating_sub(before);
@@ -175,13 +197,21 @@ fn shard_onto(
         }
         _ => String::new(),
     };
+    let read = match sharding.bytes_read() {
+        (_, 0) => String::new(),
+        (read, stored) => format!(
+            "; it read {} ({read} B) of the {} ({stored} B) its layers' weights take in the files",
+            human_bytes(read),
+            human_bytes(stored)
+        ),
+    };
     if let Some((held, whole)) = model.sharded_bytes() {
         let line = format!(
             "fsdp: rank {rank} of {world_size} holds {} ({held} B) of the sharded weights' {} ({whole} B) — the \
-             layers' linear weights, the embedding table and the head{}{heap}\n",
+             layers' linear weights, the embedding table and the head{}{read}{heap}\n",
             human_bytes(held as u64),
             human_bytes(whole as u64),
-            if plan.offload { ", in host memory" } else { "" }
+            if sharding.offload() { ", in host memory" } else { "" }
         );
         // One write: the ranks share the launcher's standard error, and `eprintln!` writes a line in pieces that
         // another rank's line could split.

@@ -165,6 +165,8 @@ impl Trainer {
         if let Some(w) = &world {
             check_ranks(w.world_size, w.local_world_size, RanksFrom::Environment)?;
         }
+        #[cfg(feature = "nccl")]
+        let communicator = prepared.as_ref().and_then(|p| p.communicator.clone());
         let (lock, checked, recording) = match prepared {
             Some(p) => (p.lock, p.checkpoint, p.recording),
             None => (
@@ -175,7 +177,9 @@ impl Trainer {
         };
         #[cfg(feature = "nccl")]
         let ddp = match &world {
-            Some(w) if w.world_size > 1 => Some(Ddp::join(self.model.device(), w, &args)?),
+            Some(w) if w.world_size > 1 => {
+                Some(Ddp::join(self.model.device(), w, &args, communicator)?)
+            }
             _ => None,
         };
         self.method.check_world_size(shard.world_size)?;

@@ -55,6 +55,9 @@ pub(super) struct Prepared {
     pub(super) checkpoint: Option<(PathBuf, Option<Manifest>)>,
     /// `memory_snapshot`'s recording, started before the weights loaded (so they are in the snapshot).
     pub(super) recording: Option<Recording>,
+    /// The job's communicator, joined before loading when the ranks read a sharded model's weights in parts.
+    #[cfg(feature = "nccl")]
+    pub(super) communicator: Option<std::sync::Arc<crate::distributed::Communicator>>,
 }
 
 impl Trainer {

@@ -50,9 +50,10 @@ pub struct FsdpConfig {
     pub forward_prefetch: bool,
     /// Whether at most two layers' gathers are in flight: true here (the current and the next layer's).
     pub limit_all_gathers: Option<bool>,
-    /// accelerate's way to keep host memory low (rank 0 reads, the others receive): here every rank streams the
-    /// weights of a safetensors folder from the files one tensor at a time, straight to its GPU and its share,
-    /// whichever this says (GGUF files and bitsandbytes folders are read whole first).
+    /// accelerate's way to keep host memory low (rank 0 reads, the others receive): here, whichever this says,
+    /// each rank reads its part of every weight of a safetensors folder (about 1/N of its bytes) as the weight's
+    /// layer moves to the GPU, and the ranks gather it; a bitsandbytes folder is read one weight at a time, each
+    /// whole; a GGUF file is read whole first.
     pub cpu_ram_efficient_loading: bool,
     /// Whether rank 0's weights are broadcast to the others after loading: each rank loads the same files, so the
     /// shards agree without it.

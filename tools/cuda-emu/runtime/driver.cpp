@@ -605,7 +605,9 @@ CUresult CUDAAPI cuMemcpyHtoD(CUdeviceptr dst, const void *src, size_t bytes) {
 }
 CUresult CUDAAPI cuMemcpyHtoDAsync(CUdeviceptr dst, const void *src, size_t bytes, CUstream s) {
     if (CUresult r = check_stream(s, "cuMemcpyHtoDAsync")) return r;
-    return copy(reinterpret_cast<void *>(dst), src, bytes, "cuMemcpyHtoDAsync");
+    const CUresult r = copy(reinterpret_cast<void *>(dst), src, bytes, "cuMemcpyHtoDAsync");
+    if (r == CUDA_SUCCESS) note_async_upload(s);
+    return r;
 }
 CUresult CUDAAPI cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t bytes) {
     count_host_wait();

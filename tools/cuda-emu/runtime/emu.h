@@ -97,6 +97,9 @@ void count_allocation(size_t bytes);
 // the context. A collective during which a kernel (or GEMM) is queued on another stream counts as overlapped: on a
 // GPU the two would run at the same time. Default streams (null, legacy, per-thread) are one stream here.
 void note_collective(const void *stream);
+// Asynchronous host-to-device copies are followed the same way (a copy on the stream whose kernels use it overlaps
+// nothing; one on a stream of its own, made ahead, overlaps the kernels queued meanwhile).
+void note_async_upload(const void *stream);
 void note_kernel(const void *stream);
 // An event stands for its latest record only: recording it again, or destroying it (its handle may be reused),
 // takes it off the collectives an earlier record covered.

@@ -94,10 +94,12 @@ struct Counters {
     uint64_t allocations = 0, allocated_bytes = 0, launches = 0;
     uint64_t host_waits = 0, stream_waits = 0;
     uint64_t collectives = 0, overlapped_collectives = 0;
+    uint64_t async_uploads = 0, overlapped_uploads = 0;
     std::map<std::string, uint64_t> launches_by_kernel;
-    // The collectives nothing has waited for yet: their stream, whether a kernel ran beside them, and the events
-    // recorded on their stream after them.
+    // The collectives and asynchronous host-to-device copies nothing has waited for yet: which, their stream,
+    // whether a kernel ran beside them, and the events recorded on their stream after them.
     struct Open {
+        bool upload;
         const void *stream;
         bool overlapped;
         std::vector<const void *> events;
@@ -217,7 +219,14 @@ void note_collective(const void *stream) {
     Counters &c = counters();
     std::lock_guard<std::mutex> g(c.lock);
     c.collectives += 1;
-    c.open.push_back({normal_stream(stream), false, {}});
+    c.open.push_back({false, normal_stream(stream), false, {}});
+}
+
+void note_async_upload(const void *stream) {
+    Counters &c = counters();
+    std::lock_guard<std::mutex> g(c.lock);
+    c.async_uploads += 1;
+    c.open.push_back({true, normal_stream(stream), false, {}});
 }
 
 void note_kernel(const void *stream) {
@@ -227,7 +236,7 @@ void note_kernel(const void *stream) {
     for (auto &o : c.open) {
         if (o.stream != stream && !o.overlapped) {
             o.overlapped = true;
-            c.overlapped_collectives += 1;
+            (o.upload ? c.overlapped_uploads : c.overlapped_collectives) += 1;
         }
     }
 }
@@ -308,6 +317,8 @@ std::string counters_json() {
                   (unsigned long long)c.stream_waits);
     out += format(", \"collectives\": {\"count\": %llu, \"overlapped\": %llu}", (unsigned long long)c.collectives,
                   (unsigned long long)c.overlapped_collectives);
+    out += format(", \"async_uploads\": {\"count\": %llu, \"overlapped\": %llu}",
+                  (unsigned long long)c.async_uploads, (unsigned long long)c.overlapped_uploads);
     out += format(", \"launches\": {\"count\": %llu, \"by_kernel\": {", (unsigned long long)c.launches);
     bool first = true;
     for (const auto &kv : c.launches_by_kernel) {
@@ -325,6 +336,7 @@ void reset_counters() {
     c.allocations = c.allocated_bytes = c.launches = 0;
     c.host_waits = c.stream_waits = 0;
     c.collectives = c.overlapped_collectives = 0;
+    c.async_uploads = c.overlapped_uploads = 0;
     c.launches_by_kernel.clear();
     c.open.clear();
 }

@@ -1,0 +1,189 @@
+//! Reading a sharded model's weights from their files in parts (FSDP's `cpu_ram_efficient_loading`): each of the
+//! job's N ranks reads about 1/N of a weight's bytes — a run of whole 4-bit blocks — and quantizes them, and one
+//! all-gather gives every rank the whole weight, which its layer then shards as any other ([`super::FlatShards`]).
+//!
+//! A 4-bit block's codes and absmax depend on its own elements alone, so the parts quantize to the bytes they have
+//! in the whole weight; the double quantization of the absmax (whose offset is the mean over the whole weight)
+//! runs after the gather, on every block's absmax in one process's order. The weight is the one a single process
+//! makes, bit for bit. The host holds a rank's part of one weight and that weight's 4-bit codes, never the model.
+
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use super::shard::Sharding;
+use crate::error::{Error, Result};
+use crate::ops::frozen_linear::DeferredWeight;
+use crate::ops::FrozenWeight;
+use crate::quant::Nf4Tensor;
+
+/// `weight` (left in its file) whole on `device`, each rank of `sharding` having read its part of it; `None` when
+/// the ranks cannot share the reading (one rank alone, no exchange attached yet, or a weight stored in 4 bits,
+/// which every rank reads whole): then the caller reads it whole. `what` names the weight in errors.
+pub(crate) fn read_shared(
+    weight: &dyn DeferredWeight,
+    sharding: &Sharding,
+    device: &Device,
+    what: &str,
+) -> Result<Option<FrozenWeight>> {
+    if !sharding.gathers_now() {
+        return Ok(None);
+    }
+    let (rows, cols) = weight.dims2();
+    let n = rows * cols;
+    let (rank, world) = (sharding.rank(), sharding.world_size());
+    // Parts of whole blocks (of one element for a dense weight), as many on every rank, the last rank's short.
+    let block = weight.quantization().map_or(1, |q| q.blocksize);
+    let per_rank = n.div_ceil(block).div_ceil(world) * block;
+    let part = (rank * per_rank).min(n)..((rank + 1) * per_rank).min(n);
+    let Some(values) = weight.read_elements(part.clone())? else {
+        return Ok(None);
+    };
+    let dtype = values.dtype();
+    sharding.note_read(
+        part.len() * dtype.size_in_bytes(),
+        n * dtype.size_in_bytes(),
+    );
+    let gather = |mine: Tensor, len: usize, whole: usize| -> Result<Tensor> {
+        let zeros = Tensor::zeros(len - mine.elem_count(), mine.dtype(), mine.device())?;
+        let mine = match (mine.elem_count(), zeros.elem_count()) {
+            (_, 0) => mine,
+            (0, _) => zeros,
+            _ => Tensor::cat(&[mine, zeros], 0)?,
+        };
+        let gathered = sharding.gather_now(&mine.to_device(device)?, what)?;
+        let gathered = gathered.ok_or_else(|| {
+            Error::Distributed(format!(
+                "{what}: the ranks' exchange went away while loading"
+            ))
+        })?;
+        Ok(gathered.narrow(0, 0, whole)?)
+    };
+    let Some(config) = weight.quantization() else {
+        let whole = gather(values, per_rank, n)?.reshape((rows, cols))?;
+        return Ok(Some(FrozenWeight::Dense(whole)));
+    };
+    let (packed, absmax) = match part.is_empty() {
+        true => (Vec::new(), Vec::new()),
+        false => Nf4Tensor::quantize_blocks(&values, &config, what)?,
+    };
+    drop(values);
+    let host = |v: Tensor| v.to_device(&Device::Cpu);
+    let (packed_len, blocks) = (packed.len(), absmax.len());
+    let packed = gather(
+        Tensor::from_vec(packed, packed_len, &Device::Cpu)?,
+        per_rank / 2,
+        n.div_ceil(2),
+    )?;
+    let absmax = gather(
+        Tensor::from_vec(absmax, blocks, &Device::Cpu)?,
+        per_rank / block,
+        n.div_ceil(block),
+    )?;
+    let q = Nf4Tensor::from_codes_and_absmax(
+        host(packed)?.to_vec1::<u8>()?,
+        host(absmax)?.to_vec1::<f32>()?,
+        &[rows, cols],
+        dtype,
+        &config,
+    )?;
+    Ok(Some(FrozenWeight::Nf4(Arc::new(q)).to_device(device)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::LocalRanks;
+    use crate::quant::QuantConfig;
+    use candle_core::DType;
+
+    /// A weight held in memory, read in parts as a file's would be.
+    #[derive(Debug)]
+    struct InMemory {
+        values: Tensor,
+        quant: Option<QuantConfig>,
+    }
+
+    impl DeferredWeight for InMemory {
+        fn dims2(&self) -> (usize, usize) {
+            self.values.dims2().unwrap()
+        }
+
+        fn read(&self) -> candle_core::Result<FrozenWeight> {
+            Ok(match &self.quant {
+                Some(q) => FrozenWeight::Nf4(Arc::new(
+                    Nf4Tensor::quantize(&self.values, q).map_err(candle_core::Error::wrap)?,
+                )),
+                None => FrozenWeight::Dense(self.values.clone()),
+            })
+        }
+
+        fn quantization(&self) -> Option<QuantConfig> {
+            self.quant
+        }
+
+        fn read_elements(
+            &self,
+            range: std::ops::Range<usize>,
+        ) -> candle_core::Result<Option<Tensor>> {
+            let flat = self.values.flatten_all()?;
+            Ok(Some(flat.narrow(0, range.start, range.len())?))
+        }
+    }
+
+    /// A 3 × 71 weight (4 blocks of 64, the last short; an odd count of codes) read over 1 to 6 ranks — more ranks
+    /// than blocks too, some reading nothing — is the weight read whole, bit for bit: dense, NF4 with and without
+    /// double quantization.
+    #[test]
+    fn parts_read_over_any_number_of_ranks_make_the_whole_weight() {
+        let values = Tensor::randn(0f32, 1.0, (3, 71), &Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let single = QuantConfig {
+            double_quant: false,
+            ..QuantConfig::nf4()
+        };
+        for quant in [None, Some(QuantConfig::nf4()), Some(single)] {
+            let weight = InMemory {
+                values: values.clone(),
+                quant,
+            };
+            let expected = weight.read().unwrap();
+            for world in 1..=6 {
+                let read: Vec<Option<FrozenWeight>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = LocalRanks::handles(world)
+                        .into_iter()
+                        .map(|rank| {
+                            let weight = &weight;
+                            s.spawn(move || {
+                                let sharding = Sharding::new(rank.rank(), world, false).unwrap();
+                                sharding.attach(Arc::new(rank));
+                                read_shared(weight, &sharding, &Device::Cpu, "w").unwrap()
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (rank, got) in read.into_iter().enumerate() {
+                    match (&expected, got) {
+                        (_, None) => assert_eq!(world, 1, "rank {rank} of {world} read nothing"),
+                        (FrozenWeight::Nf4(a), Some(FrozenWeight::Nf4(b))) => {
+                            assert!(
+                                a.as_ref() == b.as_ref(),
+                                "{quant:?}, rank {rank} of {world}"
+                            )
+                        }
+                        (FrozenWeight::Dense(a), Some(FrozenWeight::Dense(b))) => {
+                            let bits = |t: &Tensor| {
+                                t.flatten_all().unwrap().to_vec1::<half::bf16>().unwrap()
+                            };
+                            assert_eq!(bits(a), bits(&b), "rank {rank} of {world}")
+                        }
+                        (a, b) => panic!("rank {rank} of {world}: {a:?} against {b:?}"),
+                    }
+                }
+            }
+        }
+    }
+}
