@@ -351,7 +351,11 @@ impl Weights {
         // A 4-bit weight is read once now, for its checks and its quantization settings (what the model reports
         // as its base's), and let go: the model holds it only while its layer moves.
         let quant = match stored_4bit {
-            true => weights.nf4_of_shape(&name, &shape)?.map(|q| q.config()),
+            true => {
+                let config = weights.nf4_of_shape(&name, &shape)?.map(|q| q.config());
+                file.release(view.data());
+                config
+            }
             false => {
                 mark_read_with_companions(s, &names, &name);
                 quant.copied()

@@ -187,8 +187,8 @@ pub struct Sharding {
     /// All-gathers started (one per flat buffer of a gather), and those of them started ahead of use.
     all_gathers: AtomicU64,
     all_gathers_ahead: AtomicU64,
-    /// Bytes of the model's files this rank read for the layers' weights while loading, and those weights' whole
-    /// stored bytes ([`crate::models::shared_read`]).
+    /// Bytes of the model's files this rank read for the layers' weights it read in parts while loading, and
+    /// those weights' whole stored bytes.
     bytes_read: AtomicU64,
     bytes_stored: AtomicU64,
     /// One rank alone's stream for the copies of its offloaded shares (made at the first).
@@ -274,26 +274,25 @@ impl Sharding {
         *self.exchange.write().unwrap() = Some(exchange);
     }
 
-    /// Every rank's `part` (1-D, as long on every rank, on the device the result is used on) end to end, gathered
-    /// now: for loading, and not counted with the layers' gathers ([`Sharding::all_gathers`]). `None` when the
-    /// ranks cannot gather yet (no exchange attached) or need not (one rank alone).
-    pub fn gather_now(&self, part: &Tensor, what: &str) -> Result<Option<Tensor>> {
-        if self.world_size == 1 {
-            return Ok(None);
-        }
-        let exchange = self.exchange.read().unwrap().clone();
-        exchange
-            .map(|e| e.start_all_gather(ShardSource::Tensor(part), what)?.wait())
-            .transpose()
-    }
-
-    /// Whether [`Sharding::gather_now`] gathers.
-    pub fn gathers_now(&self) -> bool {
+    /// Whether the ranks can gather now: several of them, an exchange attached.
+    pub(crate) fn gathers_now(&self) -> bool {
         self.world_size > 1 && self.exchange.read().unwrap().is_some()
     }
 
+    /// Every rank's `part` (1-D, as long on every rank, on the device the result is used on) end to end, gathered
+    /// now ([`Sharding::gathers_now`] must say they can): for loading, not counted with the layers' gathers.
+    pub(crate) fn gather_now(&self, part: &Tensor, what: &str) -> Result<Tensor> {
+        let exchange = self.exchange.read().unwrap().clone();
+        let exchange = exchange.ok_or_else(|| {
+            Error::Distributed(format!("{what}: no exchange is attached to gather through"))
+        })?;
+        exchange
+            .start_all_gather(ShardSource::Tensor(part), what)?
+            .wait()
+    }
+
     /// Notes that loading read `read` bytes of a weight whose whole stored bytes are `stored`.
-    pub fn note_read(&self, read: usize, stored: usize) {
+    pub(crate) fn note_read(&self, read: usize, stored: usize) {
         self.bytes_read.fetch_add(read as u64, Ordering::Relaxed);
         self.bytes_stored
             .fetch_add(stored as u64, Ordering::Relaxed);

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 
 use super::shard::Sharding;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ops::frozen_linear::DeferredWeight;
 use crate::ops::FrozenWeight;
 use crate::quant::Nf4Tensor;
@@ -33,7 +33,8 @@ pub(crate) fn read_shared(
     let n = rows * cols;
     let (rank, world) = (sharding.rank(), sharding.world_size());
     // Parts of whole blocks (of one element for a dense weight), as many on every rank, the last rank's short.
-    let block = weight.quantization().map_or(1, |q| q.blocksize);
+    let quantization = weight.quantization();
+    let block = quantization.map_or(1, |q| q.blocksize);
     let per_rank = n.div_ceil(block).div_ceil(world) * block;
     let part = (rank * per_rank).min(n)..((rank + 1) * per_rank).min(n);
     let Some(values) = weight.read_elements(part.clone())? else {
@@ -52,14 +53,9 @@ pub(crate) fn read_shared(
             _ => Tensor::cat(&[mine, zeros], 0)?,
         };
         let gathered = sharding.gather_now(&mine.to_device(device)?, what)?;
-        let gathered = gathered.ok_or_else(|| {
-            Error::Distributed(format!(
-                "{what}: the ranks' exchange went away while loading"
-            ))
-        })?;
         Ok(gathered.narrow(0, 0, whole)?)
     };
-    let Some(config) = weight.quantization() else {
+    let Some(config) = quantization else {
         let whole = gather(values, per_rank, n)?.reshape((rows, cols))?;
         return Ok(Some(FrozenWeight::Dense(whole)));
     };
@@ -68,7 +64,6 @@ pub(crate) fn read_shared(
         false => Nf4Tensor::quantize_blocks(&values, &config, what)?,
     };
     drop(values);
-    let host = |v: Tensor| v.to_device(&Device::Cpu);
     let (packed_len, blocks) = (packed.len(), absmax.len());
     let packed = gather(
         Tensor::from_vec(packed, packed_len, &Device::Cpu)?,
@@ -81,8 +76,8 @@ pub(crate) fn read_shared(
         n.div_ceil(block),
     )?;
     let q = Nf4Tensor::from_codes_and_absmax(
-        host(packed)?.to_vec1::<u8>()?,
-        host(absmax)?.to_vec1::<f32>()?,
+        packed.to_device(&Device::Cpu)?.to_vec1::<u8>()?,
+        absmax.to_device(&Device::Cpu)?.to_vec1::<f32>()?,
         &[rows, cols],
         dtype,
         &config,

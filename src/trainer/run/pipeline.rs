@@ -25,7 +25,6 @@ use crate::trainer::methods;
 use crate::trainer::reporting::callbacks::{EarlyStoppingCallback, MemoryMonitorCallback};
 use crate::trainer::reporting::memory::start_memory_snapshot;
 use crate::trainer::settings::config::RunConfig;
-use crate::trainer::settings::fsdp::FsdpPlan;
 use crate::trainer::settings::preflight::check_before_loading;
 use crate::trainer::storage::manifest::verify_checkpoint_files;
 use crate::trainer::storage::output_dir::prepare_output_dir;
@@ -130,7 +129,8 @@ impl Trainer {
         );
         let mut model = match fsdp {
             Some(plan) => {
-                let sharding = shard_plan(plan, world.as_ref())?;
+                let (rank, world_size) = world.as_ref().map_or((0, 1), |w| (w.rank, w.world_size));
+                let sharding = plan.sharding(rank, world_size)?;
                 #[cfg(feature = "nccl")]
                 if let Some(c) = &communicator {
                     sharding.attach(c.clone());
@@ -168,12 +168,6 @@ impl Trainer {
         }
         Ok(trainer)
     }
-}
-
-/// Rank `rank` of `world`'s place in the sharded job `plan` describes (one process alone: rank 0 of 1).
-fn shard_plan(plan: FsdpPlan, world: Option<&WorldEnv>) -> Result<Arc<Sharding>> {
-    let (rank, world_size) = world.map_or((0, 1), |w| (w.rank, w.world_size));
-    plan.sharding(rank, world_size)
 }
 
 /// `model` on `device` with its layers sharded by `sharding`, saying what the rank holds, what it read of the
