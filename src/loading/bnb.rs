@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use candle_core::{DType, Device, Tensor};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::Deserialize;
 
@@ -30,6 +31,7 @@ use crate::models::pyjson::python_float;
 use crate::precision::TorchDtype;
 use crate::quant::{
     check_nested_blocksize, BlockScales, NestedAbsmax, Nf4Tensor, QuantConfig, QuantType,
+    ALLOWED_BLOCKSIZES,
 };
 
 const QUANT_STATE_KEY: &str = ".quant_state.bitsandbytes__";
@@ -123,6 +125,28 @@ pub fn quantized_weight_names(st: &SafeTensors<'_>) -> Vec<String> {
 
 /// Reads quantized weight `name` from a parsed file; `path` is for error messages.
 pub fn read_bnb_weight(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<Nf4Tensor> {
+    let frame = read_bnb_frame(st, name, path)?;
+    let (packed, scales) = frame.read_blocks(st, 0..frame.blocks())?;
+    frame.with_blocks(packed, scales)
+}
+
+/// A bitsandbytes 4-bit weight as its file describes it, less its packed codes and block scales (what grows with
+/// the weight): read first, it rebuilds the weight from those, read whole or a run of blocks at a time
+/// ([`BnbFrame::read_blocks`], [`BnbFrame::with_blocks`]).
+pub struct BnbFrame {
+    name: String,
+    path: PathBuf,
+    code: [f32; 16],
+    shape: Vec<usize>,
+    dtype: DType,
+    quant_type: QuantType,
+    blocksize: usize,
+    /// Double quantization's nested absmax, map, offset and block size (the block scales are then 8-bit codes).
+    nested: Option<(Vec<f32>, Vec<f32>, f32, usize)>,
+}
+
+/// The frame of quantized weight `name` of a parsed file ([`BnbFrame`]); `path` is for error messages.
+pub fn read_bnb_frame(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<BnbFrame> {
     let bad = |reason: String| Error::InvalidQuantState {
         name: name.to_string(),
         reason: format!("{reason} (in `{}`)", path.display()),
@@ -174,8 +198,7 @@ pub fn read_bnb_weight(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<
         .parse::<TorchDtype>()
         .map_err(|e| bad(format!("`{state_key}`: {e}")))?
         .dtype();
-
-    let packed = get(name)?.data().to_vec();
+    get(name)?;
     let code_view = get(&format!("{name}.quant_map"))?;
     let code_vec =
         f32_values(&code_view).ok_or_else(|| bad("`quant_map` is not float32".into()))?;
@@ -183,53 +206,171 @@ pub fn read_bnb_weight(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<
         .try_into()
         .map_err(|v: Vec<f32>| bad(format!("`quant_map` has {} entries, expected 16", v.len())))?;
     let absmax_view = get(&format!("{name}.absmax"))?;
-    let scales =
-        match (state.nested_offset, state.nested_blocksize) {
-            (Some(offset), Some(nested_blocksize)) => {
-                check_nested_blocksize(nested_blocksize).map_err(bad)?;
-                if let Some(d) = state.nested_dtype.as_deref().filter(|d| *d != "float32") {
-                    return Err(bad(format!(
-                        "nested_dtype `{d}` is not supported (bitsandbytes writes float32)"
-                    )));
-                }
-                if absmax_view.dtype() != Dtype::U8 {
-                    return Err(bad(format!(
-                        "`absmax` is {:?}; double-quantized absmax must be U8 codes",
-                        absmax_view.dtype()
-                    )));
-                }
-                let nested_absmax = f32_values(&get(&format!("{name}.nested_absmax"))?)
-                    .ok_or_else(|| bad("`nested_absmax` is not float32".into()))?;
-                let nested_code = f32_values(&get(&format!("{name}.nested_quant_map"))?)
-                    .ok_or_else(|| bad("`nested_quant_map` is not float32".into()))?;
-                BlockScales::Nested(NestedAbsmax {
-                    codes: absmax_view.data().to_vec(),
-                    absmax: nested_absmax,
-                    code: nested_code,
-                    offset: offset as f32,
-                    blocksize: nested_blocksize,
-                })
+    let nested = match (state.nested_offset, state.nested_blocksize) {
+        (Some(offset), Some(nested_blocksize)) => {
+            check_nested_blocksize(nested_blocksize).map_err(bad)?;
+            if let Some(d) = state.nested_dtype.as_deref().filter(|d| *d != "float32") {
+                return Err(bad(format!(
+                    "nested_dtype `{d}` is not supported (bitsandbytes writes float32)"
+                )));
             }
-            (None, None) => BlockScales::Plain(f32_values(&absmax_view).ok_or_else(|| {
-                bad("`absmax` is not float32 and there is no nested state".into())
-            })?),
-            _ => {
-                return Err(bad(
-                    "the JSON has only part of the nested state (nested_offset / nested_blocksize)"
-                        .into(),
-                ))
+            if absmax_view.dtype() != Dtype::U8 {
+                return Err(bad(format!(
+                    "`absmax` is {:?}; double-quantized absmax must be U8 codes",
+                    absmax_view.dtype()
+                )));
             }
-        };
-    Nf4Tensor::from_parts(
-        packed,
-        scales,
+            let nested_absmax = f32_values(&get(&format!("{name}.nested_absmax"))?)
+                .ok_or_else(|| bad("`nested_absmax` is not float32".into()))?;
+            let nested_code = f32_values(&get(&format!("{name}.nested_quant_map"))?)
+                .ok_or_else(|| bad("`nested_quant_map` is not float32".into()))?;
+            Some((nested_absmax, nested_code, offset as f32, nested_blocksize))
+        }
+        (None, None) if absmax_view.dtype() == Dtype::F32 => None,
+        (None, None) => {
+            return Err(bad(
+                "`absmax` is not float32 and there is no nested state".into()
+            ))
+        }
+        _ => {
+            return Err(bad(
+                "the JSON has only part of the nested state (nested_offset / nested_blocksize)"
+                    .into(),
+            ))
+        }
+    };
+    // The stored sizes against the shape, so that a run of blocks is read exactly.
+    if !ALLOWED_BLOCKSIZES.contains(&state.blocksize) {
+        return Err(bad(format!(
+            "blocksize {} is not one of {ALLOWED_BLOCKSIZES:?}",
+            state.blocksize
+        )));
+    }
+    let n = state
+        .shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            bad(format!(
+                "shape {:?} has no elements, or more than any tensor",
+                state.shape
+            ))
+        })?;
+    let packed_bytes = get(name)?.data().len();
+    if packed_bytes != n.div_ceil(2) {
+        return Err(bad(format!(
+            "{packed_bytes} packed bytes for shape {:?}: expected {} (two 4-bit codes per byte)",
+            state.shape,
+            n.div_ceil(2)
+        )));
+    }
+    let blocks = n.div_ceil(state.blocksize);
+    let scale_bytes = if nested.is_some() { 1 } else { 4 };
+    if absmax_view.data().len() != blocks * scale_bytes {
+        return Err(bad(format!(
+            "{} absmax values for {n} elements at blocksize {}: expected {blocks}",
+            absmax_view.data().len() / scale_bytes,
+            state.blocksize
+        )));
+    }
+    Ok(BnbFrame {
+        name: name.to_string(),
+        path: path.to_path_buf(),
         code,
-        state.shape,
+        shape: state.shape,
         dtype,
         quant_type,
-        state.blocksize,
-    )
-    .map_err(|e| bad(e.to_string()))
+        blocksize: state.blocksize,
+        nested,
+    })
+}
+
+impl BnbFrame {
+    fn bad(&self, reason: String) -> Error {
+        Error::InvalidQuantState {
+            name: self.name.clone(),
+            reason: format!("{reason} (in `{}`)", self.path.display()),
+        }
+    }
+
+    /// The weight's 4-bit blocks.
+    pub fn blocks(&self) -> usize {
+        self.shape
+            .iter()
+            .product::<usize>()
+            .div_ceil(self.blocksize)
+    }
+
+    /// The block size.
+    pub fn blocksize(&self) -> usize {
+        self.blocksize
+    }
+
+    /// Blocks `blocks` of the weight as stored in `st` (its file, parsed): their packed codes (two a byte, the
+    /// last block's short at the weight's end) and their scales, 1-D on the host — 8-bit codes with double
+    /// quantization, float32 absmax without. Only those bytes of the file are read.
+    pub fn read_blocks(
+        &self,
+        st: &SafeTensors<'_>,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<(Vec<u8>, Tensor)> {
+        let get = |key: &str| -> Result<TensorView<'_>> {
+            st.tensor(key)
+                .map_err(|_| self.bad(format!("tensor `{key}` is missing")))
+        };
+        // Sizes were checked against the shape (`read_bnb_frame`): the last block's codes end with the data.
+        let half = self.blocksize / 2;
+        let packed_view = get(&self.name)?;
+        let packed = packed_view.data();
+        let to = (blocks.end * half).min(packed.len());
+        let packed = packed
+            .get(blocks.start * half..to)
+            .ok_or_else(|| self.bad(format!("no blocks {blocks:?} in the packed codes")))?
+            .to_vec();
+        let absmax = get(&format!("{}.absmax", self.name))?;
+        let dtype = match self.nested {
+            Some(_) => DType::U8,
+            None => DType::F32,
+        };
+        let size = dtype.size_in_bytes();
+        let bytes = absmax
+            .data()
+            .get(blocks.start * size..blocks.end * size)
+            .ok_or_else(|| {
+                self.bad(format!(
+                    "`absmax` holds {} bytes, not the scales of blocks {blocks:?}",
+                    absmax.data().len()
+                ))
+            })?;
+        let scales = Tensor::from_raw_buffer(bytes, dtype, &[blocks.len()], &Device::Cpu)?;
+        Ok((packed, scales))
+    }
+
+    /// The weight of this frame with `packed` and `scales`, every block's ([`BnbFrame::read_blocks`]'s, joined in
+    /// order), checked to fit.
+    pub fn with_blocks(&self, packed: Vec<u8>, scales: Tensor) -> Result<Nf4Tensor> {
+        let scales = match &self.nested {
+            Some((absmax, code, offset, blocksize)) => BlockScales::Nested(NestedAbsmax {
+                codes: scales.to_vec1::<u8>()?,
+                absmax: absmax.clone(),
+                code: code.clone(),
+                offset: *offset,
+                blocksize: *blocksize,
+            }),
+            None => BlockScales::Plain(scales.to_vec1::<f32>()?),
+        };
+        Nf4Tensor::from_parts(
+            packed,
+            scales,
+            self.code,
+            self.shape.clone(),
+            self.dtype,
+            self.quant_type,
+            self.blocksize,
+        )
+        .map_err(|e| self.bad(e.to_string()))
+    }
 }
 
 fn f32_values(view: &TensorView<'_>) -> Option<Vec<f32>> {

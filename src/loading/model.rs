@@ -8,17 +8,17 @@ use std::sync::Arc;
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
 
-use super::bnb::read_bnb_weight;
+use super::bnb::{read_bnb_frame, read_bnb_weight};
 use super::gguf::GgufFile;
 use super::hub::{hub_fetcher, hub_required, hub_snapshot, HUB_FILES};
 use super::safetensors::ShardedSafetensors;
 use super::source::ModelSource;
 use crate::error::{Error, Result};
-use crate::files::first_non_finite;
+use crate::files::{first_non_finite, MappedSafetensors};
 use crate::lora::LoraLinear;
 use crate::models::config::validate::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
-use crate::ops::frozen_linear::DeferredWeight;
+use crate::ops::frozen_linear::{DeferredWeight, StoredBlocks};
 use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::precision::master_dtype;
@@ -85,6 +85,17 @@ impl DeferredWeight for WeightInFile {
 
     fn quantization(&self) -> Option<QuantConfig> {
         self.quant
+    }
+
+    fn read_4bit_blocks(&self, blocks: Range<usize>) -> candle_core::Result<Option<StoredBlocks>> {
+        match self.stored_4bit {
+            true => self
+                .weights
+                .bnb_blocks(&self.name, blocks)
+                .map(Some)
+                .map_err(candle_core::Error::wrap),
+            false => Ok(None),
+        }
     }
 
     fn read_elements(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
@@ -193,21 +204,26 @@ impl Weights {
         Ok(t)
     }
 
-    /// Elements `range` of plain safetensors tensor `name` taken flat, as stored (1-D, on the host): only their
-    /// bytes of the file are read, and given back to the operating system after.
-    fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+    /// The safetensors file holding tensor `name`, which is read in parts.
+    fn file_read_in_parts(&self, name: &str) -> Result<&MappedSafetensors> {
         let Weights::Safetensors(s) = self else {
             return Err(Error::Model(format!(
                 "`{name}` in {}: only a safetensors tensor is read in parts",
                 self.where_()
             )));
         };
-        let file = s.file_of(name).ok_or_else(|| {
+        s.file_of(name).ok_or_else(|| {
             Error::Model(format!(
                 "tensor `{name}` is missing from {}",
                 s.folder().display()
             ))
-        })?;
+        })
+    }
+
+    /// Elements `range` of plain safetensors tensor `name` taken flat, as stored (1-D, on the host): only their
+    /// bytes of the file are read, and given back to the operating system after.
+    fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        let file = self.file_read_in_parts(name)?;
         let st = file.tensors()?;
         let view = st
             .tensor(name)
@@ -225,6 +241,24 @@ impl Weights {
         file.release(bytes);
         check_finite_from(&part, range.start, name, &self.where_())?;
         Ok(part)
+    }
+
+    /// Blocks `blocks` of bitsandbytes 4-bit weight `name` as stored, with what rebuilds the whole weight from
+    /// every block's ([`StoredBlocks`]): only their bytes of the file are read, besides the weight's small state.
+    fn bnb_blocks(&self, name: &str, blocks: Range<usize>) -> Result<StoredBlocks> {
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let frame = read_bnb_frame(&st, name, file.path())?;
+        let (packed, scales) = frame.read_blocks(&st, blocks)?;
+        Ok(StoredBlocks {
+            packed,
+            scales,
+            rebuild: Box::new(move |packed, scales| {
+                frame
+                    .with_blocks(packed, scales)
+                    .map_err(candle_core::Error::wrap)
+            }),
+        })
     }
 
     /// A bitsandbytes 4-bit weight, if stored that way.

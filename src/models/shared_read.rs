@@ -5,7 +5,9 @@
 //! A 4-bit block's codes and absmax depend on its own elements alone, so the parts quantize to the bytes they have
 //! in the whole weight; the double quantization of the absmax (whose offset is the mean over the whole weight)
 //! runs after the gather, on every block's absmax in one process's order. The weight is the one a single process
-//! makes, bit for bit. The host holds a rank's part of one weight and that weight's 4-bit codes, never the model.
+//! makes, bit for bit. A weight stored in 4 bits (a bitsandbytes folder) is read as stored: each rank its blocks'
+//! codes and scales, gathered, the weight's small state (maps, nested scales) whole. The host holds a rank's part
+//! of one weight and that weight's 4-bit codes, never the model.
 
 use std::sync::Arc;
 
@@ -13,13 +15,13 @@ use candle_core::{Device, Tensor};
 
 use super::shard::Sharding;
 use crate::error::Result;
-use crate::ops::frozen_linear::DeferredWeight;
+use crate::ops::frozen_linear::{DeferredWeight, StoredBlocks};
 use crate::ops::FrozenWeight;
 use crate::quant::Nf4Tensor;
 
 /// `weight` (left in its file) whole on `device`, each rank of `sharding` having read its part of it; `None` when
-/// the ranks cannot share the reading (one rank alone, no exchange attached yet, or a weight stored in 4 bits,
-/// which every rank reads whole): then the caller reads it whole. `what` names the weight in errors.
+/// the ranks cannot share the reading (one rank alone, or no exchange attached yet): then the caller reads it
+/// whole. `what` names the weight in errors.
 pub(crate) fn read_shared(
     weight: &dyn DeferredWeight,
     sharding: &Sharding,
@@ -32,19 +34,14 @@ pub(crate) fn read_shared(
     let (rows, cols) = weight.dims2();
     let n = rows * cols;
     let (rank, world) = (sharding.rank(), sharding.world_size());
-    // Parts of whole blocks (of one element for a dense weight), as many on every rank, the last rank's short.
+    // Parts of whole blocks (of one element for a dense weight), as many on every rank, the last ones short.
     let quantization = weight.quantization();
     let block = quantization.map_or(1, |q| q.blocksize);
-    let per_rank = n.div_ceil(block).div_ceil(world) * block;
-    let part = (rank * per_rank).min(n)..((rank + 1) * per_rank).min(n);
-    let Some(values) = weight.read_elements(part.clone())? else {
-        return Ok(None);
-    };
-    let dtype = values.dtype();
-    sharding.note_read(
-        part.len() * dtype.size_in_bytes(),
-        n * dtype.size_in_bytes(),
-    );
+    let all_blocks = n.div_ceil(block);
+    let blocks_per_rank = all_blocks.div_ceil(world);
+    let blocks =
+        (rank * blocks_per_rank).min(all_blocks)..((rank + 1) * blocks_per_rank).min(all_blocks);
+    let part = (blocks.start * block).min(n)..(blocks.end * block).min(n);
     let gather = |mine: Tensor, len: usize, whole: usize| -> Result<Tensor> {
         let zeros = Tensor::zeros(len - mine.elem_count(), mine.dtype(), mine.device())?;
         let mine = match (mine.elem_count(), zeros.elem_count()) {
@@ -55,32 +52,53 @@ pub(crate) fn read_shared(
         let gathered = sharding.gather_now(&mine.to_device(device)?, what)?;
         Ok(gathered.narrow(0, 0, whole)?)
     };
-    let Some(config) = quantization else {
-        let whole = gather(values, per_rank, n)?.reshape((rows, cols))?;
-        return Ok(Some(FrozenWeight::Dense(whole)));
+    // A 4-bit weight: the rank's blocks as stored (packed codes and scales), or quantized from its elements; then
+    // gathered, and the weight put together on the host.
+    let stored = match weight.read_4bit_blocks(blocks.clone())? {
+        Some(stored) => {
+            let scale_size = stored.scales.dtype().size_in_bytes();
+            sharding.note_read(
+                stored.packed.len() + blocks.len() * scale_size,
+                n.div_ceil(2) + all_blocks * scale_size,
+            );
+            stored
+        }
+        None => {
+            let Some(values) = weight.read_elements(part.clone())? else {
+                return Ok(None);
+            };
+            let dtype = values.dtype();
+            sharding.note_read(
+                part.len() * dtype.size_in_bytes(),
+                n * dtype.size_in_bytes(),
+            );
+            let Some(config) = quantization else {
+                let whole = gather(values, blocks_per_rank, n)?.reshape((rows, cols))?;
+                return Ok(Some(FrozenWeight::Dense(whole)));
+            };
+            let (packed, absmax) = match part.is_empty() {
+                true => (Vec::new(), Vec::new()),
+                false => Nf4Tensor::quantize_blocks(&values, &config, what)?,
+            };
+            let absmax_len = absmax.len();
+            StoredBlocks {
+                packed,
+                scales: Tensor::from_vec(absmax, absmax_len, &Device::Cpu)?,
+                rebuild: Box::new(move |packed, absmax| {
+                    let absmax = absmax.to_vec1::<f32>()?;
+                    Nf4Tensor::from_codes_and_absmax(packed, absmax, &[rows, cols], dtype, &config)
+                        .map_err(candle_core::Error::wrap)
+                }),
+            }
+        }
     };
-    let (packed, absmax) = match part.is_empty() {
-        true => (Vec::new(), Vec::new()),
-        false => Nf4Tensor::quantize_blocks(&values, &config, what)?,
-    };
-    drop(values);
-    let (packed_len, blocks) = (packed.len(), absmax.len());
-    let packed = gather(
-        Tensor::from_vec(packed, packed_len, &Device::Cpu)?,
-        per_rank / 2,
-        n.div_ceil(2),
-    )?;
-    let absmax = gather(
-        Tensor::from_vec(absmax, blocks, &Device::Cpu)?,
-        per_rank / block,
-        n.div_ceil(block),
-    )?;
-    let q = Nf4Tensor::from_codes_and_absmax(
+    let packed_len = stored.packed.len();
+    let packed = Tensor::from_vec(stored.packed, packed_len, &Device::Cpu)?;
+    let packed = gather(packed, blocks_per_rank * block / 2, n.div_ceil(2))?;
+    let scales = gather(stored.scales, blocks_per_rank, all_blocks)?;
+    let q = (stored.rebuild)(
         packed.to_device(&Device::Cpu)?.to_vec1::<u8>()?,
-        absmax.to_device(&Device::Cpu)?.to_vec1::<f32>()?,
-        &[rows, cols],
-        dtype,
-        &config,
+        scales.to_device(&Device::Cpu)?,
     )?;
     Ok(Some(FrozenWeight::Nf4(Arc::new(q)).to_device(device)?))
 }
@@ -88,7 +106,7 @@ pub(crate) fn read_shared(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::LocalRanks;
+    use crate::models::shard::LocalRanks;
     use crate::quant::QuantConfig;
     use candle_core::DType;
 
@@ -115,6 +133,13 @@ mod tests {
 
         fn quantization(&self) -> Option<QuantConfig> {
             self.quant
+        }
+
+        fn read_4bit_blocks(
+            &self,
+            _: std::ops::Range<usize>,
+        ) -> candle_core::Result<Option<StoredBlocks>> {
+            Ok(None)
         }
 
         fn read_elements(

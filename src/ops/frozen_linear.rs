@@ -101,9 +101,22 @@ pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
     /// The 4-bit format it is quantized to when read, if any.
     fn quantization(&self) -> Option<QuantConfig>;
     /// Elements `range` of the weight taken flat (row-major), as stored (1-D, on the host), reading no more of
-    /// its file than they take: what one rank of a sharded load reads of it. `None` for a weight stored in a form
-    /// that is read whole (4-bit).
+    /// its file than they take: what one rank of a sharded load reads of it. `None` for a weight stored in 4 bits
+    /// (see [`DeferredWeight::read_4bit_blocks`]).
     fn read_elements(&self, range: std::ops::Range<usize>) -> Result<Option<Tensor>>;
+    /// 4-bit blocks `blocks` of a weight stored in 4 bits, as stored, reading no more of its file than they take:
+    /// what one rank of a sharded load reads of it. `None` for a weight stored as plain elements.
+    fn read_4bit_blocks(&self, blocks: std::ops::Range<usize>) -> Result<Option<StoredBlocks>>;
+}
+
+/// A run of 4-bit blocks of a weight stored in 4 bits, as stored ([`DeferredWeight::read_4bit_blocks`]).
+pub struct StoredBlocks {
+    /// Their packed codes, two a byte.
+    pub packed: Vec<u8>,
+    /// Their scales as stored, 1-D on the host: 8-bit codes (double quantization) or float32 absmax.
+    pub scales: Tensor,
+    /// The whole weight from every block's packed codes and scales, each joined in order.
+    pub rebuild: Box<dyn FnOnce(Vec<u8>, Tensor) -> Result<Nf4Tensor> + Send>,
 }
 
 /// A frozen weight `[out_features, in_features]`.

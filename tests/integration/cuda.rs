@@ -2593,6 +2593,14 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
     );
     let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&losses), bits(&single_losses), "offloaded: losses");
+    assert_eq!(bits(&eval), bits(&single_eval), "offloaded: evaluations");
+    for (key, t) in &single {
+        assert_eq!(
+            crate::common::tensor_bytes(t),
+            crate::common::tensor_bytes(&adapter[key]),
+            "offloaded: {key}"
+        );
+    }
     // On the emulated device, some of the shares' copies overlapped the compute stream's kernels (the prefetched
     // ones; the plain run's copies never do).
     for (name, overlapping) in [("fsdp-one-offload", true), ("single", false)] {
@@ -2604,14 +2612,6 @@ fn fsdp_on_2_and_4_ranks_equals_data_parallel_and_one_process() {
             let overlapped = uploads["overlapped"].as_u64().unwrap();
             assert_eq!(overlapped > 0, overlapping, "{name}: {uploads}");
         }
-    }
-    assert_eq!(bits(&eval), bits(&single_eval), "offloaded: evaluations");
-    for (key, t) in &single {
-        assert_eq!(
-            crate::common::tensor_bytes(t),
-            crate::common::tensor_bytes(&adapter[key]),
-            "offloaded: {key}"
-        );
     }
     let (ddp_losses, ddp, ddp_eval, _) = run("ddp-two", 2, Some(2), None, None);
     let ddp_counters = rank_counters(&root.path().join("ddp-two"));
@@ -2850,6 +2850,8 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
         vocab: 512,
         positions: 512,
     };
+    let h = widths.hidden;
+    let layer_params = 2 * h * h + 2 * h * (2 * 64) + 3 * h * widths.intermediate;
     let loading_heap = |layers: usize| {
         let dir = root.path().join(format!("layers-{layers}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -2878,6 +2880,7 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
         assert_eq!(reports.len(), 2, "{err}");
         // Each rank read its half of every linear weight's bytes (whole 64-element blocks of bfloat16), no more.
         let stored = reports[0].read.1;
+        assert_eq!(stored, (2 * layer_params * layers) as u64, "{err}");
         let weights = 7 * layers as u64;
         for r in &reports {
             assert_eq!(r.read.1, stored, "{err}");
@@ -2887,8 +2890,6 @@ fn fsdp_loading_holds_one_tensor_on_the_host_not_the_model() {
         reports.iter().map(|r| r.loading_heap).max().unwrap()
     };
     let (small, large) = (loading_heap(2), loading_heap(10));
-    let h = widths.hidden;
-    let layer_params = 2 * h * h + 2 * h * (2 * 64) + 3 * h * widths.intermediate;
     // NF4 with double quantization: half a byte a parameter and a byte per 64-parameter block, about.
     let layer_nf4 = layer_params / 2 + layer_params / 64;
     eprintln!("host heap while loading: 2 layers {small} B, 10 layers {large} B; one layer's 4-bit weights {layer_nf4} B");

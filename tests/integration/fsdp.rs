@@ -243,10 +243,11 @@ fn ranks_read_their_part_of_each_weight_and_compute_what_one_process_loads() {
 }
 
 /// A bitsandbytes 4-bit folder (tiny-llama's linear weights in NF4 as bitsandbytes stores them) loaded with its
-/// weights left in their files: every rank reads each 4-bit weight whole as its layer moves (none in parts), the
-/// model says its base is 4-bit as the one loaded at once does, and the sharded model computes what that one does.
+/// weights left in their files: the model says its base is 4-bit as the one loaded at once does; each of 2 and 3
+/// ranks reads its blocks of every weight as stored (about 1/N of the codes and scales), and the sharded model
+/// computes what the one loaded at once does, bit for bit.
 #[test]
-fn a_bitsandbytes_folder_left_in_its_files_is_sharded_as_loaded_at_once() {
+fn ranks_read_their_blocks_of_a_bitsandbytes_folder_as_stored() {
     use candle_qlora::adapter::base_quantization;
     use candle_qlora::files::{write_safetensors, RawTensor};
     use candle_qlora::loading::bnb::bnb_entries;
@@ -282,23 +283,41 @@ fn a_bitsandbytes_folder_left_in_its_files_is_sharded_as_loaded_at_once() {
     let deferred = load(true);
     assert_eq!(base_quantization(&deferred), base_quantization(&whole));
     assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
-    let results: Vec<_> = std::thread::scope(|s| {
-        let handles: Vec<_> = LocalRanks::handles(2)
-            .into_iter()
-            .map(|rank| {
-                let (model, ids) = (deferred.clone(), &ids);
-                s.spawn(move || {
-                    let sharding = Sharding::new(rank.rank(), 2, false).unwrap();
-                    sharding.attach(Arc::new(rank));
-                    let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                    (loss_grad_and_logits(&model, ids), sharding.bytes_read())
+    let whole_linears = whole.linears().len();
+    for world in [2, 3] {
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = LocalRanks::handles(world)
+                .into_iter()
+                .map(|rank| {
+                    let (model, ids) = (deferred.clone(), &ids);
+                    s.spawn(move || {
+                        let sharding = Sharding::new(rank.rank(), world, false).unwrap();
+                        sharding.attach(Arc::new(rank));
+                        let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
+                        (loss_grad_and_logits(&model, ids), sharding.bytes_read())
+                    })
                 })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    for (rank, (got, read)) in results.iter().enumerate() {
-        assert!(got == &expected, "rank {rank}: the model differs");
-        assert_eq!(*read, (0, 0), "rank {rank}: 4-bit weights are read whole");
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let stored = results[0].1 .1;
+        for (rank, (got, (read, whole))) in results.iter().enumerate() {
+            assert!(
+                got == &expected,
+                "rank {rank} of {world}: the model differs"
+            );
+            assert_eq!(*whole, stored, "rank {rank} of {world}");
+            // Codes and 8-bit scales of whole 64-element blocks: at most one block's 33 bytes a weight over 1/N.
+            let bound = stored / world as u64 + 33 * whole_linears as u64;
+            assert!(
+                *read > 0 && *read <= bound,
+                "rank {rank} of {world}: read {read} of {stored} bytes"
+            );
+        }
+        let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
+        assert_eq!(
+            total, stored,
+            "rank parts of {world} add up to the whole, once"
+        );
     }
 }

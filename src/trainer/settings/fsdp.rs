@@ -51,9 +51,9 @@ pub struct FsdpConfig {
     /// Whether at most two layers' gathers are in flight: true here (the current and the next layer's).
     pub limit_all_gathers: Option<bool>,
     /// accelerate's way to keep host memory low (rank 0 reads, the others receive): here, whichever this says,
-    /// each rank reads its part of every weight of a safetensors folder (about 1/N of its bytes) as the weight's
-    /// layer moves to the GPU, and the ranks gather it; a bitsandbytes folder is read one weight at a time, each
-    /// whole; a GGUF file is read whole first.
+    /// each rank reads its part of every weight of a safetensors folder (about 1/N of its bytes; of a bitsandbytes
+    /// folder, its blocks as stored) as the weight's layer moves to the GPU, and the ranks gather it; a GGUF file
+    /// and the experts of a mixture of experts are read whole first.
     pub cpu_ram_efficient_loading: bool,
     /// Whether rank 0's weights are broadcast to the others after loading: each rank loads the same files, so the
     /// shards agree without it.
