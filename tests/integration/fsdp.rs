@@ -55,6 +55,31 @@ fn loss_grad_and_logits(model: &LlamaModel, ids: &Tensor) -> (u32, Vec<u32>, Vec
     (loss_bits, bits(grad), bits(&model.logits(ids).unwrap()))
 }
 
+/// `model` sharded over `world` ranks (threads of the test, `LocalRanks`; with `offload` the shares in host memory):
+/// what `rank` returns for each rank's sharded model and its `Sharding`, in rank order.
+fn on_ranks<T: Send>(
+    model: &LlamaModel,
+    world: usize,
+    offload: bool,
+    rank: impl Fn(LlamaModel, &Sharding) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = LocalRanks::handles(world)
+            .into_iter()
+            .map(|handle| {
+                let (model, rank) = (model.clone(), &rank);
+                s.spawn(move || {
+                    let sharding = Sharding::new(handle.rank(), world, offload).unwrap();
+                    sharding.attach(Arc::new(handle));
+                    let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
+                    rank(model, &sharding)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A dense and a 4-bit Llama, a 4-bit mixture of experts and a 4-bit Gemma 2 (its head tied to the embeddings),
 /// sharded over 1, 2 and 3 ranks (and 2 with the shards offloaded to host memory) — the layers' linear weights, the
 /// embedding table and the head: every rank holds about 1/N of the linear weights, and its loss, input gradient
@@ -78,39 +103,27 @@ fn sharded_models_compute_what_the_whole_model_computes() {
             .map(|(_, l)| l.base.weight.size_in_bytes())
             .sum();
         for (world, offload) in [(1, false), (2, false), (3, false), (2, true)] {
-            let results: Vec<_> = std::thread::scope(|s| {
-                let handles: Vec<_> = LocalRanks::handles(world)
-                    .into_iter()
-                    .map(|rank| {
-                        let (model, ids) = (whole.clone(), &ids);
-                        s.spawn(move || {
-                            let sharding = Sharding::new(rank.rank(), world, offload).unwrap();
-                            sharding.attach(Arc::new(rank));
-                            let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                            assert_eq!(
-                                model.embed_tokens.dim(0).unwrap(),
-                                0,
-                                "the table is sharded"
-                            );
-                            // Every sharded weight (the table and head too): 1/N, padding aside.
-                            let (all_held, all_whole) = model.sharded_bytes().unwrap();
-                            assert!(
-                                all_held * world >= all_whole
-                                    && all_held <= all_whole / world + (pieces + 2) * 256,
-                                "{folder}, rank {} of {world}: holds {all_held} of {all_whole}",
-                                sharding.rank()
-                            );
-                            let held: usize = model
-                                .layers
-                                .iter()
-                                .filter_map(|l| l.shard())
-                                .map(|s| s.shard_bytes())
-                                .sum();
-                            (loss_grad_and_logits(&model, ids), held)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let results = on_ranks(&whole, world, offload, |model, sharding| {
+                assert_eq!(
+                    model.embed_tokens.dim(0).unwrap(),
+                    0,
+                    "the table is sharded"
+                );
+                // Every sharded weight (the table and head too): 1/N, padding aside.
+                let (all_held, all_whole) = model.sharded_bytes().unwrap();
+                assert!(
+                    all_held * world >= all_whole
+                        && all_held <= all_whole / world + (pieces + 2) * 256,
+                    "{folder}, rank {} of {world}: holds {all_held} of {all_whole}",
+                    sharding.rank()
+                );
+                let held: usize = model
+                    .layers
+                    .iter()
+                    .filter_map(|l| l.shard())
+                    .map(|s| s.shard_bytes())
+                    .sum();
+                (loss_grad_and_logits(&model, &ids), held)
             });
             for (rank, (got, held)) in results.iter().enumerate() {
                 assert!(
@@ -206,22 +219,10 @@ fn ranks_read_their_part_of_each_weight_and_compute_what_one_process_loads() {
             })
             .sum();
         let block = quantization.map_or(1, |q| q.blocksize);
+        let deferred = load_tiny("tiny-llama", quantization, true);
         for world in [2, 3] {
-            let results: Vec<_> = std::thread::scope(|s| {
-                let handles: Vec<_> = LocalRanks::handles(world)
-                    .into_iter()
-                    .map(|rank| {
-                        let ids = &ids;
-                        s.spawn(move || {
-                            let model = load_tiny("tiny-llama", quantization, true);
-                            let sharding = Sharding::new(rank.rank(), world, false).unwrap();
-                            sharding.attach(Arc::new(rank));
-                            let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                            (loss_grad_and_logits(&model, ids), sharding.bytes_read())
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let results = on_ranks(&deferred, world, false, |model, sharding| {
+                (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
             });
             for (rank, (got, (read, stored))) in results.iter().enumerate() {
                 assert!(
@@ -285,20 +286,8 @@ fn ranks_read_their_blocks_of_a_bitsandbytes_folder_as_stored() {
     assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
     let whole_linears = whole.linears().len();
     for world in [2, 3] {
-        let results: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = LocalRanks::handles(world)
-                .into_iter()
-                .map(|rank| {
-                    let (model, ids) = (deferred.clone(), &ids);
-                    s.spawn(move || {
-                        let sharding = Sharding::new(rank.rank(), world, false).unwrap();
-                        sharding.attach(Arc::new(rank));
-                        let model = model.to_device_sharded(&Device::Cpu, &sharding).unwrap();
-                        (loss_grad_and_logits(&model, ids), sharding.bytes_read())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_ranks(&deferred, world, false, |model, sharding| {
+            (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
         });
         let stored = results[0].1 .1;
         for (rank, (got, (read, whole))) in results.iter().enumerate() {
