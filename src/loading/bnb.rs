@@ -198,7 +198,7 @@ pub fn read_bnb_frame(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<B
         .parse::<TorchDtype>()
         .map_err(|e| bad(format!("`{state_key}`: {e}")))?
         .dtype();
-    get(name)?;
+    let packed_bytes = get(name)?.data().len();
     let code_view = get(&format!("{name}.quant_map"))?;
     let code_vec =
         f32_values(&code_view).ok_or_else(|| bad("`quant_map` is not float32".into()))?;
@@ -257,7 +257,6 @@ pub fn read_bnb_frame(st: &SafeTensors<'_>, name: &str, path: &Path) -> Result<B
                 state.shape
             ))
         })?;
-    let packed_bytes = get(name)?.data().len();
     if packed_bytes != n.div_ceil(2) {
         return Err(bad(format!(
             "{packed_bytes} packed bytes for shape {:?}: expected {} (two 4-bit codes per byte)",
@@ -300,11 +299,6 @@ impl BnbFrame {
             .iter()
             .product::<usize>()
             .div_ceil(self.blocksize)
-    }
-
-    /// The block size.
-    pub fn blocksize(&self) -> usize {
-        self.blocksize
     }
 
     /// Blocks `blocks` of the weight as stored in `st` (its file, parsed): their packed codes (two a byte, the
