@@ -190,6 +190,18 @@ pub(crate) fn new_stream(device: &CudaDevice) -> Result<Arc<CudaStream>> {
         .map_err(candle_core::Error::wrap)
 }
 
+/// The stream `cell` holds, made beside `device`'s compute stream the first time.
+pub(crate) fn made_once(
+    cell: &std::sync::OnceLock<Arc<CudaStream>>,
+    device: &CudaDevice,
+) -> Result<Arc<CudaStream>> {
+    if let Some(stream) = cell.get() {
+        return Ok(stream.clone());
+    }
+    let made = new_stream(device)?;
+    Ok(cell.get_or_init(|| made).clone())
+}
+
 /// An event without timing (cheaper to record) on `stream`: it completes when the work queued there so far has.
 pub(crate) fn mark(stream: &CudaStream) -> Result<CudaEvent> {
     stream

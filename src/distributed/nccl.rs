@@ -26,7 +26,7 @@ use candle_core::{DType, Tensor};
 
 use super::env::WorldEnv;
 use super::rendezvous::share_from_rank0;
-use crate::cuda::side_stream::{after_compute, mark, new_stream, wait};
+use crate::cuda::side_stream::{after_compute, made_once, mark, wait};
 use crate::error::{Error, Result};
 use crate::models::{Gathering, ShardExchange, ShardSource};
 
@@ -211,12 +211,7 @@ impl Communicator {
 
     /// The communicator's own stream (made on first use).
     fn own_stream(&self) -> Result<Arc<CudaStream>> {
-        let s = &*self.shared;
-        if let Some(stream) = s.stream.get() {
-            return Ok(stream.clone());
-        }
-        let stream = new_stream(&s.device)?;
-        Ok(s.stream.get_or_init(|| stream).clone())
+        Ok(made_once(&self.shared.stream, &self.shared.device)?)
     }
 
     /// Every rank's `t` (1-D, the same length on every rank; u8, f64, f32, bf16 or f16) laid end to end in rank

@@ -293,6 +293,21 @@ impl BnbFrame {
         }
     }
 
+    /// The weight's shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The 4-bit format it is stored in (the settings [`Nf4Tensor::config`] gives of the weight).
+    pub fn config(&self) -> QuantConfig {
+        QuantConfig {
+            quant_type: self.quant_type,
+            blocksize: self.blocksize,
+            double_quant: self.nested.is_some(),
+            ..QuantConfig::nf4()
+        }
+    }
+
     /// The weight's 4-bit blocks.
     pub fn blocks(&self) -> usize {
         self.shape

@@ -382,18 +382,22 @@ impl Weights {
         if view.shape() != shape && !stored_4bit {
             return weights.linear(prefix, shape, bias, quant);
         }
-        // A 4-bit weight is read once now, for its checks and its quantization settings (what the model reports
-        // as its base's), and let go: the model holds it only while its layer moves.
+        mark_read_with_companions(s, &names, &name);
+        // A 4-bit weight's state is read now (not its codes), for its checks and its quantization settings (what
+        // the model reports as its base's).
         let quant = match stored_4bit {
             true => {
-                let config = weights.nf4_of_shape(&name, &shape)?.map(|q| q.config());
-                file.release(view.data());
-                config
+                let frame = read_bnb_frame(&stored, &name, file.path())?;
+                if frame.shape() != shape {
+                    return Err(Error::Model(format!(
+                        "4-bit tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
+                        weights.where_(),
+                        frame.shape()
+                    )));
+                }
+                Some(frame.config())
             }
-            false => {
-                mark_read_with_companions(s, &names, &name);
-                quant.copied()
-            }
+            false => quant.copied(),
         };
         let bias = match bias {
             true => Some(

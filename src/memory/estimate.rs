@@ -1012,7 +1012,8 @@ pub fn estimate(c: &ModelConfig, args: &EstimateArgs) -> crate::Result<Estimate>
              head ({}{}), gathered whole while used ({} at most: a layer for its forward and again for its \
              recomputation, with the next one's gather started beside it (backward_prefetch, forward_prefetch), the \
              table for the embedding, the head for the loss and again for its backward); norms, RoPE tables and the \
-             embedding's first rows ({}) and the adapter with its optimizer state stay whole on every GPU; each GPU receives {} of gathers per micro-batch",
+             embedding's first rows ({}) and the adapter with its optimizer state stay whole on every GPU; each GPU \
+             receives {} of gathers per micro-batch",
             s.world_size,
             s.world_size,
             human_bytes(s.shard_bytes),

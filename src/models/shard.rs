@@ -313,14 +313,8 @@ impl Sharding {
         if self.world_size == 1 {
             #[cfg(feature = "cuda")]
             if let ShardSource::Pinned(p) = shard {
-                let stream = match self.copy_stream.get() {
-                    Some(stream) => stream,
-                    None => {
-                        let made = crate::cuda::side_stream::new_stream(&p.device)?;
-                        self.copy_stream.get_or_init(|| made)
-                    }
-                };
-                return p.start_copy(stream);
+                let stream = crate::cuda::side_stream::made_once(&self.copy_stream, &p.device)?;
+                return p.start_copy(&stream);
             }
             return Ok(Gathering::finished(shard.to_device()?));
         }
