@@ -2,11 +2,13 @@
 //! the HF layout (llama.cpp permutes them for its interleaved RoPE), and the model config from the metadata.
 
 use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use candle_core::quantized::gguf_file;
-use candle_core::{Device, Tensor};
+use candle_core::quantized::{ggml_file, gguf_file};
+use candle_core::{DType, Device, Tensor};
 
 use super::read_names::ReadNames;
 use crate::error::{Error, Result};
@@ -131,37 +133,149 @@ impl GgufFile {
     /// Reads and dequantizes (to f32) the tensor with Hugging Face name `hf_name`; q/k projection weights and
     /// biases of `llama` files are un-permuted to the HF layout using the given head counts.
     pub fn tensor(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<Tensor> {
+        let layout = self.layout(hf_name, n_head, n_kv_head)?;
+        let all = layout.dims.iter().product();
+        Ok(self.read_part(&layout, 0..all)?.reshape(layout.dims)?)
+    }
+
+    /// The shape [`GgufFile::tensor`] gives the tensor with Hugging Face name `hf_name`, if the file has it.
+    pub fn shape(&self, hf_name: &str) -> Option<Vec<usize>> {
+        // The head counts only matter to reading.
+        self.layout(hf_name, 1, 1).ok().map(|l| l.dims)
+    }
+
+    /// Records the tensor with Hugging Face name `hf_name` as read (left in the file, read in parts later).
+    pub fn mark_read(&self, hf_name: &str) {
+        if let Ok(layout) = self.layout(hf_name, 1, 1) {
+            self.read.mark(&layout.name);
+            layout.up.iter().for_each(|up| self.read.mark(up));
+        }
+    }
+
+    /// Elements `range` of the tensor [`GgufFile::tensor`] reads, taken flat (float32, 1-D): only the rows they
+    /// lie in are read from the file (whole heads of a q/k projection llama.cpp permuted).
+    pub fn elements(
+        &self,
+        hf_name: &str,
+        range: Range<usize>,
+        n_head: usize,
+        n_kv_head: usize,
+    ) -> Result<Tensor> {
+        let layout = self.layout(hf_name, n_head, n_kv_head)?;
+        let all: usize = layout.dims.iter().product();
+        if range.end > all || range.start > range.end {
+            return Err(Error::invalid_file(
+                &self.path,
+                format!("tensor `{hf_name}` holds no elements {range:?}"),
+            ));
+        }
+        self.read_part(&layout, range)
+    }
+
+    /// The bytes of the file [`GgufFile::elements`] reads for elements `range` of the tensor with Hugging Face name
+    /// `hf_name`.
+    pub fn bytes_of(
+        &self,
+        hf_name: &str,
+        range: Range<usize>,
+        n_head: usize,
+        n_kv_head: usize,
+    ) -> Result<usize> {
+        let layout = self.layout(hf_name, n_head, n_kv_head)?;
+        Ok(layout.rows_read(&range).len() * layout.row_bytes)
+    }
+
+    /// How the rows of the tensor with Hugging Face name `hf_name` lie in the file (see [`StoredRows`]).
+    fn layout(&self, hf_name: &str, n_head: usize, n_kv_head: usize) -> Result<StoredRows> {
         let name = gguf_name(hf_name, &self.arch)
             .filter(|n| self.content.tensor_infos.contains_key(n))
             .ok_or_else(|| {
                 Error::invalid_file(&self.path, format!("tensor `{hf_name}` is missing"))
             })?;
-        let mut t = self.read(&name)?;
-        if name.ends_with("ffn_gate_exps.weight") {
+        let (info, row_bytes) = self.stored(&name)?;
+        let mut dims = info.shape.dims().to_vec();
+        let width = row_width(&dims);
+        let mut layout = StoredRows {
+            name,
+            up: None,
+            heads: None,
+            dims: dims.clone(),
+            width,
+            row_bytes,
+        };
+        if layout.name.ends_with("ffn_gate_exps.weight") {
             // transformers' fused `gate_up_proj`: each expert's gate rows, then its up rows.
-            let up = name.replace("ffn_gate_exps", "ffn_up_exps");
-            if !self.content.tensor_infos.contains_key(&up) {
+            let up = layout.name.replace("ffn_gate_exps", "ffn_up_exps");
+            let (up_info, _) = self.stored(&up).map_err(|_| {
+                Error::invalid_file(&self.path, format!("tensor `{up}` is missing"))
+            })?;
+            if up_info.shape.dims() != dims.as_slice()
+                || up_info.ggml_dtype != info.ggml_dtype
+                || dims.len() != 3
+            {
                 return Err(Error::invalid_file(
                     &self.path,
-                    format!("tensor `{up}` is missing"),
+                    format!(
+                        "tensors `{}` {dims:?} and `{up}` {:?}: a mixture of experts' gate and up projections \
+                         are stacked alike, `[experts, rows, columns]` of one type",
+                        layout.name,
+                        up_info.shape.dims()
+                    ),
                 ));
             }
-            t = Tensor::cat(&[&t, &self.read(&up)?], 1)?;
+            dims[1] *= 2;
+            layout.dims = dims;
+            layout.up = Some(up);
+            return Ok(layout);
         }
-        if name.ends_with("ffn_gate_inp_shexp.weight") && t.rank() == 1 {
-            t = t.unsqueeze(0)?; // llama.cpp stores the shared expert's gate as a vector
+        if layout.name.ends_with("ffn_gate_inp_shexp.weight") && dims.len() == 1 {
+            layout.dims = vec![1, width]; // llama.cpp stores the shared expert's gate as a vector
         }
         let heads = if hf_name.contains("self_attn.q_proj") {
-            Some(n_head)
+            n_head
         } else if hf_name.contains("self_attn.k_proj") {
-            Some(n_kv_head)
+            n_kv_head
         } else {
-            None
+            0
         };
-        match (self.arch.as_str(), heads) {
-            ("llama", Some(h)) => Ok(unpermute(&t, h)?),
-            _ => Ok(t),
+        if self.arch == "llama" && heads > 0 {
+            // Rows of a weight, elements of a bias.
+            let out = dims.first().copied().unwrap_or(1);
+            if out % (2 * heads) != 0 {
+                return Err(Error::invalid_file(
+                    &self.path,
+                    format!(
+                        "tensor `{}` has {out} rows, which {heads} heads of pairs cannot share",
+                        layout.name
+                    ),
+                ));
+            }
+            layout.heads = Some(heads);
         }
+        Ok(layout)
+    }
+
+    /// Elements `range` of a tensor laid out as `layout` says, reading the rows that hold them.
+    fn read_part(&self, layout: &StoredRows, range: Range<usize>) -> Result<Tensor> {
+        if range.is_empty() {
+            return Ok(Tensor::zeros(0, DType::F32, &Device::Cpu)?);
+        }
+        let rows = layout.rows_read(&range);
+        let values = match (&layout.up, layout.heads) {
+            (Some(up), _) => self.read_expert_rows(layout, up, rows.clone())?,
+            (None, Some(heads)) => {
+                let t = self.read_rows(&layout.name, rows.start, rows.len())?;
+                // The heads read: of a weight's rows, or all of a bias (one row).
+                let (out, heads) = match layout.dims.len() {
+                    1 => (layout.width, heads),
+                    _ => (rows.len(), heads * rows.len() / layout.rows()),
+                };
+                unpermute(&t.reshape((out, t.elem_count() / out))?, heads)?.flatten_all()?
+            }
+            (None, None) => self.read_rows(&layout.name, rows.start, rows.len())?,
+        };
+        let first = rows.start * layout.width;
+        Ok(values.narrow(0, range.start - first, range.len())?)
     }
 
     /// Phi-3's LongRoPE as llama.cpp stores it (`rope_factors_short` / `rope_factors_long` tensors and
@@ -225,9 +339,57 @@ impl GgufFile {
         self.read.unread(stored, prefix)
     }
 
+    /// Rows `rows` of joined experts (`layout.up` set): each expert's gate rows, then its up rows. The experts
+    /// the rows hold whole are read as two runs, one of each tensor; an expert's rows at either end, run by run.
+    fn read_expert_rows(
+        &self,
+        layout: &StoredRows,
+        up: &str,
+        rows: Range<usize>,
+    ) -> Result<Tensor> {
+        let expert_rows = layout.dims[1];
+        let half = expert_rows / 2;
+        let whole = rows.start.div_ceil(expert_rows)..rows.end / expert_rows;
+        // Rows of one expert's, one tensor's run at a time.
+        let runs = |rows: Range<usize>| -> Result<Vec<Tensor>> {
+            let mut runs = Vec::new();
+            let mut row = rows.start;
+            while row < rows.end {
+                let (expert, within) = (row / expert_rows, row % expert_rows);
+                let (tensor, first, run_end) = match within < half {
+                    true => (layout.name.as_str(), within, half),
+                    false => (up, within - half, expert_rows),
+                };
+                let end = rows.end.min(expert * expert_rows + run_end);
+                runs.push(self.read_rows(tensor, expert * half + first, end - row)?);
+                row = end;
+            }
+            Ok(runs)
+        };
+        if whole.is_empty() {
+            return Ok(Tensor::cat(&runs(rows)?, 0)?);
+        }
+        let of = |tensor: &str| -> Result<Tensor> {
+            let t = self.read_rows(tensor, whole.start * half, whole.len() * half)?;
+            Ok(t.reshape((whole.len(), half, layout.width))?)
+        };
+        let middle = Tensor::cat(&[of(&layout.name)?, of(up)?], 1)?.flatten_all()?;
+        let mut parts = runs(rows.start..whole.start * expert_rows)?;
+        parts.push(middle);
+        parts.extend(runs(whole.end * expert_rows..rows.end)?);
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
     /// Reads and dequantizes (to f32) the tensor llama.cpp names `name`.
     fn read(&self, name: &str) -> Result<Tensor> {
-        self.read.mark(name);
+        let (info, _) = self.stored(name)?;
+        let dims = info.shape.dims().to_vec();
+        let rows = dims.iter().product::<usize>() / row_width(&dims);
+        Ok(self.read_rows(name, 0, rows)?.reshape(dims)?)
+    }
+
+    /// Tensor `name`'s information, checked to be readable in rows, and the bytes of one row (its last axis).
+    fn stored(&self, name: &str) -> Result<(&gguf_file::TensorInfo, usize)> {
         let info = self.content.tensor_infos.get(name).ok_or_else(|| {
             Error::invalid_file(&self.path, format!("tensor `{name}` is missing"))
         })?;
@@ -235,9 +397,8 @@ impl GgufFile {
         // tensor through a misaligned pointer (undefined behaviour; a debug build aborts): refuse both here.
         let dims = info.shape.dims();
         let elements = dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-        let bytes = elements.and_then(|n| {
-            (n / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size())
-        });
+        let (block, block_bytes) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        let bytes = elements.and_then(|n| (n / block).checked_mul(block_bytes));
         if elements == Some(0) || bytes.is_none() {
             let what = if elements == Some(0) {
                 "no elements"
@@ -249,21 +410,104 @@ impl GgufFile {
                 format!("tensor `{name}` has dimensions {dims:?}: {what}"),
             ));
         }
-        let q = {
+        let width = row_width(dims);
+        if width % block != 0 {
+            return Err(Error::invalid_file(
+                &self.path,
+                format!(
+                    "tensor `{name}` has rows of {width} elements, not whole {:?} blocks of {block}",
+                    info.ggml_dtype
+                ),
+            ));
+        }
+        Ok((info, width / block * block_bytes))
+    }
+
+    /// Rows `first..first + count` of tensor `name` (its last axis a row), dequantized to float32, flat: only
+    /// their bytes are read.
+    fn read_rows(&self, name: &str, first: usize, count: usize) -> Result<Tensor> {
+        self.read.mark(name);
+        let (info, row_bytes) = self.stored(name)?;
+        let width = row_width(info.shape.dims());
+        let (start, bytes) = (
+            (self.content.tensor_data_offset)
+                .saturating_add(info.offset)
+                .saturating_add((first * row_bytes) as u64),
+            count * row_bytes,
+        );
+        let unreadable = |why: String| {
+            Error::invalid_file(
+                &self.path,
+                format!("cannot read tensor `{name}`: {why} (file truncated?)"),
+            )
+        };
+        let raw = {
             let mut file = self
                 .file
                 .lock()
                 .map_err(|_| Error::invalid_file(&self.path, "file handle poisoned"))?;
-            self.content
-                .tensor(&mut *file, name, &Device::Cpu)
-                .map_err(|e| {
-                    Error::invalid_file(
-                        &self.path,
-                        format!("cannot read tensor `{name}`: {e} (file truncated?)"),
-                    )
-                })?
+            let size = file
+                .seek(SeekFrom::End(0))
+                .map_err(|e| unreadable(e.to_string()))?;
+            if start.saturating_add(bytes as u64) > size {
+                return Err(unreadable(format!(
+                    "it needs {bytes} bytes at offset {start}, only {} remain in the file",
+                    size.saturating_sub(start)
+                )));
+            }
+            let mut raw = vec![0u8; bytes];
+            file.seek(SeekFrom::Start(start))
+                .and_then(|_| file.read_exact(&mut raw))
+                .map_err(|e| unreadable(e.to_string()))?;
+            raw
         };
+        let q =
+            ggml_file::qtensor_from_ggml(info.ggml_dtype, &raw, vec![count * width], &Device::Cpu)
+                .map_err(|e| {
+                    Error::invalid_file(&self.path, format!("cannot read tensor `{name}`: {e}"))
+                })?;
         Ok(q.dequantize(&Device::Cpu)?)
+    }
+}
+
+/// The elements of a row of a tensor of dimensions `dims`: its last axis (a scalar is one row of one).
+fn row_width(dims: &[usize]) -> usize {
+    dims.last().copied().unwrap_or(1)
+}
+
+/// How a tensor [`GgufFile::tensor`] reads by Hugging Face name lies in the file, its last axis a row: each row
+/// a row of a stored tensor — of one tensor, as stored or with each head's rows in llama.cpp's pairs (a q/k
+/// projection it permuted, read a whole head at a time), or of two (each expert's gate rows, then its up rows).
+struct StoredRows {
+    /// The llama.cpp name of the (first) stored tensor.
+    name: String,
+    /// The experts' up projections, whose rows follow each expert's gate rows (from `name`).
+    up: Option<String>,
+    /// The heads of a weight (or bias) whose rows (elements) llama.cpp permuted into pairs.
+    heads: Option<usize>,
+    /// The dimensions [`GgufFile::tensor`] gives.
+    dims: Vec<usize>,
+    /// Elements a row.
+    width: usize,
+    /// Bytes a row in the file.
+    row_bytes: usize,
+}
+
+impl StoredRows {
+    /// Rows in all.
+    fn rows(&self) -> usize {
+        self.dims.iter().product::<usize>() / self.width
+    }
+
+    /// The rows read for flat elements `range`: those holding them, whole heads of a permuted weight (all of a
+    /// permuted bias, one row).
+    fn rows_read(&self, range: &Range<usize>) -> Range<usize> {
+        if range.is_empty() {
+            return 0..0;
+        }
+        let group = self.heads.map_or(1, |heads| (self.rows() / heads).max(1));
+        let group_elements = group * self.width;
+        range.start / group_elements * group..range.end.div_ceil(group_elements) * group
     }
 }
 

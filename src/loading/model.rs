@@ -49,15 +49,76 @@ impl Default for LoadOptions {
     }
 }
 
-/// A linear weight of a safetensors folder left in its file ([`LoadOptions::defer_linear_weights`]).
+/// A linear weight left in its file ([`LoadOptions::defer_linear_weights`]): a tensor of a safetensors folder or a
+/// GGUF file, or an expert's runs of stored elements.
 struct WeightInFile {
     weights: Arc<Weights>,
+    /// The name the model gives it.
     name: String,
     shape: [usize; 2],
+    /// Its elements taken flat, in order, as runs of stored tensors' elements (each tensor taken flat): one whole
+    /// tensor, an expert of a stacked one, or an expert's gate projection then its up projection. Unused for a
+    /// weight stored in 4 bits, which is `name` whole.
+    pieces: Vec<(String, Range<usize>)>,
     /// The 4-bit format it is quantized to when read (a bitsandbytes 4-bit weight's own).
     quant: Option<QuantConfig>,
-    /// Stored as bitsandbytes 4-bit (read as stored, whole).
+    /// Stored as bitsandbytes 4-bit (read as stored).
     stored_4bit: bool,
+}
+
+impl WeightInFile {
+    /// Plain weight `name` made of `pieces` (see [`WeightInFile::pieces`]), quantized with `quant` when read.
+    fn plain(
+        weights: &Arc<Weights>,
+        name: String,
+        shape: [usize; 2],
+        pieces: Vec<(String, Range<usize>)>,
+        quant: Option<&QuantConfig>,
+    ) -> Self {
+        WeightInFile {
+            weights: Arc::clone(weights),
+            name,
+            shape,
+            pieces,
+            quant: quant.copied(),
+            stored_4bit: false,
+        }
+    }
+
+    /// The runs of `pieces` that elements `range` of the weight are, each as a stored tensor and its elements.
+    fn runs(&self, range: &Range<usize>) -> Vec<(&str, Range<usize>)> {
+        let mut at = 0;
+        let mut runs = Vec::new();
+        for (tensor, stored) in &self.pieces {
+            let (from, to) = (range.start.max(at), range.end.min(at + stored.len()));
+            if from < to {
+                runs.push((
+                    tensor.as_str(),
+                    stored.start + from - at..stored.start + to - at,
+                ));
+            }
+            at += stored.len();
+        }
+        runs
+    }
+
+    /// Elements `range` of the plain weight, as stored (1-D, on the host).
+    fn elements(&self, range: Range<usize>) -> Result<Tensor> {
+        let mut parts = self
+            .runs(&range)
+            .into_iter()
+            .map(|(tensor, elements)| self.weights.elements(tensor, elements))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(match parts.len() {
+            // None: the first tensor's, for its type.
+            0 => {
+                let (tensor, stored) = &self.pieces[0];
+                self.weights.elements(tensor, stored.start..stored.start)?
+            }
+            1 => parts.remove(0),
+            _ => Tensor::cat(&parts, 0)?,
+        })
+    }
 }
 
 impl std::fmt::Debug for WeightInFile {
@@ -78,9 +139,23 @@ impl DeferredWeight for WeightInFile {
     }
 
     fn read(&self) -> candle_core::Result<FrozenWeight> {
-        self.weights
-            .stored_or_quantized(&self.name, self.shape, self.quant.as_ref())
-            .map_err(candle_core::Error::wrap)
+        let read = || -> Result<FrozenWeight> {
+            match self.stored_4bit {
+                true => {
+                    self.weights
+                        .stored_or_quantized(&self.name, self.shape, self.quant.as_ref())
+                }
+                false => {
+                    let values = self.elements(0..self.shape[0] * self.shape[1])?;
+                    frozen_weight(
+                        values.reshape(self.dims2())?,
+                        &self.name,
+                        self.quant.as_ref(),
+                    )
+                }
+            }
+        };
+        read().map_err(candle_core::Error::wrap)
     }
 
     fn quantization(&self) -> Option<QuantConfig> {
@@ -102,11 +177,19 @@ impl DeferredWeight for WeightInFile {
         match self.stored_4bit {
             true => Ok(None),
             false => self
-                .weights
-                .elements(&self.name, range)
+                .elements(range)
                 .map(Some)
                 .map_err(candle_core::Error::wrap),
         }
+    }
+
+    fn bytes_in_file(&self, range: Range<usize>) -> candle_core::Result<usize> {
+        let bytes = self
+            .runs(&range)
+            .into_iter()
+            .map(|(tensor, elements)| self.weights.bytes_in_file(tensor, elements))
+            .sum::<Result<usize>>();
+        bytes.map_err(candle_core::Error::wrap)
     }
 }
 
@@ -193,15 +276,73 @@ impl Weights {
                 g.0.tensor(name, g.1.num_attention_heads, g.1.num_key_value_heads)?
             }
         };
-        if t.dims() != shape {
-            return Err(Error::Model(format!(
-                "tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
-                self.where_(),
-                t.dims()
-            )));
-        }
+        self.check_shape(name, t.dims(), shape)?;
         check_finite(&t, name, &self.where_())?;
         Ok(t)
+    }
+
+    /// An error unless tensor `name`, of shape `found`, has the shape the config implies.
+    fn check_shape(&self, name: &str, found: &[usize], shape: &[usize]) -> Result<()> {
+        self.check_shape_of("tensor", name, found, shape)
+    }
+
+    /// [`Weights::check_shape`] for a `kind` of tensor (`tensor`, `4-bit tensor`).
+    fn check_shape_of(
+        &self,
+        kind: &str,
+        name: &str,
+        found: &[usize],
+        shape: &[usize],
+    ) -> Result<()> {
+        match found == shape {
+            true => Ok(()),
+            false => Err(Error::Model(format!(
+                "{kind} `{name}` in {} has shape {found:?}, but the config implies {shape:?}",
+                self.where_(),
+            ))),
+        }
+    }
+
+    /// The shape of tensor `name` when it is stored as plain elements, which [`Weights::elements`] reads in parts:
+    /// a safetensors tensor not in bitsandbytes 4 bits, or a GGUF tensor (dequantized as read). `None` when it is
+    /// missing or stored in 4 bits.
+    fn plain_shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        let s = match self {
+            Weights::Gguf(g) => return Ok(g.0.shape(name)),
+            Weights::Safetensors(s) => s,
+        };
+        let Some(file) = s.file_of(name) else {
+            return Ok(None);
+        };
+        let st = file.tensors()?;
+        if is_bnb_4bit(&st.names(), name) {
+            return Ok(None);
+        }
+        let view = st
+            .tensor(name)
+            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+        DType::try_from(view.dtype())
+            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
+        Ok(Some(view.shape().to_vec()))
+    }
+
+    /// Records tensor `name` as read, left in its file to be read in parts later.
+    fn mark_read(&self, name: &str) {
+        match self {
+            Weights::Safetensors(s) => s.mark_read(name),
+            Weights::Gguf(g) => g.0.mark_read(name),
+        }
+    }
+
+    /// Tensor `name` stored as plain elements of `shape`, recorded as read; `None` when it is missing or stored in
+    /// 4 bits.
+    fn left_in_file(&self, name: &str, shape: &[usize]) -> Result<Option<String>> {
+        let Some(found) = self.plain_shape(name)? else {
+            return Ok(None);
+        };
+        self.check_shape(name, &found, shape)?;
+        self.mark_read(name);
+        Ok(Some(name.to_string()))
     }
 
     /// The safetensors file holding tensor `name`, which is read in parts.
@@ -220,9 +361,40 @@ impl Weights {
         })
     }
 
-    /// Elements `range` of plain safetensors tensor `name` taken flat, as stored (1-D, on the host): only their
-    /// bytes of the file are read, and given back to the operating system after.
+    /// Elements `range` of plain tensor `name` taken flat, as stored (1-D, on the host; a GGUF tensor dequantized
+    /// to float32): only the bytes of the file they lie in are read, and given back to the operating system after.
     fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        if let Weights::Gguf(g) = self {
+            let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
+            let part = g.0.elements(name, range.clone(), heads, kv_heads)?;
+            check_finite_from(&part, range.start, name, &self.where_())?;
+            return Ok(part);
+        }
+        let part = self.with_view(name, |file, view, dtype| {
+            let size = dtype.size_in_bytes();
+            let bytes = view
+                .data()
+                .get(range.start * size..range.end * size)
+                .ok_or_else(|| {
+                    Error::invalid_file(
+                        file.path(),
+                        format!("`{name}` holds no elements {range:?}"),
+                    )
+                })?;
+            let part = Tensor::from_raw_buffer(bytes, dtype, &[range.len()], &Device::Cpu)?;
+            file.release(bytes);
+            Ok(part)
+        })?;
+        check_finite_from(&part, range.start, name, &self.where_())?;
+        Ok(part)
+    }
+
+    /// `read` of safetensors tensor `name` (which is read in parts): its file, its view and its type.
+    fn with_view<T>(
+        &self,
+        name: &str,
+        read: impl FnOnce(&MappedSafetensors, &safetensors::tensor::TensorView<'_>, DType) -> Result<T>,
+    ) -> Result<T> {
         let file = self.file_read_in_parts(name)?;
         let st = file.tensors()?;
         let view = st
@@ -230,17 +402,16 @@ impl Weights {
             .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
         let dtype = DType::try_from(view.dtype())
             .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
-        let size = dtype.size_in_bytes();
-        let bytes = view
-            .data()
-            .get(range.start * size..range.end * size)
-            .ok_or_else(|| {
-                Error::invalid_file(file.path(), format!("`{name}` holds no elements {range:?}"))
-            })?;
-        let part = Tensor::from_raw_buffer(bytes, dtype, &[range.len()], &Device::Cpu)?;
-        file.release(bytes);
-        check_finite_from(&part, range.start, name, &self.where_())?;
-        Ok(part)
+        read(file, &view, dtype)
+    }
+
+    /// The bytes of the file [`Weights::elements`] reads for elements `range` of plain tensor `name`.
+    fn bytes_in_file(&self, name: &str, range: Range<usize>) -> Result<usize> {
+        if let Weights::Gguf(g) = self {
+            let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
+            return g.0.bytes_of(name, range, heads, kv_heads);
+        }
+        self.with_view(name, |_, _, dtype| Ok(range.len() * dtype.size_in_bytes()))
     }
 
     /// Blocks `blocks` of bitsandbytes 4-bit weight `name` as stored, with what rebuilds the whole weight from
@@ -280,14 +451,11 @@ impl Weights {
 
     /// Tensor `name` when stored as bitsandbytes 4-bit, checked to have `shape`.
     fn nf4_of_shape(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Tensor>> {
-        match self.nf4(name)? {
-            Some(q) if q.shape() != shape => Err(Error::Model(format!(
-                "4-bit tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
-                self.where_(),
-                q.shape()
-            ))),
-            q => Ok(q),
+        let q = self.nf4(name)?;
+        if let Some(q) = &q {
+            self.check_shape_of("4-bit tensor", name, q.shape(), shape)?;
         }
+        Ok(q)
     }
 
     /// A dense tensor, also when stored as bitsandbytes 4-bit (then dequantized to float32, and its quantization
@@ -355,9 +523,8 @@ impl Weights {
 }
 
 impl Weights {
-    /// Linear layer `prefix` as [`Weights::linear`] loads it, its weight left in the file ([`WeightInFile`]) when
-    /// it is a safetensors tensor: plain of `shape`, or bitsandbytes 4-bit (checked now, read again at use). A GGUF
-    /// one is read now.
+    /// Linear layer `prefix` as [`Weights::linear`] loads it, its weight left in the file ([`WeightInFile`]): plain
+    /// of `shape` (a GGUF tensor too), or bitsandbytes 4-bit (its state checked now, its codes read at use).
     fn deferred_linear(
         weights: &Arc<Weights>,
         prefix: &str,
@@ -366,38 +533,24 @@ impl Weights {
         quant: Option<&QuantConfig>,
     ) -> Result<LoraLinear> {
         let name = format!("{prefix}.weight");
-        let Weights::Safetensors(s) = weights.as_ref() else {
-            return weights.linear(prefix, shape, bias, quant);
-        };
-        let Some(file) = s.file_of(&name) else {
-            return weights.linear(prefix, shape, bias, quant);
-        };
-        let stored = file.tensors()?;
-        let view = stored
-            .tensor(&name)
-            .map_err(|e| Error::invalid_file(file.path(), format!("`{name}`: {e}")))?;
-        let names = stored.names();
-        let stored_4bit = is_bnb_4bit(&names, &name);
-        // A 4-bit weight's shape is its quant state's, checked when it is read.
-        if view.shape() != shape && !stored_4bit {
-            return weights.linear(prefix, shape, bias, quant);
-        }
-        mark_read_with_companions(s, &names, &name);
-        // A 4-bit weight's state is read now (not its codes), for its checks and its quantization settings (what
-        // the model reports as its base's).
-        let quant = match stored_4bit {
-            true => {
-                let frame = read_bnb_frame(&stored, &name, file.path())?;
-                if frame.shape() != shape {
-                    return Err(Error::Model(format!(
-                        "4-bit tensor `{name}` in {} has shape {:?}, but the config implies {shape:?}",
-                        weights.where_(),
-                        frame.shape()
-                    )));
-                }
-                Some(frame.config())
+        let elements = shape[0] * shape[1];
+        let weight = match weights.left_in_file(&name, &shape)? {
+            Some(_) => {
+                let pieces = vec![(name.clone(), 0..elements)];
+                WeightInFile::plain(weights, name, shape, pieces, quant)
             }
-            false => quant.copied(),
+            None => match weights.bnb_state(&name, shape)? {
+                Some(config) => WeightInFile {
+                    weights: Arc::clone(weights),
+                    pieces: vec![(name.clone(), 0..elements)],
+                    name,
+                    shape,
+                    quant: Some(config),
+                    stored_4bit: true,
+                },
+                // Missing: the error of reading it.
+                None => return weights.linear(prefix, shape, bias, quant),
+            },
         };
         let bias = match bias {
             true => Some(
@@ -407,14 +560,28 @@ impl Weights {
             ),
             false => None,
         };
-        let weight = FrozenWeight::Deferred(Arc::new(WeightInFile {
-            weights: Arc::clone(weights),
-            name,
-            shape,
-            quant,
-            stored_4bit,
-        }));
+        let weight = FrozenWeight::Deferred(Arc::new(weight));
         Ok(LoraLinear::new(Arc::new(FrozenLinear::new(weight, bias))))
+    }
+
+    /// The quantization settings of bitsandbytes 4-bit weight `name`, checked to be of `shape`, recorded as read
+    /// with its companions; `None` unless it is stored so. Only its state is read (not its codes).
+    fn bnb_state(&self, name: &str, shape: [usize; 2]) -> Result<Option<QuantConfig>> {
+        let Weights::Safetensors(s) = self else {
+            return Ok(None);
+        };
+        let Some(file) = s.file_of(name) else {
+            return Ok(None);
+        };
+        let stored = file.tensors()?;
+        let names = stored.names();
+        if !is_bnb_4bit(&names, name) {
+            return Ok(None);
+        }
+        let frame = read_bnb_frame(&stored, name, file.path())?;
+        self.check_shape_of("4-bit tensor", name, frame.shape(), &shape)?;
+        mark_read_with_companions(s, &names, name);
+        Ok(Some(frame.config()))
     }
 }
 
@@ -461,14 +628,8 @@ fn sparse_linears(
     quant: Option<&QuantConfig>,
 ) -> Result<Vec<LoraLinear>> {
     let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
-    let block = if weights.has(&format!("{p}.block_sparse_moe.gate.weight")) {
-        "block_sparse_moe"
-    } else {
-        "mlp"
-    };
-    let wrap = |w: FrozenWeight| LoraLinear::new(Arc::new(FrozenLinear::new(w, None)));
-    let router = weights.dense(&format!("{p}.{block}.gate.weight"), &[experts, hidden])?;
-    let mut out = vec![wrap(FrozenWeight::Dense(router))];
+    let block = sparse_block(weights, p);
+    let mut out = vec![router(weights, p, experts, hidden)?];
     let fused_gate_up = format!("{p}.{block}.experts.gate_up_proj");
     let fused = if weights.has(&fused_gate_up) {
         let down = format!("{p}.{block}.experts.down_proj");
@@ -521,6 +682,97 @@ fn sparse_linears(
         out.push(wrap(down));
     }
     Ok(out)
+}
+
+/// Which module of sparse layer `p` holds the router and experts: Mixtral's `block_sparse_moe`, or `mlp`.
+fn sparse_block(weights: &Weights, p: &str) -> &'static str {
+    match weights.has(&format!("{p}.block_sparse_moe.gate.weight")) {
+        true => "block_sparse_moe",
+        false => "mlp",
+    }
+}
+
+/// A linear layer of `weight`, without a bias.
+fn wrap(weight: FrozenWeight) -> LoraLinear {
+    LoraLinear::new(Arc::new(FrozenLinear::new(weight, None)))
+}
+
+/// The router of sparse layer `p`, dense.
+fn router(weights: &Weights, p: &str, experts: usize, hidden: usize) -> Result<LoraLinear> {
+    let name = format!("{p}.{}.gate.weight", sparse_block(weights, p));
+    Ok(wrap(FrozenWeight::Dense(
+        weights.dense(&name, &[experts, hidden])?,
+    )))
+}
+
+/// [`sparse_linears`] with the experts left in their files ([`WeightInFile`]): each projection of an expert a run
+/// of a stacked tensor's elements, or its gate projection then its up projection. `None` when they are stored in
+/// 4 bits (read at load).
+fn experts_in_file(
+    weights: &Arc<Weights>,
+    p: &str,
+    moe: &MoeConfig,
+    hidden: usize,
+    quant: Option<&QuantConfig>,
+) -> Result<Option<Vec<LoraLinear>>> {
+    let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
+    let block = sparse_block(weights, p);
+    let (gate_up_size, down_size) = (2 * width * hidden, hidden * width);
+    let stacked = format!("{p}.{block}.experts.gate_up_proj");
+    let stacked = match weights.has(&stacked) {
+        true => {
+            let down = format!("{p}.{block}.experts.down_proj");
+            let gate_up = weights.left_in_file(&stacked, &[experts, 2 * width, hidden])?;
+            match (
+                gate_up,
+                weights.left_in_file(&down, &[experts, hidden, width])?,
+            ) {
+                (Some(gate_up), Some(down)) => Some((gate_up, down)),
+                _ => return Ok(None),
+            }
+        }
+        false => None,
+    };
+    let mut pieces = Vec::with_capacity(experts);
+    for e in 0..experts {
+        pieces.push(match &stacked {
+            Some((gate_up, down)) => (
+                vec![(gate_up.clone(), e * gate_up_size..(e + 1) * gate_up_size)],
+                vec![(down.clone(), e * down_size..(e + 1) * down_size)],
+            ),
+            None => {
+                let stored = |mixtral: &str, qwen: &str, shape: &[usize]| {
+                    let names = [
+                        format!("{p}.{block}.experts.{e}.{mixtral}.weight"),
+                        format!("{p}.{block}.experts.{e}.{qwen}.weight"),
+                    ];
+                    weights.left_in_file(weights.first_of(&names)?, shape)
+                };
+                let gate = stored("w1", "gate_proj", &[width, hidden])?;
+                let up = stored("w3", "up_proj", &[width, hidden])?;
+                let down = stored("w2", "down_proj", &[hidden, width])?;
+                let (Some(gate), Some(up), Some(down)) = (gate, up, down) else {
+                    return Ok(None);
+                };
+                (
+                    vec![(gate, 0..gate_up_size / 2), (up, 0..gate_up_size / 2)],
+                    vec![(down, 0..down_size)],
+                )
+            }
+        });
+    }
+    let mut out = vec![router(weights, p, experts, hidden)?];
+    for (e, (gate_up, down)) in pieces.into_iter().enumerate() {
+        let ours = format!("{p}.mlp.experts.{e}");
+        let mut expert = |projection: &str, shape: [usize; 2], pieces| {
+            let name = format!("{ours}.{projection}.weight");
+            let weight = WeightInFile::plain(weights, name, shape, pieces, quant);
+            out.push(wrap(FrozenWeight::Deferred(Arc::new(weight))));
+        };
+        expert("gate_up_proj", [2 * width, hidden], gate_up);
+        expert("down_proj", [hidden, width], down);
+    }
+    Ok(Some(out))
 }
 
 /// gpt-oss's router (`mlp.router`, with its bias) and experts, from transformers' 3-D tensors
@@ -801,7 +1053,16 @@ fn build_model(weights: &Arc<Weights>, cfg: ModelConfig, opts: &LoadOptions) -> 
                 let moe = sparse.expect("only sparse layers have a router");
                 linears.extend(match moe.clamped_swiglu {
                     Some(_) => gpt_oss_linears(weights, &p, moe, h, quant)?,
-                    None => sparse_linears(weights, &p, moe, h, quant)?,
+                    None => {
+                        let in_file = match opts.defer_linear_weights {
+                            true => experts_in_file(weights, &p, moe, h, quant)?,
+                            false => None,
+                        };
+                        match in_file {
+                            Some(linears) => linears,
+                            None => sparse_linears(weights, &p, moe, h, quant)?,
+                        }
+                    }
                 });
             } else if !name.starts_with("mlp.experts.") {
                 let bias = cfg.attention_bias

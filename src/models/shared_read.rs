@@ -69,8 +69,8 @@ pub(crate) fn read_shared(
             };
             let dtype = values.dtype();
             sharding.note_read(
-                part.len() * dtype.size_in_bytes(),
-                n * dtype.size_in_bytes(),
+                weight.bytes_in_file(part.clone())?,
+                weight.bytes_in_file(0..n)?,
             );
             let Some(config) = quantization else {
                 let whole = gather(values, blocks_per_rank, n)?.reshape((rows, cols))?;
@@ -148,6 +148,10 @@ mod tests {
         ) -> candle_core::Result<Option<Tensor>> {
             let flat = self.values.flatten_all()?;
             Ok(Some(flat.narrow(0, range.start, range.len())?))
+        }
+
+        fn bytes_in_file(&self, range: std::ops::Range<usize>) -> candle_core::Result<usize> {
+            Ok(range.len() * self.values.dtype().size_in_bytes())
         }
     }
 

@@ -104,6 +104,9 @@ pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
     /// its file than they take: what one rank of a sharded load reads of it. `None` for a weight stored in 4 bits
     /// (see [`DeferredWeight::read_4bit_blocks`]).
     fn read_elements(&self, range: std::ops::Range<usize>) -> Result<Option<Tensor>>;
+    /// The bytes of its file that [`DeferredWeight::read_elements`] reads for elements `range` (the rows they lie
+    /// in, for a file that stores rows in blocks).
+    fn bytes_in_file(&self, range: std::ops::Range<usize>) -> Result<usize>;
     /// 4-bit blocks `blocks` of a weight stored in 4 bits, as stored, reading no more of its file than they take:
     /// what one rank of a sharded load reads of it. `None` for a weight stored as plain elements.
     fn read_4bit_blocks(&self, blocks: std::ops::Range<usize>) -> Result<Option<StoredBlocks>>;

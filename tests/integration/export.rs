@@ -965,7 +965,7 @@ fn lowbias32(mut x: u32) -> u32 {
 
 /// The generated Llama `name` (tests/data/models/NAME: config and tokenizer files) with the weights of
 /// `scripts/golden_gguf.py`'s `kquant_weights`, bit for bit, as a folder under `dir`.
-fn generated_model(name: &str, dir: &Path) -> std::path::PathBuf {
+pub(crate) fn generated_model(name: &str, dir: &Path) -> std::path::PathBuf {
     let source = data_path(&format!("models/{name}"));
     let folder = dir.join(name);
     std::fs::create_dir_all(&folder).unwrap();

@@ -310,3 +310,162 @@ fn ranks_read_their_blocks_of_a_bitsandbytes_folder_as_stored() {
         );
     }
 }
+
+/// GGUF file `source` written again as `out`: its tensors in the type `quantize` gives them (as stored for
+/// `None`), its metadata without the keys `drop` matches, and with `extra`.
+fn rewritten_gguf(
+    source: &std::path::Path,
+    out: &std::path::Path,
+    quantize: impl Fn(&str) -> Option<candle_core::quantized::GgmlDType>,
+    drop: impl Fn(&str) -> bool,
+    extra: &[(&str, candle_core::quantized::gguf_file::Value)],
+) {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let mut file = std::fs::File::open(source).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .filter(|(k, _)| !drop(k))
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    metadata.extend(extra.iter().map(|(k, v)| (*k, v)));
+    let tensors: Vec<(String, QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            let stored = content.tensor(&mut file, name, &Device::Cpu).unwrap();
+            let tensor = match quantize(name) {
+                Some(dtype) => {
+                    QTensor::quantize(&stored.dequantize(&Device::Cpu).unwrap(), dtype).unwrap()
+                }
+                None => stored,
+            };
+            (name.clone(), tensor)
+        })
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = std::fs::File::create(out).unwrap();
+    gguf_file::write(&mut out, &metadata, &tensors).unwrap();
+}
+
+/// Mixtures of experts and GGUF files loaded with their weights left in their files: each expert is too (a run of
+/// a stacked tensor's elements, or its gate projection's then its up projection's), and so is every GGUF weight,
+/// read in rows (a whole head of a q/k projection llama.cpp permuted). Over 2 and 3 ranks each rank reads its
+/// part — about 1/N of the bytes; the parts cover the whole — and the sharded model computes what the model loaded
+/// whole does, bit for bit: safetensors experts one a tensor (Mixtral) and stacked (Qwen3-MoE); GGUF files in
+/// float32 (Qwen2-MoE: a shared expert, its gate a vector), in `q8_0` (Mixtral: its q/k permuted, stacked experts)
+/// and in k-quants (a Llama exported in `q4_k_m`: 256-element rows, 4 heads of 64 rows).
+#[test]
+fn ranks_read_their_part_of_experts_and_of_gguf_files() {
+    use candle_core::quantized::gguf_file::Value;
+    use candle_core::quantized::GgmlDType;
+    use candle_qlora::export::{gguf, GgufOptions};
+    use candle_qlora::ops::FrozenWeight;
+    let dir = tempfile::tempdir().unwrap();
+    // tiny-mixtral's GGUF with its layers' weights in q8_0.
+    let mixtral_q8 = dir.path().join("mixtral-q8_0.gguf");
+    rewritten_gguf(
+        &data_path("models/tiny-mixtral/model.gguf"),
+        &mixtral_q8,
+        |name| {
+            let weight =
+                name.starts_with("blk.") && !name.contains("norm") && !name.contains("_inp");
+            weight.then_some(GgmlDType::Q8_0)
+        },
+        |_| false,
+        &[],
+    );
+    // A Llama exported in q4_k_m, without the test's word-level tokenizer (which Candle builds no GGUF tokenizer
+    // of).
+    let kquant = crate::export::generated_model("kquant-llama", dir.path());
+    let exported = dir.path().join("kquant-q4_k_m-exported.gguf");
+    let source = load_model(kquant.to_str().unwrap(), None, &LoadOptions::default()).unwrap();
+    let options = GgufOptions {
+        quant: "q4_k_m".parse().unwrap(),
+        tokenizer_pre: Some("default".into()),
+        adapter_only: false,
+        ollama: false,
+        overwrite: false,
+        progress: false,
+    };
+    gguf(&source.model, &kquant, &exported, &options).unwrap();
+    let kquant_gguf = dir.path().join("kquant-q4_k_m.gguf");
+    rewritten_gguf(
+        &exported,
+        &kquant_gguf,
+        |_| None,
+        |key| key.starts_with("tokenizer."),
+        &[("llama.vocab_size", Value::U32(128))],
+    );
+    let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
+    // Each model, and whether its q/k projections are read in whole heads (llama.cpp permuted them).
+    let models = [
+        (data_path("models/tiny-mixtral"), false),
+        (data_path("models/tiny-qwen3-moe"), false),
+        (data_path("models/tiny-qwen2-moe/model.gguf"), false),
+        (mixtral_q8, true),
+        (kquant_gguf, true),
+    ];
+    for (model, permuted) in models {
+        let spec = model.to_str().unwrap();
+        let is_gguf = spec.ends_with(".gguf");
+        for quantization in [None, Some(QuantConfig::nf4())] {
+            let load = |defer: bool| {
+                let opts = LoadOptions {
+                    quantization,
+                    defer_linear_weights: defer,
+                    ..Default::default()
+                };
+                load_model(spec, None, &opts).unwrap().model
+            };
+            let whole = load(false);
+            let expected = loss_grad_and_logits(&whole, &ids);
+            let deferred = load(true);
+            // Every linear weight is left in its file, the routers (dense, small) aside. A rank's part of a weight
+            // is its share, and at each end the rest of a row (a 4-bit block of a safetensors row at most), or of
+            // a head: `slack` adds two of those a weight.
+            let mut slack = 0;
+            for (name, linear) in deferred.linears() {
+                let router = name.ends_with(".gate");
+                let FrozenWeight::Deferred(weight) = &linear.base.weight else {
+                    assert!(router, "{spec}: `{name}` is read at load");
+                    continue;
+                };
+                assert!(!router, "{spec}: `{name}`");
+                let (rows, cols) = weight.dims2();
+                let rows_read =
+                    match permuted && name.contains("self_attn.") && !name.ends_with("o_proj") {
+                        true if !name.contains("v_proj") => deferred.config().head_dim,
+                        _ => 1,
+                    };
+                slack += 2 * weight.bytes_in_file(0..rows * cols).unwrap() * rows_read / rows;
+            }
+            for world in [2, 3] {
+                let results = on_ranks(&deferred, world, false, |model, sharding| {
+                    (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
+                });
+                let stored = results[0].1 .1;
+                for (rank, (got, (read, whole))) in results.iter().enumerate() {
+                    assert!(
+                        got == &expected,
+                        "{spec} {quantization:?}, rank {rank} of {world}: the model differs"
+                    );
+                    assert_eq!(*whole, stored);
+                    let bound = stored / world as u64 + slack as u64;
+                    assert!(
+                        *read > 0 && *read <= bound,
+                        "{spec} {quantization:?}, rank {rank} of {world}: read {read} of {stored} bytes (bound \
+                         {bound})"
+                    );
+                }
+                // The parts cover the weights: once each, but for a GGUF row or head that two ranks read.
+                let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
+                match is_gguf {
+                    true => assert!(total >= stored, "{spec}: read {total} of {stored} bytes"),
+                    false => assert_eq!(total, stored, "{spec}: the parts make the whole, once"),
+                }
+            }
+        }
+    }
+}
