@@ -421,8 +421,9 @@ impl Weights {
         let st = file.tensors()?;
         let frame = read_bnb_frame(&st, name, file.path())?;
         let (packed, scales) = frame.read_blocks(&st, blocks)?;
+        let bytes = packed.len();
         Ok(StoredBlocks {
-            packed,
+            packed: Tensor::from_vec(packed, bytes, &Device::Cpu)?,
             scales,
             rebuild: Box::new(move |packed, scales| {
                 frame

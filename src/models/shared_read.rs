@@ -1,6 +1,7 @@
 //! Reading a sharded model's weights from their files in parts (FSDP's `cpu_ram_efficient_loading`): each of the
-//! job's N ranks reads about 1/N of a weight's bytes — a run of whole 4-bit blocks — and quantizes them, and one
-//! all-gather gives every rank the whole weight, which its layer then shards as any other ([`super::FlatShards`]).
+//! job's N ranks reads about 1/N of a weight's bytes — a run of whole 4-bit blocks — and quantizes them (on its GPU,
+//! by the kernel with the CPU kernel's arithmetic: [`quantize_blocks_on`]), and one all-gather gives every rank the
+//! whole weight, which its layer then shards as any other ([`super::FlatShards`]).
 //!
 //! A 4-bit block's codes and absmax depend on its own elements alone, so the parts quantize to the bytes they have
 //! in the whole weight; the double quantization of the absmax (whose offset is the mean over the whole weight)
@@ -11,13 +12,13 @@
 
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::shard::Sharding;
 use crate::error::Result;
 use crate::ops::frozen_linear::{DeferredWeight, StoredBlocks};
 use crate::ops::FrozenWeight;
-use crate::quant::Nf4Tensor;
+use crate::quant::{quantize_blocks_on, Nf4Tensor};
 
 /// `weight` (left in its file) whole on `device`, each rank of `sharding` having read its part of it; `None` when
 /// the ranks cannot share the reading (one rank alone, or no exchange attached yet): then the caller reads it
@@ -58,7 +59,7 @@ pub(crate) fn read_shared(
         Some(stored) => {
             let scale_size = stored.scales.dtype().size_in_bytes();
             sharding.note_read(
-                stored.packed.len() + blocks.len() * scale_size,
+                stored.packed.elem_count() + blocks.len() * scale_size,
                 n.div_ceil(2) + all_blocks * scale_size,
             );
             stored
@@ -76,14 +77,17 @@ pub(crate) fn read_shared(
                 let whole = gather(values, blocks_per_rank, n)?.reshape((rows, cols))?;
                 return Ok(Some(FrozenWeight::Dense(whole)));
             };
+            // On the rank's GPU when it has one.
             let (packed, absmax) = match part.is_empty() {
-                true => (Vec::new(), Vec::new()),
-                false => Nf4Tensor::quantize_blocks(&values, &config, what)?,
+                true => (
+                    Tensor::zeros(0, DType::U8, device)?,
+                    Tensor::zeros(0, DType::F32, device)?,
+                ),
+                false => quantize_blocks_on(&values, device, &config, what)?,
             };
-            let absmax_len = absmax.len();
             StoredBlocks {
                 packed,
-                scales: Tensor::from_vec(absmax, absmax_len, &Device::Cpu)?,
+                scales: absmax,
                 rebuild: Box::new(move |packed, absmax| {
                     let absmax = absmax.to_vec1::<f32>()?;
                     Nf4Tensor::from_codes_and_absmax(packed, absmax, &[rows, cols], dtype, &config)
@@ -92,9 +96,7 @@ pub(crate) fn read_shared(
             }
         }
     };
-    let packed_len = stored.packed.len();
-    let packed = Tensor::from_vec(stored.packed, packed_len, &Device::Cpu)?;
-    let packed = gather(packed, blocks_per_rank * block / 2, n.div_ceil(2))?;
+    let packed = gather(stored.packed, blocks_per_rank * block / 2, n.div_ceil(2))?;
     let scales = gather(stored.scales, blocks_per_rank, all_blocks)?;
     let q = (stored.rebuild)(
         packed.to_device(&Device::Cpu)?.to_vec1::<u8>()?,

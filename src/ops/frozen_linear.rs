@@ -114,8 +114,8 @@ pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
 
 /// A run of 4-bit blocks of a weight stored in 4 bits, as stored ([`DeferredWeight::read_4bit_blocks`]).
 pub struct StoredBlocks {
-    /// Their packed codes, two a byte.
-    pub packed: Vec<u8>,
+    /// Their packed codes, two a byte (u8, 1-D, on any device).
+    pub packed: Tensor,
     /// Their scales as stored, 1-D on the host: 8-bit codes (double quantization) or float32 absmax.
     pub scales: Tensor,
     /// The whole weight from every block's packed codes and scales, each joined in order.

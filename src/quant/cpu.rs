@@ -19,13 +19,13 @@ const CPU_MIN_ABSMAX: f32 = 1e-38;
 /// Chooses 4-bit codes for whole blocks of scaled values as "code = remap[number of thresholds below x]", which
 /// the compiler vectorizes across elements. This is the same function as bitsandbytes' comparison trees (a binary
 /// search over the same sorted thresholds with strict `>`; NaN counts 0) and as its CPU backend's `bucketize`.
-struct CodeSelector {
+pub(crate) struct CodeSelector {
     /// Sorted thresholds (15, or 7 for the CUDA FP4 magnitude).
-    thresholds: Vec<f32>,
+    pub(crate) thresholds: Vec<f32>,
     /// Code of each bucket.
-    remap: [u8; 16],
+    pub(crate) remap: [u8; 16],
     /// CUDA FP4: the sign bit comes from `x < 0` and the buckets are counted on `|x|`.
-    sign_magnitude: bool,
+    pub(crate) sign_magnitude: bool,
 }
 
 /// The CUDA `dQuantizeFP4` magnitude pivots in increasing order, and the 3-bit code of each bucket.
@@ -35,7 +35,8 @@ const FP4_CUDA_PIVOTS: [f32; 7] = [
 const FP4_CUDA_MAGNITUDE_CODES: [u8; 8] = [0b000, 0b001, 0b110, 0b111, 0b100, 0b101, 0b010, 0b011];
 
 impl CodeSelector {
-    fn new(quant_type: QuantType, kernels: BnbKernels) -> Self {
+    /// The selection of `quant_type`'s codes with `kernels`' thresholds.
+    pub(crate) fn new(quant_type: QuantType, kernels: BnbKernels) -> Self {
         let identity: [u8; 16] = std::array::from_fn(|i| i as u8);
         // bitsandbytes' CPU backend: midpoints of the sorted codes in float32 arithmetic (one NF4 midpoint is an
         // ulp away from the CUDA literal), codes by torch's argsort order.

@@ -9,6 +9,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::config::QuantConfig;
+#[cfg(feature = "cuda")]
+use super::cpu::CodeSelector;
 use super::cpu::NestedAbsmax;
 use super::tensor::{BlockScales, Nf4Tensor};
 use crate::error::Result;
@@ -108,6 +110,91 @@ macro_rules! launch_4bit {
             }
         }
     }};
+}
+
+/// [`Nf4Tensor::quantize_blocks`] of `values` (1-D float32, bfloat16 or float16, not empty) on `device`: the packed
+/// codes (u8) and the float32 absmax of each block, as 1-D tensors there. On a CUDA device one kernel
+/// (`kernels/dequant.cu`) quantizes them with the CPU kernel's arithmetic, so they are its bytes; elsewhere the CPU
+/// kernel does. `name` names the tensor in errors.
+pub fn quantize_blocks_on(
+    values: &Tensor,
+    device: &Device,
+    config: &QuantConfig,
+    name: &str,
+) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda()
+        && values.elem_count() > 0
+        && matches!(values.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    {
+        config.validate()?;
+        let values = values.to_device(device)?.contiguous()?;
+        return quantize_blocks_cuda(&values, config, name);
+    }
+    let (packed, absmax) = Nf4Tensor::quantize_blocks(values, config, name)?;
+    let (bytes, blocks) = (packed.len(), absmax.len());
+    Ok((
+        Tensor::from_vec(packed, bytes, device)?,
+        Tensor::from_vec(absmax, blocks, device)?,
+    ))
+}
+
+/// [`quantize_blocks_on`] by the kernel, `values` on a CUDA device.
+#[cfg(feature = "cuda")]
+fn quantize_blocks_cuda(
+    values: &Tensor,
+    config: &QuantConfig,
+    name: &str,
+) -> Result<(Tensor, Tensor)> {
+    use super::config::BnbKernels;
+    use crate::cuda::{
+        alloc, device_of, grid, hold, kernel, run, suffix, tensor, with_float_type, DEQUANT,
+    };
+    use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+
+    let device = device_of(values)?;
+    let n = values.elem_count();
+    let blocks = n.div_ceil(config.blocksize);
+    let selector = CodeSelector::new(config.quant_type, config.kernels);
+    let thresholds = device.clone_htod(&selector.thresholds[..])?;
+    let remap = device.clone_htod(&selector.remap[..])?;
+    let mut first_bad = device.clone_htod(&[i64::MAX][..])?;
+    let mut packed = alloc::<u8>(&device, n.div_ceil(2))?;
+    let mut absmax = alloc::<f32>(&device, blocks)?;
+    let n_thresholds = selector.thresholds.len() as i32;
+    let sign_magnitude = i32::from(selector.sign_magnitude);
+    let cpu_scaling = i32::from(config.kernels == BnbKernels::Cpu);
+    let (blocksize, count) = (config.blocksize as u64, n as u64);
+    let held = hold(values)?;
+    let func = kernel(
+        &device,
+        &DEQUANT,
+        &format!("quant_4bit{}", suffix(values.dtype())?),
+    )?;
+    let mut launch = || -> candle_core::Result<()> {
+        with_float_type!(values.dtype(), T => {
+            let x = held.view::<T>()?;
+            let mut args = func.builder();
+            args.arg(&x).arg(&thresholds).arg(&remap).arg(&n_thresholds);
+            args.arg(&sign_magnitude).arg(&cpu_scaling).arg(&blocksize).arg(&count);
+            args.arg(&mut packed).arg(&mut absmax).arg(&mut first_bad);
+            run(&mut args, grid(blocks as u64))
+        })
+    };
+    launch()?;
+    let first_bad = device.clone_dtoh(&first_bad)?[0];
+    if first_bad != i64::MAX {
+        let at = first_bad as usize;
+        let value = values
+            .narrow(0, at, 1)?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?[0];
+        return Err(super::tensor::non_finite(name, at, value));
+    }
+    Ok((
+        tensor(packed, &device, n.div_ceil(2)),
+        tensor(absmax, &device, blocks),
+    ))
 }
 
 impl DeviceNf4 {

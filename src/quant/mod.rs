@@ -22,6 +22,6 @@ mod tensor;
 
 pub use config::{BnbKernels, QuantConfig, QuantType, ALLOWED_BLOCKSIZES, NESTED_BLOCKSIZE};
 pub use cpu::NestedAbsmax;
-pub use device::DeviceNf4;
+pub use device::{quantize_blocks_on, DeviceNf4};
 pub(crate) use tensor::check_nested_blocksize;
 pub use tensor::{BlockScales, Nf4Tensor};

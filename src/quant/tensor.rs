@@ -167,15 +167,14 @@ impl Nf4Tensor {
         config: &QuantConfig,
         name: &str,
     ) -> Result<(Vec<u8>, Vec<f32>)> {
-        cpu::quantize_4bit(values, to_f32, config.blocksize, config.quant_type, config.kernels).map_err(|i| {
-            Error::Quantize {
-                name: name.into(),
-                reason: format!(
-                    "element {i} is {}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)",
-                    to_f32(values[i])
-                ),
-            }
-        })
+        cpu::quantize_4bit(
+            values,
+            to_f32,
+            config.blocksize,
+            config.quant_type,
+            config.kernels,
+        )
+        .map_err(|i| non_finite(name, i, to_f32(values[i])))
     }
 
     /// The tensor of `shape` and original dtype `dtype` whose packed codes and float32 block absmax
@@ -419,6 +418,16 @@ pub(crate) fn check_nested_blocksize(blocksize: usize) -> std::result::Result<()
         Ok(())
     } else {
         Err(format!("nested_blocksize {blocksize} is not supported: bitsandbytes always uses {NESTED_BLOCKSIZE}"))
+    }
+}
+
+/// The error for tensor `name`, whose element `index` is `value`, NaN or infinite.
+pub(crate) fn non_finite(name: &str, index: usize, value: f32) -> Error {
+    Error::Quantize {
+        name: name.into(),
+        reason: format!(
+            "element {index} is {value}; 4-bit blocks cannot represent NaN or infinity (fix or clip the weights first)"
+        ),
     }
 }
 

@@ -131,6 +131,83 @@ fn four_bit_weights_dequantize_on_the_gpu_bit_for_bit() {
     }
 }
 
+/// The quantization kernel (what a rank of a sharded load quantizes its part of a weight with) gives the CPU
+/// kernel's codes and absmax bit for bit: NF4 and FP4 with bitsandbytes' CUDA and CPU arithmetic, blocksizes 64
+/// and 128, float32 / bfloat16 / float16 values, counts that end in a partial block and a half byte, an all-zero
+/// block (its scaling divides by 0), values at the thresholds; a NaN or an infinity is refused naming its element.
+#[test]
+fn four_bit_blocks_quantize_on_the_gpu_bit_for_bit() {
+    use candle_qlora::quant::{quantize_blocks_on, BnbKernels, QuantType};
+    let dev = gpu();
+    let mut values = Tensor::randn(0f32, 1.0, 1000, &Device::Cpu)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    values[128..192].fill(0.0);
+    // A block of values on NF4's thresholds (its absmax 1: scaling leaves them there), either sign.
+    let pivots = candle_qlora::quant::nf4::NF4_PIVOTS;
+    for (i, v) in values[192..256].iter_mut().enumerate() {
+        *v = pivots[i % 15] * if i % 2 == 0 { 1.0 } else { -1.0 };
+    }
+    values[255] = 1.0;
+    let values = Tensor::new(values, &Device::Cpu).unwrap();
+    for quant_type in [QuantType::Nf4, QuantType::Fp4] {
+        for kernels in [BnbKernels::Cuda, BnbKernels::Cpu] {
+            for blocksize in [64, 128] {
+                let config = QuantConfig {
+                    quant_type,
+                    kernels,
+                    blocksize,
+                    ..QuantConfig::nf4()
+                };
+                for dtype in gpu_dtypes() {
+                    for n in [1, 63, 64, 129, 333, 1000] {
+                        let part = values.narrow(0, 0, n).unwrap().to_dtype(dtype).unwrap();
+                        let (packed, absmax) =
+                            quantize_blocks_on(&part, &dev, &config, "w").unwrap();
+                        assert!(packed.device().is_cuda() && absmax.device().is_cuda());
+                        let (want_packed, want_absmax) =
+                            Nf4Tensor::quantize_blocks(&part, &config, "w").unwrap();
+                        let what = format!("{quant_type:?} {kernels:?} {blocksize} {dtype:?} {n}");
+                        assert_eq!(
+                            packed
+                                .to_device(&Device::Cpu)
+                                .unwrap()
+                                .to_vec1::<u8>()
+                                .unwrap(),
+                            want_packed,
+                            "{what}: codes"
+                        );
+                        let absmax = absmax
+                            .to_device(&Device::Cpu)
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap();
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&absmax), bits(&want_absmax), "{what}: absmax");
+                    }
+                }
+            }
+        }
+    }
+    let mut bad = vec![0.5f32; 300];
+    bad[250] = f32::INFINITY;
+    bad[70] = f32::NAN;
+    let bad = Tensor::new(bad, &Device::Cpu).unwrap();
+    let err = quantize_blocks_on(
+        &bad,
+        &dev,
+        &QuantConfig::nf4(),
+        "model.layers.0.mlp.up_proj.weight",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`model.layers.0.mlp.up_proj.weight`") && err.contains("element 70 is NaN"),
+        "{err}"
+    );
+}
+
 /// Dropout masks made on the GPU equal the CPU's bit for bit, so a checkpointed layer or a resumed run replays
 /// the same masks on either device.
 #[test]
