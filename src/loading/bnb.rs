@@ -356,6 +356,41 @@ impl BnbFrame {
         Ok((packed, scales))
     }
 
+    /// The float32 values of blocks `blocks` of the weight (1-D, the last block short at the weight's end), as
+    /// [`Nf4Tensor::dequantize`] gives them: each block's scale first (with double quantization `map[c] · absmax₂ +
+    /// offset`, rounded after each step), then `code[nibble] · scale`. Only those blocks are read from `st`.
+    pub fn dequantize_blocks(
+        &self,
+        st: &SafeTensors<'_>,
+        blocks: std::ops::Range<usize>,
+    ) -> Result<Tensor> {
+        let (packed, scales) = self.read_blocks(st, blocks.clone())?;
+        let scales = match &self.nested {
+            Some((absmax, map, offset, nested)) => {
+                let codes = scales.to_vec1::<u8>()?;
+                let scale = |(i, c): (usize, &u8)| {
+                    let scaled = map[*c as usize] * absmax[(blocks.start + i) / nested];
+                    scaled + offset
+                };
+                codes.iter().enumerate().map(scale).collect()
+            }
+            None => scales.to_vec1::<f32>()?,
+        };
+        let n: usize = self.shape.iter().product();
+        let elements = (blocks.end * self.blocksize).min(n) - blocks.start * self.blocksize;
+        let part = Nf4Tensor::from_parts(
+            packed,
+            BlockScales::Plain(scales),
+            self.code,
+            vec![elements],
+            self.dtype,
+            self.quant_type,
+            self.blocksize,
+        )
+        .map_err(|e| self.bad(e.to_string()))?;
+        part.dequantize(DType::F32)
+    }
+
     /// The weight of this frame with `packed` and `scales`, every block's ([`BnbFrame::read_blocks`]'s, joined in
     /// order), checked to fit.
     pub fn with_blocks(&self, packed: Vec<u8>, scales: Tensor) -> Result<Nf4Tensor> {

@@ -56,14 +56,144 @@ struct WeightInFile {
     /// The name the model gives it.
     name: String,
     shape: [usize; 2],
-    /// Its elements taken flat, in order, as runs of stored tensors' elements (each tensor taken flat): one whole
-    /// tensor, an expert of a stacked one, or an expert's gate projection then its up projection. Unused for a
-    /// weight stored in 4 bits, which is `name` whole.
-    pieces: Vec<(String, Range<usize>)>,
+    /// Its elements taken flat, in order: one whole tensor, an expert of a stacked one, or an expert's gate
+    /// projection then its up projection. Unused for a weight stored in 4 bits ([`WeightInFile::stored_4bit`]).
+    pieces: Vec<Piece>,
     /// The 4-bit format it is quantized to when read (a bitsandbytes 4-bit weight's own).
     quant: Option<QuantConfig>,
-    /// Stored as bitsandbytes 4-bit (read as stored).
-    stored_4bit: bool,
+    /// The bitsandbytes 4-bit tensor it is, read as stored.
+    stored_4bit: Option<String>,
+}
+
+/// Where a run of a [`WeightInFile`]'s elements (taken flat) lies in its file.
+enum Piece {
+    /// Elements `range` of plain tensor `tensor`, taken flat, as stored.
+    Elements { tensor: String, range: Range<usize> },
+    /// Expert `expert`'s `[rows, cols]` weight of a stack stored `[experts, cols, rows]` (transformers' gpt-oss
+    /// experts): the transpose of the expert's matrix, in float32 (as the model loaded whole holds it).
+    Transposed {
+        tensor: String,
+        expert: usize,
+        rows: usize,
+        cols: usize,
+    },
+    /// Elements `range` of bitsandbytes 4-bit tensor `tensor`, taken flat, dequantized to float32 (as the model
+    /// loaded whole reads a 4-bit tensor it quantizes again: Mixtral's gate and up projections, joined).
+    Dequantized { tensor: String, range: Range<usize> },
+    /// Expert `expert`'s `[rows, cols]` weight in MXFP4 (gpt-oss's checkpoints): its rows of `blocks`
+    /// (`[experts, rows, groups, 16]` bytes) and `scales` (`[experts, rows, groups]`), decoded to float32.
+    Mxfp4 {
+        blocks: String,
+        scales: String,
+        expert: usize,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+impl Piece {
+    /// Elements `range` of plain tensor `tensor`.
+    fn elements(tensor: &str, range: Range<usize>) -> Self {
+        Piece::Elements {
+            tensor: tensor.to_string(),
+            range,
+        }
+    }
+
+    /// Its elements.
+    fn len(&self) -> usize {
+        match self {
+            Piece::Elements { range, .. } | Piece::Dequantized { range, .. } => range.len(),
+            Piece::Transposed { rows, cols, .. } | Piece::Mxfp4 { rows, cols, .. } => rows * cols,
+        }
+    }
+
+    /// Its rows holding elements `range` (of a piece read in rows), and their elements' offset.
+    fn rows_of(range: &Range<usize>, cols: usize) -> (Range<usize>, usize) {
+        let rows = range.start / cols..range.end.div_ceil(cols);
+        let first = rows.start * cols;
+        (rows, first)
+    }
+
+    /// Its elements `range` (1-D, on the host): as stored, or in float32 for a piece read in rows.
+    fn read(&self, weights: &Weights, range: Range<usize>) -> Result<Tensor> {
+        let (first, values) = match self {
+            Piece::Elements { tensor, range: at } => {
+                return weights.elements(tensor, at.start + range.start..at.start + range.end)
+            }
+            Piece::Dequantized { tensor, range: at } => {
+                return weights.bnb_values(tensor, at.start + range.start..at.start + range.end)
+            }
+            Piece::Transposed {
+                tensor,
+                expert,
+                rows,
+                cols,
+            } => {
+                // Row r of the weight is column r of the expert's stored matrix: a run of each stored row.
+                let (want, first) = Piece::rows_of(&range, *cols);
+                let stored_row = |c: usize| {
+                    let at = (expert * cols + c) * rows;
+                    at + want.start..at + want.end
+                };
+                let runs: Vec<Range<usize>> = (0..*cols).map(stored_row).collect();
+                let columns = weights.element_runs(tensor, &runs)?;
+                let values = columns
+                    .reshape((*cols, want.len()))?
+                    .t()?
+                    .contiguous()?
+                    .to_dtype(DType::F32)?;
+                (first, values)
+            }
+            Piece::Mxfp4 {
+                blocks,
+                scales,
+                expert,
+                rows,
+                cols,
+            } => {
+                let (want, first) = Piece::rows_of(&range, *cols);
+                let groups = cols / MXFP4_BLOCK;
+                let at = expert * rows + want.start;
+                let codes =
+                    weights.elements(blocks, at * groups * 16..(at + want.len()) * groups * 16)?;
+                let exponents =
+                    weights.elements(scales, at * groups..(at + want.len()) * groups)?;
+                let values = dequantize_mxfp4(
+                    &codes.reshape((want.len(), groups, MXFP4_BLOCK / 2))?,
+                    &exponents.reshape((want.len(), groups))?,
+                )
+                .map_err(|err| {
+                    Error::Model(format!("`{blocks}` in {}: {err}", weights.where_()))
+                })?;
+                (first, values)
+            }
+        };
+        Ok(values
+            .flatten_all()?
+            .narrow(0, range.start - first, range.len())?)
+    }
+
+    /// The bytes of its file [`Piece::read`] reads for its elements `range`.
+    fn bytes_in_file(&self, weights: &Weights, range: Range<usize>) -> Result<usize> {
+        Ok(match self {
+            Piece::Elements { tensor, range: at } => {
+                weights.bytes_in_file(tensor, at.start + range.start..at.start + range.end)?
+            }
+            Piece::Dequantized { tensor, range: at } => {
+                weights.bnb_bytes(tensor, at.start + range.start..at.start + range.end)?
+            }
+            Piece::Transposed { tensor, cols, .. } => {
+                let rows = Piece::rows_of(&range, *cols).0.len();
+                weights.bytes_in_file(tensor, 0..rows * cols)?
+            }
+            Piece::Mxfp4 { cols, .. } => {
+                let rows = Piece::rows_of(&range, *cols).0.len();
+                let groups = cols / MXFP4_BLOCK;
+                rows * groups * (MXFP4_BLOCK / 2 + 1)
+            }
+        })
+    }
 }
 
 impl WeightInFile {
@@ -72,7 +202,7 @@ impl WeightInFile {
         weights: &Arc<Weights>,
         name: String,
         shape: [usize; 2],
-        pieces: Vec<(String, Range<usize>)>,
+        pieces: Vec<Piece>,
         quant: Option<&QuantConfig>,
     ) -> Self {
         WeightInFile {
@@ -81,40 +211,52 @@ impl WeightInFile {
             shape,
             pieces,
             quant: quant.copied(),
-            stored_4bit: false,
+            stored_4bit: None,
         }
     }
 
-    /// The runs of `pieces` that elements `range` of the weight are, each as a stored tensor and its elements.
-    fn runs(&self, range: &Range<usize>) -> Vec<(&str, Range<usize>)> {
+    /// Weight `name` as bitsandbytes 4-bit tensor `tensor` stores it, in its format `config`.
+    fn stored_4bit(
+        weights: &Arc<Weights>,
+        name: String,
+        tensor: &str,
+        shape: [usize; 2],
+        config: QuantConfig,
+    ) -> Self {
+        WeightInFile {
+            weights: Arc::clone(weights),
+            name,
+            shape,
+            pieces: Vec::new(),
+            quant: Some(config),
+            stored_4bit: Some(tensor.to_string()),
+        }
+    }
+
+    /// The pieces that elements `range` of the weight lie in, each with its elements of them.
+    fn runs(&self, range: &Range<usize>) -> Vec<(&Piece, Range<usize>)> {
         let mut at = 0;
         let mut runs = Vec::new();
-        for (tensor, stored) in &self.pieces {
-            let (from, to) = (range.start.max(at), range.end.min(at + stored.len()));
+        for piece in &self.pieces {
+            let (from, to) = (range.start.max(at), range.end.min(at + piece.len()));
             if from < to {
-                runs.push((
-                    tensor.as_str(),
-                    stored.start + from - at..stored.start + to - at,
-                ));
+                runs.push((piece, from - at..to - at));
             }
-            at += stored.len();
+            at += piece.len();
         }
         runs
     }
 
-    /// Elements `range` of the plain weight, as stored (1-D, on the host).
+    /// Elements `range` of the plain weight (1-D, on the host).
     fn elements(&self, range: Range<usize>) -> Result<Tensor> {
         let mut parts = self
             .runs(&range)
             .into_iter()
-            .map(|(tensor, elements)| self.weights.elements(tensor, elements))
+            .map(|(piece, elements)| piece.read(&self.weights, elements))
             .collect::<Result<Vec<_>>>()?;
         Ok(match parts.len() {
-            // None: the first tensor's, for its type.
-            0 => {
-                let (tensor, stored) = &self.pieces[0];
-                self.weights.elements(tensor, stored.start..stored.start)?
-            }
+            // None: the first piece's, for its type.
+            0 => self.pieces[0].read(&self.weights, 0..0)?,
             1 => parts.remove(0),
             _ => Tensor::cat(&parts, 0)?,
         })
@@ -140,12 +282,12 @@ impl DeferredWeight for WeightInFile {
 
     fn read(&self) -> candle_core::Result<FrozenWeight> {
         let read = || -> Result<FrozenWeight> {
-            match self.stored_4bit {
-                true => {
+            match &self.stored_4bit {
+                Some(tensor) => {
                     self.weights
-                        .stored_or_quantized(&self.name, self.shape, self.quant.as_ref())
+                        .stored_or_quantized(tensor, self.shape, self.quant.as_ref())
                 }
-                false => {
+                None => {
                     let values = self.elements(0..self.shape[0] * self.shape[1])?;
                     frozen_weight(
                         values.reshape(self.dims2())?,
@@ -163,20 +305,20 @@ impl DeferredWeight for WeightInFile {
     }
 
     fn read_4bit_blocks(&self, blocks: Range<usize>) -> candle_core::Result<Option<StoredBlocks>> {
-        match self.stored_4bit {
-            true => self
+        match &self.stored_4bit {
+            Some(tensor) => self
                 .weights
-                .bnb_blocks(&self.name, blocks)
+                .bnb_blocks(tensor, blocks)
                 .map(Some)
                 .map_err(candle_core::Error::wrap),
-            false => Ok(None),
+            None => Ok(None),
         }
     }
 
     fn read_elements(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
         match self.stored_4bit {
-            true => Ok(None),
-            false => self
+            Some(_) => Ok(None),
+            None => self
                 .elements(range)
                 .map(Some)
                 .map_err(candle_core::Error::wrap),
@@ -187,7 +329,7 @@ impl DeferredWeight for WeightInFile {
         let bytes = self
             .runs(&range)
             .into_iter()
-            .map(|(tensor, elements)| self.weights.bytes_in_file(tensor, elements))
+            .map(|(piece, elements)| piece.bytes_in_file(&self.weights, elements))
             .sum::<Result<usize>>();
         bytes.map_err(candle_core::Error::wrap)
     }
@@ -334,6 +476,14 @@ impl Weights {
         }
     }
 
+    /// [`Weights::left_in_file`] of a tensor that is stored plain: missing, the error of reading it.
+    fn plain_in_file(&self, name: &str, shape: &[usize]) -> Result<String> {
+        match self.left_in_file(name, shape)? {
+            Some(name) => Ok(name),
+            None => self.dense(name, shape).map(|_| name.to_string()),
+        }
+    }
+
     /// Tensor `name` stored as plain elements of `shape`, recorded as read; `None` when it is missing or stored in
     /// 4 bits.
     fn left_in_file(&self, name: &str, shape: &[usize]) -> Result<Option<String>> {
@@ -364,28 +514,57 @@ impl Weights {
     /// Elements `range` of plain tensor `name` taken flat, as stored (1-D, on the host; a GGUF tensor dequantized
     /// to float32): only the bytes of the file they lie in are read, and given back to the operating system after.
     fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
-        if let Weights::Gguf(g) = self {
-            let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
-            let part = g.0.elements(name, range.clone(), heads, kv_heads)?;
-            check_finite_from(&part, range.start, name, &self.where_())?;
-            return Ok(part);
+        self.element_runs(name, std::slice::from_ref(&range))
+    }
+
+    /// [`Weights::elements`] of several runs of tensor `name`, joined in order.
+    fn element_runs(&self, name: &str, runs: &[Range<usize>]) -> Result<Tensor> {
+        let part = match self {
+            Weights::Gguf(g) => {
+                let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
+                let parts = runs
+                    .iter()
+                    .map(|run| g.0.elements(name, run.clone(), heads, kv_heads))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)?
+            }
+            Weights::Safetensors(_) => self.with_view(name, |file, view, dtype| {
+                let size = dtype.size_in_bytes();
+                let mut joined = Vec::with_capacity(runs.iter().map(|r| r.len() * size).sum());
+                for run in runs {
+                    let bytes = view
+                        .data()
+                        .get(run.start * size..run.end * size)
+                        .ok_or_else(|| {
+                            Error::invalid_file(
+                                file.path(),
+                                format!("`{name}` holds no elements {run:?}"),
+                            )
+                        })?;
+                    joined.extend_from_slice(bytes);
+                    file.release(bytes);
+                }
+                let count = joined.len() / size;
+                Ok(Tensor::from_raw_buffer(
+                    &joined,
+                    dtype,
+                    &[count],
+                    &Device::Cpu,
+                )?)
+            })?,
+        };
+        // A non-finite value is named by its element of the tensor.
+        if let Some((mut at, value)) = first_non_finite(&part)? {
+            let run = runs.iter().find(|run| {
+                let inside = at < run.len();
+                if !inside {
+                    at -= run.len();
+                }
+                inside
+            });
+            let element = run.map_or(at, |run| run.start + at);
+            return Err(non_finite_weight(name, element, value, &self.where_()));
         }
-        let part = self.with_view(name, |file, view, dtype| {
-            let size = dtype.size_in_bytes();
-            let bytes = view
-                .data()
-                .get(range.start * size..range.end * size)
-                .ok_or_else(|| {
-                    Error::invalid_file(
-                        file.path(),
-                        format!("`{name}` holds no elements {range:?}"),
-                    )
-                })?;
-            let part = Tensor::from_raw_buffer(bytes, dtype, &[range.len()], &Device::Cpu)?;
-            file.release(bytes);
-            Ok(part)
-        })?;
-        check_finite_from(&part, range.start, name, &self.where_())?;
         Ok(part)
     }
 
@@ -431,6 +610,35 @@ impl Weights {
                     .map_err(candle_core::Error::wrap)
             }),
         })
+    }
+
+    /// Elements `range` of bitsandbytes 4-bit tensor `name` taken flat, dequantized to float32 (1-D, on the host):
+    /// only the blocks they lie in are read, besides the weight's small state.
+    fn bnb_values(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        if range.is_empty() {
+            return Ok(Tensor::zeros(0, DType::F32, &Device::Cpu)?);
+        }
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let frame = read_bnb_frame(&st, name, file.path())?;
+        let block = frame.config().blocksize;
+        let blocks = range.start / block..range.end.div_ceil(block);
+        let values = frame.dequantize_blocks(&st, blocks.clone())?;
+        Ok(values.narrow(0, range.start - blocks.start * block, range.len())?)
+    }
+
+    /// The bytes of the file [`Weights::bnb_values`] reads for elements `range` of bitsandbytes 4-bit tensor
+    /// `name`: its blocks' codes and scales.
+    fn bnb_bytes(&self, name: &str, range: Range<usize>) -> Result<usize> {
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let config = read_bnb_frame(&st, name, file.path())?.config();
+        let blocks = match range.is_empty() {
+            true => 0,
+            false => range.end.div_ceil(config.blocksize) - range.start / config.blocksize,
+        };
+        let scale = if config.double_quant { 1 } else { 4 };
+        Ok(blocks * (config.blocksize / 2 + scale))
     }
 
     /// A bitsandbytes 4-bit weight, if stored that way.
@@ -537,18 +745,13 @@ impl Weights {
         let elements = shape[0] * shape[1];
         let weight = match weights.left_in_file(&name, &shape)? {
             Some(_) => {
-                let pieces = vec![(name.clone(), 0..elements)];
+                let pieces = vec![Piece::elements(&name, 0..elements)];
                 WeightInFile::plain(weights, name, shape, pieces, quant)
             }
             None => match weights.bnb_state(&name, shape)? {
-                Some(config) => WeightInFile {
-                    weights: Arc::clone(weights),
-                    pieces: vec![(name.clone(), 0..elements)],
-                    name,
-                    shape,
-                    quant: Some(config),
-                    stored_4bit: true,
-                },
+                Some(config) => {
+                    WeightInFile::stored_4bit(weights, name.clone(), &name, shape, config)
+                }
                 // Missing: the error of reading it.
                 None => return weights.linear(prefix, shape, bias, quant),
             },
@@ -707,8 +910,9 @@ fn router(weights: &Weights, p: &str, experts: usize, hidden: usize) -> Result<L
 }
 
 /// [`sparse_linears`] with the experts left in their files ([`WeightInFile`]): each projection of an expert a run
-/// of a stacked tensor's elements, or its gate projection then its up projection. `None` when they are stored in
-/// 4 bits (read at load).
+/// of a stacked tensor's elements, or its gate projection then its up projection (bitsandbytes 4-bit ones
+/// dequantized as read, then quantized again as one, as [`sparse_linears`] does; a 4-bit down projection read as
+/// stored). `None` when a stacked layout is not stored plain (then read at load).
 fn experts_in_file(
     weights: &Arc<Weights>,
     p: &str,
@@ -719,6 +923,7 @@ fn experts_in_file(
     let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
     let block = sparse_block(weights, p);
     let (gate_up_size, down_size) = (2 * width * hidden, hidden * width);
+    let (gate_up_shape, down_shape) = ([2 * width, hidden], [hidden, width]);
     let stacked = format!("{p}.{block}.experts.gate_up_proj");
     let stacked = match weights.has(&stacked) {
         true => {
@@ -734,44 +939,90 @@ fn experts_in_file(
         }
         false => None,
     };
-    let mut pieces = Vec::with_capacity(experts);
+    let mut made = Vec::with_capacity(experts);
     for e in 0..experts {
-        pieces.push(match &stacked {
+        let ours = |projection: &str| format!("{p}.mlp.experts.{e}.{projection}.weight");
+        let plain = |projection: &str, shape: [usize; 2], pieces: Vec<Piece>| {
+            WeightInFile::plain(weights, ours(projection), shape, pieces, quant)
+        };
+        made.push(match &stacked {
             Some((gate_up, down)) => (
-                vec![(gate_up.clone(), e * gate_up_size..(e + 1) * gate_up_size)],
-                vec![(down.clone(), e * down_size..(e + 1) * down_size)],
+                plain(
+                    "gate_up_proj",
+                    gate_up_shape,
+                    vec![Piece::elements(
+                        gate_up,
+                        e * gate_up_size..(e + 1) * gate_up_size,
+                    )],
+                ),
+                plain(
+                    "down_proj",
+                    down_shape,
+                    vec![Piece::elements(down, e * down_size..(e + 1) * down_size)],
+                ),
             ),
             None => {
-                let stored = |mixtral: &str, qwen: &str, shape: &[usize]| {
+                let stored = |mixtral: &str, qwen: &str| {
                     let names = [
                         format!("{p}.{block}.experts.{e}.{mixtral}.weight"),
                         format!("{p}.{block}.experts.{e}.{qwen}.weight"),
                     ];
-                    weights.left_in_file(weights.first_of(&names)?, shape)
+                    weights.first_of(&names).map(str::to_string)
                 };
-                let gate = stored("w1", "gate_proj", &[width, hidden])?;
-                let up = stored("w3", "up_proj", &[width, hidden])?;
-                let down = stored("w2", "down_proj", &[hidden, width])?;
-                let (Some(gate), Some(up), Some(down)) = (gate, up, down) else {
-                    return Ok(None);
+                // Gate then up: plain elements, or bitsandbytes 4-bit ones dequantized (whose settings the
+                // joined weight is quantized with, unless the load sets its own).
+                let mut stored_quant = None;
+                let mut gate_up = Vec::new();
+                for name in [stored("w1", "gate_proj")?, stored("w3", "up_proj")?] {
+                    let half = 0..gate_up_size / 2;
+                    gate_up.push(match weights.left_in_file(&name, &[width, hidden])? {
+                        Some(_) => Piece::elements(&name, half),
+                        None => match weights.bnb_state(&name, [width, hidden])? {
+                            Some(config) => {
+                                stored_quant = Some(config);
+                                Piece::Dequantized {
+                                    tensor: name,
+                                    range: half,
+                                }
+                            }
+                            None => return Ok(None),
+                        },
+                    });
+                }
+                let gate_up = WeightInFile::plain(
+                    weights,
+                    ours("gate_up_proj"),
+                    gate_up_shape,
+                    gate_up,
+                    quant.or(stored_quant.as_ref()),
+                );
+                let down = stored("w2", "down_proj")?;
+                let down = match weights.left_in_file(&down, &down_shape)? {
+                    Some(_) => plain(
+                        "down_proj",
+                        down_shape,
+                        vec![Piece::elements(&down, 0..down_size)],
+                    ),
+                    None => match weights.bnb_state(&down, down_shape)? {
+                        Some(config) => WeightInFile::stored_4bit(
+                            weights,
+                            ours("down_proj"),
+                            &down,
+                            down_shape,
+                            config,
+                        ),
+                        None => return Ok(None),
+                    },
                 };
-                (
-                    vec![(gate, 0..gate_up_size / 2), (up, 0..gate_up_size / 2)],
-                    vec![(down, 0..down_size)],
-                )
+                (gate_up, down)
             }
         });
     }
     let mut out = vec![router(weights, p, experts, hidden)?];
-    for (e, (gate_up, down)) in pieces.into_iter().enumerate() {
-        let ours = format!("{p}.mlp.experts.{e}");
-        let mut expert = |projection: &str, shape: [usize; 2], pieces| {
-            let name = format!("{ours}.{projection}.weight");
-            let weight = WeightInFile::plain(weights, name, shape, pieces, quant);
+    for (gate_up, down) in made {
+        for weight in [gate_up, down] {
             out.push(wrap(FrozenWeight::Deferred(Arc::new(weight))));
-        };
-        expert("gate_up_proj", [2 * width, hidden], gate_up);
-        expert("down_proj", [hidden, width], down);
+        }
     }
     Ok(Some(out))
 }
@@ -782,11 +1033,12 @@ fn experts_in_file(
 /// `*_scales`, stored `[experts, out, in]`), dequantized exactly. Each expert's projections become `[out, in]`
 /// weights (gate/up rows still interleaved) with their biases, quantized on their own; the router stays dense.
 fn gpt_oss_linears(
-    weights: &Weights,
+    weights: &Arc<Weights>,
     p: &str,
     moe: &MoeConfig,
     hidden: usize,
     quant: Option<&QuantConfig>,
+    in_file: bool,
 ) -> Result<Vec<LoraLinear>> {
     let (experts, width) = (moe.num_experts, moe.moe_intermediate_size);
     let linear = |w: FrozenWeight, b: Tensor| -> Result<LoraLinear> {
@@ -801,10 +1053,17 @@ fn gpt_oss_linears(
     let stacked = |projection: &str, out_dim: usize, in_dim: usize| -> Result<ExpertStack> {
         let name = format!("{p}.mlp.experts.{projection}");
         let blocks = format!("{name}_blocks");
+        let (rows, cols) = (out_dim, in_dim);
         if !weights.has(&blocks) {
-            return Ok(ExpertStack::Dense(
-                weights.dense(&name, &[experts, in_dim, out_dim])?,
-            ));
+            let shape = [experts, in_dim, out_dim];
+            return Ok(match in_file {
+                true => ExpertStack::TransposedInFile {
+                    tensor: weights.plain_in_file(&name, &shape)?,
+                    rows,
+                    cols,
+                },
+                false => ExpertStack::Dense(weights.dense(&name, &shape)?),
+            });
         }
         if in_dim % MXFP4_BLOCK != 0 {
             return Err(Error::Model(format!(
@@ -812,10 +1071,23 @@ fn gpt_oss_linears(
             )));
         }
         let groups = in_dim / MXFP4_BLOCK;
-        Ok(ExpertStack::Mxfp4 {
-            codes: weights.dense(&blocks, &[experts, out_dim, groups, MXFP4_BLOCK / 2])?,
-            scales: weights.dense(&format!("{name}_scales"), &[experts, out_dim, groups])?,
-            place: format!("`{blocks}` in {}", weights.where_()),
+        let (codes_shape, scales_shape) = (
+            [experts, out_dim, groups, MXFP4_BLOCK / 2],
+            [experts, out_dim, groups],
+        );
+        let scales = format!("{name}_scales");
+        Ok(match in_file {
+            true => ExpertStack::Mxfp4InFile {
+                blocks: weights.plain_in_file(&blocks, &codes_shape)?,
+                scales: weights.plain_in_file(&scales, &scales_shape)?,
+                rows,
+                cols,
+            },
+            false => ExpertStack::Mxfp4 {
+                codes: weights.dense(&blocks, &codes_shape)?,
+                scales: weights.dense(&scales, &scales_shape)?,
+                place: format!("`{blocks}` in {}", weights.where_()),
+            },
         })
     };
     let gate_up = stacked("gate_up_proj", 2 * width, hidden)?;
@@ -831,11 +1103,7 @@ fn gpt_oss_linears(
     for e in 0..experts {
         let ours = format!("{p}.mlp.experts.{e}");
         let weight = |stack: &ExpertStack, projection: &str| -> Result<FrozenWeight> {
-            frozen_weight(
-                stack.expert(e)?,
-                &format!("{ours}.{projection}.weight"),
-                quant,
-            )
+            stack.weight(weights, e, format!("{ours}.{projection}.weight"), quant)
         };
         out.push(linear(
             weight(&gate_up, "gate_up_proj")?,
@@ -847,7 +1115,8 @@ fn gpt_oss_linears(
 }
 
 /// One projection of every gpt-oss expert, as stored: MXFP4 codes and scales `[experts, out, …]`, or transformers'
-/// dense `[experts, in, out]`. Experts are decoded one at a time, so a layer's experts are never all in float32.
+/// dense `[experts, in, out]`; read, or left in the file (each expert's weight then read in parts, [`Piece`]).
+/// Experts are decoded one at a time, so a layer's experts are never all in float32.
 enum ExpertStack {
     Mxfp4 {
         codes: Tensor,
@@ -856,20 +1125,70 @@ enum ExpertStack {
         place: String,
     },
     Dense(Tensor),
+    Mxfp4InFile {
+        blocks: String,
+        scales: String,
+        rows: usize,
+        cols: usize,
+    },
+    TransposedInFile {
+        tensor: String,
+        rows: usize,
+        cols: usize,
+    },
 }
 
 impl ExpertStack {
-    /// Expert `e`'s `[out, in]` weight in float32.
-    fn expert(&self, e: usize) -> Result<Tensor> {
-        Ok(match self {
+    /// Expert `e`'s `[out, in]` weight as the model holds it (quantized with `quant`), named `name`: decoded to
+    /// float32 from a stack read, or left in the file.
+    fn weight(
+        &self,
+        weights: &Arc<Weights>,
+        e: usize,
+        name: String,
+        quant: Option<&QuantConfig>,
+    ) -> Result<FrozenWeight> {
+        let (piece, rows, cols) = match self {
             ExpertStack::Mxfp4 {
                 codes,
                 scales,
                 place,
-            } => dequantize_mxfp4(&codes.get(e)?, &scales.get(e)?)
-                .map_err(|err| Error::Model(format!("{place}: {err}")))?,
-            ExpertStack::Dense(t) => t.get(e)?.t()?.contiguous()?.to_dtype(DType::F32)?,
-        })
+            } => {
+                let dense = dequantize_mxfp4(&codes.get(e)?, &scales.get(e)?)
+                    .map_err(|err| Error::Model(format!("{place}: {err}")))?;
+                return frozen_weight(dense, &name, quant);
+            }
+            ExpertStack::Dense(t) => {
+                let dense = t.get(e)?.t()?.contiguous()?.to_dtype(DType::F32)?;
+                return frozen_weight(dense, &name, quant);
+            }
+            ExpertStack::Mxfp4InFile {
+                blocks,
+                scales,
+                rows,
+                cols,
+            } => {
+                let piece = Piece::Mxfp4 {
+                    blocks: blocks.clone(),
+                    scales: scales.clone(),
+                    expert: e,
+                    rows: *rows,
+                    cols: *cols,
+                };
+                (piece, *rows, *cols)
+            }
+            ExpertStack::TransposedInFile { tensor, rows, cols } => {
+                let piece = Piece::Transposed {
+                    tensor: tensor.clone(),
+                    expert: e,
+                    rows: *rows,
+                    cols: *cols,
+                };
+                (piece, *rows, *cols)
+            }
+        };
+        let weight = WeightInFile::plain(weights, name, [rows, cols], vec![piece], quant);
+        Ok(FrozenWeight::Deferred(Arc::new(weight)))
     }
 }
 
@@ -883,12 +1202,16 @@ fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
 fn check_finite_from(t: &Tensor, first: usize, name: &str, place: &str) -> Result<()> {
     match first_non_finite(t)? {
         None => Ok(()),
-        Some((at, value)) => Err(Error::Model(format!(
-            "tensor `{name}` in {place} holds {value} at element {}: the model's weights are damaged (or were \
-             saved from a diverged run); use an intact copy of the model",
-            first + at
-        ))),
+        Some((at, value)) => Err(non_finite_weight(name, first + at, value, place)),
     }
+}
+
+/// The error for tensor `name` of `place` whose element `element` is `value`, a NaN or an infinity.
+fn non_finite_weight(name: &str, element: usize, value: f32, place: &str) -> Error {
+    Error::Model(format!(
+        "tensor `{name}` in {place} holds {value} at element {element}: the model's weights are damaged (or were \
+         saved from a diverged run); use an intact copy of the model"
+    ))
 }
 
 impl Weights {
@@ -1053,7 +1376,9 @@ fn build_model(weights: &Arc<Weights>, cfg: ModelConfig, opts: &LoadOptions) -> 
                 // The router opens the experts, loaded together (see `sparse_linears`).
                 let moe = sparse.expect("only sparse layers have a router");
                 linears.extend(match moe.clamped_swiglu {
-                    Some(_) => gpt_oss_linears(weights, &p, moe, h, quant)?,
+                    Some(_) => {
+                        gpt_oss_linears(weights, &p, moe, h, quant, opts.defer_linear_weights)?
+                    }
                     None => {
                         let in_file = match opts.defer_linear_weights {
                             true => experts_in_file(weights, &p, moe, h, quant)?,

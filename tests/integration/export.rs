@@ -523,39 +523,52 @@ fn every_family_exported_with_its_adapter_merged_gives_the_adapted_logits() {
 
 /// A model whose linear weights stay in their files until written (`defer_linear_weights`, what `qlora export`
 /// loads) exports the same bytes as the model loaded at once: dense, and 4-bit as a QLoRA adapter's base (each
-/// weight read, quantized and dequantized at its turn), with an adapter merged in.
+/// weight read, quantized and dequantized at its turn), with an adapter merged in; a mixture of experts too (its
+/// experts left in their files), and a GGUF base (Qwen2-MoE, its experts stacked).
 #[test]
 fn a_model_left_in_its_files_exports_as_one_loaded_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let folder = data_path("models/tiny-llama");
-    for (i, quantization) in [None, Some(QuantConfig::nf4())].into_iter().enumerate() {
-        let mut files = Vec::new();
-        for defer_linear_weights in [false, true] {
-            let opts = LoadOptions {
-                quantization,
-                defer_linear_weights,
-                ..Default::default()
-            };
-            let mut model = load_model(folder.to_str().unwrap(), None, &opts)
-                .unwrap()
-                .model;
-            let deferred = model
-                .linears()
-                .iter()
-                .filter(|(_, l)| matches!(l.base.weight, FrozenWeight::Deferred(_)))
-                .count();
-            assert_eq!(deferred > 0, defer_linear_weights);
-            candle_qlora::adapter::load_adapter(
-                &mut model,
-                &data_path("peft/lora_all_linear"),
-                "default",
-            )
-            .unwrap();
-            let out = dir.path().join(format!("{i}-{defer_linear_weights}.gguf"));
-            gguf(&model, &folder, &out, &options(GgmlType::F32)).unwrap();
-            files.push(std::fs::read(&out).unwrap());
+    // Each model, and the adapter merged into it.
+    let models = [
+        ("models/tiny-llama", Some("peft/lora_all_linear")),
+        ("models/tiny-mixtral", None),
+        ("models/tiny-qwen2-moe/model.gguf", None),
+    ];
+    for (m, (source, adapter)) in models.into_iter().enumerate() {
+        let source = data_path(source);
+        for (i, quantization) in [None, Some(QuantConfig::nf4())].into_iter().enumerate() {
+            let mut files = Vec::new();
+            for defer_linear_weights in [false, true] {
+                let opts = LoadOptions {
+                    quantization,
+                    defer_linear_weights,
+                    ..Default::default()
+                };
+                let mut model = load_model(source.to_str().unwrap(), None, &opts)
+                    .unwrap()
+                    .model;
+                let deferred = model
+                    .linears()
+                    .iter()
+                    .filter(|(_, l)| matches!(l.base.weight, FrozenWeight::Deferred(_)))
+                    .count();
+                assert_eq!(deferred > 0, defer_linear_weights);
+                if let Some(adapter) = adapter {
+                    candle_qlora::adapter::load_adapter(&mut model, &data_path(adapter), "default")
+                        .unwrap();
+                }
+                let out = dir
+                    .path()
+                    .join(format!("{m}-{i}-{defer_linear_weights}.gguf"));
+                gguf(&model, &source, &out, &options(GgmlType::F32)).unwrap();
+                files.push(std::fs::read(&out).unwrap());
+            }
+            assert!(
+                files[0] == files[1],
+                "{}, {quantization:?}: the files differ",
+                source.display()
+            );
         }
-        assert!(files[0] == files[1], "{quantization:?}: the files differ");
     }
 }
 

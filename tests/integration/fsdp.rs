@@ -243,72 +243,101 @@ fn ranks_read_their_part_of_each_weight_and_compute_what_one_process_loads() {
     }
 }
 
-/// A bitsandbytes 4-bit folder (tiny-llama's linear weights in NF4 as bitsandbytes stores them) loaded with its
-/// weights left in their files: the model says its base is 4-bit as the one loaded at once does; each of 2 and 3
-/// ranks reads its blocks of every weight as stored (about 1/N of the codes and scales), and the sharded model
-/// computes what the one loaded at once does, bit for bit.
+/// Bitsandbytes 4-bit folders (tiny-llama's and tiny-mixtral's linear weights in NF4 as bitsandbytes stores them,
+/// the router aside) loaded with their weights left in their files: the model says its base is 4-bit as the one
+/// loaded at once does; each of 2 and 3 ranks reads its blocks of every weight as stored (about 1/N of the codes
+/// and scales) — of an expert's gate and up projections too, dequantized and quantized again as one, as loading at
+/// once does — and the sharded model computes what the one loaded at once does, bit for bit.
 #[test]
 fn ranks_read_their_blocks_of_a_bitsandbytes_folder_as_stored() {
     use candle_qlora::adapter::base_quantization;
     use candle_qlora::files::{write_safetensors, RawTensor};
     use candle_qlora::loading::bnb::bnb_entries;
     use candle_qlora::quant::Nf4Tensor;
-    let dir = tempfile::tempdir().unwrap();
-    let source = data_path("models/tiny-llama");
-    for file in ["config.json", "tokenizer.json"] {
-        std::fs::copy(source.join(file), dir.path().join(file)).unwrap();
-    }
-    let tensors =
-        candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
-    let mut entries = Vec::new();
-    for (name, t) in &tensors {
-        if name.contains("_proj.weight") {
-            let q = Nf4Tensor::quantize(t, &QuantConfig::nf4()).unwrap();
-            entries.extend(bnb_entries(name, &q));
-        } else {
-            entries.push((name.clone(), RawTensor::from_tensor(t).unwrap()));
+    for model in ["tiny-llama", "tiny-mixtral"] {
+        let dir = tempfile::tempdir().unwrap();
+        let source = data_path(&format!("models/{model}"));
+        for file in ["config.json", "tokenizer.json"] {
+            std::fs::copy(source.join(file), dir.path().join(file)).unwrap();
         }
-    }
-    write_safetensors(&dir.path().join("model.safetensors"), entries, None).unwrap();
-    let folder = dir.path().to_str().unwrap();
-    let load = |defer: bool| {
-        let opts = LoadOptions {
-            defer_linear_weights: defer,
-            ..Default::default()
+        let tensors =
+            candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
+        let mut entries = Vec::new();
+        for (name, t) in &tensors {
+            let expert = [".w1.weight", ".w2.weight", ".w3.weight"]
+                .iter()
+                .any(|w| name.ends_with(w));
+            if name.contains("_proj.weight") || expert {
+                let q = Nf4Tensor::quantize(t, &QuantConfig::nf4()).unwrap();
+                entries.extend(bnb_entries(name, &q));
+            } else {
+                entries.push((name.clone(), RawTensor::from_tensor(t).unwrap()));
+            }
+        }
+        write_safetensors(&dir.path().join("model.safetensors"), entries, None).unwrap();
+        let folder = dir.path().to_str().unwrap();
+        let load = |defer: bool| {
+            let opts = LoadOptions {
+                defer_linear_weights: defer,
+                ..Default::default()
+            };
+            load_model(folder, None, &opts).unwrap().model
         };
-        load_model(folder, None, &opts).unwrap().model
-    };
-    let whole = load(false);
-    let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
-    let expected = loss_grad_and_logits(&whole, &ids);
-    let deferred = load(true);
-    assert_eq!(base_quantization(&deferred), base_quantization(&whole));
-    assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
-    let whole_linears = whole.linears().len();
-    for world in [2, 3] {
-        let results = on_ranks(&deferred, world, false, |model, sharding| {
-            (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
-        });
-        let stored = results[0].1 .1;
-        for (rank, (got, (read, whole))) in results.iter().enumerate() {
-            assert!(
-                got == &expected,
-                "rank {rank} of {world}: the model differs"
-            );
-            assert_eq!(*whole, stored, "rank {rank} of {world}");
-            // Codes and 8-bit scales of whole 64-element blocks: at most one block's 33 bytes a weight over 1/N.
-            let bound = stored / world as u64 + 33 * whole_linears as u64;
-            assert!(
-                *read > 0 && *read <= bound,
-                "rank {rank} of {world}: read {read} of {stored} bytes"
+        let whole = load(false);
+        let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
+        let expected = loss_grad_and_logits(&whole, &ids);
+        let deferred = load(true);
+        left_in_files(&deferred, model);
+        assert_eq!(base_quantization(&deferred), base_quantization(&whole));
+        assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
+        let whole_linears = whole.linears().len();
+        for world in [2, 3] {
+            let results = on_ranks(&deferred, world, false, |model, sharding| {
+                (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
+            });
+            let stored = results[0].1 .1;
+            for (rank, (got, (read, whole))) in results.iter().enumerate() {
+                assert!(
+                    got == &expected,
+                    "{model}, rank {rank} of {world}: the model differs"
+                );
+                assert_eq!(*whole, stored, "{model}, rank {rank} of {world}");
+                // Codes and 8-bit scales of whole 64-element blocks: at most one block's 33 bytes a weight over
+                // 1/N.
+                let bound = stored / world as u64 + 33 * whole_linears as u64;
+                assert!(
+                    *read > 0 && *read <= bound,
+                    "{model}, rank {rank} of {world}: read {read} of {stored} bytes"
+                );
+            }
+            let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
+            assert_eq!(
+                total, stored,
+                "{model}: rank parts of {world} add up to the whole, once"
             );
         }
-        let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
-        assert_eq!(
-            total, stored,
-            "rank parts of {world} add up to the whole, once"
-        );
     }
+}
+
+/// The weights of `model`'s linear layers, which are all left in their files (deferred), the routers (dense, small)
+/// aside; `spec` names the model in messages.
+fn left_in_files(
+    model: &LlamaModel,
+    spec: &str,
+) -> Vec<(
+    String,
+    Arc<dyn candle_qlora::ops::frozen_linear::DeferredWeight>,
+)> {
+    use candle_qlora::ops::FrozenWeight;
+    let mut out = Vec::new();
+    for (name, linear) in model.linears() {
+        let router = name.ends_with(".gate") || name.ends_with(".router");
+        match &linear.base.weight {
+            FrozenWeight::Deferred(weight) if !router => out.push((name, weight.clone())),
+            _ => assert!(router, "{spec}: `{name}` is read at load"),
+        }
+    }
+    out
 }
 
 /// GGUF file `source` written again as `out`: its tensors in the type `quantize` gives them (as stored for
@@ -350,10 +379,11 @@ fn rewritten_gguf(
 }
 
 /// Mixtures of experts and GGUF files loaded with their weights left in their files: each expert is too (a run of
-/// a stacked tensor's elements, or its gate projection's then its up projection's), and so is every GGUF weight,
-/// read in rows (a whole head of a q/k projection llama.cpp permuted). Over 2 and 3 ranks each rank reads its
-/// part — about 1/N of the bytes; the parts cover the whole — and the sharded model computes what the model loaded
-/// whole does, bit for bit: safetensors experts one a tensor (Mixtral) and stacked (Qwen3-MoE); GGUF files in
+/// a stacked tensor's elements, or its gate projection's then its up projection's; gpt-oss's in rows, of its
+/// transposed stack or of its MXFP4 codes), and so is every GGUF weight, read in rows (a whole head of a q/k
+/// projection llama.cpp permuted). Over 2 and 3 ranks each rank reads its part — about 1/N of the bytes; the
+/// parts cover the whole — and the sharded model computes what the model loaded whole does, bit for bit:
+/// safetensors experts one a tensor (Mixtral), stacked (Qwen3-MoE) and gpt-oss's (dense and MXFP4); GGUF files in
 /// float32 (Qwen2-MoE: a shared expert, its gate a vector), in `q8_0` (Mixtral: its q/k permuted, stacked experts)
 /// and in k-quants (a Llama exported in `q4_k_m`: 256-element rows, 4 heads of 64 rows).
 #[test]
@@ -361,7 +391,6 @@ fn ranks_read_their_part_of_experts_and_of_gguf_files() {
     use candle_core::quantized::gguf_file::Value;
     use candle_core::quantized::GgmlDType;
     use candle_qlora::export::{gguf, GgufOptions};
-    use candle_qlora::ops::FrozenWeight;
     let dir = tempfile::tempdir().unwrap();
     // tiny-mixtral's GGUF with its layers' weights in q8_0.
     let mixtral_q8 = dir.path().join("mixtral-q8_0.gguf");
@@ -399,17 +428,19 @@ fn ranks_read_their_part_of_experts_and_of_gguf_files() {
         &[("llama.vocab_size", Value::U32(128))],
     );
     let ids = Tensor::new(&[[3u32, 17, 5, 9, 30, 2, 11, 4]], &Device::Cpu).unwrap();
-    // Each model, and whether its q/k projections are read in whole heads (llama.cpp permuted them).
+    // Each model; whether its q/k projections are read in whole heads (llama.cpp permuted them); whether its
+    // weights are read as runs of elements (else rows: GGUF, gpt-oss's experts).
     let models = [
-        (data_path("models/tiny-mixtral"), false),
-        (data_path("models/tiny-qwen3-moe"), false),
-        (data_path("models/tiny-qwen2-moe/model.gguf"), false),
-        (mixtral_q8, true),
-        (kquant_gguf, true),
+        (data_path("models/tiny-mixtral"), false, true),
+        (data_path("models/tiny-qwen3-moe"), false, true),
+        (data_path("models/tiny-gpt-oss"), false, false),
+        (data_path("models/tiny-gpt-oss-mxfp4"), false, false),
+        (data_path("models/tiny-qwen2-moe/model.gguf"), false, false),
+        (mixtral_q8, true, false),
+        (kquant_gguf, true, false),
     ];
-    for (model, permuted) in models {
+    for (model, permuted, in_elements) in models {
         let spec = model.to_str().unwrap();
-        let is_gguf = spec.ends_with(".gguf");
         for quantization in [None, Some(QuantConfig::nf4())] {
             let load = |defer: bool| {
                 let opts = LoadOptions {
@@ -422,17 +453,10 @@ fn ranks_read_their_part_of_experts_and_of_gguf_files() {
             let whole = load(false);
             let expected = loss_grad_and_logits(&whole, &ids);
             let deferred = load(true);
-            // Every linear weight is left in its file, the routers (dense, small) aside. A rank's part of a weight
-            // is its share, and at each end the rest of a row (a 4-bit block of a safetensors row at most), or of
-            // a head: `slack` adds two of those a weight.
+            // A rank's part of a weight is its share, and at each end the rest of a row (a 4-bit block of a
+            // safetensors row at most), or of a head: `slack` adds two of those a weight.
             let mut slack = 0;
-            for (name, linear) in deferred.linears() {
-                let router = name.ends_with(".gate");
-                let FrozenWeight::Deferred(weight) = &linear.base.weight else {
-                    assert!(router, "{spec}: `{name}` is read at load");
-                    continue;
-                };
-                assert!(!router, "{spec}: `{name}`");
+            for (name, weight) in left_in_files(&deferred, spec) {
                 let (rows, cols) = weight.dims2();
                 let rows_read =
                     match permuted && name.contains("self_attn.") && !name.ends_with("o_proj") {
@@ -459,13 +483,55 @@ fn ranks_read_their_part_of_experts_and_of_gguf_files() {
                          {bound})"
                     );
                 }
-                // The parts cover the weights: once each, but for a GGUF row or head that two ranks read.
+                // The parts cover the weights: once each, but for a row or head that two ranks read.
                 let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
-                match is_gguf {
-                    true => assert!(total >= stored, "{spec}: read {total} of {stored} bytes"),
-                    false => assert_eq!(total, stored, "{spec}: the parts make the whole, once"),
+                match in_elements {
+                    true => assert_eq!(total, stored, "{spec}: the parts make the whole, once"),
+                    false => assert!(total >= stored, "{spec}: read {total} of {stored} bytes"),
                 }
             }
         }
     }
+}
+
+/// A NaN in a weight left in its file is refused when the weight is read, naming the tensor and the element as the
+/// file stores it: here element 100 of a gpt-oss expert stack `[experts, in, out]`, read as the transposed rows of
+/// expert 0.
+#[test]
+fn a_damaged_weight_left_in_its_file_is_named_when_read() {
+    use candle_qlora::ops::FrozenWeight;
+    let dir = tempfile::tempdir().unwrap();
+    let source = data_path("models/tiny-gpt-oss");
+    for file in ["config.json", "tokenizer.json"] {
+        std::fs::copy(source.join(file), dir.path().join(file)).unwrap();
+    }
+    let mut tensors =
+        candle_core::safetensors::load(source.join("model.safetensors"), &Device::Cpu).unwrap();
+    let name = "model.layers.0.mlp.experts.down_proj";
+    let stack = &tensors[name];
+    let mut values: Vec<f32> = stack.flatten_all().unwrap().to_vec1().unwrap();
+    values[100] = f32::NAN;
+    let damaged = Tensor::from_vec(values, stack.shape(), &Device::Cpu).unwrap();
+    tensors.insert(name.into(), damaged);
+    candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
+    let opts = LoadOptions {
+        defer_linear_weights: true,
+        ..Default::default()
+    };
+    let model = load_model(dir.path().to_str().unwrap(), None, &opts)
+        .unwrap()
+        .model;
+    let linears = model.linears();
+    let (_, expert) = linears
+        .iter()
+        .find(|(n, _)| n == "model.layers.0.mlp.experts.0.down_proj")
+        .unwrap();
+    let FrozenWeight::Deferred(weight) = &expert.base.weight else {
+        panic!("the expert is left in its file");
+    };
+    let err = weight.read().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("`{name}`")) && err.contains("holds NaN at element 100"),
+        "{err}"
+    );
 }
