@@ -1,7 +1,8 @@
 //! Reading and writing model files.
 //!
 //! - [`model`]: [`load_model`] — a model and its tokenizer from a folder, a `.gguf` file or a Hub id, quantized on
-//!   load; [`load_model_config`] reads only the configuration.
+//!   load; [`load_model_config`] reads only the configuration. `in_file`: linear weights left in their files, read
+//!   whole at use or in parts by a sharded load's ranks.
 //! - [`source`]: what a `--model` argument names; [`hub`]: Hub downloads and the offline cache.
 //! - [`safetensors`]: a model folder's (sharded) safetensors weights; [`gguf`]: GGUF weights and metadata;
 //!   [`read_names`]: which of their tensors a model has read.
@@ -10,6 +11,7 @@
 pub mod bnb;
 pub mod gguf;
 pub mod hub;
+mod in_file;
 pub mod model;
 pub mod read_names;
 pub mod safetensors;

@@ -7,10 +7,13 @@ use std::sync::Arc;
 
 use candle_core::safetensors::Load;
 use candle_core::{DType, Device, Tensor};
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
 
 use super::bnb::{read_bnb_frame, read_bnb_weight};
 use super::gguf::GgufFile;
 use super::hub::{hub_fetcher, hub_required, hub_snapshot, HUB_FILES};
+use super::in_file::{frozen_weight, Piece, StoredTensors, WeightInFile};
 use super::safetensors::ShardedSafetensors;
 use super::source::ModelSource;
 use crate::error::{Error, Result};
@@ -18,7 +21,7 @@ use crate::files::{first_non_finite, MappedSafetensors};
 use crate::lora::LoraLinear;
 use crate::models::config::validate::ConfigKeys;
 use crate::models::{LayerWeights, LlamaModel, ModelConfig, MoeConfig, TextTokenizer};
-use crate::ops::frozen_linear::{DeferredWeight, StoredBlocks};
+use crate::ops::frozen_linear::StoredBlocks;
 use crate::ops::rope::{LongRopeScaling, RopeScaling};
 use crate::ops::{FrozenLinear, FrozenWeight};
 use crate::precision::master_dtype;
@@ -46,292 +49,6 @@ impl Default for LoadOptions {
             compute_dtype: DType::F32,
             defer_linear_weights: false,
         }
-    }
-}
-
-/// A linear weight left in its file ([`LoadOptions::defer_linear_weights`]): a tensor of a safetensors folder or a
-/// GGUF file, or an expert's runs of stored elements.
-struct WeightInFile {
-    weights: Arc<Weights>,
-    /// The name the model gives it.
-    name: String,
-    shape: [usize; 2],
-    /// Its elements taken flat, in order: one whole tensor, an expert of a stacked one, or an expert's gate
-    /// projection then its up projection. Unused for a weight stored in 4 bits ([`WeightInFile::stored_4bit`]).
-    pieces: Vec<Piece>,
-    /// The 4-bit format it is quantized to when read (a bitsandbytes 4-bit weight's own).
-    quant: Option<QuantConfig>,
-    /// The bitsandbytes 4-bit tensor it is, read as stored.
-    stored_4bit: Option<String>,
-}
-
-/// Where a run of a [`WeightInFile`]'s elements (taken flat) lies in its file.
-enum Piece {
-    /// Elements `range` of plain tensor `tensor`, taken flat, as stored.
-    Elements { tensor: String, range: Range<usize> },
-    /// Expert `expert`'s `[rows, cols]` weight of a stack stored `[experts, cols, rows]` (transformers' gpt-oss
-    /// experts): the transpose of the expert's matrix, in float32 (as the model loaded whole holds it).
-    Transposed {
-        tensor: String,
-        expert: usize,
-        rows: usize,
-        cols: usize,
-    },
-    /// Elements `range` of bitsandbytes 4-bit tensor `tensor`, taken flat, dequantized to float32 (as the model
-    /// loaded whole reads a 4-bit tensor it quantizes again: Mixtral's gate and up projections, joined).
-    Dequantized { tensor: String, range: Range<usize> },
-    /// Expert `expert`'s `[rows, cols]` weight in MXFP4 (gpt-oss's checkpoints): its rows of `blocks`
-    /// (`[experts, rows, groups, 16]` bytes) and `scales` (`[experts, rows, groups]`), decoded to float32.
-    Mxfp4 {
-        blocks: String,
-        scales: String,
-        expert: usize,
-        rows: usize,
-        cols: usize,
-    },
-}
-
-impl Piece {
-    /// Elements `range` of plain tensor `tensor`.
-    fn elements(tensor: &str, range: Range<usize>) -> Self {
-        Piece::Elements {
-            tensor: tensor.to_string(),
-            range,
-        }
-    }
-
-    /// Its elements.
-    fn len(&self) -> usize {
-        match self {
-            Piece::Elements { range, .. } | Piece::Dequantized { range, .. } => range.len(),
-            Piece::Transposed { rows, cols, .. } | Piece::Mxfp4 { rows, cols, .. } => rows * cols,
-        }
-    }
-
-    /// Its rows holding elements `range` (of a piece read in rows), and their elements' offset.
-    fn rows_of(range: &Range<usize>, cols: usize) -> (Range<usize>, usize) {
-        let rows = range.start / cols..range.end.div_ceil(cols);
-        let first = rows.start * cols;
-        (rows, first)
-    }
-
-    /// Its elements `range` (1-D, on the host): as stored, or in float32 for a piece read in rows.
-    fn read(&self, weights: &Weights, range: Range<usize>) -> Result<Tensor> {
-        let (first, values) = match self {
-            Piece::Elements { tensor, range: at } => {
-                return weights.elements(tensor, at.start + range.start..at.start + range.end)
-            }
-            Piece::Dequantized { tensor, range: at } => {
-                return weights.bnb_values(tensor, at.start + range.start..at.start + range.end)
-            }
-            Piece::Transposed {
-                tensor,
-                expert,
-                rows,
-                cols,
-            } => {
-                // Row r of the weight is column r of the expert's stored matrix: a run of each stored row.
-                let (want, first) = Piece::rows_of(&range, *cols);
-                let stored_row = |c: usize| {
-                    let at = (expert * cols + c) * rows;
-                    at + want.start..at + want.end
-                };
-                let runs: Vec<Range<usize>> = (0..*cols).map(stored_row).collect();
-                let columns = weights.element_runs(tensor, &runs)?;
-                let values = columns
-                    .reshape((*cols, want.len()))?
-                    .t()?
-                    .contiguous()?
-                    .to_dtype(DType::F32)?;
-                (first, values)
-            }
-            Piece::Mxfp4 {
-                blocks,
-                scales,
-                expert,
-                rows,
-                cols,
-            } => {
-                let (want, first) = Piece::rows_of(&range, *cols);
-                let groups = cols / MXFP4_BLOCK;
-                let at = expert * rows + want.start;
-                let codes =
-                    weights.elements(blocks, at * groups * 16..(at + want.len()) * groups * 16)?;
-                let exponents =
-                    weights.elements(scales, at * groups..(at + want.len()) * groups)?;
-                let values = dequantize_mxfp4(
-                    &codes.reshape((want.len(), groups, MXFP4_BLOCK / 2))?,
-                    &exponents.reshape((want.len(), groups))?,
-                )
-                .map_err(|err| {
-                    Error::Model(format!("`{blocks}` in {}: {err}", weights.where_()))
-                })?;
-                (first, values)
-            }
-        };
-        Ok(values
-            .flatten_all()?
-            .narrow(0, range.start - first, range.len())?)
-    }
-
-    /// The bytes of its file [`Piece::read`] reads for its elements `range`.
-    fn bytes_in_file(&self, weights: &Weights, range: Range<usize>) -> Result<usize> {
-        Ok(match self {
-            Piece::Elements { tensor, range: at } => {
-                weights.bytes_in_file(tensor, at.start + range.start..at.start + range.end)?
-            }
-            Piece::Dequantized { tensor, range: at } => {
-                weights.bnb_bytes(tensor, at.start + range.start..at.start + range.end)?
-            }
-            Piece::Transposed { tensor, cols, .. } => {
-                let rows = Piece::rows_of(&range, *cols).0.len();
-                weights.bytes_in_file(tensor, 0..rows * cols)?
-            }
-            Piece::Mxfp4 { cols, .. } => {
-                let rows = Piece::rows_of(&range, *cols).0.len();
-                let groups = cols / MXFP4_BLOCK;
-                rows * groups * (MXFP4_BLOCK / 2 + 1)
-            }
-        })
-    }
-}
-
-impl WeightInFile {
-    /// Plain weight `name` made of `pieces` (see [`WeightInFile::pieces`]), quantized with `quant` when read.
-    fn plain(
-        weights: &Arc<Weights>,
-        name: String,
-        shape: [usize; 2],
-        pieces: Vec<Piece>,
-        quant: Option<&QuantConfig>,
-    ) -> Self {
-        WeightInFile {
-            weights: Arc::clone(weights),
-            name,
-            shape,
-            pieces,
-            quant: quant.copied(),
-            stored_4bit: None,
-        }
-    }
-
-    /// Weight `name` as bitsandbytes 4-bit tensor `tensor` stores it, in its format `config`.
-    fn stored_4bit(
-        weights: &Arc<Weights>,
-        name: String,
-        tensor: &str,
-        shape: [usize; 2],
-        config: QuantConfig,
-    ) -> Self {
-        WeightInFile {
-            weights: Arc::clone(weights),
-            name,
-            shape,
-            pieces: Vec::new(),
-            quant: Some(config),
-            stored_4bit: Some(tensor.to_string()),
-        }
-    }
-
-    /// The pieces that elements `range` of the weight lie in, each with its elements of them.
-    fn runs(&self, range: &Range<usize>) -> Vec<(&Piece, Range<usize>)> {
-        let mut at = 0;
-        let mut runs = Vec::new();
-        for piece in &self.pieces {
-            let (from, to) = (range.start.max(at), range.end.min(at + piece.len()));
-            if from < to {
-                runs.push((piece, from - at..to - at));
-            }
-            at += piece.len();
-        }
-        runs
-    }
-
-    /// Elements `range` of the plain weight (1-D, on the host).
-    fn elements(&self, range: Range<usize>) -> Result<Tensor> {
-        let mut parts = self
-            .runs(&range)
-            .into_iter()
-            .map(|(piece, elements)| piece.read(&self.weights, elements))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(match parts.len() {
-            // None: the first piece's, for its type.
-            0 => self.pieces[0].read(&self.weights, 0..0)?,
-            1 => parts.remove(0),
-            _ => Tensor::cat(&parts, 0)?,
-        })
-    }
-}
-
-impl std::fmt::Debug for WeightInFile {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "`{}` {:?} in {}",
-            self.name,
-            self.shape,
-            self.weights.where_()
-        )
-    }
-}
-
-impl DeferredWeight for WeightInFile {
-    fn dims2(&self) -> (usize, usize) {
-        (self.shape[0], self.shape[1])
-    }
-
-    fn read(&self) -> candle_core::Result<FrozenWeight> {
-        let read = || -> Result<FrozenWeight> {
-            match &self.stored_4bit {
-                Some(tensor) => {
-                    self.weights
-                        .stored_or_quantized(tensor, self.shape, self.quant.as_ref())
-                }
-                None => {
-                    let values = self.elements(0..self.shape[0] * self.shape[1])?;
-                    frozen_weight(
-                        values.reshape(self.dims2())?,
-                        &self.name,
-                        self.quant.as_ref(),
-                    )
-                }
-            }
-        };
-        read().map_err(candle_core::Error::wrap)
-    }
-
-    fn quantization(&self) -> Option<QuantConfig> {
-        self.quant
-    }
-
-    fn read_4bit_blocks(&self, blocks: Range<usize>) -> candle_core::Result<Option<StoredBlocks>> {
-        match &self.stored_4bit {
-            Some(tensor) => self
-                .weights
-                .bnb_blocks(tensor, blocks)
-                .map(Some)
-                .map_err(candle_core::Error::wrap),
-            None => Ok(None),
-        }
-    }
-
-    fn read_elements(&self, range: Range<usize>) -> candle_core::Result<Option<Tensor>> {
-        match self.stored_4bit {
-            Some(_) => Ok(None),
-            None => self
-                .elements(range)
-                .map(Some)
-                .map_err(candle_core::Error::wrap),
-        }
-    }
-
-    fn bytes_in_file(&self, range: Range<usize>) -> candle_core::Result<usize> {
-        let bytes = self
-            .runs(&range)
-            .into_iter()
-            .map(|(piece, elements)| piece.bytes_in_file(&self.weights, elements))
-            .sum::<Result<usize>>();
-        bytes.map_err(candle_core::Error::wrap)
     }
 }
 
@@ -445,7 +162,7 @@ impl Weights {
         }
     }
 
-    /// The shape of tensor `name` when it is stored as plain elements, which [`Weights::elements`] reads in parts:
+    /// The shape of tensor `name` when it is stored as plain elements, which [`StoredTensors::element_runs`] reads in parts:
     /// a safetensors tensor not in bitsandbytes 4 bits, or a GGUF tensor (dequantized as read). `None` when it is
     /// missing or stored in 4 bits.
     fn plain_shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
@@ -511,68 +228,11 @@ impl Weights {
         })
     }
 
-    /// Elements `range` of plain tensor `name` taken flat, as stored (1-D, on the host; a GGUF tensor dequantized
-    /// to float32): only the bytes of the file they lie in are read, and given back to the operating system after.
-    fn elements(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
-        self.element_runs(name, std::slice::from_ref(&range))
-    }
-
-    /// [`Weights::elements`] of several runs of tensor `name`, joined in order.
-    fn element_runs(&self, name: &str, runs: &[Range<usize>]) -> Result<Tensor> {
-        let part = match self {
-            Weights::Gguf(g) => {
-                let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
-                let parts = runs
-                    .iter()
-                    .map(|run| g.0.elements(name, run.clone(), heads, kv_heads))
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&parts, 0)?
-            }
-            Weights::Safetensors(_) => self.with_view(name, |file, view, dtype| {
-                let size = dtype.size_in_bytes();
-                let mut joined = Vec::with_capacity(runs.iter().map(|r| r.len() * size).sum());
-                for run in runs {
-                    let bytes = view
-                        .data()
-                        .get(run.start * size..run.end * size)
-                        .ok_or_else(|| {
-                            Error::invalid_file(
-                                file.path(),
-                                format!("`{name}` holds no elements {run:?}"),
-                            )
-                        })?;
-                    joined.extend_from_slice(bytes);
-                    file.release(bytes);
-                }
-                let count = joined.len() / size;
-                Ok(Tensor::from_raw_buffer(
-                    &joined,
-                    dtype,
-                    &[count],
-                    &Device::Cpu,
-                )?)
-            })?,
-        };
-        // A non-finite value is named by its element of the tensor.
-        if let Some((mut at, value)) = first_non_finite(&part)? {
-            let run = runs.iter().find(|run| {
-                let inside = at < run.len();
-                if !inside {
-                    at -= run.len();
-                }
-                inside
-            });
-            let element = run.map_or(at, |run| run.start + at);
-            return Err(non_finite_weight(name, element, value, &self.where_()));
-        }
-        Ok(part)
-    }
-
     /// `read` of safetensors tensor `name` (which is read in parts): its file, its view and its type.
     fn with_view<T>(
         &self,
         name: &str,
-        read: impl FnOnce(&MappedSafetensors, &safetensors::tensor::TensorView<'_>, DType) -> Result<T>,
+        read: impl FnOnce(&MappedSafetensors, &TensorView<'_>, DType) -> Result<T>,
     ) -> Result<T> {
         let file = self.file_read_in_parts(name)?;
         let st = file.tensors()?;
@@ -584,65 +244,13 @@ impl Weights {
         read(file, &view, dtype)
     }
 
-    /// The bytes of the file [`Weights::elements`] reads for elements `range` of plain tensor `name`.
-    fn bytes_in_file(&self, name: &str, range: Range<usize>) -> Result<usize> {
-        if let Weights::Gguf(g) = self {
-            let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
-            return g.0.bytes_of(name, range, heads, kv_heads);
-        }
-        self.with_view(name, |_, _, dtype| Ok(range.len() * dtype.size_in_bytes()))
-    }
-
-    /// Blocks `blocks` of bitsandbytes 4-bit weight `name` as stored, with what rebuilds the whole weight from
-    /// every block's ([`StoredBlocks`]): only their bytes of the file are read, besides the weight's small state.
-    fn bnb_blocks(&self, name: &str, blocks: Range<usize>) -> Result<StoredBlocks> {
-        let file = self.file_read_in_parts(name)?;
-        let st = file.tensors()?;
-        let frame = read_bnb_frame(&st, name, file.path())?;
-        let (packed, scales) = frame.read_blocks(&st, blocks)?;
-        let bytes = packed.len();
-        Ok(StoredBlocks {
-            packed: Tensor::from_vec(packed, bytes, &Device::Cpu)?,
-            scales,
-            rebuild: Box::new(move |packed, scales| {
-                frame
-                    .with_blocks(packed, scales)
-                    .map_err(candle_core::Error::wrap)
-            }),
-        })
-    }
-
-    /// Elements `range` of bitsandbytes 4-bit tensor `name` taken flat, dequantized to float32 (1-D, on the host):
-    /// only the blocks they lie in are read, besides the weight's small state.
-    fn bnb_values(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
-        if range.is_empty() {
-            return Ok(Tensor::zeros(0, DType::F32, &Device::Cpu)?);
-        }
-        let file = self.file_read_in_parts(name)?;
-        let st = file.tensors()?;
-        let frame = read_bnb_frame(&st, name, file.path())?;
-        let block = frame.config().blocksize;
-        let blocks = range.start / block..range.end.div_ceil(block);
-        let values = frame.dequantize_blocks(&st, blocks.clone())?;
-        Ok(values.narrow(0, range.start - blocks.start * block, range.len())?)
-    }
-
-    /// The bytes of the file [`Weights::bnb_values`] reads for elements `range` of bitsandbytes 4-bit tensor
-    /// `name`: its blocks' codes and scales.
-    fn bnb_bytes(&self, name: &str, range: Range<usize>) -> Result<usize> {
-        let file = self.file_read_in_parts(name)?;
-        let st = file.tensors()?;
-        let config = read_bnb_frame(&st, name, file.path())?.config();
-        let blocks = match range.is_empty() {
-            true => 0,
-            false => range.end.div_ceil(config.blocksize) - range.start / config.blocksize,
-        };
-        let scale = if config.double_quant { 1 } else { 4 };
-        Ok(blocks * (config.blocksize / 2 + scale))
-    }
-
-    /// A bitsandbytes 4-bit weight, if stored that way.
-    fn nf4(&self, name: &str) -> Result<Option<Nf4Tensor>> {
+    /// `read` of tensor `name` (its file, and that file parsed) when it is stored as bitsandbytes 4-bit, then
+    /// recorded as read with its companions; `None` unless it is stored so.
+    fn with_bnb<T>(
+        &self,
+        name: &str,
+        read: impl FnOnce(&MappedSafetensors, &SafeTensors<'_>) -> Result<T>,
+    ) -> Result<Option<T>> {
         let Weights::Safetensors(s) = self else {
             return Ok(None);
         };
@@ -654,8 +262,14 @@ impl Weights {
         if !is_bnb_4bit(&names, name) {
             return Ok(None);
         }
+        let out = read(file, &st)?;
         mark_read_with_companions(s, &names, name);
-        read_bnb_weight(&st, name, file.path()).map(Some)
+        Ok(Some(out))
+    }
+
+    /// A bitsandbytes 4-bit weight, if stored that way.
+    fn nf4(&self, name: &str) -> Result<Option<Nf4Tensor>> {
+        self.with_bnb(name, |file, st| read_bnb_weight(st, name, file.path()))
     }
 
     /// Tensor `name` when stored as bitsandbytes 4-bit, checked to have `shape`.
@@ -746,11 +360,11 @@ impl Weights {
         let weight = match weights.left_in_file(&name, &shape)? {
             Some(_) => {
                 let pieces = vec![Piece::elements(&name, 0..elements)];
-                WeightInFile::plain(weights, name, shape, pieces, quant)
+                WeightInFile::plain(weights.clone(), name, shape, pieces, quant)
             }
             None => match weights.bnb_state(&name, shape)? {
                 Some(config) => {
-                    WeightInFile::stored_4bit(weights, name.clone(), &name, shape, config)
+                    WeightInFile::stored_4bit(weights.clone(), name.clone(), &name, shape, config)
                 }
                 // Missing: the error of reading it.
                 None => return weights.linear(prefix, shape, bias, quant),
@@ -771,21 +385,122 @@ impl Weights {
     /// The quantization settings of bitsandbytes 4-bit weight `name`, checked to be of `shape`, recorded as read
     /// with its companions; `None` unless it is stored so. Only its state is read (not its codes).
     fn bnb_state(&self, name: &str, shape: [usize; 2]) -> Result<Option<QuantConfig>> {
-        let Weights::Safetensors(s) = self else {
-            return Ok(None);
+        self.with_bnb(name, |file, st| {
+            let frame = read_bnb_frame(st, name, file.path())?;
+            self.check_shape_of("4-bit tensor", name, frame.shape(), &shape)?;
+            Ok(frame.config())
+        })
+    }
+}
+
+/// A weight left in its file reads its tensors from the folder or file.
+impl StoredTensors for Weights {
+    fn place(&self) -> String {
+        self.where_()
+    }
+
+    fn element_runs(&self, name: &str, runs: &[Range<usize>]) -> Result<Tensor> {
+        let part = match self {
+            Weights::Gguf(g) => {
+                let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
+                let parts = runs
+                    .iter()
+                    .map(|run| g.0.elements(name, run.clone(), heads, kv_heads))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)?
+            }
+            Weights::Safetensors(_) => self.with_view(name, |file, view, dtype| {
+                let size = dtype.size_in_bytes();
+                let mut joined = Vec::with_capacity(runs.iter().map(|r| r.len() * size).sum());
+                for run in runs {
+                    let bytes = view
+                        .data()
+                        .get(run.start * size..run.end * size)
+                        .ok_or_else(|| {
+                            Error::invalid_file(
+                                file.path(),
+                                format!("`{name}` holds no elements {run:?}"),
+                            )
+                        })?;
+                    joined.extend_from_slice(bytes);
+                    file.release(bytes);
+                }
+                let count = joined.len() / size;
+                Ok(Tensor::from_raw_buffer(
+                    &joined,
+                    dtype,
+                    &[count],
+                    &Device::Cpu,
+                )?)
+            })?,
         };
-        let Some(file) = s.file_of(name) else {
-            return Ok(None);
-        };
-        let stored = file.tensors()?;
-        let names = stored.names();
-        if !is_bnb_4bit(&names, name) {
-            return Ok(None);
+        // A non-finite value is named by its element of the tensor.
+        if let Some((mut at, value)) = first_non_finite(&part)? {
+            let run = runs.iter().find(|run| {
+                let inside = at < run.len();
+                if !inside {
+                    at -= run.len();
+                }
+                inside
+            });
+            let element = run.map_or(at, |run| run.start + at);
+            return Err(non_finite_weight(name, element, value, &self.where_()));
         }
-        let frame = read_bnb_frame(&stored, name, file.path())?;
-        self.check_shape_of("4-bit tensor", name, frame.shape(), &shape)?;
-        mark_read_with_companions(s, &names, name);
-        Ok(Some(frame.config()))
+        Ok(part)
+    }
+
+    fn bytes_in_file(&self, name: &str, range: Range<usize>) -> Result<usize> {
+        if let Weights::Gguf(g) = self {
+            let (heads, kv_heads) = (g.1.num_attention_heads, g.1.num_key_value_heads);
+            return g.0.bytes_of(name, range, heads, kv_heads);
+        }
+        self.with_view(name, |_, _, dtype| Ok(range.len() * dtype.size_in_bytes()))
+    }
+
+    fn bnb_values(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        if range.is_empty() {
+            return Ok(Tensor::zeros(0, DType::F32, &Device::Cpu)?);
+        }
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let frame = read_bnb_frame(&st, name, file.path())?;
+        let block = frame.config().blocksize;
+        let blocks = range.start / block..range.end.div_ceil(block);
+        let values = frame.dequantize_blocks(&st, blocks.clone())?;
+        Ok(values.narrow(0, range.start - blocks.start * block, range.len())?)
+    }
+
+    fn bnb_bytes(&self, name: &str, range: Range<usize>) -> Result<usize> {
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let config = read_bnb_frame(&st, name, file.path())?.config();
+        let blocks = match range.is_empty() {
+            true => 0,
+            false => range.end.div_ceil(config.blocksize) - range.start / config.blocksize,
+        };
+        let scale = if config.double_quant { 1 } else { 4 };
+        Ok(blocks * (config.blocksize / 2 + scale))
+    }
+
+    fn stored_4bit_weight(&self, name: &str, shape: [usize; 2]) -> Result<FrozenWeight> {
+        self.stored_or_quantized(name, shape, None)
+    }
+
+    fn bnb_blocks(&self, name: &str, blocks: Range<usize>) -> Result<StoredBlocks> {
+        let file = self.file_read_in_parts(name)?;
+        let st = file.tensors()?;
+        let frame = read_bnb_frame(&st, name, file.path())?;
+        let (packed, scales) = frame.read_blocks(&st, blocks)?;
+        let bytes = packed.len();
+        Ok(StoredBlocks {
+            packed: Tensor::from_vec(packed, bytes, &Device::Cpu)?,
+            scales,
+            rebuild: Box::new(move |packed, scales| {
+                frame
+                    .with_blocks(packed, scales)
+                    .map_err(candle_core::Error::wrap)
+            }),
+        })
     }
 }
 
@@ -806,14 +521,6 @@ fn is_bnb_4bit(names: &[&str], name: &str) -> bool {
     names.iter().any(|k| {
         k.strip_prefix(name)
             .is_some_and(|rest| rest.starts_with(".quant_state."))
-    })
-}
-
-/// `dense` as the model holds it: quantized with `quant` (errors naming `name`), or as stored.
-fn frozen_weight(dense: Tensor, name: &str, quant: Option<&QuantConfig>) -> Result<FrozenWeight> {
-    Ok(match quant {
-        Some(cfg) => FrozenWeight::Nf4(Arc::new(Nf4Tensor::quantize_named(&dense, cfg, name)?)),
-        None => FrozenWeight::Dense(dense),
     })
 }
 
@@ -943,7 +650,7 @@ fn experts_in_file(
     for e in 0..experts {
         let ours = |projection: &str| format!("{p}.mlp.experts.{e}.{projection}.weight");
         let plain = |projection: &str, shape: [usize; 2], pieces: Vec<Piece>| {
-            WeightInFile::plain(weights, ours(projection), shape, pieces, quant)
+            WeightInFile::plain(weights.clone(), ours(projection), shape, pieces, quant)
         };
         made.push(match &stacked {
             Some((gate_up, down)) => (
@@ -990,7 +697,7 @@ fn experts_in_file(
                     });
                 }
                 let gate_up = WeightInFile::plain(
-                    weights,
+                    weights.clone(),
                     ours("gate_up_proj"),
                     gate_up_shape,
                     gate_up,
@@ -1005,7 +712,7 @@ fn experts_in_file(
                     ),
                     None => match weights.bnb_state(&down, down_shape)? {
                         Some(config) => WeightInFile::stored_4bit(
-                            weights,
+                            weights.clone(),
                             ours("down_proj"),
                             &down,
                             down_shape,
@@ -1187,7 +894,7 @@ impl ExpertStack {
                 (piece, *rows, *cols)
             }
         };
-        let weight = WeightInFile::plain(weights, name, [rows, cols], vec![piece], quant);
+        let weight = WeightInFile::plain(weights.clone(), name, [rows, cols], vec![piece], quant);
         Ok(FrozenWeight::Deferred(Arc::new(weight)))
     }
 }
@@ -1195,14 +902,9 @@ impl ExpertStack {
 /// An error naming tensor `name` of `place` when it holds a NaN or an infinity: training on it would give a NaN
 /// loss from the first step, before any update. Read in chunks, so the check needs no copy of a large tensor.
 fn check_finite(t: &Tensor, name: &str, place: &str) -> Result<()> {
-    check_finite_from(t, 0, name, place)
-}
-
-/// [`check_finite`] for elements `first..` of tensor `name`, `t` (the error counts from the tensor's start).
-fn check_finite_from(t: &Tensor, first: usize, name: &str, place: &str) -> Result<()> {
     match first_non_finite(t)? {
         None => Ok(()),
-        Some((at, value)) => Err(non_finite_weight(name, first + at, value, place)),
+        Some((at, value)) => Err(non_finite_weight(name, at, value, place)),
     }
 }
 

@@ -80,6 +80,45 @@ fn on_ranks<T: Send>(
     })
 }
 
+/// `deferred` (its weights left in their files) sharded over `world` ranks, each reading its part of every weight
+/// as it loads: every rank's model computes `expected` on `ids`, bit for bit; each reads something and at most
+/// `share_bound(stored)` bytes, `stored` being the bytes the weights take in the files (returned); the parts cover
+/// the weights, exactly once when `exactly_once`. `what` names the run in messages.
+fn assert_ranks_read_their_parts(
+    deferred: &LlamaModel,
+    world: usize,
+    ids: &Tensor,
+    expected: &(u32, Vec<u32>, Vec<u32>),
+    share_bound: impl Fn(u64) -> u64,
+    exactly_once: bool,
+    what: &str,
+) -> u64 {
+    let results = on_ranks(deferred, world, false, |model, sharding| {
+        (loss_grad_and_logits(&model, ids), sharding.bytes_read())
+    });
+    let stored = results[0].1 .1;
+    for (rank, (got, (read, whole))) in results.iter().enumerate() {
+        assert!(
+            got == expected,
+            "{what}, rank {rank} of {world}: the model differs from the one loaded whole"
+        );
+        assert_eq!(*whole, stored, "{what}, rank {rank} of {world}");
+        let bound = share_bound(stored);
+        assert!(
+            *read > 0 && *read <= bound,
+            "{what}, rank {rank} of {world}: read {read} of {stored} bytes (bound {bound})"
+        );
+    }
+    // The parts cover the weights: once each, but for the rows (or heads) that two ranks read of a file read in
+    // rows.
+    let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
+    match exactly_once {
+        true => assert_eq!(total, stored, "{what}: the parts make the whole, once"),
+        false => assert!(total >= stored, "{what}: read {total} of {stored} bytes"),
+    }
+    stored
+}
+
 /// A dense and a 4-bit Llama, a 4-bit mixture of experts and a 4-bit Gemma 2 (its head tied to the embeddings),
 /// sharded over 1, 2 and 3 ranks (and 2 with the shards offloaded to host memory) — the layers' linear weights, the
 /// embedding table and the head: every rank holds about 1/N of the linear weights, and its loss, input gradient
@@ -221,24 +260,14 @@ fn ranks_read_their_part_of_each_weight_and_compute_what_one_process_loads() {
         let block = quantization.map_or(1, |q| q.blocksize);
         let deferred = load_tiny("tiny-llama", quantization, true);
         for world in [2, 3] {
-            let results = on_ranks(&deferred, world, false, |model, sharding| {
-                (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
-            });
-            for (rank, (got, (read, stored))) in results.iter().enumerate() {
-                assert!(
-                    got == &expected,
-                    "{quantization:?}, rank {rank} of {world}: the model differs from the one loaded whole"
-                );
-                assert_eq!(*stored, 4 * elements as u64, "rank {rank} of {world}");
-                // A rank's part of a weight is its share rounded up to whole blocks.
-                let bound = (4 * elements / world + 4 * block * whole.linears().len()) as u64;
-                assert!(
-                    *read <= bound && *read > 0,
-                    "{quantization:?}, rank {rank} of {world}: read {read} of {stored} bytes (bound {bound})"
-                );
-            }
-            let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
-            assert_eq!(total, 4 * elements as u64, "the parts make the whole, once");
+            // A rank's part of a weight is its share rounded up to whole blocks.
+            let blocks = (4 * block * whole.linears().len()) as u64;
+            let what = format!("{quantization:?}");
+            let bound = |stored: u64| stored / world as u64 + blocks;
+            let stored = assert_ranks_read_their_parts(
+                &deferred, world, &ids, &expected, bound, true, &what,
+            );
+            assert_eq!(stored, 4 * elements as u64, "{what}");
         }
     }
 }
@@ -292,29 +321,9 @@ fn ranks_read_their_blocks_of_a_bitsandbytes_folder_as_stored() {
         assert_eq!(base_quantization(&whole), Some(QuantConfig::nf4()));
         let whole_linears = whole.linears().len();
         for world in [2, 3] {
-            let results = on_ranks(&deferred, world, false, |model, sharding| {
-                (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
-            });
-            let stored = results[0].1 .1;
-            for (rank, (got, (read, whole))) in results.iter().enumerate() {
-                assert!(
-                    got == &expected,
-                    "{model}, rank {rank} of {world}: the model differs"
-                );
-                assert_eq!(*whole, stored, "{model}, rank {rank} of {world}");
-                // Codes and 8-bit scales of whole 64-element blocks: at most one block's 33 bytes a weight over
-                // 1/N.
-                let bound = stored / world as u64 + 33 * whole_linears as u64;
-                assert!(
-                    *read > 0 && *read <= bound,
-                    "{model}, rank {rank} of {world}: read {read} of {stored} bytes"
-                );
-            }
-            let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
-            assert_eq!(
-                total, stored,
-                "{model}: rank parts of {world} add up to the whole, once"
-            );
+            // Codes and 8-bit scales of whole 64-element blocks: at most one block's 33 bytes a weight over 1/N.
+            let bound = |stored: u64| stored / world as u64 + 33 * whole_linears as u64;
+            assert_ranks_read_their_parts(&deferred, world, &ids, &expected, bound, true, model);
         }
     }
 }
@@ -465,30 +474,18 @@ fn ranks_read_their_part_of_experts_and_of_gguf_files() {
                     };
                 slack += 2 * weight.bytes_in_file(0..rows * cols).unwrap() * rows_read / rows;
             }
+            let what = format!("{spec} {quantization:?}");
             for world in [2, 3] {
-                let results = on_ranks(&deferred, world, false, |model, sharding| {
-                    (loss_grad_and_logits(&model, &ids), sharding.bytes_read())
-                });
-                let stored = results[0].1 .1;
-                for (rank, (got, (read, whole))) in results.iter().enumerate() {
-                    assert!(
-                        got == &expected,
-                        "{spec} {quantization:?}, rank {rank} of {world}: the model differs"
-                    );
-                    assert_eq!(*whole, stored);
-                    let bound = stored / world as u64 + slack as u64;
-                    assert!(
-                        *read > 0 && *read <= bound,
-                        "{spec} {quantization:?}, rank {rank} of {world}: read {read} of {stored} bytes (bound \
-                         {bound})"
-                    );
-                }
-                // The parts cover the weights: once each, but for a row or head that two ranks read.
-                let total: u64 = results.iter().map(|(_, (read, _))| read).sum();
-                match in_elements {
-                    true => assert_eq!(total, stored, "{spec}: the parts make the whole, once"),
-                    false => assert!(total >= stored, "{spec}: read {total} of {stored} bytes"),
-                }
+                let bound = |stored: u64| stored / world as u64 + slack as u64;
+                assert_ranks_read_their_parts(
+                    &deferred,
+                    world,
+                    &ids,
+                    &expected,
+                    bound,
+                    in_elements,
+                    &what,
+                );
             }
         }
     }
