@@ -157,14 +157,15 @@ impl Piece {
                 cols,
             } => {
                 let (want, first) = Piece::rows_of(&range, *cols);
-                let groups = cols / MXFP4_BLOCK;
+                let (groups, group_bytes) = (cols / MXFP4_BLOCK, MXFP4_BLOCK / 2);
                 let at = expert * rows + want.start;
+                let row_bytes = groups * group_bytes;
                 let codes = weights
-                    .element_runs_of(blocks, at * groups * 16..(at + want.len()) * groups * 16)?;
+                    .element_runs_of(blocks, at * row_bytes..(at + want.len()) * row_bytes)?;
                 let exponents =
                     weights.element_runs_of(scales, at * groups..(at + want.len()) * groups)?;
                 let values = dequantize_mxfp4(
-                    &codes.reshape((want.len(), groups, MXFP4_BLOCK / 2))?,
+                    &codes.reshape((want.len(), groups, group_bytes))?,
                     &exponents.reshape((want.len(), groups))?,
                 )
                 .map_err(|err| Error::Model(format!("`{blocks}` in {}: {err}", weights.place())))?;
