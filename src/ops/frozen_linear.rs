@@ -116,7 +116,7 @@ pub trait DeferredWeight: Send + Sync + std::fmt::Debug {
 pub struct StoredBlocks {
     /// Their packed codes, two a byte (u8, 1-D, on any device).
     pub packed: Tensor,
-    /// Their scales as stored, 1-D on the host: 8-bit codes (double quantization) or float32 absmax.
+    /// Their scales as stored, 1-D on any device: 8-bit codes (double quantization) or float32 absmax.
     pub scales: Tensor,
     /// The whole weight from every block's packed codes and scales, each joined in order.
     pub rebuild: Box<dyn FnOnce(Vec<u8>, Tensor) -> Result<Nf4Tensor> + Send>,

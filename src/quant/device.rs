@@ -5,6 +5,9 @@
 //! absmax first rebuilt as `map[c8] · absmax₂ + offset`), then rounded to the compute dtype. Each step is one
 //! float32 multiply or add, so the result is bit-identical to [`Nf4Tensor::dequantize`] on any device (the tensor-op
 //! form is tested on the CPU, where both run; the kernel in the `cuda` tests).
+//!
+//! [`quantize_blocks_on`] goes the other way on a device: a run of blocks quantized by one kernel with the CPU
+//! kernel's arithmetic (what a rank of a sharded load does with its part of a weight).
 
 use candle_core::{DType, Device, Tensor};
 
