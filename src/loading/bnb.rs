@@ -369,8 +369,7 @@ impl BnbFrame {
             Some((absmax, map, offset, nested)) => {
                 let codes = scales.to_vec1::<u8>()?;
                 let scale = |(i, c): (usize, &u8)| {
-                    let scaled = map[*c as usize] * absmax[(blocks.start + i) / nested];
-                    scaled + offset
+                    NestedAbsmax::block_scale(map, *c, absmax[(blocks.start + i) / nested], *offset)
                 };
                 codes.iter().enumerate().map(scale).collect()
             }

@@ -20,6 +20,8 @@ pub struct GgufFile {
     path: PathBuf,
     content: gguf_file::Content,
     file: Mutex<std::fs::File>,
+    /// The file's size in bytes, which a tensor's rows must lie within.
+    size: u64,
     /// `general.architecture` (empty when missing).
     arch: String,
     /// The llama.cpp names of the tensors read so far, so what a model leaves unread can be reported.
@@ -90,6 +92,10 @@ impl GgufFile {
         }))
         .map_err(|_| Error::invalid_file(path, "not a readable GGUF file: its header is corrupt"))?
         .map_err(|e| Error::invalid_file(path, format!("not a readable GGUF file: {e}")))?;
+        let size = file
+            .metadata()
+            .map_err(|e| Error::io("cannot read the size of", path, e))?
+            .len();
         let arch = content
             .metadata
             .get("general.architecture")
@@ -100,6 +106,7 @@ impl GgufFile {
             path: path.to_path_buf(),
             content,
             file: Mutex::new(file),
+            size,
             arch,
             read: ReadNames::default(),
         })
@@ -441,20 +448,17 @@ impl GgufFile {
                 format!("cannot read tensor `{name}`: {why} (file truncated?)"),
             )
         };
+        if start.saturating_add(bytes as u64) > self.size {
+            return Err(unreadable(format!(
+                "it needs {bytes} bytes at offset {start}, only {} remain in the file",
+                self.size.saturating_sub(start)
+            )));
+        }
         let raw = {
             let mut file = self
                 .file
                 .lock()
                 .map_err(|_| Error::invalid_file(&self.path, "file handle poisoned"))?;
-            let size = file
-                .seek(SeekFrom::End(0))
-                .map_err(|e| unreadable(e.to_string()))?;
-            if start.saturating_add(bytes as u64) > size {
-                return Err(unreadable(format!(
-                    "it needs {bytes} bytes at offset {start}, only {} remain in the file",
-                    size.saturating_sub(start)
-                )));
-            }
             let mut raw = vec![0u8; bytes];
             file.seek(SeekFrom::Start(start))
                 .and_then(|_| file.read_exact(&mut raw))

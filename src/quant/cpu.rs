@@ -260,6 +260,13 @@ pub(crate) fn quantize_nested(absmax: &[f32], kernels: BnbKernels) -> NestedAbsm
 }
 
 impl NestedAbsmax {
+    /// A block's absmax from its 8-bit code under `map`, its group's nested absmax and the offset: `map[code] ·
+    /// nested_absmax + offset`, rounded after each step as bitsandbytes.
+    pub fn block_scale(map: &[f32], code: u8, nested_absmax: f32, offset: f32) -> f32 {
+        let scaled = map[code as usize] * nested_absmax;
+        scaled + offset
+    }
+
     /// The float32 block absmax values: `code[q] * nested_absmax + offset`, rounded after each step as bitsandbytes.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.codes.len()];
@@ -268,8 +275,7 @@ impl NestedAbsmax {
             .zip(self.absmax.par_iter())
             .for_each(|((o, q), scale)| {
                 for (v, c) in o.iter_mut().zip(q) {
-                    let scaled = self.code[*c as usize] * scale;
-                    *v = scaled + self.offset;
+                    *v = NestedAbsmax::block_scale(&self.code, *c, *scale, self.offset);
                 }
             });
         out
